@@ -1,0 +1,5 @@
+import sys
+
+from ft.cli import main
+
+sys.exit(main())
