@@ -1,0 +1,152 @@
+"""Protocol-neutral events of one generation, and their collected (non-streaming) form.
+
+The parser turns generated text into these; each protocol encoder turns them into its
+SSE events or its JSON body. Order on the wire of one generation::
+
+    Usage? (prompt side, optional but lets message_start carry input usage)
+    (ReasoningDelta | TextDelta | ToolCallStart ToolCallArgsDelta* ToolCallEnd)*
+    Finish, Usage (either order)  |  ErrorEvent
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Literal
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "tool_calls", "cancelled"]
+
+
+class ReasoningDelta(msgspec.Struct, frozen=True, tag=True):
+    """A piece of the model's reasoning (the text inside <think>...</think>)."""
+
+    text: str
+
+
+class TextDelta(msgspec.Struct, frozen=True, tag=True):
+    """A piece of the visible answer text."""
+
+    text: str
+
+
+class ToolCallStart(msgspec.Struct, frozen=True, tag=True):
+    """A tool call begins; `index` counts calls of this generation from 0."""
+
+    index: int
+    call_id: str
+    name: str
+    custom: bool = False
+
+
+class ToolCallArgsDelta(msgspec.Struct, frozen=True, tag=True):
+    """More argument text: JSON text of the arguments object (function tools, the
+    concatenation of all deltas is compact JSON of `ToolCallEnd.arguments`) or the raw
+    input text (custom tools)."""
+
+    index: int
+    text: str
+
+
+class ToolCallEnd(msgspec.Struct, frozen=True, tag=True):
+    """A tool call is complete: a dict for function tools, the raw input for custom."""
+
+    index: int
+    arguments: dict | str
+
+
+class Finish(msgspec.Struct, frozen=True, tag=True):
+    """Why the generation stopped."""
+
+    reason: FinishReason
+
+
+class Usage(msgspec.Struct, frozen=True, tag=True):
+    """Token counts. `input_tokens` is the whole prompt; `cached_tokens` of it were
+    restored from checkpoints, `prefill_tokens` were computed. The last Usage seen wins."""
+
+    input_tokens: int
+    cached_tokens: int = 0
+    prefill_tokens: int = 0
+    output_tokens: int = 0
+    reasoning_tokens: int = 0
+
+
+ErrorKind = Literal["context_length_exceeded", "overloaded", "invalid_request", "server_error"]
+
+
+class ErrorEvent(msgspec.Struct, frozen=True, tag=True):
+    """The generation failed after the response started."""
+
+    kind: ErrorKind
+    message: str
+
+
+Event = (
+    ReasoningDelta | TextDelta | ToolCallStart | ToolCallArgsDelta | ToolCallEnd | Finish | Usage | ErrorEvent
+)
+
+
+class ToolCall(msgspec.Struct):
+    call_id: str
+    name: str
+    custom: bool
+    arguments: dict | str
+    arguments_text: str = ""
+
+
+class Block(msgspec.Struct):
+    """One output block in order: reasoning text, answer text, or a tool call."""
+
+    kind: Literal["reasoning", "text", "tool_call"]
+    text: str = ""
+    tool_call: ToolCall | None = None
+
+
+class Collected(msgspec.Struct):
+    """Everything one generation produced, for non-streaming responses."""
+
+    blocks: list[Block] = msgspec.field(default_factory=list)
+    finish: FinishReason = "stop"
+    usage: Usage = msgspec.field(default_factory=lambda: Usage(0))
+    error: ErrorEvent | None = None
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(b.text for b in self.blocks if b.kind == "reasoning")
+
+    @property
+    def text(self) -> str:
+        return "".join(b.text for b in self.blocks if b.kind == "text")
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return [b.tool_call for b in self.blocks if b.tool_call is not None]
+
+
+def collect(events: Iterable[Event]) -> Collected:
+    """Fold an event stream into blocks; adjacent deltas of one kind merge."""
+    out = Collected()
+    calls: dict[int, ToolCall] = {}
+    for ev in events:
+        match ev:
+            case ReasoningDelta(text) | TextDelta(text):
+                kind = "reasoning" if isinstance(ev, ReasoningDelta) else "text"
+                if out.blocks and out.blocks[-1].kind == kind:
+                    out.blocks[-1].text += text
+                elif text:
+                    out.blocks.append(Block(kind, text))
+            case ToolCallStart(index, call_id, name, custom):
+                calls[index] = ToolCall(call_id, name, custom, "" if custom else {})
+                out.blocks.append(Block("tool_call", tool_call=calls[index]))
+            case ToolCallArgsDelta(index, text):
+                calls[index].arguments_text += text
+            case ToolCallEnd(index, arguments):
+                calls[index].arguments = arguments
+            case Finish(reason):
+                out.finish = reason
+            case Usage():
+                out.usage = ev
+            case ErrorEvent():
+                out.error = ev
+    return out

@@ -1,0 +1,249 @@
+"""Streaming parser for Qwen3.5/3.6 output: reasoning, text, qwen3_coder XML tool calls.
+
+The generated text (after the prompt's ``<|im_start|>assistant\\n<think>\\n``) looks like::
+
+    REASONING\\n</think>\\n\\nTEXT\\n\\n<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE
+    \\n</parameter>\\n</function>\\n</tool_call>\\n<tool_call>...
+
+Text may arrive split anywhere (even inside a tag). The parser holds back only what could
+still be the start of a tag or of whitespace the template strips, so its events do not
+depend on where the text was split. Malformed markup never raises: it becomes text (or
+ends the tool call it appeared in).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Collection, Mapping
+
+from gateway.events import Event, ReasoningDelta, TextDelta
+from gateway.parsers.tool_call import ToolCallBuilder
+
+THINK_END = "</think>"
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+FUNC_OPEN, FUNC_CLOSE = "<function=", "</function>"
+PARAM_OPEN, PARAM_END = "<parameter=", "\n</parameter>"
+PARAM_CLOSE = "</parameter>"
+MAX_NAME = 256
+
+
+def new_call_id(prefix: str = "call_") -> str:
+    """A fresh tool-call id: ``call_...`` for OpenAI, pass ``toolu_`` for Anthropic."""
+    return prefix + secrets.token_hex(12)
+
+
+def held(buf: str, token: str) -> int:
+    """Length of the longest proper prefix of `token` that `buf` ends with."""
+    for k in range(min(len(token) - 1, len(buf)), 0, -1):
+        if buf.endswith(token[:k]):
+            return k
+    return 0
+
+
+class QwenParser:
+    """Feed generated text with `feed`, then call `close` once; both return events.
+
+    `tools` maps function-tool names to their JSON-schema `parameters` (values are typed
+    with it); `custom_tools` names free-form tools, whose input is their first parameter's
+    raw text. `reasoning=False` when the prompt disabled thinking (no leading think)."""
+
+    def __init__(
+        self,
+        tools: Mapping[str, dict] | None = None,
+        *,
+        custom_tools: Collection[str] = (),
+        reasoning: bool = True,
+        call_id: Callable[[], str] = new_call_id,
+    ):
+        self._tools = dict(tools or {})
+        self._custom = set(custom_tools)
+        self._call_id = call_id
+        self._state = "reasoning_start" if reasoning else "text_start"
+        self._buf = ""
+        self._out: list[Event] = []
+        self._call: ToolCallBuilder | None = None
+        self._n_calls = 0
+
+    @property
+    def saw_tool_call(self) -> bool:
+        return self._n_calls > 0
+
+    def feed(self, text: str) -> list[Event]:
+        self._buf += text
+        while getattr(self, "_step_" + self._state)():
+            pass
+        out, self._out = self._out, []
+        return out
+
+    def close(self) -> list[Event]:
+        """End of generation: flush what was held back and close an open tool call."""
+        getattr(self, "_close_" + self._state, self._close_quiet)()
+        self._buf, self._state = "", "done"
+        out, self._out = self._out, []
+        return out
+
+    # -- reasoning and text -------------------------------------------------------------
+
+    def _step_reasoning_start(self) -> bool:
+        return self._skip_leading("\n", "reasoning")
+
+    def _step_text_start(self) -> bool:
+        return self._skip_leading(None, "text")
+
+    def _skip_leading(self, chars: str | None, next_state: str) -> bool:
+        self._buf = self._buf.lstrip(chars)
+        if not self._buf:
+            return False
+        self._state = next_state
+        return True
+
+    def _step_reasoning(self) -> bool:
+        return self._scan(THINK_END, ReasoningDelta, "\n", "text_start")
+
+    def _step_text(self) -> bool:
+        return self._scan(CALL_OPEN, TextDelta, None, "call_open")
+
+    def _scan(self, tag: str, kind: type, strip: str | None, next_state: str) -> bool:
+        """Emit text up to `tag` (then switch state), holding back a partial tag and the
+        trailing `strip` characters the template drops before it."""
+        i = self._buf.find(tag)
+        if i >= 0:
+            self._emit(kind, self._buf[:i].rstrip(strip))
+            self._buf, self._state = self._buf[i + len(tag) :], next_state
+            return True
+        safe = self._buf[: len(self._buf) - held(self._buf, tag)].rstrip(strip)
+        self._emit(kind, safe)
+        self._buf = self._buf[len(safe) :]
+        return False
+
+    def _emit(self, kind: type, text: str) -> None:
+        if text:
+            self._out.append(kind(text))
+
+    def _close_reasoning(self) -> None:
+        self._emit(ReasoningDelta, self._buf.rstrip("\n"))
+
+    def _close_text(self) -> None:
+        self._emit(TextDelta, self._buf.rstrip())
+
+    def _close_quiet(self) -> None:
+        pass
+
+    # -- tool calls ---------------------------------------------------------------------
+
+    def _step_call_open(self) -> bool:
+        name, rest = self._tag_name(FUNC_OPEN)
+        if name is None:
+            return False
+        if not name:
+            return self._to_text(CALL_OPEN + self._buf)
+        self._start_call(name)
+        self._buf, self._state = rest, "params"
+        return True
+
+    def _tag_name(self, opener: str, final: bool = False) -> tuple[str | None, str]:
+        """Parse ``WS <opener>NAME>`` plus one optional newline at the buffer start.
+        Returns (None, _) to wait for more text, ("", _) when malformed."""
+        s = self._buf.lstrip()
+        if not s.startswith(opener):
+            return ("" if final or not opener.startswith(s) else None), ""
+        j = s.find(">", len(opener))
+        name = s[len(opener) : j if j >= 0 else len(s)]
+        if any(c.isspace() or c == "<" for c in name) or len(name) > MAX_NAME:
+            return "", ""
+        if j < 0 or (j + 1 == len(s) and not final):
+            return ("" if final else None), ""
+        rest = s[j + 1 :]
+        return name, rest[1:] if rest.startswith("\n") else rest
+
+    def _start_call(self, name: str) -> None:
+        custom = name in self._custom
+        known = custom or name in self._tools
+        self._call = ToolCallBuilder(
+            self._n_calls, self._call_id(), name, self._tools.get(name), custom, known
+        )
+        self._n_calls += 1
+        self._out += self._call.open()
+
+    def _to_text(self, text: str) -> bool:
+        """Malformed markup: what was buffered is plain text after all."""
+        self._buf, self._state = text, "text"
+        if text.startswith(CALL_OPEN):
+            self._emit(TextDelta, CALL_OPEN)
+            self._buf = text[len(CALL_OPEN) :]
+        return True
+
+    def _step_params(self) -> bool:
+        s = self._buf.lstrip()
+        if s.startswith(FUNC_CLOSE):
+            self._end_call()
+            self._buf, self._state = s[len(FUNC_CLOSE) :], "call_close"
+            return True
+        if not s or FUNC_CLOSE.startswith(s):
+            return False
+        name, rest = self._tag_name(PARAM_OPEN)
+        if name is None:
+            return False
+        if not name:
+            self._end_call()
+            return self._to_text(s)
+        assert self._call is not None
+        self._out += self._call.begin_param(name)
+        self._buf, self._state = rest, "value"
+        return True
+
+    def _step_value(self) -> bool:
+        assert self._call is not None
+        i = self._buf.find(PARAM_CLOSE)
+        if i >= 0:
+            raw = self._buf[:i]
+            self._out += self._call.param_text(raw[:-1] if raw.endswith("\n") else raw)
+            self._out += self._call.end_param()
+            self._buf, self._state = self._buf[i + len(PARAM_CLOSE) :], "params"
+            return True
+        keep = len(self._buf) - held(self._buf, PARAM_END)
+        self._out += self._call.param_text(self._buf[:keep])
+        self._buf = self._buf[keep:]
+        return False
+
+    def _end_call(self) -> None:
+        assert self._call is not None
+        self._out += self._call.close()
+        self._call = None
+
+    def _step_call_close(self) -> bool:
+        return self._skip_tag(CALL_CLOSE, "between")
+
+    def _step_between(self) -> bool:
+        return self._skip_tag(CALL_OPEN, "call_open", otherwise="text")
+
+    def _skip_tag(self, tag: str, next_state: str, otherwise: str | None = None) -> bool:
+        """Skip whitespace and `tag`; on anything else go to `otherwise` (default: the
+        same next state, i.e. the tag was optional)."""
+        s = self._buf.lstrip()
+        if not s or (tag.startswith(s) and len(s) < len(tag)):
+            self._buf = s
+            return False
+        if s.startswith(tag):
+            self._buf, self._state = s[len(tag) :], next_state
+        else:
+            self._buf, self._state = s, otherwise or next_state
+        return True
+
+    def _close_call_open(self) -> None:
+        name, _ = self._tag_name(FUNC_OPEN, final=True)
+        if name:
+            self._start_call(name)
+            self._end_call()
+        else:
+            self._emit(TextDelta, (CALL_OPEN + self._buf).rstrip())
+
+    def _close_params(self) -> None:
+        self._end_call()
+
+    def _close_value(self) -> None:
+        assert self._call is not None
+        raw = self._buf[: len(self._buf) - held(self._buf, PARAM_END)]
+        self._out += self._call.param_text(raw)
+        self._out += self._call.end_param()
+        self._end_call()
