@@ -1,0 +1,21 @@
+"""The model runtime: hybrid MoE models with exact state capture and restore."""
+
+from engine.config import ConfigError, ModelConfig
+from engine.engine import Engine, PrefillResult, TokenEvent
+from engine.loader import CheckpointError
+from engine.sampling import SamplingParams
+from engine.snapshot import Snapshot, concat_chain
+from engine.state import SequenceState
+
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "Engine",
+    "ModelConfig",
+    "PrefillResult",
+    "SamplingParams",
+    "SequenceState",
+    "Snapshot",
+    "TokenEvent",
+    "concat_chain",
+]

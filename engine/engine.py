@@ -1,0 +1,177 @@
+"""The engine: load a model, prefill with captures, restore, snapshot, decode."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine import presets
+from engine.config import ModelConfig
+from engine.loader import build_model, fingerprint, load_folder
+from engine.model import HybridForCausalLM
+from engine.ops import Kernels, kernels_for
+from engine.sampling import Sampler, SamplingParams
+from engine.snapshot import Snapshot
+from engine.state import KVCache, SequenceState
+
+PREFILL_CHUNK = int(os.environ.get("FT_PREFILL_CHUNK", "4096"))
+
+
+@dataclass
+class PrefillResult:
+    logits: torch.Tensor  # [V] fp32 at the last position, or [T, V] with all_logits
+    snapshots: list[Snapshot]
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+    index: int  # 0-based position in the generation
+    finish_reason: str | None = None  # "stop" | "length" on the last token
+
+
+class Engine:
+    """One model on one device. Not thread-safe: the scheduler runs one call at a time."""
+
+    def __init__(self, model: HybridForCausalLM, fingerprint: str, model_dir: Path | None = None):
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.fingerprint = fingerprint
+        self.model_dir = model_dir
+        self.device = model.lm_head.weight.device
+        self.dtype = model.lm_head.weight.dtype
+        self.kernels: Kernels = kernels_for(self.device)
+
+    @classmethod
+    def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None) -> Engine:
+        model, fp = load_folder(model_dir, torch.device(device), dtype)
+        return cls(model, fp, Path(model_dir))
+
+    @classmethod
+    def from_preset(cls, name: str, device: str = "cpu", dtype: torch.dtype | None = None) -> Engine:
+        """Load preset `name`, writing it under FT_HOME first if needed; on a GPU the weights may be
+        built in device memory instead (`FT_MATERIALISE=1`, used for the 35B shape)."""
+        if os.environ.get("FT_MATERIALISE") == "1":
+            config, _, state_dict = presets.materialise(name, device, dtype)
+            model = build_model(config, state_dict)
+            return cls(model, fingerprint(config, state_dict))
+        return cls.load(ensure_preset(name), device, dtype)
+
+    @property
+    def max_context(self) -> int:
+        return self.config.max_position_embeddings
+
+    def new_state(self) -> SequenceState:
+        c = self.config
+        kv = {i: KVCache(c.num_key_value_heads, c.head_dim, self.dtype, self.device) for i in c.attention_layers}
+        return SequenceState(kv=kv)
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        state: SequenceState,
+        token_ids: Sequence[int],
+        capture_at: Sequence[int] = (),
+        state_at: set[int] | None = None,
+        kv_start: int | None = None,
+        all_logits: bool = False,
+    ) -> PrefillResult:
+        """Run `token_ids` after `state` (extended in place). For each absolute position p in
+        `capture_at` (state.length < p <= state.length + len(token_ids)) return a Snapshot with the
+        KV of [previous capture, p) (the first from `kv_start`, default state.length) and, if p is
+        in `state_at` (default: all), the exact DeltaNet states at p, all from this one pass."""
+        start = state.length
+        positions = sorted(set(capture_at))
+        if positions and not (start < positions[0] and positions[-1] <= start + len(token_ids)):
+            raise ValueError(f"capture positions {positions[0]}..{positions[-1]} outside ({start}, {start + len(token_ids)}]")
+        ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.device)
+        captured: dict[int, dict[str, torch.Tensor]] = {}
+        outputs = []
+        for lo in range(0, len(ids), PREFILL_CHUNK):
+            chunk = ids[lo : lo + PREFILL_CHUNK]
+            base = start + lo
+            offsets = [p - base for p in positions if base < p <= base + len(chunk)]
+            hidden, states = self.model(chunk, state, offsets, self.kernels)
+            captured.update({base + off: s for off, s in zip(offsets, states, strict=True)})
+            outputs.append(hidden if all_logits else hidden[-1:])
+        hidden = torch.cat(outputs) if all_logits else outputs[-1][-1]
+        snapshots = self._snapshots(state, positions, captured, start if kv_start is None else kv_start, state_at)
+        return PrefillResult(self.model.logits(hidden), snapshots)
+
+    def _snapshots(self, state, positions, captured, kv_start, state_at) -> list[Snapshot]:
+        snapshots, prev = [], kv_start
+        for p in positions:
+            tensors = self._kv_tensors(state, prev, p)
+            if state_at is None or p in state_at:
+                tensors.update(captured[p])
+            snapshots.append(Snapshot(prev, p, tensors))
+            prev = p
+        return snapshots
+
+    def _kv_tensors(self, state: SequenceState, start: int, end: int) -> dict[str, torch.Tensor]:
+        tensors = {}
+        for layer, cache in state.kv.items():
+            k, v = cache.slice(start, end)
+            tensors[f"kv.{layer}.k"], tensors[f"kv.{layer}.v"] = k.clone(), v.clone()
+        return tensors
+
+    def snapshot(self, state: SequenceState, start: int) -> Snapshot:
+        """KV of [start, state.length) and the current DeltaNet states."""
+        tensors = self._kv_tensors(state, start, state.length)
+        for layer in self.config.deltanet_layers:
+            tensors[f"conv.{layer}"] = state.conv[layer].clone()
+            tensors[f"rec.{layer}"] = state.rec[layer].clone()
+        return Snapshot(start, state.length, tensors)
+
+    def restore(self, snapshot: Snapshot) -> SequenceState:
+        """A state at `snapshot.end` from a chain snapshot starting at 0 (see concat_chain)."""
+        if snapshot.start != 0 or not snapshot.has_state:
+            raise ValueError("restore needs a chain from position 0 that ends with a state")
+        state = self.new_state()
+        t = snapshot.tensors
+        for layer, cache in state.kv.items():
+            cache.append(t[f"kv.{layer}.k"].to(self.device, self.dtype), t[f"kv.{layer}.v"].to(self.device, self.dtype))
+        for layer in self.config.deltanet_layers:
+            state.conv[layer] = t[f"conv.{layer}"].to(self.device, self.dtype)
+            state.rec[layer] = t[f"rec.{layer}"].to(self.device, torch.float32)
+        state.length = snapshot.end
+        return state
+
+    @torch.inference_mode()
+    def generate(
+        self, state: SequenceState, logits: torch.Tensor, params: SamplingParams, forced: Sequence[int] | None = None
+    ) -> Iterator[TokenEvent]:
+        """Decode from the logits of the last prefilled position. With `forced`, those tokens are
+        emitted (teacher forcing) while every step is computed exactly as in sampling. Every
+        yielded token but the last is fed into `state` before the next one is chosen."""
+        sampler = Sampler(params, self.device)
+        limit = len(forced) if forced is not None else params.max_tokens
+        for index in range(limit):
+            token = forced[index] if forced is not None else sampler(logits)
+            stop = forced is None and token in params.stop_token_ids
+            if stop or index + 1 == limit:
+                yield TokenEvent(token, index, "stop" if stop or forced is not None else "length")
+                return
+            yield TokenEvent(token, index)
+            hidden, _ = self.model(torch.tensor([token], device=self.device), state, [], self.kernels)
+            logits = self.model.logits(hidden[-1])
+
+    def feed(self, state: SequenceState, token_ids: Sequence[int]) -> torch.Tensor:
+        """Teacher-force `token_ids` one decode step at a time; returns the logits after each [T, V]."""
+        steps = []
+        for token in token_ids:
+            hidden, _ = self.model(torch.tensor([token], device=self.device), state, [], self.kernels)
+            steps.append(self.model.logits(hidden[-1]))
+        return torch.stack(steps)
+
+
+def ensure_preset(name: str) -> Path:
+    """The preset's folder under FT_HOME, written on first use (safe against concurrent writers)."""
+    folder = presets.default_model_dir(name)
+    if not (folder / "config.json").is_file():
+        presets.write_preset(name, folder)
+    return folder

@@ -1,0 +1,116 @@
+"""Load an HF model folder (config.json + safetensors, single file or sharded) into the model.
+
+On disk, experts are stored one tensor per expert (`mlp.experts.E.gate_proj.weight`, as HF
+writes them); in memory they are stacked (`mlp.experts.gate_up_proj` [E, 2I, H],
+`mlp.experts.down_proj` [E, H, I]). Multimodal checkpoints keep the text model under
+`model.language_model.`; vision and MTP weights are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+import xxhash
+from safetensors import safe_open
+
+from engine.config import ModelConfig
+from engine.model import HybridForCausalLM
+
+IGNORED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
+EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class CheckpointError(ValueError):
+    """The model folder's weights do not match its config."""
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({folder / name for name in weight_map.values()})
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    missing = [f.name for f in files if not f.is_file()]
+    if not files or missing:
+        raise CheckpointError(f"{folder}: no safetensors weights found" + (f" (missing {missing})" if missing else ""))
+    return files
+
+
+def read_state_dict(folder: Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    raw: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                name_out = name.replace("model.language_model.", "model.", 1)
+                if not name_out.startswith(IGNORED_PREFIXES):
+                    tensor = f.get_tensor(name)
+                    raw[name_out] = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+    return stack_experts(raw)
+
+
+def stack_experts(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert tensors -> stacked gate_up_proj [E, 2I, H] and down_proj [E, H, I]."""
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name, tensor in raw.items():
+        match = EXPERT_KEY.match(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        prefix, expert, proj = match.group(1), int(match.group(2)), match.group(3)
+        groups.setdefault(prefix, {}).setdefault(proj, {})[expert] = tensor
+    for prefix, projs in groups.items():
+        if set(projs) != {"gate_proj", "up_proj", "down_proj"} or len({len(p) for p in projs.values()}) != 1:
+            raise CheckpointError(f"{prefix}: incomplete expert tensors ({ {k: len(v) for k, v in projs.items()} })")
+        order = sorted(projs["gate_proj"])
+        if order != list(range(len(order))) or any(sorted(p) != order for p in projs.values()):
+            raise CheckpointError(f"{prefix}: expert indices are not 0..{len(order) - 1}")
+        gate_up = [torch.cat([projs["gate_proj"][e], projs["up_proj"][e]], dim=0) for e in order]
+        out[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
+        out[f"{prefix}.down_proj"] = torch.stack([projs["down_proj"][e] for e in order])
+    return out
+
+
+def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> HybridForCausalLM:
+    """Check names and shapes against the architecture, then adopt the tensors without copying."""
+    with torch.device("meta"):
+        model = HybridForCausalLM(config)
+    expected = {name: p.shape for name, p in model.state_dict().items()}
+    if config.tie_word_embeddings and "lm_head.weight" not in state_dict:
+        state_dict = {**state_dict, "lm_head.weight": state_dict.get("model.embed_tokens.weight")}
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(expected))
+    if missing:
+        raise CheckpointError(f"missing tensor(s): {', '.join(missing[:8])}" + (" …" if len(missing) > 8 else ""))
+    if unexpected:
+        raise CheckpointError(f"unexpected tensor(s): {', '.join(unexpected[:8])}" + (" …" if len(unexpected) > 8 else ""))
+    for name, shape in expected.items():
+        if tuple(state_dict[name].shape) != tuple(shape):
+            raise CheckpointError(f"{name}: shape {tuple(state_dict[name].shape)}, expected {tuple(shape)}")
+    model.load_state_dict(state_dict, assign=True, strict=True)
+    return model.eval().requires_grad_(False)
+
+
+def fingerprint(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> str:
+    """Stable id of config + weights: names, shapes, dtypes and the first bytes of every tensor."""
+    h = xxhash.xxh3_128(repr(config).encode())
+    for name in sorted(state_dict):
+        tensor = state_dict[name]
+        h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        head = tensor.detach().flatten()[:256].float().cpu()
+        h.update(head.numpy().tobytes())
+    return h.hexdigest()
+
+
+def load_folder(
+    folder: str | Path, device: torch.device, dtype: torch.dtype | None = None
+) -> tuple[HybridForCausalLM, str]:
+    folder = Path(folder)
+    config = ModelConfig.from_folder(folder)
+    state_dict = read_state_dict(folder, dtype)
+    model = build_model(config, state_dict)
+    return model.to(device), fingerprint(config, state_dict)

@@ -1,0 +1,36 @@
+"""Kernels by op. The model calls ops only through a `Kernels` bundle chosen by device, so a GPU
+path (fla-core Gated DeltaNet, flash attention, grouped MoE GEMMs) plugs in without touching
+the model code."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.ops import attention, conv, deltanet, moe
+
+
+@dataclass(frozen=True)
+class Kernels:
+    name: str
+    causal_attention: Callable = attention.causal_attention
+    causal_conv: Callable = conv.causal_conv
+    chunk_gated_delta_rule: Callable = deltanet.chunk_gated_delta_rule
+    recurrent_gated_delta_rule: Callable = deltanet.recurrent_gated_delta_rule
+    moe_experts: Callable = moe.experts_loop
+
+
+REFERENCE = Kernels(name="reference")
+
+
+def kernels_for(device: torch.device) -> Kernels:
+    """The fastest kernels available for `device`; the reference path everywhere else."""
+    if device.type == "cuda":
+        try:
+            from engine.ops import gpu  # noqa: PLC0415 (GPU-only imports: fla-core, triton)
+        except ImportError:
+            return REFERENCE
+        return gpu.KERNELS
+    return REFERENCE

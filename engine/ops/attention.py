@@ -1,0 +1,28 @@
+"""Causal attention with grouped KV heads over a cache (reference path: SDPA in query blocks)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+QUERY_BLOCK = 1024
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q: [T, Hq, D] for the last T positions of k, v: [S, Hkv, D] (S >= T). Returns [T, Hq, D]."""
+    num_q, num_heads, _ = q.shape
+    total, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    kh = k.transpose(0, 1).repeat_interleave(group, dim=0)  # [Hq, S, D]
+    vh = v.transpose(0, 1).repeat_interleave(group, dim=0)
+    qh = q.transpose(0, 1)  # [Hq, T, D]
+    offset = total - num_q
+    out = torch.empty_like(qh)
+    for lo in range(0, num_q, QUERY_BLOCK):
+        hi = min(lo + QUERY_BLOCK, num_q)
+        visible = offset + hi  # keys [0, offset + hi) can be seen by this block
+        q_pos = torch.arange(offset + lo, offset + hi, device=q.device)[:, None]
+        k_pos = torch.arange(visible, device=q.device)[None, :]
+        mask = k_pos <= q_pos  # [hi - lo, visible]
+        out[:, lo:hi] = F.scaled_dot_product_attention(qh[:, lo:hi], kh[:, :visible], vh[:, :visible], attn_mask=mask)
+    return out.transpose(0, 1)

@@ -1,0 +1,94 @@
+"""Gated delta rule (reference path): chunked scan for prefill, one recurrent step for decode.
+
+Shapes: q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; state [Hv, Dk, Dv] fp32.
+Each key head serves Hv / Hk consecutive value heads. q and k are L2-normalised here and q is
+scaled by Dk^-0.5, as fla's kernels do with `use_qk_l2norm_in_kernel=True`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64
+
+
+def _prepare(q, k, v, g, beta):
+    group = v.shape[1] // k.shape[1]
+    q = q.float().repeat_interleave(group, dim=1)
+    k = k.float().repeat_interleave(group, dim=1)
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    # -> [H, T, D] and [H, T]
+    return (x.transpose(0, 1).contiguous() for x in (q, k, v.float(), g.float(), beta.float()))
+
+
+def _chunk_scan(q, k, v, g, beta, state):
+    """One chunked scan over [H, T, *] inputs from `state`; returns out [H, T, Dv], final state."""
+    num_heads, length, _ = q.shape
+    pad = (CHUNK - length % CHUNK) % CHUNK
+    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
+    n = (length + pad) // CHUNK
+    v_beta = (v * beta[..., None]).view(num_heads, n, CHUNK, -1)
+    k_beta = (k * beta[..., None]).view(num_heads, n, CHUNK, -1)
+    q, k = q.view(num_heads, n, CHUNK, -1), k.view(num_heads, n, CHUNK, -1)
+    cum = g.view(num_heads, n, CHUNK).cumsum(-1)  # [H, N, C]
+    upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [H, N, C, C]
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    intra = (q @ k.transpose(-1, -2)) * decay
+    # unitriangular solve: the unit diagonal is implied, the (zero) upper triangle ignored
+    new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_cum = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    q = q * cum.exp()[..., None]
+    k = k * (cum[..., -1:] - cum).exp()[..., None]
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
+    out = torch.empty_like(new_v)
+    for i in range(n):
+        v_new = new_v[:, i] - k_cum[:, i] @ state
+        out[:, i] = q[:, i] @ state + intra[:, i] @ v_new
+        state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
+    return out.reshape(num_heads, n * CHUNK, -1)[:, :length], state
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    capture_at: list[int],
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Prefill scan. Returns out [T, Hv, Dv] (input dtype), the final state, and the exact state
+    after each offset in `capture_at` (the scan is split there, so no second pass is needed)."""
+    dtype = v.dtype
+    qh, kh, vh, gh, bh = _prepare(q, k, v, g, beta)
+    state = state.float()
+    outs, captured, lo = [], [], 0
+    for hi in [*capture_at, q.shape[0]]:
+        if hi > lo:
+            out, state = _chunk_scan(qh[:, lo:hi], kh[:, lo:hi], vh[:, lo:hi], gh[:, lo:hi], bh[:, lo:hi], state)
+            outs.append(out)
+        if hi in capture_at:
+            captured.append(state.clone())
+        lo = hi
+    return torch.cat(outs, dim=1).transpose(0, 1).to(dtype), state, captured
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token recurrence (decode). Returns out [T, Hv, Dv] and the final state."""
+    dtype = v.dtype
+    qh, kh, vh, gh, bh = _prepare(q, k, v, g, beta)
+    state = state.float()
+    outs = []
+    for t in range(qh.shape[1]):
+        state = state * gh[:, t].exp()[:, None, None]
+        memory = (state * kh[:, t, :, None]).sum(-2)  # [H, Dv]
+        delta = (vh[:, t] - memory) * bh[:, t, None]
+        state = state + kh[:, t, :, None] * delta[:, None, :]
+        outs.append((state * qh[:, t, :, None]).sum(-2))
+    return torch.stack(outs, dim=0).to(dtype), state

@@ -1,0 +1,40 @@
+"""Sparse MoE: softmax router, top-k (renormalised), experts; the shared expert lives in the layer."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [T, H]; router: [E, H]. Returns weights [T, k] (x's dtype) and expert ids [T, k]."""
+    probs = F.softmax(F.linear(x, router), dim=-1, dtype=torch.float)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalise:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(x.dtype), ids
+
+
+def experts_loop(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """Reference experts: tokens grouped by expert, one GEMM pair per hit expert.
+
+    x: [T, H]; weights, ids: [T, k]; gate_up: [E, 2I, H]; down: [E, H, I]. Returns [T, H].
+    """
+    out = torch.zeros_like(x)
+    flat_ids = ids.flatten()
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    token_of = order // ids.shape[1]  # [T*k] token index of each sorted assignment
+    weight_of = weights.flatten()[order]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        tokens = token_of[start : start + count]
+        gate, up = F.linear(x[tokens], gate_up[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[expert]) * weight_of[start : start + count, None]
+        out.index_add_(0, tokens, y.to(out.dtype))
+        start += count
+    return out

@@ -1,0 +1,46 @@
+"""Sampling parameters and the token sampler (greedy, temperature, top-k, top-p, seeded)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 256
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams, device: torch.device):
+        self.params = params
+        self.generator = None
+        if params.temperature > 0:
+            self.generator = torch.Generator(device=device)
+            if params.seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(params.seed)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """logits: [V] fp32 -> one token id."""
+        p = self.params
+        if p.temperature <= 0:
+            return int(torch.argmax(logits))
+        logits = logits / p.temperature
+        if p.top_k > 0:
+            kth = torch.topk(logits, min(p.top_k, logits.shape[-1])).values[-1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            drop = sorted_probs.cumsum(-1) - sorted_probs > p.top_p  # keep the smallest set reaching top_p
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        return int(torch.multinomial(probs, 1, generator=self.generator))

@@ -1,0 +1,59 @@
+"""Per-sequence state: KV per attention layer, conv + recurrent state per DeltaNet layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class KVCache:
+    """Keys and values of one attention layer, [length, Hkv, D] each, in a buffer that doubles."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.k = torch.empty(0, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.length = 0
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add [T, Hkv, D] keys/values; returns views of all keys/values so far."""
+        end = self.length + k.shape[0]
+        if end > self.k.shape[0]:
+            self._grow(max(end, 2 * self.k.shape[0], 256))
+        self.k[self.length : end] = k
+        self.v[self.length : end] = v
+        self.length = end
+        return self.k[:end], self.v[:end]
+
+    def slice(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[start:end], self.v[start:end]
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, length)
+
+    def _grow(self, capacity: int) -> None:
+        k = self.k.new_empty(capacity, *self.k.shape[1:])
+        v = self.v.new_empty(capacity, *self.v.shape[1:])
+        k[: self.length] = self.k[: self.length]
+        v[: self.length] = self.v[: self.length]
+        self.k, self.v = k, v
+
+
+@dataclass
+class SequenceState:
+    """Everything needed to continue a sequence after `length` tokens.
+
+    kv: layer -> KVCache; conv: layer -> [conv_dim, kernel-1] (model dtype);
+    rec: layer -> [Hv, Dk, Dv] (always fp32).
+    """
+
+    length: int = 0
+    kv: dict[int, KVCache] = field(default_factory=dict)
+    conv: dict[int, torch.Tensor] = field(default_factory=dict)
+    rec: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [*self.conv.values(), *self.rec.values()]
+        kv = sum(c.length * c.k[0].numel() * c.k.element_size() * 2 for c in self.kv.values())
+        return kv + sum(t.numel() * t.element_size() for t in tensors)
