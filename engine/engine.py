@@ -70,7 +70,7 @@ class Engine:
         kv = {i: KVCache(c.num_key_value_heads, c.head_dim, self.dtype, self.device) for i in c.attention_layers}
         return SequenceState(kv=kv)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def prefill(
         self,
         state: SequenceState,
@@ -141,7 +141,7 @@ class Engine:
         state.length = snapshot.end
         return state
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def generate(
         self, state: SequenceState, logits: torch.Tensor, params: SamplingParams, forced: Sequence[int] | None = None
     ) -> Iterator[TokenEvent]:
@@ -160,6 +160,7 @@ class Engine:
             hidden, _ = self.model(torch.tensor([token], device=self.device), state, [], self.kernels)
             logits = self.model.logits(hidden[-1])
 
+    @torch.no_grad()
     def feed(self, state: SequenceState, token_ids: Sequence[int]) -> torch.Tensor:
         """Teacher-force `token_ids` one decode step at a time; returns the logits after each [T, V]."""
         steps = []

