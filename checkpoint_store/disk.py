@@ -1,0 +1,261 @@
+"""The LMDB tier: record parts as frames in one LMDB environment with a size cap.
+
+Keys are ``anchor + b"k"`` (KV part) and ``anchor + b"s"`` (state part). Writes come only
+from the writer thread (``apply``), each batch in one transaction that LMDB fsyncs on
+commit (``sync=True``): a committed record survives kill -9. Reads run in any thread,
+each in its own read transaction over the memory map (``buffers=True``: no copy until
+the caller copies into its destination).
+
+The cap is LMDB's map size. Before a batch is written, records are evicted (``policy``)
+until the batch fits under ``capacity``; if LMDB still reports ``MapFullError`` (page
+overhead, fragmentation of free pages), one more victim goes and the write is retried;
+a part that cannot fit even in an empty map is dropped with a log line. Never a crash.
+
+On open, every frame header is checked (not the payloads: those are checked on every
+read); frames with a bad header, a wrong fingerprint, a wrong length, or a state part
+without its KV part are deleted and logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+from typing import NamedTuple
+
+import lmdb
+import torch
+
+from .index import TierIndex
+from .record import (
+    KV_PART,
+    STATE_PART,
+    CorruptRecord,
+    RecordHeader,
+    RecordMeta,
+    decode_frame,
+    decode_header,
+    encode_frame,
+)
+from .writer import DeleteOp, Op, PutOp
+
+log = logging.getLogger("checkpoint_store")
+
+SUFFIX = {KV_PART: b"k", STATE_PART: b"s"}
+PART_OF = {v[0]: k for k, v in SUFFIX.items()}
+CAPACITY_FRACTION = 0.85
+MAX_ANCHOR_BYTES = 500
+
+
+class Write(NamedTuple):
+    key: bytes
+    frame: bytes | None  # None: delete the key
+    clock: int
+
+
+class MissingRecord(Exception):
+    """The index named a part that the database no longer holds."""
+
+
+def key(anchor: bytes, part: str) -> bytes:
+    return anchor + SUFFIX[part]
+
+
+class DiskTier:
+    """Record parts in LMDB under ``path``; ``lock`` guards ``index`` (shared with the store)."""
+
+    def __init__(self, path: str | Path, map_bytes: int, fingerprint: str, lock: threading.RLock) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self.path = Path(path)
+        self.fingerprint = fingerprint
+        self.env = lmdb.open(
+            str(path), map_size=map_bytes, subdir=True, sync=True, metasync=True, max_readers=256
+        )
+        self.env.reader_check()  # clear reader slots left by a killed process
+        self.page_bytes = self.env.stat()["psize"]
+        self.capacity = int(map_bytes * CAPACITY_FRACTION)
+        self.lock = lock
+        self.index = TierIndex()
+        self.evictions = 0
+        self.states_dropped = 0
+        self.write_errors = 0
+        self.corrupt = 0
+        self._scan()
+
+    def close(self) -> None:
+        self.env.close()
+
+    def read_txn(self) -> lmdb.Transaction:
+        return self.env.begin(buffers=True)
+
+    def read(
+        self, txn: lmdb.Transaction, anchor: bytes, part: str
+    ) -> tuple[RecordHeader, dict[str, torch.Tensor]]:
+        """Check and view one part; raises ``MissingRecord`` or ``CorruptRecord``."""
+        value = txn.get(key(anchor, part))
+        if value is None:
+            raise MissingRecord(f"{anchor.hex()} {part} is gone")
+        return decode_frame(value, anchor, part, self.fingerprint)
+
+    def footprint(self, nbytes: int) -> int:
+        """Bytes a value of ``nbytes`` occupies in the map (overflow pages)."""
+        return -(-(nbytes + 16) // self.page_bytes) * self.page_bytes
+
+    # -- writer thread only -------------------------------------------------------------
+
+    def apply(self, ops: list[Op]) -> None:
+        """Apply a batch in one transaction; if the map is full, op by op with eviction."""
+        planned: dict[bytes, tuple[RecordMeta | None, bool]] = {}
+        writes = [w for op in ops for w in self._writes(op, planned)]
+        if not writes:
+            return
+        keep = tuple({op.meta.anchor for op in ops if isinstance(op, PutOp)})
+        self._evict_until(sum(self.footprint(len(w.frame)) for w in writes if w.frame), keep)
+        if self._commit(writes, keep, retry=len(ops) == 1):
+            return
+        for op in ops:
+            op_keep = (op.meta.anchor,) if isinstance(op, PutOp) else ()
+            self._commit(self._writes(op, {}), op_keep, retry=True)
+
+    def _writes(self, op: Op, planned: dict[bytes, tuple[RecordMeta | None, bool]]) -> list[Write]:
+        """What one operation writes (a frame) or deletes (None), skipping what is on disk.
+
+        ``planned`` holds (meta, has_state) of anchors that earlier operations of the same
+        batch write, so a batch reads as if applied one operation at a time.
+        """
+        if isinstance(op, DeleteOp):
+            parts = [op.part] if op.part else [KV_PART, STATE_PART]
+            meta = None if op.part in (None, KV_PART) else self._known(op.anchor, planned)[0]
+            planned[op.anchor] = (meta, False)
+            return [Write(key(op.anchor, p), None, 0) for p in parts]
+        anchor = op.meta.anchor
+        meta, has_state = self._known(anchor, planned)
+        same = meta == op.meta
+        writes = []
+        if not same:
+            writes.append(Write(key(anchor, KV_PART), self._frame(op, KV_PART), op.clock))
+        if op.state is not None and not (same and has_state):
+            writes.append(Write(key(anchor, STATE_PART), self._frame(op, STATE_PART), op.clock))
+        elif op.state is None and not same:
+            writes.append(Write(key(anchor, STATE_PART), None, op.clock))
+        planned[anchor] = (op.meta, op.state is not None or (same and has_state))
+        return writes
+
+    def _known(self, anchor: bytes, planned: dict) -> tuple[RecordMeta | None, bool]:
+        if anchor in planned:
+            return planned[anchor]
+        with self.lock:
+            return self.index.metas.get(anchor), self.index.has_state(anchor)
+
+    def _frame(self, op: PutOp, part: str) -> bytes:
+        packed = op.kv if part == KV_PART else op.state
+        assert packed is not None
+        return encode_frame(op.meta, part, packed, self.fingerprint)
+
+    def _commit(self, writes: list[Write], keep: tuple[bytes, ...], retry: bool) -> bool:
+        """One transaction for ``writes``; with ``retry``, evict and retry while the map is full."""
+        while writes:
+            try:
+                with self.env.begin(write=True) as txn:
+                    for w in writes:
+                        txn.put(w.key, w.frame) if w.frame is not None else txn.delete(w.key)
+            except lmdb.MapFullError:
+                if retry and self._evict_one(keep):
+                    continue
+                if retry:
+                    self.write_errors += 1
+                    log.warning("checkpoint store: %d parts do not fit in the map; dropped", len(writes))
+                return False
+            self._index_writes(writes)
+            return True
+        return True
+
+    def _index_writes(self, writes: list[Write]) -> None:
+        with self.lock:
+            for w in writes:
+                anchor, part = w.key[:-1], PART_OF[w.key[-1]]
+                if w.frame is None:
+                    self.forget(anchor, part)
+                    continue
+                header = decode_header(memoryview(w.frame), anchor, part, self.fingerprint)
+                self._index_part(header, self.footprint(len(w.frame)), w.clock)
+
+    def _index_part(self, header: RecordHeader, nbytes: int, clock: int) -> None:
+        if header.part == KV_PART:
+            self.index.add(header.meta, nbytes, 0, clock)
+        elif self.index.metas.get(header.anchor) == header.meta:
+            self.index.set_state(header.anchor, nbytes)
+            self.index.touch(header.anchor, clock)
+
+    def forget(self, anchor: bytes, part: str) -> None:
+        """Drop a part from the index (the caller holds ``lock``; the key is deleted elsewhere)."""
+        if part == KV_PART:
+            self.index.remove(anchor)
+        elif anchor in self.index:
+            self.index.set_state(anchor, 0)
+
+    def _evict_until(self, incoming: int, keep: tuple[bytes, ...]) -> None:
+        while True:
+            with self.lock:
+                if self.index.used_bytes + incoming <= self.capacity:
+                    return
+            if not self._evict_one(keep):
+                return
+
+    def _evict_one(self, keep: tuple[bytes, ...]) -> bool:
+        with self.lock:
+            victim = self.index.victim(keep)
+        if victim is None:
+            return False
+        anchor, part = victim
+        with self.env.begin(write=True) as txn:
+            txn.delete(key(anchor, part))
+        with self.lock:
+            self.forget(anchor, part)
+            self.evictions += part == KV_PART
+            self.states_dropped += part == STATE_PART
+        return True
+
+    # -- open ------------------------------------------------------------------------------
+
+    def _scan(self) -> None:
+        headers: dict[bytes, dict[str, tuple[RecordHeader, int]]] = {}
+        bad: list[tuple[bytes, str]] = []
+        with self.env.begin(buffers=True) as txn:
+            for k, v in txn.cursor():
+                k = bytes(k)
+                try:
+                    anchor, part = k[:-1], PART_OF.get(k[-1]) if k else None
+                    if part is None:
+                        raise CorruptRecord("unknown key")
+                    header = decode_header(v, anchor, part, self.fingerprint)
+                    headers.setdefault(anchor, {})[part] = (header, self.footprint(len(v)))
+                except CorruptRecord as e:
+                    bad.append((k, str(e)))
+        self._build_index(headers, bad)
+        self._delete_keys(bad)
+
+    def _build_index(self, headers: dict, bad: list[tuple[bytes, str]]) -> None:
+        order = sorted(headers, key=lambda a: min(h.created for h, _ in headers[a].values()))
+        for rank, anchor in enumerate(order):
+            parts = headers[anchor]
+            if KV_PART not in parts:
+                bad.append((key(anchor, STATE_PART), "state part without its KV part"))
+                continue
+            kv_header, kv_bytes = parts[KV_PART]
+            self.index.add(kv_header.meta, kv_bytes, 0, rank - len(order))
+            if STATE_PART in parts:
+                state_header, state_bytes = parts[STATE_PART]
+                if state_header.meta != kv_header.meta:
+                    bad.append((key(anchor, STATE_PART), "state part disagrees with its KV part"))
+                else:
+                    self.index.set_state(anchor, state_bytes)
+
+    def _delete_keys(self, bad: list[tuple[bytes, str]]) -> None:
+        if not bad:
+            return
+        with self.env.begin(write=True) as txn:
+            for k, why in bad:
+                log.warning("checkpoint store: deleting record %s: %s", k.hex(), why)
+                txn.delete(k)
+        self.corrupt += len(bad)

@@ -1,0 +1,97 @@
+"""Which bytes a full tier gives up first: the eviction policy shared by both tiers.
+
+A tier holds records, each a KV part (small, needed by every later record of its chain)
+and optionally a state part (about 61 MiB for the 35B-A3B shape, needed only to *end* a
+chain there). The policy keeps what restores best:
+
+1. **States go before KV.** A state part may be dropped from any record; the record's KV
+   stays, so chains through it still restore (at a later state).
+2. **KV goes leaf-first.** A record's KV is evicted only once it holds no state and no
+   record in the same tier names it as parent, so eviction never opens a hole inside a
+   chain the tier still holds.
+3. **Among candidates, the lowest score goes first**, where a score is the record's last
+   use on the tier's logical clock (one tick per put or restore) plus bonuses:
+   ``TIP_BONUS`` for the state of a chain tip (the next turn of a session resumes
+   there), and ``SHARE_BONUS * log2(children)`` for a record that two or more records
+   extend (a system prompt and tool schema shared by every session and sub-agent). A
+   restore touches every record of its chain, so recently used chains stay as a whole.
+
+The scan is linear in the number of records; tiers hold thousands, not millions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from .record import KV_PART, STATE_PART
+
+TIP_BONUS = 32
+SHARE_BONUS = 64
+
+
+@dataclass
+class Entry:
+    """What the policy knows of one record in one tier."""
+
+    parent: bytes | None
+    kv_bytes: int
+    state_bytes: int  # 0 when the tier holds no state for this record
+    last_used: int
+
+    @property
+    def has_state(self) -> bool:
+        return self.state_bytes > 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv_bytes + self.state_bytes
+
+
+def state_score(entry: Entry, num_children: int) -> float:
+    bonus = TIP_BONUS if num_children == 0 else 0
+    if num_children >= 2:
+        bonus += SHARE_BONUS * math.log2(num_children)
+    return entry.last_used + bonus
+
+
+def pick_victim(
+    entries: Mapping[bytes, Entry], children: Mapping[bytes, int], keep: Iterable[bytes] = ()
+) -> tuple[bytes, str] | None:
+    """The (anchor, part) to evict next, or None when nothing may go; ``keep`` is spared."""
+    spared = set(keep)
+    best: tuple[float, bytes, str] | None = None
+    for anchor, entry in entries.items():
+        if anchor in spared:
+            continue
+        num_children = children.get(anchor, 0)
+        if entry.has_state:
+            candidate = (state_score(entry, num_children), anchor, STATE_PART)
+        elif num_children == 0:
+            candidate = (float(entry.last_used), anchor, KV_PART)
+        else:
+            continue
+        if best is None or candidate[0] < best[0]:
+            best = candidate
+    return None if best is None else (best[1], best[2])
+
+
+class Children:
+    """Counts, per anchor, the records of one tier that name it as parent."""
+
+    def __init__(self) -> None:
+        self.counts: dict[bytes, int] = {}
+
+    def add(self, parent: bytes | None) -> None:
+        if parent is not None:
+            self.counts[parent] = self.counts.get(parent, 0) + 1
+
+    def remove(self, parent: bytes | None) -> None:
+        if parent is None:
+            return
+        left = self.counts.get(parent, 0) - 1
+        if left > 0:
+            self.counts[parent] = left
+        else:
+            self.counts.pop(parent, None)

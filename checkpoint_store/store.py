@@ -1,0 +1,351 @@
+"""The checkpoint store: records by anchor in a RAM tier over an optional LMDB tier.
+
+Acknowledgement: ``put`` returns once the record is visible to ``longest_restorable``
+and ``load_chain`` (held in RAM, or in the write queue if RAM cannot hold it) and queued
+for the disk. It is *durable* once the writer thread's LMDB transaction holding it has
+committed (fsynced); ``flush()`` blocks until everything put before it is durable. A
+durable record survives kill -9 and a restart.
+
+Correct or miss: a part that fails its checks, or a chain whose records disagree about
+parents or positions, is a miss; the offending record (or part) is deleted and logged on
+the ``checkpoint_store`` logger. ``load_chain`` never returns a chain with a hole.
+
+Thread safety: every method may be called from any thread; one lock guards the indexes,
+and is never held during disk I/O or large copies.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import lmdb
+import torch
+
+from engine.snapshot import Snapshot
+
+from .chain import Located, first_mismatch, follows, join
+from .config import StoreConfig
+from .disk import MAX_ANCHOR_BYTES, DiskTier, MissingRecord
+from .ram import RamTier
+from .record import KV_PART, STATE_PART, CorruptRecord, Packed, RecordMeta, pack, split_parts
+from .stats import Counters, StoreStats
+from .writer import DeleteOp, Op, PutOp, Writer
+
+log = logging.getLogger("checkpoint_store")
+
+
+class PartMiss(Exception):
+    """A part ``load_chain`` needed and could not use; ``kind`` is corrupt, missing or stale."""
+
+    def __init__(self, anchor: bytes, part: str, reason: str, kind: str) -> None:
+        super().__init__(reason)
+        self.anchor, self.part, self.reason, self.kind = anchor, part, reason, kind
+
+
+class CheckpointStore:
+    """Checkpoint records keyed by anchor; see the module docstring for guarantees."""
+
+    def __init__(self, config: StoreConfig) -> None:
+        self.config = config
+        self._lock = threading.RLock()
+        self._clock = 0
+        self._counters = Counters()
+        self._ram = RamTier(config.ram_bytes)
+        self._pending: dict[bytes, PutOp] = {}
+        self._disk: DiskTier | None = None
+        self._writer: Writer | None = None
+        if config.disk_dir is not None:
+            self._disk = DiskTier(config.disk_dir, config.disk_bytes, config.fingerprint, self._lock)
+            self._writer = Writer(self._apply, config.max_batch_bytes, config.max_queue_bytes)
+
+    def __enter__(self) -> CheckpointStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def put(self, anchor: bytes, parent: bytes | None, snapshot: Snapshot) -> None:
+        """Store ``snapshot`` (KV delta of ``[start, end)``, optional state at ``end``) at ``anchor``.
+
+        The tensors are copied; the caller may reuse them at once. Raises ``ValueError``
+        for a malformed snapshot (KV rows that do not match ``end - start``).
+        """
+        meta = RecordMeta(
+            bytes(anchor), None if parent is None else bytes(parent), snapshot.start, snapshot.end
+        )
+        _check_put(meta, snapshot)
+        parts = split_parts(snapshot.tensors)
+        if self._already_held(meta, STATE_PART in parts):
+            return
+        kv = pack(parts[KV_PART])
+        state = pack(parts[STATE_PART]) if STATE_PART in parts else None
+        with self._lock:
+            self._clock += 1
+            self._counters.puts += 1
+            self._ram.put(meta, kv, state, self._clock)
+            op = PutOp(meta, kv, state, self._clock) if self._writer is not None else None
+            if op is not None:
+                self._pending[meta.anchor] = op
+        if op is not None and self._writer is not None:
+            self._writer.submit(op)
+
+    def flush(self) -> None:
+        """Block until every record put so far is durable on disk (no-op without a disk tier)."""
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        """Flush, stop the writer and close the database."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._disk is not None:
+            self._disk.close()
+            self._disk = None
+
+    # -- matching --------------------------------------------------------------------------
+
+    def has_kv(self, anchor: bytes) -> bool:
+        with self._lock:
+            return self._locate(anchor) is not None
+
+    def longest_restorable(self, chain: list[bytes]) -> int:
+        """How many leading anchors of ``chain`` can be restored (0: none).
+
+        The last of them holds a state; every record before it holds its KV delta, starts
+        where its predecessor ends, and names it as parent; the first starts at 0.
+        """
+        with self._lock:
+            best, prev = 0, None
+            for i, anchor in enumerate(chain):
+                loc = self._locate(anchor)
+                if loc is None or not follows(loc.meta, prev):
+                    break
+                prev = loc.meta
+                best = i + 1 if loc.has_state else best
+            return best
+
+    def load_chain(self, chain: list[bytes]) -> Snapshot | None:
+        """KV of the whole chain concatenated and the last record's state, or None (a miss).
+
+        The result owns fresh memory (one copy of each byte restored).
+        """
+        plan = self._plan(chain)
+        if plan is None:
+            return None
+        try:
+            snapshot = self._materialize(plan)
+        except PartMiss as miss:
+            self._miss(miss)
+            return None
+        with self._lock:
+            self._counters.bytes_restored += snapshot.nbytes
+        return snapshot
+
+    def load_longest(self, chain: list[bytes]) -> tuple[int, Snapshot | None]:
+        """``longest_restorable`` then ``load_chain``, retrying shorter after a miss."""
+        for _ in range(len(chain) + 1):
+            n = self.longest_restorable(chain)
+            if n == 0:
+                return 0, None
+            snapshot = self.load_chain(chain[:n])
+            if snapshot is not None:
+                return n, snapshot
+        return 0, None
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            c, ram, disk, writer = self._counters, self._ram, self._disk, self._writer
+            return StoreStats(
+                puts=c.puts,
+                restores=c.restores,
+                restore_misses=c.restore_misses,
+                bytes_restored=c.bytes_restored,
+                ram_hits=c.ram_hits,
+                ram_misses=c.ram_misses,
+                disk_hits=c.disk_hits,
+                disk_misses=c.disk_misses,
+                ram_bytes=ram.used_bytes,
+                ram_records=len(ram.records),
+                ram_evictions=ram.evictions,
+                ram_states_dropped=ram.states_dropped,
+                disk_bytes=disk.index.used_bytes if disk else 0,
+                disk_records=len(disk.index) if disk else 0,
+                disk_evictions=disk.evictions if disk else 0,
+                disk_states_dropped=disk.states_dropped if disk else 0,
+                corrupt_records=c.corrupt + (disk.corrupt if disk else 0),
+                write_errors=disk.write_errors if disk else 0,
+                write_queue_depth=writer.depth if writer else 0,
+                write_queue_bytes=writer.queued_bytes if writer else 0,
+            )
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _already_held(self, meta: RecordMeta, with_state: bool) -> bool:
+        """True (and the record touched) if the store already holds this record in full."""
+        with self._lock:
+            ram = self._ram.get(meta.anchor)
+            if ram is None or ram.meta != meta or (with_state and ram.state is None):
+                return False
+            pending = self._pending.get(meta.anchor)
+            durable = self._disk is None or (
+                self._disk.index.metas.get(meta.anchor) == meta
+                and (self._disk.index.has_state(meta.anchor) or not with_state)
+            )
+            queued = (
+                pending is not None and pending.meta == meta and (pending.state is not None or not with_state)
+            )
+            if not (durable or queued):
+                return False
+            self._clock += 1
+            self._ram.touch(meta.anchor, self._clock)
+            return True
+
+    def _locate(self, anchor: bytes) -> Located | None:
+        """Where ``anchor``'s parts are, preferring RAM, then the write queue, then disk."""
+        ram, pending = self._ram.get(anchor), self._pending.get(anchor)
+        disk_meta = self._disk.index.metas.get(anchor) if self._disk else None
+        metas = [r.meta for r in (ram, pending) if r is not None] + [disk_meta]
+        meta = next((m for m in metas if m is not None), None)
+        if meta is None:
+            return None
+        held = [r for r in (ram, pending) if r is not None and r.meta == meta]
+        kv = held[0].kv if held else None
+        state = next((r.state for r in held if r.state is not None), None)
+        on_disk = disk_meta == meta
+        if kv is None and not on_disk:
+            return None
+        state_on_disk = on_disk and self._disk is not None and self._disk.index.has_state(anchor)
+        return Located(meta, kv, state, state_on_disk)
+
+    def _plan(self, chain: list[bytes]) -> list[Located] | None:
+        with self._lock:
+            self._clock += 1
+            self._counters.restores += 1
+            plan: list[Located] = []
+            for anchor in chain:
+                loc = self._locate(anchor)
+                prev = plan[-1].meta if plan else None
+                if loc is None or not follows(loc.meta, prev):
+                    self._broken(anchor, loc, prev)
+                    return None
+                plan.append(loc)
+            if not plan or not plan[-1].has_state:
+                self._counters.restore_misses += 1
+                return None
+            for loc in plan:
+                self._ram.touch(loc.meta.anchor, self._clock)
+                if self._disk is not None:
+                    self._disk.index.touch(loc.meta.anchor, self._clock)
+            return plan
+
+    def _broken(self, anchor: bytes, loc: Located | None, prev: RecordMeta | None) -> None:
+        """A chain that cannot be restored as asked; a record that contradicts its own parent goes."""
+        self._counters.restore_misses += 1
+        if loc is None:
+            self._counters.disk_misses += 1
+        elif prev is not None and loc.meta.parent == prev.anchor:
+            log.warning(
+                "checkpoint store: record %s starts at %d but its parent ends at %d; deleting it",
+                anchor.hex(),
+                loc.meta.start,
+                prev.end,
+            )
+            self._forget(anchor, KV_PART)
+        else:
+            log.info("checkpoint store: record %s does not follow the chain asked for", anchor.hex())
+
+    def _materialize(self, plan: list[Located]) -> Snapshot:
+        on_disk = self._disk is not None and any(loc.kv is None or loc.state is None for loc in plan)
+        txn = self._disk.read_txn() if on_disk and self._disk is not None else None
+        try:
+            last = len(plan) - 1
+            snapshots = [self._snapshot(loc, txn, i == last) for i, loc in enumerate(plan)]
+            bad = first_mismatch(snapshots)
+            if bad is not None:
+                raise PartMiss(
+                    plan[bad].meta.anchor, KV_PART, "KV tensors disagree with the chain", "corrupt"
+                )
+            return join(snapshots)
+        finally:
+            if txn is not None:
+                txn.abort()
+
+    def _snapshot(self, loc: Located, txn: lmdb.Transaction | None, with_state: bool) -> Snapshot:
+        tensors = self._part(loc, KV_PART, loc.kv, txn)
+        if with_state:
+            tensors.update(self._part(loc, STATE_PART, loc.state, txn))
+        return Snapshot(loc.meta.start, loc.meta.end, tensors)
+
+    def _part(
+        self, loc: Located, part: str, held: Packed | None, txn: lmdb.Transaction | None
+    ) -> dict[str, torch.Tensor]:
+        anchor = loc.meta.anchor
+        if held is not None:
+            self._count(ram_hits=1)
+            return held.views()
+        self._count(ram_misses=1)
+        if txn is None or self._disk is None:
+            raise PartMiss(anchor, part, "not held", "stale")
+        try:
+            header, views = self._disk.read(txn, anchor, part)
+        except CorruptRecord as e:
+            raise PartMiss(anchor, part, str(e), "corrupt") from e
+        except MissingRecord as e:
+            raise PartMiss(anchor, part, str(e), "missing") from e
+        if header.meta != loc.meta:
+            raise PartMiss(anchor, part, "replaced while reading", "stale")
+        self._count(disk_hits=1)
+        return views
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self._counters, name, getattr(self._counters, name) + delta)
+
+    def _miss(self, miss: PartMiss) -> None:
+        with self._lock:
+            self._counters.restore_misses += 1
+            self._counters.disk_misses += 1
+            if miss.kind == "corrupt":
+                self._counters.corrupt += 1
+                log.warning(
+                    "checkpoint store: %s part of %s is corrupt (%s); deleting it",
+                    miss.part,
+                    miss.anchor.hex(),
+                    miss.reason,
+                )
+                self._forget(miss.anchor, miss.part)
+            elif miss.kind == "missing" and self._disk is not None:
+                self._disk.forget(miss.anchor, miss.part)  # the index was stale; nothing to delete
+
+    def _forget(self, anchor: bytes, part: str) -> None:
+        """Delete a part (KV: the whole record) from every tier; the disk copy via the writer."""
+        if part == KV_PART:
+            self._ram.remove(anchor)
+            self._pending.pop(anchor, None)
+        if self._disk is not None and self._writer is not None:
+            self._disk.forget(anchor, part)
+            self._writer.submit(DeleteOp(anchor, None if part == KV_PART else part, "corrupt"))
+
+    def _apply(self, ops: list[Op]) -> None:
+        """Writer thread: apply a batch to disk, then retire its puts from the queue map."""
+        assert self._disk is not None
+        self._disk.apply(ops)
+        with self._lock:
+            for op in ops:
+                if isinstance(op, PutOp) and self._pending.get(op.meta.anchor) is op:
+                    del self._pending[op.meta.anchor]
+
+
+def _check_put(meta: RecordMeta, snapshot: Snapshot) -> None:
+    if not 0 < len(meta.anchor) <= MAX_ANCHOR_BYTES:
+        raise ValueError(f"an anchor has 1 to {MAX_ANCHOR_BYTES} bytes")
+    if not 0 <= meta.start <= meta.end:
+        raise ValueError(f"bad positions [{meta.start}, {meta.end})")
+    for name, t in snapshot.tensors.items():
+        if name.startswith("kv.") and (t.dim() == 0 or t.shape[0] != meta.end - meta.start):
+            raise ValueError(f"{name} has {t.shape[0] if t.dim() else 0} rows for [{meta.start}, {meta.end})")
