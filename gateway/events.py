@@ -10,6 +10,7 @@ SSE events or its JSON body. Order on the wire of one generation::
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Iterable
 from typing import Literal
 
@@ -56,9 +57,10 @@ class ToolCallEnd(msgspec.Struct, frozen=True, tag=True):
 
 
 class Finish(msgspec.Struct, frozen=True, tag=True):
-    """Why the generation stopped."""
+    """Why the generation stopped; `stop_sequence` names the client stop string hit."""
 
     reason: FinishReason
+    stop_sequence: str | None = None
 
 
 class Usage(msgspec.Struct, frozen=True, tag=True):
@@ -94,6 +96,13 @@ class ToolCall(msgspec.Struct):
     arguments: dict | str
     arguments_text: str = ""
 
+    @property
+    def wire_arguments(self) -> str:
+        """Arguments as the wire carries them: the streamed text, else encoded now."""
+        if self.arguments_text or isinstance(self.arguments, str):
+            return self.arguments_text or str(self.arguments)
+        return msgspec.json.encode(self.arguments).decode()
+
 
 class Block(msgspec.Struct):
     """One output block in order: reasoning text, answer text, or a tool call."""
@@ -108,6 +117,7 @@ class Collected(msgspec.Struct):
 
     blocks: list[Block] = msgspec.field(default_factory=list)
     finish: FinishReason = "stop"
+    stop_sequence: str | None = None
     usage: Usage = msgspec.field(default_factory=lambda: Usage(0))
     error: ErrorEvent | None = None
 
@@ -122,6 +132,20 @@ class Collected(msgspec.Struct):
     @property
     def tool_calls(self) -> list[ToolCall]:
         return [b.tool_call for b in self.blocks if b.tool_call is not None]
+
+    @property
+    def effective_finish(self) -> FinishReason:
+        return effective_finish(self.finish, bool(self.tool_calls))
+
+
+def effective_finish(reason: FinishReason, saw_tool_call: bool) -> FinishReason:
+    """A natural stop after tool calls is a tool-call stop (the engine cannot tell)."""
+    return "tool_calls" if reason == "stop" and saw_tool_call else reason
+
+
+def new_id(prefix: str) -> str:
+    """A fresh opaque id such as ``msg_…``, ``resp_…``, ``fc_…``."""
+    return prefix + secrets.token_hex(12)
 
 
 def collect(events: Iterable[Event]) -> Collected:
@@ -143,8 +167,8 @@ def collect(events: Iterable[Event]) -> Collected:
                 calls[index].arguments_text += text
             case ToolCallEnd(index, arguments):
                 calls[index].arguments = arguments
-            case Finish(reason):
-                out.finish = reason
+            case Finish(reason, stop_sequence):
+                out.finish, out.stop_sequence = reason, stop_sequence
             case Usage():
                 out.usage = ev
             case ErrorEvent():

@@ -1,0 +1,137 @@
+"""Typed gateway errors and their JSON in each protocol (by exception type, never text).
+
+`error_response(protocol, exc)` answers a request that failed before streaming began;
+`error_event(protocol, exc)` turns a failure after the stream started into an
+`ErrorEvent`, which each protocol's stream encoder renders in its in-stream form
+(Anthropic ``event: error``, Responses ``response.failed``, Chat a ``data: {"error"}``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+from starlette.responses import Response
+
+from gateway.events import ErrorEvent, ErrorKind
+from gateway.protocols import BadRequest
+
+Protocol = Literal["anthropic", "openai"]
+
+
+class GatewayError(Exception):
+    """Base of the gateway's typed errors; `message` is what the client sees."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class ContextLengthExceeded(GatewayError):
+    def __init__(self, prompt_tokens: int, max_context: int):
+        super().__init__(f"prompt of {prompt_tokens} tokens exceeds the context of {max_context}")
+        self.prompt_tokens, self.max_context = prompt_tokens, max_context
+
+
+class PayloadTooLarge(GatewayError):
+    def __init__(self, size: int, limit: int):
+        super().__init__(f"request body of {size} bytes exceeds the limit of {limit} bytes")
+        self.size, self.limit = size, limit
+
+
+class Unauthorized(GatewayError):
+    def __init__(self, message: str = "invalid or missing API key"):
+        super().__init__(message)
+
+
+class NotFound(GatewayError):
+    def __init__(self, what: str):
+        super().__init__(f"not found: {what}")
+        self.what = what
+
+
+class Overloaded(GatewayError):
+    def __init__(self, message: str = "the server is busy; retry shortly"):
+        super().__init__(message)
+
+
+class Spec(msgspec.Struct, frozen=True):
+    """How one exception type looks on the wire."""
+
+    status: int
+    anthropic_type: str
+    openai_type: str
+    openai_code: str | None
+    kind: ErrorKind
+    anthropic_status: int | None = None
+
+
+SPECS: dict[type[Exception], Spec] = {
+    BadRequest: Spec(400, "invalid_request_error", "invalid_request_error", None, "invalid_request"),
+    ContextLengthExceeded: Spec(
+        400,
+        "invalid_request_error",
+        "invalid_request_error",
+        "context_length_exceeded",
+        "context_length_exceeded",
+    ),
+    PayloadTooLarge: Spec(
+        413, "request_too_large", "invalid_request_error", "request_too_large", "invalid_request"
+    ),
+    Unauthorized: Spec(
+        401, "authentication_error", "invalid_request_error", "invalid_api_key", "invalid_request"
+    ),
+    NotFound: Spec(404, "not_found_error", "invalid_request_error", "not_found", "invalid_request"),
+    Overloaded: Spec(429, "overloaded_error", "server_error", "server_is_overloaded", "overloaded", 529),
+}
+INTERNAL = Spec(500, "api_error", "server_error", None, "server_error")
+
+
+def spec_of(exc: BaseException) -> Spec:
+    for cls in type(exc).__mro__:
+        if cls in SPECS:
+            return SPECS[cls]
+    return INTERNAL
+
+
+def message_of(protocol: Protocol, exc: BaseException) -> str:
+    """The client-facing message, in the wording each client family recognises."""
+    if isinstance(exc, ContextLengthExceeded):
+        if protocol == "anthropic":  # Claude Code compacts on this wording
+            return f"prompt is too long: {exc.prompt_tokens} tokens > {exc.max_context} maximum"
+        return (
+            f"This model's maximum context length is {exc.max_context} tokens. "
+            f"However, your messages resulted in {exc.prompt_tokens} tokens."
+        )
+    if isinstance(exc, BadRequest):
+        return f"{exc.field}: {exc.message}"
+    if isinstance(exc, GatewayError):
+        return exc.message
+    return f"internal error ({type(exc).__name__})"
+
+
+def status_of(protocol: Protocol, exc: BaseException) -> int:
+    spec = spec_of(exc)
+    if protocol == "anthropic" and spec.anthropic_status is not None:
+        return spec.anthropic_status
+    return spec.status
+
+
+def error_body(protocol: Protocol, exc: BaseException) -> dict:
+    """The protocol's error JSON for `exc`."""
+    spec, message = spec_of(exc), message_of(protocol, exc)
+    if protocol == "anthropic":
+        return {"type": "error", "error": {"type": spec.anthropic_type, "message": message}}
+    param = exc.field if isinstance(exc, BadRequest) else None
+    return {"error": {"message": message, "type": spec.openai_type, "param": param, "code": spec.openai_code}}
+
+
+def error_response(protocol: Protocol, exc: BaseException) -> Response:
+    """A complete JSON error response with the right status code."""
+    body = msgspec.json.encode(error_body(protocol, exc))
+    return Response(body, status_code=status_of(protocol, exc), media_type="application/json")
+
+
+def error_event(protocol: Protocol, exc: BaseException) -> ErrorEvent:
+    """An in-stream failure, to feed to the protocol's stream encoder."""
+    return ErrorEvent(spec_of(exc).kind, message_of(protocol, exc))
