@@ -111,7 +111,7 @@ class DiskTier:
             return
         keep = tuple({op.meta.anchor for op in ops if isinstance(op, PutOp)})
         self._evict_until(sum(self.footprint(len(w.frame)) for w in writes if w.frame), keep)
-        if self._commit(writes, keep, retry=len(ops) == 1):
+        if self._commit(writes, keep, retry=len(ops) == 1) or len(ops) == 1:
             return
         for op in ops:
             op_keep = (op.meta.anchor,) if isinstance(op, PutOp) else ()
