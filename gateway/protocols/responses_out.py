@@ -35,7 +35,7 @@ ReasoningMode = Literal["summary", "raw"]
 def usage_json(u: Usage) -> dict:
     return {
         "input_tokens": u.input_tokens,
-        "input_tokens_details": {"cached_tokens": u.cached_tokens},
+        "input_tokens_details": {"cached_tokens": u.cached_tokens, "cache_write_tokens": 0},
         "output_tokens": u.output_tokens,
         "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens},
         "total_tokens": u.input_tokens + u.output_tokens,
@@ -78,9 +78,16 @@ def tool_item(item_id: str, call: ToolCall, status: str = "completed") -> dict:
     }
 
 
+FAILED_CODES: dict[str, str] = {
+    "context_length_exceeded": "context_length_exceeded",  # what Codex checks; not in the SDK's Literal
+    "overloaded": "rate_limit_exceeded",
+    "invalid_request": "invalid_prompt",
+    "server_error": "server_error",
+}
+
+
 def error_json(ev: ErrorEvent) -> dict:
-    code = "context_length_exceeded" if ev.kind == "context_length_exceeded" else ev.kind
-    return {"code": code, "message": ev.message}
+    return {"code": FAILED_CODES[ev.kind], "message": ev.message}
 
 
 class ResponseShell:

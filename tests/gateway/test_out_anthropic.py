@@ -59,8 +59,16 @@ def test_raw_stream_order_and_start_usage(client):
     assert types[-2:] == ["message_delta", "message_stop"]
     start = events[0].message
     assert start.usage.input_tokens == 40 and start.usage.cache_read_input_tokens == 60
-    assert [e.content_block.type for e in events if e.type == "content_block_start"] == ["thinking", "text", "tool_use"]
-    partial = "".join(e.delta.partial_json for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta")
+    assert [e.content_block.type for e in events if e.type == "content_block_start"] == [
+        "thinking",
+        "text",
+        "tool_use",
+    ]
+    partial = "".join(
+        e.delta.partial_json
+        for e in events
+        if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
+    )
     assert partial == collect(Script.events).tool_calls[0].arguments_text
 
 

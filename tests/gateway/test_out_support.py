@@ -21,15 +21,19 @@ from gateway.sse import SSE_HEADERS, SSE_MEDIA_TYPE, encode_stream
 
 HANDLE = "memo-7f3a"
 MODEL = "qwen-test"
-TOOLS = {"Bash": {"type": "object", "properties": {"command": {"type": "string"}, "timeout": {"type": "integer"}}}}
+TOOLS = {
+    "Bash": {"type": "object", "properties": {"command": {"type": "string"}, "timeout": {"type": "integer"}}}
+}
 QWEN_TEXT = (
-    "The user wants \"echo\".\nI'll run it.\n</think>\n\nRunning it now.\n\n<tool_call>\n<function=Bash>\n"
+    'The user wants "echo".\nI\'ll run it.\n</think>\n\nRunning it now.\n\n<tool_call>\n<function=Bash>\n'
     "<parameter=command>\necho 'hi' \"there\"\n</parameter>\n<parameter=timeout>\n30\n</parameter>\n"
     "</function>\n</tool_call>"
 )
 
 
-def qwen_events(text: str = QWEN_TEXT, prefix: str = "call_", chunk: int = 3, custom: tuple = ()) -> list[Event]:
+def qwen_events(
+    text: str = QWEN_TEXT, prefix: str = "call_", chunk: int = 3, custom: tuple = ()
+) -> list[Event]:
     """Parse `text` as the model's output in `chunk`-character pieces, framed by usage."""
     parser = QwenParser(TOOLS, custom_tools=custom, call_id=lambda: new_call_id(prefix))
     events: list[Event] = [Usage(100, cached_tokens=60, prefill_tokens=40)]

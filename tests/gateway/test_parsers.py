@@ -32,11 +32,17 @@ TOOLS = {
     },
 }
 CUSTOM = {"apply_patch"}
-TYPED = {"timeout": st.integers(-10**6, 10**6), "replace_all": st.booleans(), "ratio": st.floats(-1e6, 1e6),
-         "edits": st.lists(st.integers() | st.text(max_size=5), max_size=3),
-         "opts": st.dictionaries(st.text(max_size=4), st.integers(), max_size=3)}
+TYPED = {
+    "timeout": st.integers(-(10**6), 10**6),
+    "replace_all": st.booleans(),
+    "ratio": st.floats(-1e6, 1e6),
+    "edits": st.lists(st.integers() | st.text(max_size=5), max_size=3),
+    "opts": st.dictionaries(st.text(max_size=4), st.integers(), max_size=3),
+}
 
-ALPHABET = st.sampled_from(list("ab <>/=\n\"\\é{}") + ["</think>", "<tool_call>", "</parameter>", "<function=x>"])
+ALPHABET = st.sampled_from(
+    list('ab <>/=\n"\\é{}') + ["</think>", "<tool_call>", "</parameter>", "<function=x>"]
+)
 
 
 def free_text(banned: list[str], strip: str | None) -> st.SearchStrategy[str]:
@@ -128,8 +134,21 @@ def _merged(events):
 
 JUNK = st.lists(
     st.sampled_from(
-        list("ab \n>") + ["<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=", "</parameter>",
-                          "</think>", "<function=Bash>", "<parameter=timeout>", "\n", "<", "</"]
+        list("ab \n>")
+        + [
+            "<tool_call>",
+            "</tool_call>",
+            "<function=",
+            "</function>",
+            "<parameter=",
+            "</parameter>",
+            "</think>",
+            "<function=Bash>",
+            "<parameter=timeout>",
+            "\n",
+            "<",
+            "</",
+        ]
     ),
     max_size=40,
 ).map("".join)
@@ -146,13 +165,17 @@ def test_malformed_never_raises_and_is_split_independent(text, cuts, reasoning):
 
 
 def test_qwen_example_streams_string_arguments_progressively():
-    text = "Let me run it.\n</think>\n\nRunning.\n\n<tool_call>\n<function=Bash>\n<parameter=command>\necho hi\n"
+    text = (
+        "Let me run it.\n</think>\n\nRunning.\n\n<tool_call>\n<function=Bash>\n<parameter=command>\necho hi\n"
+    )
     p = QwenParser(TOOLS, call_id=lambda: "call_1")
     events = p.feed(text)
     assert events[:2] == [ReasoningDelta("Let me run it."), TextDelta("Running.")]
     assert events[2] == ToolCallStart(0, "call_1", "Bash", False)
     assert "".join(e.text for e in events[3:]) == '{"command":"echo hi'
-    rest = p.feed("</parameter>\n<parameter=timeout>\n30\n</parameter>\n</function>\n</tool_call>") + p.close()
+    rest = (
+        p.feed("</parameter>\n<parameter=timeout>\n30\n</parameter>\n</function>\n</tool_call>") + p.close()
+    )
     assert rest[-1] == ToolCallEnd(0, {"command": "echo hi", "timeout": 30})
 
 
@@ -163,21 +186,29 @@ def test_tag_split_across_chunks_is_held_back():
 
 
 def test_schema_typing_falls_back_to_string():
-    out = parse(["x</think>\n\n<tool_call>\n<function=Bash>\n<parameter=timeout>\nsoon\n</parameter>\n"
-                 "<parameter=command>\n42\n</parameter>\n</function>\n</tool_call>"])
+    out = parse(
+        [
+            "x</think>\n\n<tool_call>\n<function=Bash>\n<parameter=timeout>\nsoon\n</parameter>\n"
+            "<parameter=command>\n42\n</parameter>\n</function>\n</tool_call>"
+        ]
+    )
     assert collect(out).tool_calls[0].arguments == {"timeout": "soon", "command": "42"}
 
 
 def test_jinja_style_booleans():
-    out = parse(["<tool_call>\n<function=Edit>\n<parameter=replace_all>\nTrue\n</parameter>\n</function>"],
-                reasoning=False)
+    out = parse(
+        ["<tool_call>\n<function=Edit>\n<parameter=replace_all>\nTrue\n</parameter>\n</function>"],
+        reasoning=False,
+    )
     assert collect(out).tool_calls[0].arguments == {"replace_all": True}
 
 
 def test_truncated_generation_closes_open_call():
     out = parse(["r</think>\n\n<tool_call>\n<function=Bash>\n<parameter=command>\nls -l"])
     call = collect(out).tool_calls[0]
-    assert call.arguments == {"command": "ls -l"} and msgspec.json.decode(call.arguments_text) == call.arguments
+    assert (
+        call.arguments == {"command": "ls -l"} and msgspec.json.decode(call.arguments_text) == call.arguments
+    )
 
 
 def test_reasoning_without_end_stays_reasoning():

@@ -1,0 +1,84 @@
+"""Typed errors → each protocol's status and JSON, judged by the SDKs' exception classes."""
+
+from __future__ import annotations
+
+import anthropic
+import openai
+import pytest
+
+from gateway.errors import (
+    ContextLengthExceeded,
+    NotFound,
+    Overloaded,
+    PayloadTooLarge,
+    Unauthorized,
+    error_body,
+    error_event,
+)
+from gateway.protocols import BadRequest
+from tests.gateway.test_out_support import LoopbackServer, Script, make_app
+
+ANTHROPIC_REQUEST = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}
+CHAT_REQUEST = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture(scope="module")
+def url():
+    with LoopbackServer(make_app()) as base:
+        yield base
+    Script.error = None
+
+
+CASES = [
+    (
+        BadRequest("messages[0].content", "expected a string"),
+        anthropic.BadRequestError,
+        openai.BadRequestError,
+    ),
+    (ContextLengthExceeded(9000, 8192), anthropic.BadRequestError, openai.BadRequestError),
+    (Unauthorized(), anthropic.AuthenticationError, openai.AuthenticationError),
+    (NotFound("model m"), anthropic.NotFoundError, openai.NotFoundError),
+    (PayloadTooLarge(10, 5), anthropic.RequestTooLargeError, openai.APIStatusError),
+    (Overloaded(), anthropic.OverloadedError, openai.RateLimitError),
+    (RuntimeError("secret detail"), anthropic.InternalServerError, openai.InternalServerError),
+]
+
+
+@pytest.mark.parametrize(("exc", "anthropic_cls", "openai_cls"), CASES)
+def test_sdks_raise_the_matching_exception(url, exc, anthropic_cls, openai_cls):
+    Script.error = exc
+    with pytest.raises(anthropic_cls) as a:
+        anthropic.Anthropic(base_url=url, api_key="k", max_retries=0).messages.create(**ANTHROPIC_REQUEST)
+    assert a.value.body["error"] == error_body("anthropic", exc)["error"]
+    client = openai.OpenAI(base_url=url + "/v1", api_key="k", max_retries=0)
+    with pytest.raises(openai_cls) as o:
+        client.chat.completions.create(**CHAT_REQUEST)
+    assert o.value.code == error_body("openai", exc)["error"]["code"]
+    with pytest.raises(openai_cls):
+        client.responses.create(model="m", input="hi")
+    Script.error = None
+
+
+def test_bad_request_names_the_field_as_param():
+    err = error_body("openai", BadRequest("input[3].type", "unknown item type"))["error"]
+    assert (err["param"], err["type"]) == ("input[3].type", "invalid_request_error")
+
+
+def test_context_length_wording_per_client_family():
+    exc = ContextLengthExceeded(9000, 8192)
+    assert (
+        error_body("anthropic", exc)["error"]["message"] == "prompt is too long: 9000 tokens > 8192 maximum"
+    )
+    assert error_body("openai", exc)["error"]["code"] == "context_length_exceeded"
+    assert error_event("openai", exc).kind == "context_length_exceeded"
+
+
+def test_internal_errors_do_not_leak_their_message():
+    assert "secret" not in error_body("openai", RuntimeError("secret"))["error"]["message"]
+
+
+def test_subclass_maps_like_its_base():
+    class ModelNotFound(NotFound):
+        pass
+
+    assert error_body("anthropic", ModelNotFound("x"))["error"]["type"] == "not_found_error"
