@@ -85,3 +85,20 @@ def test_in_stream_error_raises(client):
     with pytest.raises(openai.APIError) as info:
         list(client.chat.completions.create(**REQUEST, stream=True))
     assert info.value.code == "context_length_exceeded"
+
+
+def test_encode_stream_drives_an_async_event_source():
+    import asyncio
+
+    from gateway.protocols.chat_out import ChatStream
+    from gateway.sse import encode_stream
+
+    async def source():
+        for ev in [TextDelta("a"), TextDelta("b"), Finish("stop")]:
+            yield ev
+
+    async def run():
+        return [f async for f in encode_stream(ChatStream("m"), source())]
+
+    frames = asyncio.run(run())
+    assert frames[-1] == b"data: [DONE]\n\n" and b'"content":"b"' in frames[2]
