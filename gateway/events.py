@@ -155,7 +155,7 @@ def collect(events: Iterable[Event]) -> Collected:
     for ev in events:
         match ev:
             case ReasoningDelta(text) | TextDelta(text):
-                kind = "reasoning" if isinstance(ev, ReasoningDelta) else "text"
+                kind: Literal["reasoning", "text"] = "reasoning" if isinstance(ev, ReasoningDelta) else "text"
                 if out.blocks and out.blocks[-1].kind == kind:
                     out.blocks[-1].text += text
                 elif text:

@@ -27,7 +27,8 @@ class ToolCallBuilder:
         self._n_params = 0
 
     def open(self) -> list[Event]:
-        return [self.start] + ([] if self.custom else [self._delta("{")])
+        events: list[Event] = [self.start]
+        return events if self.custom else events + [self._delta("{")]
 
     def begin_param(self, name: str) -> list[Event]:
         self._param, self._raw = name, []

@@ -171,7 +171,7 @@ class AnthropicStream:
             return []
         self.started = True
         usage = usage_json(msgspec.structs.replace(self.usage, output_tokens=0))
-        message = {
+        message: dict[str, Any] = {
             "id": self.id,
             "type": "message",
             "role": "assistant",

@@ -229,6 +229,7 @@ class ResponsesStream:
 
     def _text_delta(self, kind: str, text: str) -> list[bytes]:
         frames = [] if self.open and self.open[0] == kind else self._close() + self._open_text(kind)
+        assert self.open is not None
         _, item_id, so_far = self.open
         self.open = (kind, item_id, so_far + text)
         where = {"item_id": item_id, "output_index": self.index}
