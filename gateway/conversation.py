@@ -1,0 +1,124 @@
+"""One protocol-neutral conversation: what every protocol adapter parses a request into.
+
+The three protocols (Anthropic Messages, OpenAI Responses, Chat Completions) differ in
+shape, not in meaning: a system prompt, tool schemas, and a list of messages where the
+assistant reasons, answers and calls tools, and tool results come back. The renderer
+only ever sees this form.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+class Tool(msgspec.Struct, frozen=True, kw_only=True):
+    """A tool the model may call.
+
+    `kind="function"`: `parameters` is a JSON schema of the arguments object.
+    `kind="custom"`: a Codex free-form tool; the model writes raw text (`format` holds the
+    client's grammar description, kept for the record). `namespace` is set for tools that
+    a Responses `namespace` tool grouped."""
+
+    name: str
+    description: str = ""
+    parameters: dict = msgspec.field(default_factory=lambda: {"type": "object", "properties": {}})
+    kind: Literal["function", "custom"] = "function"
+    format: dict | None = None
+    namespace: str | None = None
+
+
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    """One call the assistant made: `arguments` for function tools, `input` (raw text)
+    for custom tools; exactly one of the two is set."""
+
+    id: str
+    name: str
+    arguments: dict | None = None
+    input: str | None = None
+
+    @property
+    def is_custom(self) -> bool:
+        return self.input is not None
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True):
+    """One message. Fields used per role:
+
+    - system/user: `content`.
+    - assistant: `reasoning` (may be empty), `content`, `tool_calls`, `memo_handle`
+      (the opaque string the gateway issued with this message: Anthropic thinking
+      `signature` or Responses reasoning `encrypted_content`).
+    - tool: `tool_call_id`, `content` (the result text), `is_error`, `name` when known.
+    """
+
+    role: Role
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    memo_handle: str | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+    is_error: bool = False
+
+
+class ForcedToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    """A tool call of a forced output (`ft_forced_output.tool_calls[i]`)."""
+
+    name: str
+    arguments: dict | None = None
+    input: str | None = None
+
+
+class ForcedOutput(msgspec.Struct, frozen=True, kw_only=True):
+    """`ft_forced_output`: the engine teacher-forces exactly this assistant message."""
+
+    reasoning: str | None = None
+    content: str | None = None
+    tool_calls: tuple[ForcedToolCall, ...] = ()
+
+
+class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Sampling and output options; `None` means the server default.
+
+    `tool_choice`: "auto", "none", "required", or a tool name that must be called.
+    `enable_thinking=False` renders Qwen's empty think block into the prompt."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    tool_choice: str = "auto"
+    parallel_tool_calls: bool = True
+    enable_thinking: bool = True
+
+
+class Conversation(msgspec.Struct, frozen=True, kw_only=True):
+    """A parsed request.
+
+    `system` holds the leading system text as blocks (joined with "\\n" when rendered);
+    `messages` the rest in order (a `system` message here is one the client placed
+    mid-conversation). `notes` lists what the adapter accepted but ignored."""
+
+    model: str = ""
+    system: tuple[str, ...] = ()
+    tools: tuple[Tool, ...] = ()
+    messages: tuple[Message, ...] = ()
+    params: GenerationParams = GenerationParams()
+    forced_output: ForcedOutput | None = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def system_text(self) -> str:
+        return "\n".join(self.system)
+
+    def tool(self, name: str) -> Tool | None:
+        """The tool called `name`, if any."""
+        return next((t for t in self.tools if t.name == name), None)

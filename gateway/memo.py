@@ -1,0 +1,135 @@
+"""The token memo: the exact ids the engine generated for an assistant message.
+
+When a client sends a generated message back, re-rendering it from text can tokenize
+differently from what the model produced (BPE drift, reformatted tool calls, thinking the
+client never saw), which breaks every anchor after it. The memo remembers the generated
+ids (everything after the generation prompt, through `<|im_end|>`) under two keys:
+
+- an opaque **handle** the gateway issues before the generation streams: the output side
+  puts it into Anthropic's thinking `signature` or the Responses reasoning item's
+  `encrypted_content`; clients echo it back verbatim (Claude Code with
+  `display: "omitted"` echoes the signature with empty thinking text);
+- the **content hash** of the message: reasoning, text and tool calls (name + arguments
+  as canonical JSON, or raw input for custom tools), whitespace-trimmed; tool-call ids
+  are not part of it. This serves clients that echo content but no handle (OpenCode).
+
+A handle hit is used only if the message's text and tool calls still match what was
+generated, and its reasoning either matches or was omitted by the client (empty).
+
+Interaction with Qwen's reasoning rule: the memo'd ids include the reasoning, so the
+renderer uses them only for assistant messages whose reasoning the template keeps (after
+the last real user query, or all with `preserve_thinking`). Once a later user query
+makes the rule drop that reasoning, the message is rendered from its text (the form the
+template produces without reasoning), never from the memo.
+
+Memo only generations that ended with the end-of-turn id (`<|im_end|>`); a truncated
+generation is not a message the model would continue from.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import msgspec
+import xxhash
+
+from gateway.conversation import Message, ToolCall
+
+HANDLE_PREFIX = "ft1."
+
+
+def _call_key(call: ToolCall) -> list:
+    if call.input is not None:
+        return [call.name, "input", call.input]
+    args = json.dumps(call.arguments or {}, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return [call.name, "args", args]
+
+
+def _digest(value: list) -> str:
+    return xxhash.xxh3_128_hexdigest(json.dumps(value, ensure_ascii=False).encode())
+
+
+def body_hash(message: Message) -> str:
+    """Hash of the message's text and tool calls (not its reasoning)."""
+    return _digest([message.content.strip(), [_call_key(c) for c in message.tool_calls]])
+
+
+def content_hash(message: Message) -> str:
+    """Hash of the message's canonical content: reasoning, text, tool calls."""
+    return _digest([message.reasoning.strip(), body_hash(message)])
+
+
+class MemoEntry(msgspec.Struct, frozen=True):
+    token_ids: tuple[int, ...]
+    content_hash: str
+    body_hash: str
+
+
+class TokenMemo:
+    """A bounded LRU of generated ids, by handle and by content hash. Thread-safe."""
+
+    def __init__(self, max_entries: int = 4096, max_tokens: int = 16 << 20):
+        self.max_entries, self.max_tokens = max_entries, max_tokens
+        self._by_handle: OrderedDict[str, MemoEntry] = OrderedDict()
+        self._by_content: dict[str, str] = {}
+        self._tokens = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def issue_handle(self) -> str:
+        """A fresh opaque handle, to send to the client before the message is complete."""
+        return HANDLE_PREFIX + secrets.token_hex(16)
+
+    def remember(self, message: Message, token_ids: Sequence[int], handle: str | None = None) -> str:
+        """Remember `token_ids` as the generation of `message`; returns its handle
+        (`handle` if given, else a new one)."""
+        handle = handle or self.issue_handle()
+        entry = MemoEntry(tuple(token_ids), content_hash(message), body_hash(message))
+        with self._lock:
+            self._drop(handle)
+            self._by_handle[handle] = entry
+            self._by_content[entry.content_hash] = handle
+            self._tokens += len(entry.token_ids)
+            while self._by_handle and (
+                len(self._by_handle) > self.max_entries or self._tokens > self.max_tokens
+            ):
+                self._drop(next(iter(self._by_handle)))
+        return handle
+
+    def lookup(self, message: Message) -> list[int] | None:
+        """The generated ids of `message`, if known (see the module doc for the rules)."""
+        with self._lock:
+            entry = self._find(message)
+            if entry is None:
+                self.misses += 1
+                return None
+            self.hits += 1
+            return list(entry.token_ids)
+
+    def __len__(self) -> int:
+        return len(self._by_handle)
+
+    def _find(self, message: Message) -> MemoEntry | None:
+        handle = message.memo_handle
+        entry = self._by_handle.get(handle) if handle else None
+        if entry is not None and entry.body_hash == body_hash(message):
+            if not message.reasoning.strip() or entry.content_hash == content_hash(message):
+                self._by_handle.move_to_end(handle)  # type: ignore[arg-type]
+                return entry
+        handle = self._by_content.get(content_hash(message))
+        if handle is None:
+            return None
+        self._by_handle.move_to_end(handle)
+        return self._by_handle[handle]
+
+    def _drop(self, handle: str) -> None:
+        entry = self._by_handle.pop(handle, None)
+        if entry is None:
+            return
+        self._tokens -= len(entry.token_ids)
+        if self._by_content.get(entry.content_hash) == handle:
+            del self._by_content[entry.content_hash]

@@ -1,0 +1,151 @@
+"""Protocol adapters: request bodies of each API → one `Conversation`.
+
+`anthropic.parse_request`, `responses.parse_request`, `chat.parse_request` take the
+decoded JSON body and return a `Conversation` or raise `BadRequest` naming the field
+(`messages[2].content[0].type`). They never raise anything else for any JSON value.
+The helpers below are the shared validation vocabulary of the three adapters.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+from gateway.conversation import ForcedOutput, ForcedToolCall, Message
+
+
+class BadRequest(Exception):
+    """The request body is invalid; `field` is a JSON path into the body."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def join(path: str, key: str | int) -> str:
+    """`messages` + 2 → `messages[2]`; `messages[2]` + `content` → `messages[2].content`."""
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else key
+
+
+def kind_name(value: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number"
+    )
+
+
+def obj(value: Any, path: str) -> dict:
+    if not isinstance(value, dict):
+        raise BadRequest(path, f"expected an object, got {kind_name(value)}")
+    return value
+
+
+def arr(value: Any, path: str) -> list:
+    if not isinstance(value, list):
+        raise BadRequest(path, f"expected an array, got {kind_name(value)}")
+    return value
+
+
+def string(value: Any, path: str) -> str:
+    if not isinstance(value, str):
+        raise BadRequest(path, f"expected a string, got {kind_name(value)}")
+    return value
+
+
+def opt(body: dict, key: str, check: Callable[[Any, str], Any], path: str = "", default: Any = None) -> Any:
+    """`body[key]` validated by `check`, or `default` when absent or null."""
+    value = body.get(key)
+    return default if value is None else check(value, join(path, key))
+
+
+def req(body: dict, key: str, check: Callable[[Any, str], Any], path: str = "") -> Any:
+    """`body[key]` validated by `check`; missing or null is an error."""
+    if body.get(key) is None:
+        raise BadRequest(join(path, key), "is required")
+    return check(body[key], join(path, key))
+
+
+def integer(value: Any, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        raise BadRequest(path, f"expected an integer, got {kind_name(value)}")
+    return int(value)
+
+
+def positive_int(value: Any, path: str) -> int:
+    n = integer(value, path)
+    if n < 1:
+        raise BadRequest(path, "must be at least 1")
+    return n
+
+
+def number(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise BadRequest(path, f"expected a number, got {kind_name(value)}")
+    return float(value)
+
+
+def boolean(value: Any, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise BadRequest(path, f"expected a boolean, got {kind_name(value)}")
+    return value
+
+
+def stop_list(value: Any, path: str) -> tuple[str, ...]:
+    """`stop`: a string or an array of strings."""
+    if isinstance(value, str):
+        return (value,)
+    return tuple(string(s, join(path, i)) for i, s in enumerate(arr(value, path)))
+
+
+def json_arguments(text: Any, path: str) -> dict:
+    """Tool-call arguments sent as a JSON string (OpenAI): must decode to an object."""
+    text = string(text, path)
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise BadRequest(path, f"is not valid JSON: {e}") from None
+    return obj(value, path)
+
+
+def check_tool_results(messages: list[Message], path: str) -> None:
+    """Every tool result answers a call made earlier in the conversation."""
+    called: set[str] = set()
+    for i, m in enumerate(messages):
+        called.update(c.id for c in m.tool_calls)
+        if m.role == "tool" and m.tool_call_id not in called:
+            raise BadRequest(join(path, i), f"tool result for unknown tool call id {m.tool_call_id!r}")
+
+
+def forced_output(body: dict) -> ForcedOutput | None:
+    """`ft_forced_output` (see notes/CONTRACTS.md), shared by all three protocols."""
+    raw = opt(body, "ft_forced_output", obj)
+    if raw is None:
+        return None
+    path = "ft_forced_output"
+    calls = []
+    for i, c in enumerate(opt(raw, "tool_calls", arr, path, [])):
+        p = join(join(path, "tool_calls"), i)
+        c = obj(c, p)
+        calls.append(
+            ForcedToolCall(
+                name=req(c, "name", string, p),
+                arguments=opt(c, "arguments", obj, p) if "input" not in c else None,
+                input=opt(c, "input", string, p),
+            )
+        )
+    return ForcedOutput(
+        reasoning=opt(raw, "reasoning", string, path),
+        content=opt(raw, "content", string, path),
+        tool_calls=tuple(calls),
+    )
+
+
+def nonempty(messages: list, path: str) -> None:
+    if not messages:
+        raise BadRequest(path, "must contain at least one message")

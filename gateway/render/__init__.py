@@ -1,0 +1,93 @@
+"""Conversation → segments of token ids, in the model's chat format.
+
+A `Segment` is a contiguous run of prompt tokens with one meaning; the template's glue
+tokens belong to the segment they open or close. Renderers tokenize per segment, and
+choose boundaries where BPE cannot merge across them, so the concatenated segment ids
+equal the tokenization of the whole rendered prompt and a change inside one segment
+never changes the tokens of an earlier one.
+
+Two renderers share the `Renderer` interface: `QwenRenderer` (presets; Python, exact
+Qwen3.6 template text, fine-grained segments) and `JinjaRenderer` (model folders with a
+chat template; one segment per message, found by rendering growing prefixes).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Protocol
+
+import msgspec
+
+from gateway.protocols import BadRequest
+
+if TYPE_CHECKING:
+    from gateway.conversation import Conversation, Message
+    from gateway.memo import TokenMemo
+    from gateway.tokenizer import Tokenizer
+
+SegmentKind = Literal[
+    "system", "tools", "user", "assistant_text", "reasoning", "tool_call", "tool_result", "generation_prompt"
+]
+
+
+class Segment(msgspec.Struct, frozen=True):
+    """`message_index` indexes `Conversation.messages` (None for system, tools and the
+    generation prompt of the request itself)."""
+
+    kind: str
+    token_ids: list[int]
+    message_index: int | None = None
+
+
+class RenderError(BadRequest):
+    """The conversation cannot be rendered in this chat format (maps to a 400)."""
+
+    def __init__(self, message: str):
+        super().__init__("messages", message)
+
+
+class Renderer(Protocol):
+    """Renders conversations for one model (template + tokenizer).
+
+    `template_id` names the template and tokenizer exactly (feeds the root anchor)."""
+
+    template_id: str
+    tokenizer: Tokenizer
+
+    def render(self, conv: Conversation, memo: TokenMemo | None = None) -> list[Segment]:
+        """Segments of the whole prompt, ending with the generation prompt. With a memo,
+        assistant messages it knows use the generated ids (see gateway/memo.py)."""
+        ...
+
+    def render_text(self, conv: Conversation) -> str:
+        """The prompt as text: exactly the chat template's output (with generation prompt)."""
+        ...
+
+    def render_generation(self, conv: Conversation, message: Message) -> list[int]:
+        """The ids a model would generate to produce `message` as the reply to `conv`:
+        what follows the generation prompt, through the end-of-turn token."""
+        ...
+
+    def generation_segments(self, token_ids: list[int], message_index: int) -> list[Segment]:
+        """Generated ids (through end-of-turn) as segments, exactly as `render` will
+        segment them once this message comes back in the history (memo hit)."""
+        ...
+
+
+def segment_ids(segments: list[Segment]) -> list[int]:
+    """All token ids of `segments`, in order."""
+    return [t for s in segments for t in s.token_ids]
+
+
+def load_renderer(model_dir: str | Path | None = None, tokenizer: Tokenizer | None = None) -> Renderer:
+    """The renderer for a model folder: its own chat template when it has one
+    (`chat_template.jinja` or `tokenizer_config.json`), else Qwen3.6 (presets)."""
+    from gateway.render.generic import JinjaRenderer, find_chat_template
+    from gateway.render.qwen import QwenRenderer
+    from gateway.tokenizer import load_tokenizer
+
+    tokenizer = tokenizer or load_tokenizer(model_dir)
+    source = find_chat_template(model_dir) if model_dir is not None else None
+    if source is None:
+        return QwenRenderer(tokenizer)
+    return JinjaRenderer(source, tokenizer)
