@@ -119,6 +119,12 @@ class Engine:
             tensors[f"kv.{layer}.k"], tensors[f"kv.{layer}.v"] = k.clone(), v.clone()
         return tensors
 
+    def kv_delta(self, state: SequenceState, start: int, end: int) -> Snapshot:
+        """A KV-only snapshot of positions [start, end) of `state` (no DeltaNet state)."""
+        if not 0 <= start <= end <= state.length:
+            raise ValueError(f"KV range [{start}, {end}) outside the state's {state.length} tokens")
+        return Snapshot(start, end, self._kv_tensors(state, start, end))
+
     def snapshot(self, state: SequenceState, start: int) -> Snapshot:
         """KV of [start, state.length) and the current DeltaNet states."""
         tensors = self._kv_tensors(state, start, state.length)

@@ -1,0 +1,108 @@
+"""Checkpoint traffic between a request and the store, on the engine worker: restore the
+longest restorable prefix of an anchor chain, prefill the rest capturing a snapshot at every
+segment boundary (a state where the policy wants one), save the end of a generation, and
+precompute the history the next request will send."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import msgspec
+
+from engine import PrefillResult, SequenceState
+from gateway.anchors import anchor_chain, boundaries
+from gateway.conversation import Conversation, Message
+from gateway.policy import state_positions
+from gateway.render import Segment
+from gateway.runtime import Runtime
+from gateway.scheduler import BACKGROUND
+
+log = logging.getLogger("gateway.checkpoints")
+
+
+def restore(rt: Runtime, chain: Sequence[bytes], ends: Sequence[int]) -> tuple[SequenceState, int]:
+    """A state at the end of the longest restorable prefix of `chain` (a fresh state when none)
+    and the number of tokens it covers."""
+    if rt.config.policy == "none" or not chain:
+        return rt.engine.new_state(), 0
+    count, snapshot = rt.store.load_longest(list(chain))
+    if count == 0 or snapshot is None:
+        return rt.engine.new_state(), 0
+    return rt.engine.restore(snapshot), ends[count - 1]
+
+
+def prefill(
+    rt: Runtime, state: SequenceState, segments: Sequence[Segment], chain: Sequence[bytes], ends: Sequence[int],
+    start: int,
+) -> PrefillResult:
+    """Prefill the tokens of `segments` after position `start` (where `state` is), capturing
+    and storing a checkpoint at each boundary after `start`."""
+    ids = [t for s in segments for t in s.token_ids][start:]
+    first = next(i for i, end in enumerate(ends) if end > start)
+    if rt.config.policy == "none":
+        return rt.engine.prefill(state, ids)
+    wanted = state_positions(rt.config.policy, segments, ends)
+    captures = list(ends[first:])
+    result = rt.engine.prefill(state, ids, capture_at=captures, state_at=wanted)
+    _put_all(rt, chain[first:], chain[first - 1] if first else None, result.snapshots)
+    return result
+
+
+def _put_all(rt: Runtime, anchors: Sequence[bytes], parent: bytes | None, snapshots) -> None:
+    for anchor, snapshot in zip(anchors, snapshots, strict=True):
+        rt.store.put(anchor, parent, snapshot)
+        parent = anchor
+
+
+def generation_end(rt: Runtime, plan, state: SequenceState, generated: list[int]) -> None:
+    """Checkpoint the generated message as the next request will render it (memo hit): KV
+    deltas per generated segment, the state after the end-of-turn token."""
+    segments = rt.renderer.generation_segments(generated, len(plan.conv.messages))
+    ends = [plan.prompt_len + e for e in boundaries(segments)]
+    if not ends or ends[-1] != state.length + 1:
+        log.debug("generation end not checkpointed: %s != %s", ends[-1:] or None, state.length + 1)
+        return
+    chain = anchor_chain(segments, plan.chain[-1])
+    starts = [plan.prompt_len, *ends[:-1]]
+    snapshots = [rt.engine.kv_delta(state, a, b) for a, b in zip(starts[:-1], ends[:-1], strict=True)]
+    tail = rt.engine.prefill(state, generated[-1:], capture_at=[ends[-1]], kv_start=starts[-1])
+    _put_all(rt, chain, plan.chain[-1], [*snapshots, *tail.snapshots])
+
+
+def next_turn_segments(rt: Runtime, conv: Conversation, reply: Message) -> list[Segment]:
+    """The history as the next request (a new user message after `reply`) will render it:
+    Qwen's template then drops the reasoning of this turn."""
+    probe = Message(role="user", content="\u2063")
+    future = msgspec.structs.replace(conv, messages=(*conv.messages, reply, probe), forced_output=None)
+    segments = rt.renderer.render(future, rt.memo)
+    probe_index = len(conv.messages) + 1
+    return [s for s in segments if s.message_index is None and s.kind in ("system", "tools")
+            or s.message_index is not None and s.message_index < probe_index]
+
+
+def schedule_precompute(rt: Runtime, conv: Conversation, reply: Message) -> None:
+    segments = next_turn_segments(rt, conv, reply)
+    rt.scheduler.submit(lambda: precompute(rt, segments), BACKGROUND)
+
+
+def precompute(rt: Runtime, segments: list[Segment]) -> int:
+    """Prefill `segments` from the longest checkpointed prefix, one segment at a time, stopping
+    as soon as a live request waits. Returns the tokens computed."""
+    chain, ends = anchor_chain(segments, rt.root), boundaries(segments)
+    count = rt.store.longest_restorable(chain)
+    if count == len(chain):
+        return 0
+    state, done = restore(rt, chain, ends)
+    computed = 0
+    for i in range(len(segments)):
+        if ends[i] <= done:
+            continue
+        if rt.scheduler.live_waiting():
+            log.info("precompute yielded to a live request at %d/%d tokens", done, ends[-1])
+            break
+        prefill(rt, state, segments[: i + 1], chain[: i + 1], ends[: i + 1], done)
+        computed += ends[i] - done
+        done = ends[i]
+    rt.metrics.add_tokens(precomputed=computed)
+    return computed

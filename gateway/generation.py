@@ -1,0 +1,110 @@
+"""One generation on the engine worker: restore the longest checkpointed prefix, prefill the
+rest while capturing checkpoints, decode (or teacher-force) and parse the output into
+protocol-neutral events, then checkpoint the generation's end and precompute the next
+turn's history. Events go to the request's async side through `emit`."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine import SequenceState
+from gateway import checkpoints
+from gateway.conversation import Message, ToolCall
+from gateway.events import Event, Finish, Usage, collect
+from gateway.parsers import QwenParser
+from gateway.plan import Plan
+from gateway.policy import keeps_generation_end, precomputes
+from gateway.runtime import Runtime
+from gateway.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("gateway.generation")
+
+
+@dataclass(frozen=True)
+class Started:
+    """Sent once the first token is ready: what was restored and what was computed."""
+
+    cached_tokens: int
+    prefill_tokens: int
+    ttft_s: float
+
+
+def run_generation(
+    rt: Runtime, plan: Plan, emit: Callable[[Started | Event], None], cancel: threading.Event,
+    received_at: float, call_id: Callable[[], str],
+) -> list[Event]:
+    """Runs on the worker; returns every event emitted (for the recorder)."""
+    state, cached = checkpoints.restore(rt, plan.chain[:-1], plan.ends)
+    result = checkpoints.prefill(rt, state, plan.segments, plan.chain, plan.ends, cached)
+    started = Started(cached, plan.prompt_len - cached, time.perf_counter() - received_at)
+    rt.metrics.observe_ttft(started.ttft_s)
+    rt.metrics.add_tokens(prefilled=started.prefill_tokens, reused=cached)
+    emit(started)
+    events: list[Event] = []
+
+    def send(evs: list[Event]) -> None:
+        events.extend(evs)
+        for ev in evs:
+            emit(ev)
+
+    send([Usage(plan.prompt_len, cached, started.prefill_tokens)])
+    generated, finish = _decode(rt, plan, state, result.logits, send, cancel, call_id)
+    reasoning_tokens = _reasoning_tokens(rt, generated)
+    send([Finish(finish), Usage(plan.prompt_len, cached, started.prefill_tokens, len(generated), reasoning_tokens)])
+    rt.metrics.add_tokens(generated=len(generated))
+    if finish != "cancelled":
+        _after_generation(rt, plan, state, generated, events)
+    return events
+
+
+def _decode(rt, plan, state, logits, send, cancel, call_id) -> tuple[list[int], str]:
+    conv = plan.conv
+    tools = {t.name: t.parameters for t in conv.tools if t.kind == "function"}
+    custom = [t.name for t in conv.tools if t.kind == "custom"]
+    parser = QwenParser(tools, custom_tools=custom, reasoning=conv.params.enable_thinking, call_id=call_id)
+    eos = set(rt.renderer.tokenizer.eos_ids)
+    detok = IncrementalDetokenizer(rt.renderer.tokenizer, skip_ids=frozenset(eos))
+    generated: list[int] = []
+    finish = "length"
+    for ev in rt.engine.generate(state, logits, plan.sampling, forced=plan.forced_ids):
+        generated.append(ev.token_id)
+        send(parser.feed(detok.feed(ev.token_id)))
+        if cancel.is_set():
+            return generated, "cancelled"
+        if ev.finish_reason is not None:
+            finish = "stop" if ev.token_id in eos or ev.finish_reason == "stop" else "length"
+    send(parser.feed(detok.flush()) + parser.close())
+    return generated, finish
+
+
+def _reasoning_tokens(rt: Runtime, generated: list[int]) -> int:
+    think_end = rt.renderer.tokenizer.special_ids.get("</think>")
+    return generated.index(think_end) if think_end in generated else 0
+
+
+def assistant_message(events: list[Event]) -> Message:
+    """The assistant message a client will send back for these events."""
+    collected = collect(events)
+    calls = []
+    for call in collected.tool_calls:
+        args = call.arguments
+        calls.append(ToolCall(id=call.call_id, name=call.name, arguments=args if isinstance(args, dict) else None,
+                              input=args if isinstance(args, str) else None))
+    return Message(role="assistant", reasoning=collected.reasoning, content=collected.text, tool_calls=tuple(calls))
+
+
+def _after_generation(rt: Runtime, plan: Plan, state: SequenceState, generated: list[int], events) -> None:
+    eos = rt.renderer.tokenizer.eos_ids
+    if not generated or generated[-1] != eos[0]:
+        return  # truncated: not a message the client will send back as it is
+    message = assistant_message(events)
+    rt.memo.remember(message, generated, plan.memo_handle)
+    if keeps_generation_end(rt.config.policy):
+        checkpoints.generation_end(rt, plan, state, generated)
+    if precomputes(rt.config.policy) and not message.tool_calls:
+        checkpoints.schedule_precompute(rt, plan.conv, message)
+

@@ -1,0 +1,53 @@
+"""Server counters and the TTFT histogram, rendered as Prometheus text for `/metrics`."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import msgspec
+
+TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests: Counter[tuple[str, str]] = Counter()  # (endpoint, status)
+        self.tokens = Counter({"prefilled": 0, "reused": 0, "generated": 0, "precomputed": 0})
+        self._ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
+        self._ttft_sum = 0.0
+
+    def request(self, endpoint: str, status: int) -> None:
+        with self._lock:
+            self.requests[(endpoint, str(status))] += 1
+
+    def add_tokens(self, **counts: int) -> None:
+        with self._lock:
+            self.tokens.update(counts)
+
+    def observe_ttft(self, seconds: float) -> None:
+        with self._lock:
+            index = next((i for i, b in enumerate(TTFT_BUCKETS) if seconds <= b), len(TTFT_BUCKETS))
+            self._ttft_counts[index] += 1
+            self._ttft_sum += seconds
+
+    def render(self, store_stats: msgspec.Struct, queue_depth: int) -> str:
+        with self._lock:
+            lines = ["# TYPE ft_requests_total counter"]
+            lines += [f'ft_requests_total{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())]
+            lines.append("# TYPE ft_tokens_total counter")
+            lines += [f'ft_tokens_total{{kind="{k}"}} {n}' for k, n in sorted(self.tokens.items())]
+            lines.append("# TYPE ft_ttft_seconds histogram")
+            cumulative = 0
+            for bound, count in zip([*TTFT_BUCKETS, "+Inf"], self._ttft_counts, strict=True):
+                cumulative += count
+                lines.append(f'ft_ttft_seconds_bucket{{le="{bound}"}} {cumulative}')
+            lines += [f"ft_ttft_seconds_sum {self._ttft_sum:.6f}", f"ft_ttft_seconds_count {cumulative}"]
+        lines.append(f"ft_scheduler_queue_depth {queue_depth}")
+        for name, value in msgspec.structs.asdict(store_stats).items():
+            if isinstance(value, int | float):
+                lines.append(f"ft_store_{name} {value}")
+            elif isinstance(value, dict):
+                lines += [f'ft_store_{name}{{tier="{k}"}} {v}' for k, v in value.items() if isinstance(v, int | float)]
+        return "\n".join(lines) + "\n"

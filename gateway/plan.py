@@ -1,0 +1,70 @@
+"""From a parsed request to what the engine must do: segments, anchors, boundaries,
+sampling. Runs off the event loop (tokenizing a long prompt takes milliseconds)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from engine import SamplingParams
+from gateway.anchors import anchor_chain, boundaries
+from gateway.conversation import Conversation, Message, ToolCall
+from gateway.errors import ContextLengthExceeded
+from gateway.render import Segment, segment_ids
+from gateway.runtime import Runtime
+from gateway.volatile import normalize
+
+
+@dataclass
+class Plan:
+    conv: Conversation
+    segments: list[Segment]
+    chain: list[bytes]
+    ends: list[int]
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    forced_ids: list[int] | None
+    memo_handle: str
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+
+def forced_message(conv: Conversation) -> Message | None:
+    forced = conv.forced_output
+    if forced is None:
+        return None
+    calls = tuple(
+        ToolCall(id=f"forced_{i}", name=c.name, arguments=c.arguments if c.input is None else None, input=c.input)
+        for i, c in enumerate(forced.tool_calls)
+    )
+    return Message(role="assistant", reasoning=forced.reasoning or "", content=forced.content or "", tool_calls=calls)
+
+
+def make_plan(rt: Runtime, conv: Conversation) -> Plan:
+    conv = normalize(conv, rt.volatile_rules)
+    if conv.forced_output is None and rt.replay is not None and conv.tools:
+        forced = rt.replay.take()
+        if forced is not None:
+            conv = msgspec.structs.replace(conv, forced_output=forced)
+    segments = rt.renderer.render(conv, rt.memo)
+    prompt_ids = segment_ids(segments)
+    max_context = rt.engine.max_context
+    if len(prompt_ids) >= max_context:
+        raise ContextLengthExceeded(len(prompt_ids), max_context)
+    message = forced_message(conv)
+    forced_ids = rt.renderer.render_generation(conv, message) if message is not None else None
+    p = conv.params
+    room = max_context - len(prompt_ids)
+    sampling = SamplingParams(
+        max_tokens=min(p.max_tokens or rt.config.default_max_tokens, room),
+        temperature=1.0 if p.temperature is None else p.temperature,
+        top_p=1.0 if p.top_p is None else p.top_p,
+        top_k=p.top_k or 0,
+        seed=p.seed,
+        stop_token_ids=frozenset(rt.renderer.tokenizer.eos_ids),
+    )
+    return Plan(conv, segments, anchor_chain(segments, rt.root), boundaries(segments), prompt_ids, sampling,
+                forced_ids, rt.memo.issue_handle())

@@ -1,0 +1,96 @@
+"""Everything a running server holds: settings, engine, store, renderer, memo, scheduler,
+metrics and recorder. Built once by `build_runtime`; the app reads it, nothing is global."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from checkpoint_store import CheckpointStore, StoreConfig
+from engine import Engine
+from gateway.anchors import root_anchor
+from gateway.memo import TokenMemo
+from gateway.metrics import Metrics
+from gateway.recorder import Recorder
+from gateway.render import Renderer, load_renderer
+from gateway.replay_outputs import ReplayOutputs
+from gateway.scheduler import Scheduler
+from gateway.volatile import VolatileRules
+
+log = logging.getLogger("gateway")
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model_dir: Path | None = None
+    preset: str = "tiny"
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    port: int = 1919
+    ram_cache_gib: float = 4.0
+    disk_cache: Path | None = None
+    disk_cache_gib: float = 64.0
+    policy: str = "anchor"
+    api_key: str | None = None
+    record_dir: Path | None = None
+    replay_outputs: Path | None = None
+    keep_volatile: bool = False
+    max_body_bytes: int = 32 << 20
+    default_max_tokens: int = 2048
+    model_name: str | None = None
+
+
+@dataclass
+class Runtime:
+    config: ServeConfig
+    engine: Engine
+    store: CheckpointStore
+    renderer: Renderer
+    root: bytes
+    model_id: str
+    memo: TokenMemo = field(default_factory=TokenMemo)
+    scheduler: Scheduler = field(default_factory=Scheduler)
+    metrics: Metrics = field(default_factory=Metrics)
+    recorder: Recorder | None = None
+    replay: ReplayOutputs | None = None
+    started_at: float = field(default_factory=time.time)
+
+    @property
+    def volatile_rules(self) -> VolatileRules:
+        return VolatileRules(billing_header="keep" if self.config.keep_volatile else "drop")
+
+    def close(self) -> None:
+        self.scheduler.close()
+        self.store.flush()
+        self.store.close()
+        if self.recorder is not None:
+            self.recorder.close()
+
+
+def build_runtime(config: ServeConfig) -> Runtime:
+    if config.model_dir is not None:
+        engine = Engine.load(config.model_dir, device=config.device)
+        model_id = config.model_name or config.model_dir.name
+    else:
+        engine = Engine.from_preset(config.preset, device=config.device)
+        model_id = config.model_name or config.preset
+    renderer = load_renderer(engine.model_dir)
+    store = CheckpointStore(StoreConfig(
+        ram_bytes=int(config.ram_cache_gib * GiB),
+        disk_dir=config.disk_cache,
+        disk_bytes=int(config.disk_cache_gib * GiB),
+        fingerprint=engine.fingerprint,
+    ))
+    return Runtime(
+        config=config,
+        engine=engine,
+        store=store,
+        renderer=renderer,
+        root=root_anchor(engine.fingerprint, renderer.template_id),
+        model_id=model_id,
+        recorder=Recorder(config.record_dir) if config.record_dir else None,
+        replay=ReplayOutputs.load(config.replay_outputs) if config.replay_outputs else None,
+    )

@@ -1,0 +1,69 @@
+"""`ft serve`: serve a model to coding agents (Anthropic Messages, OpenAI Responses and Chat
+Completions) with semantic checkpoints, on http://127.0.0.1:1919 by default."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from gateway.policy import POLICIES
+from gateway.runtime import ServeConfig, build_runtime
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument("--model", type=Path, help="HF model folder (config.json + safetensors + tokenizer)")
+    model.add_argument("--preset", help="preset model, written on first use (default: tiny)")
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
+    parser.add_argument("--port", type=int, default=1919, help="port (default 1919)")
+    parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda (default cpu)")
+    parser.add_argument("--ram-cache", type=float, default=4.0, metavar="GiB", help="RAM checkpoint budget (default 4)")
+    parser.add_argument("--disk-cache", type=Path, metavar="DIR", help="LMDB checkpoint folder (survives restarts)")
+    parser.add_argument("--disk-cache-size", type=float, default=64.0, metavar="GiB", help="disk cap (default 64)")
+    parser.add_argument("--policy", choices=POLICIES, default="anchor",
+                        help="where recurrent states are checkpointed (default anchor; see gateway/policy.py)")
+    parser.add_argument("--api-key", help="require this key (Authorization: Bearer or x-api-key)")
+    parser.add_argument("--record", type=Path, metavar="DIR", help="write every request and its timings as JSONL")
+    parser.add_argument("--replay-outputs", type=Path, metavar="FILE",
+                        help="JSONL of outputs to teacher-force for successive tool-carrying requests")
+    parser.add_argument("--keep-volatile", action="store_true",
+                        help="do not normalise per-request nonces (Claude Code's billing header)")
+    parser.add_argument("--max-tokens", type=int, default=2048, help="default max output tokens (default 2048)")
+    parser.add_argument("--served-model-name", help="model id to report (default: folder or preset name)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    return ServeConfig(
+        model_dir=args.model, preset=args.preset or "tiny", device=args.device, host=args.host, port=args.port,
+        ram_cache_gib=args.ram_cache, disk_cache=args.disk_cache, disk_cache_gib=args.disk_cache_size,
+        policy=args.policy, api_key=args.api_key, record_dir=args.record, replay_outputs=args.replay_outputs,
+        keep_volatile=args.keep_volatile, default_max_tokens=args.max_tokens, model_name=args.served_model_name,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn  # noqa: PLC0415
+
+    from gateway.app import create_app  # noqa: PLC0415
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(args)
+    if args.model is not None and not args.model.is_dir():
+        print(f"ft serve: {args.model}: no such folder", file=sys.stderr)
+        return 2
+    try:
+        runtime = build_runtime(config)
+    except (ValueError, KeyError, OSError) as exc:
+        print(f"ft serve: {exc}", file=sys.stderr)
+        return 2
+    url = f"http://{config.host}:{config.port}"
+    print(f"ft serve: model {runtime.model_id!r} ({runtime.engine.config.arch}, {runtime.engine.device}), "
+          f"policy {config.policy}, listening on {url}", flush=True)
+    print(f"  Claude Code:  ft launch claude --server {url}\n  Codex:        ft launch codex --server {url}\n"
+          f"  OpenCode:     ft launch opencode --server {url}", flush=True)
+    uvicorn.run(create_app(runtime), host=config.host, port=config.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
+    return 0
