@@ -27,14 +27,16 @@ class Scheduler:
         self._order = itertools.count()
         self._live_waiting = 0
         self._lock = threading.Lock()
+        self._pending = 0
+        self._closing = False
         self._thread = threading.Thread(target=self._loop, name="engine-worker", daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[[], Any], priority: int = LIVE) -> Future:
         future: Future = Future()
-        if priority == LIVE:
-            with self._lock:
-                self._live_waiting += 1
+        with self._lock:
+            self._pending += 1
+            self._live_waiting += priority == LIVE
         self._queue.put((priority, next(self._order), fn, future))
         return future
 
@@ -43,15 +45,22 @@ class Scheduler:
         return await asyncio.wrap_future(self.submit(fn, LIVE))
 
     def live_waiting(self) -> bool:
-        """True when a live request waits: background work should stop at its next boundary."""
-        return self._live_waiting > 0
+        """True when a live request waits (or the server is closing): background work should
+        stop at its next boundary."""
+        return self._live_waiting > 0 or self._closing
 
     @property
     def queue_depth(self) -> int:
         return self._queue.qsize()
 
+    @property
+    def idle(self) -> bool:
+        """No job queued or running."""
+        return self._pending == 0
+
     def close(self, timeout: float = 30.0) -> None:
-        """Finish queued live work, drop background work, stop the thread."""
+        """Finish queued live work, cut background work short, stop the thread."""
+        self._closing = True
         self._queue.put((2, next(self._order), None, None))
         self._thread.join(timeout)
 
@@ -63,11 +72,14 @@ class Scheduler:
             if priority == LIVE:
                 with self._lock:
                     self._live_waiting -= 1
-            if not future.set_running_or_notify_cancel():
-                continue
             try:
+                if not future.set_running_or_notify_cancel():
+                    continue
                 future.set_result(fn())
             except BaseException as exc:  # noqa: BLE001 (delivered to the awaiting request)
                 if priority != LIVE:
                     log.exception("background job failed")
                 future.set_exception(exc)
+            finally:
+                with self._lock:
+                    self._pending -= 1

@@ -1,0 +1,126 @@
+"""Anchor behaviour on the live server, asserted on the gateway's own prefilled/cached
+counts (response headers), with outputs teacher-forced so every request is deterministic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.protocols import chat
+from gateway.render import segment_ids
+from tests.conftest import start_server
+
+SYSTEM = "You are a careful coding agent. " * 40
+TOOLS = [{"type": "function", "function": {
+    "name": "bash", "description": "Run a shell command",
+    "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}]
+
+
+def call(client, messages, forced, tools=TOOLS):
+    body = {"model": "tiny", "messages": messages, "tools": tools, "ft_forced_output": forced}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    usage = r.json()["usage"]
+    assert int(r.headers["x-cached-tokens"]) == usage["prompt_tokens_details"]["cached_tokens"]
+    assert int(r.headers["x-prefill-tokens"]) + int(r.headers["x-cached-tokens"]) == usage["prompt_tokens"]
+    return r.json(), int(r.headers["x-cached-tokens"]), int(r.headers["x-prefill-tokens"])
+
+
+def assistant_turn(response, reasoning):
+    msg = response["choices"][0]["message"]
+    out = {"role": "assistant", "content": msg.get("content"), "reasoning_content": reasoning}
+    if msg.get("tool_calls"):
+        out["tool_calls"] = msg["tool_calls"]
+    return out
+
+
+def tool_round(command):
+    return {"reasoning": f"I will run {command}.", "tool_calls": [{"name": "bash", "arguments": {"command": command}}]}
+
+
+def prompt_segments(server, messages):
+    conv = chat.parse_request({"model": "tiny", "messages": messages, "tools": TOOLS})
+    return server.runtime.renderer.render(conv, server.runtime.memo)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = start_server(preset="tiny", policy="anchor")
+    yield s
+    s.stop()
+
+
+def run_tool_loop(server, client, user_text, commands, final="All done."):
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user_text}]
+    counts = []
+    for i, command in enumerate([*commands, None]):
+        forced = tool_round(command) if command else {"reasoning": "Summarise.", "content": final}
+        response, cached, prefilled = call(client, messages, forced)
+        counts.append((cached, prefilled, response["usage"]["prompt_tokens"], response["usage"]["completion_tokens"]))
+        messages.append(assistant_turn(response, forced["reasoning"]))
+        if command:
+            tool_id = response["choices"][0]["message"]["tool_calls"][0]["id"]
+            messages.append({"role": "tool", "tool_call_id": tool_id, "content": f"output of {command} #{i}\n" * 20})
+    return messages, counts
+
+
+def test_appending_a_tool_result_reprefills_only_the_new_tokens(server):
+    with server.client() as client:
+        _, counts = run_tool_loop(server, client, "Fix the failing test.", ["ls", "pytest -x"])
+    for (_, _, prompt, generated), (cached, prefilled, next_prompt, _) in zip(counts, counts[1:], strict=False):
+        assert cached == prompt + generated  # the whole previous prompt and generation restored
+        assert prefilled == next_prompt - cached  # only the tool result and the generation prompt
+
+
+def test_new_user_message_after_tool_loop_pays_only_for_itself_once_precomputed(server):
+    with server.client() as client:
+        messages, _ = run_tool_loop(server, client, "Rename the helper.", ["grep -r helper ."])
+        server.wait_idle()  # precompute of the next turn's history (reasoning dropped) has run
+        messages.append({"role": "user", "content": "Thanks. Now add a test for it."})
+        _, cached, prefilled = call(client, messages, {"reasoning": "ok", "content": "Sure."})
+    segments = prompt_segments(server, messages)
+    new_tail = segments[-2:]  # the new user message and the generation prompt
+    assert [s.kind for s in new_tail] == ["user", "generation_prompt"]
+    assert prefilled == len(segment_ids(new_tail))
+
+
+def test_editing_a_middle_tool_result_reprefills_from_that_result_on(server):
+    with server.client() as client:
+        messages, _ = run_tool_loop(server, client, "Profile the build.", ["make", "make test", "make bench"])
+        tool_positions = [i for i, m in enumerate(messages) if m["role"] == "tool"]
+        edited = json.loads(json.dumps(messages[:-1]))  # resend the last request, with its second result edited
+        edited[tool_positions[1]]["content"] = "a different output\n" * 20
+        _, cached, prefilled = call(client, edited, {"reasoning": "again", "content": "Done."})
+    segments = prompt_segments(server, edited)
+    edited_index = tool_positions[1] - 1  # the leading system message is not in Conversation.messages
+    first_changed = next(i for i, s in enumerate(segments) if s.message_index == edited_index)
+    assert segments[first_changed].kind == "tool_result"
+    assert cached == len(segment_ids(segments[:first_changed]))
+    assert prefilled == len(segment_ids(segments[first_changed:]))
+
+
+def test_a_second_session_reuses_the_shared_system_prompt_and_tools(server):
+    with server.client() as client:
+        run_tool_loop(server, client, "First session task.", ["ls"])
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "A different task entirely."}]
+        _, cached, prefilled = call(client, messages, {"reasoning": "hm", "content": "ok"})
+    segments = prompt_segments(server, messages)
+    shared = [s for s in segments if s.kind in ("system", "tools")]
+    assert shared and cached == len(segment_ids(shared))
+
+
+def test_policies_rank_anchor_below_prefix_below_none_on_a_new_user_turn():
+    totals = {}
+    for policy in ("anchor", "prefix", "none"):
+        s = start_server(preset="tiny", policy=policy)
+        try:
+            with s.client() as client:
+                messages, counts = run_tool_loop(s, client, "Investigate the crash.", ["ls", "cat log"])
+                s.wait_idle()
+                messages.append({"role": "user", "content": "Now fix it."})
+                _, _, prefilled = call(client, messages, {"reasoning": "fixing", "content": "Fixed."})
+            totals[policy] = sum(c[1] for c in counts) + prefilled
+        finally:
+            s.stop()
+    assert totals["anchor"] < totals["prefix"] < totals["none"]
