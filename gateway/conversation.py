@@ -80,6 +80,21 @@ class ForcedOutput(msgspec.Struct, frozen=True, kw_only=True):
     content: str | None = None
     tool_calls: tuple[ForcedToolCall, ...] = ()
 
+    def to_message(self, call_id_prefix: str = "call_forced_") -> Message:
+        """The assistant message to render (see `Renderer.render_generation`)."""
+        calls = tuple(
+            ToolCall(
+                id=f"{call_id_prefix}{i}",
+                name=c.name,
+                arguments=None if c.input is not None else (c.arguments or {}),
+                input=c.input,
+            )
+            for i, c in enumerate(self.tool_calls)
+        )
+        return Message(
+            role="assistant", reasoning=self.reasoning or "", content=self.content or "", tool_calls=calls
+        )
+
 
 class GenerationParams(msgspec.Struct, frozen=True, kw_only=True):
     """Sampling and output options; `None` means the server default.
