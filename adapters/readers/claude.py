@@ -115,12 +115,11 @@ def read_claude(
             transcript.add(number, obj)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             report.report(path, number, f"malformed {obj.get('type', 'line')} line: {exc!r}")
-    if transcript.api_requests:
-        requests = _from_api_requests(transcript, path, report)
-    else:
-        requests = _from_chain(transcript, path, report)
+    requests = _from_api_requests(transcript, path, report) if transcript.api_requests else None
     meta = {k: v for k, v in transcript.meta.items() if v is not None}
-    meta["rebuilt_from"] = "api-request" if transcript.api_requests else "chain"
+    meta["rebuilt_from"] = "api-request" if requests is not None else "chain"
+    if requests is None:
+        requests = _from_chain(transcript, path, report)
     return [Trace(transcript.session_id or path.stem, "claude", str(path), requests, meta)]
 
 
@@ -163,7 +162,8 @@ def _chain_messages(transcript: _Transcript) -> dict[str, dict[str, Any]]:
     return known
 
 
-def _from_api_requests(transcript: _Transcript, path: Path, report: Problems) -> list[TraceRequest]:
+def _from_api_requests(transcript: _Transcript, path: Path, report: Problems) -> list[TraceRequest] | None:
+    """Bodies exactly as sent; None (after reporting why) when one cannot be rebuilt."""
     known = _chain_messages(transcript)
     outputs: dict[str, list[_Line]] = {}
     for line in transcript.chain_lines:
@@ -175,8 +175,10 @@ def _from_api_requests(transcript: _Transcript, path: Path, report: Problems) ->
         try:
             messages = _request_messages(obj, sent, known)
         except (KeyError, TypeError, ValueError) as exc:
-            report.report(path, number, f"cannot rebuild api-request: {exc}")
-            continue
+            report.report(
+                path, number, f"cannot rebuild api-request ({exc}); rebuilding from the parentUuid chain"
+            )
+            return None
         sent[obj["id"]] = messages
         answer = outputs.get(obj["id"])
         if not answer:
@@ -287,13 +289,26 @@ def _from_chain(transcript: _Transcript, path: Path, report: Problems) -> list[T
             messages[-1]["content"].extend(blocks)
             requests[-1] = _with_output(requests[-1], messages[-1]["content"], line.ts)
             continue
-        body = {"model": model, "messages": copy.deepcopy(messages), "max_tokens": 32000, "stream": True}
+        body = {**_chain_body_defaults(transcript, model), "messages": copy.deepcopy(messages)}
         after_tool = is_tool_result_last("anthropic", body)
         requests.append(
             TraceRequest("anthropic", body, output_of(blocks), after_tool, last_ts or line.ts, line.ts)
         )
         messages.append({"role": "assistant", "content": list(blocks)})
     return requests
+
+
+def _chain_body_defaults(transcript: _Transcript, model: str) -> dict[str, Any]:
+    """Model, system, tools and parameters for chain-rebuilt bodies: the last logged shape and
+    request parameters where the transcript has them, else a plain Messages body."""
+    body: dict[str, Any] = {"model": model}
+    shape = list(transcript.shapes.values())[-1] if transcript.shapes else {}
+    body.update({key: copy.deepcopy(shape[key]) for key in ("system", "tools") if shape.get(key)})
+    params = dict(transcript.api_requests[-1][1].get("params") or {}) if transcript.api_requests else {}
+    params.pop("betas", None)
+    body.update(params or {"max_tokens": 32000})
+    body["stream"] = True
+    return body
 
 
 def _append_user(messages: list[dict[str, Any]], content: Any) -> None:
