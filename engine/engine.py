@@ -15,7 +15,7 @@ from engine.loader import build_model, fingerprint, load_folder
 from engine.model import HybridForCausalLM
 from engine.ops import Kernels, kernels_for
 from engine.sampling import Sampler, SamplingParams
-from engine.snapshot import Snapshot
+from engine.snapshot import Snapshot, concat_chain
 from engine.state import KVCache, SequenceState
 
 PREFILL_CHUNK = int(os.environ.get("FT_PREFILL_CHUNK", "4096"))
@@ -45,6 +45,8 @@ class Engine:
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
         self.kernels: Kernels = kernels_for(self.device)
+        make_runtime = getattr(self.kernels, "runtime", None)  # device extras: host copies, graph decode
+        self.runtime = make_runtime(model) if make_runtime is not None else None
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None) -> Engine:
@@ -96,11 +98,18 @@ class Engine:
             base = start + lo
             offsets = [p - base for p in positions if base < p <= base + len(chunk)]
             hidden, states = self.model(chunk, state, offsets, self.kernels)
-            captured.update({base + off: s for off, s in zip(offsets, states, strict=True)})
+            captured.update({base + off: self._to_host(s) for off, s in zip(offsets, states, strict=True)})
             outputs.append(hidden if all_logits else hidden[-1:])
         hidden = torch.cat(outputs) if all_logits else outputs[-1][-1]
         snapshots = self._snapshots(state, positions, captured, start if kv_start is None else kv_start, state_at)
-        return PrefillResult(self.model.logits(hidden), snapshots)
+        logits = self.model.logits(hidden)
+        if self.runtime is not None:
+            self.runtime.sync()  # snapshot tensors are complete once handed out
+        return PrefillResult(logits, snapshots)
+
+    def _to_host(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """On a GPU, snapshot tensors go to pinned host memory on a side stream."""
+        return tensors if self.runtime is None else self.runtime.to_host(tensors)
 
     def _snapshots(self, state, positions, captured, kv_start, state_at) -> list[Snapshot]:
         snapshots, prev = [], kv_start
@@ -116,8 +125,8 @@ class Engine:
         tensors = {}
         for layer, cache in state.kv.items():
             k, v = cache.slice(start, end)
-            tensors[f"kv.{layer}.k"], tensors[f"kv.{layer}.v"] = k.clone(), v.clone()
-        return tensors
+            tensors[f"kv.{layer}.k"], tensors[f"kv.{layer}.v"] = (k, v) if self.runtime else (k.clone(), v.clone())
+        return self._to_host(tensors)
 
     def kv_delta(self, state: SequenceState, start: int, end: int) -> Snapshot:
         """A KV-only snapshot of positions [start, end) of `state` (no DeltaNet state)."""
@@ -127,16 +136,29 @@ class Engine:
 
     def snapshot(self, state: SequenceState, start: int) -> Snapshot:
         """KV of [start, state.length) and the current DeltaNet states."""
+        state.wait_all()
         tensors = self._kv_tensors(state, start, state.length)
+        states = {}
         for layer in self.config.deltanet_layers:
-            tensors[f"conv.{layer}"] = state.conv[layer].clone()
-            tensors[f"rec.{layer}"] = state.rec[layer].clone()
+            states[f"conv.{layer}"] = state.conv[layer].clone()
+            states[f"rec.{layer}"] = state.rec[layer].clone()
+        tensors.update(self._to_host(states))
+        if self.runtime is not None:
+            self.runtime.sync()
         return Snapshot(start, state.length, tensors)
 
-    def restore(self, snapshot: Snapshot) -> SequenceState:
-        """A state at `snapshot.end` from a chain snapshot starting at 0 (see concat_chain)."""
-        if snapshot.start != 0 or not snapshot.has_state:
+    def restore(self, snapshot: Snapshot | Sequence[Snapshot]) -> SequenceState:
+        """A state at the chain's end from a chain snapshot starting at 0 (see concat_chain), or
+        from the chain itself (a list of consecutive snapshots: each KV delta is copied into place,
+        never concatenated on the host). On a GPU the copies overlap the next prefill."""
+        chain = [snapshot] if isinstance(snapshot, Snapshot) else list(snapshot)
+        if not chain or chain[0].start != 0 or not chain[-1].has_state:
             raise ValueError("restore needs a chain from position 0 that ends with a state")
+        if self.runtime is not None:
+            if any(a.end != b.start for a, b in zip(chain, chain[1:], strict=False)):
+                raise ValueError("chain has a hole")
+            return self.runtime.restore(self.new_state(), chain)
+        snapshot = concat_chain(chain) if len(chain) > 1 else chain[0]
         state = self.new_state()
         t = snapshot.tensors
         for layer, cache in state.kv.items():
@@ -163,17 +185,19 @@ class Engine:
                 yield TokenEvent(token, index, "stop" if stop or forced is not None else "length")
                 return
             yield TokenEvent(token, index)
-            hidden, _ = self.model(torch.tensor([token], device=self.device), state, [], self.kernels)
-            logits = self.model.logits(hidden[-1])
+            logits = self._step(state, token)
 
     @torch.no_grad()
     def feed(self, state: SequenceState, token_ids: Sequence[int]) -> torch.Tensor:
         """Teacher-force `token_ids` one decode step at a time; returns the logits after each [T, V]."""
-        steps = []
-        for token in token_ids:
-            hidden, _ = self.model(torch.tensor([token], device=self.device), state, [], self.kernels)
-            steps.append(self.model.logits(hidden[-1]))
-        return torch.stack(steps)
+        return torch.stack([self._step(state, token) for token in token_ids])
+
+    def _step(self, state: SequenceState, token: int) -> torch.Tensor:
+        """One decode step: `token` into `state`; the logits [V] after it."""
+        if self.runtime is not None:
+            return self.runtime.step(state, token)
+        hidden, _ = self.model(torch.tensor([token], device=self.device), state, [], self.kernels)
+        return self.model.logits(hidden[-1])
 
 
 def ensure_preset(name: str) -> Path:

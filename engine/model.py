@@ -196,6 +196,7 @@ class HybridForCausalLM(nn.Module):
         x = self.model.embed_tokens(ids)  # [T, H]
         captures: list[dict[str, torch.Tensor]] = [{} for _ in capture_at]
         for layer in self.model.layers:
+            state.wait_for(layer.layer)  # a restore may still be copying this layer's state in
             x, captured = layer(x, rope, state, capture_at, kernels)
             for snapshot, (conv, rec) in zip(captures, captured, strict=False):
                 snapshot[f"conv.{layer.layer}"], snapshot[f"rec.{layer.layer}"] = conv, rec

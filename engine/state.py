@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -25,6 +26,11 @@ class KVCache:
         self.length = end
         return self.k[:end], self.v[:end]
 
+    def reserve(self, capacity: int) -> None:
+        """Room for `capacity` tokens without regrowing."""
+        if capacity > self.k.shape[0]:
+            self._grow(capacity)
+
     def slice(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[start:end], self.v[start:end]
 
@@ -45,12 +51,24 @@ class SequenceState:
 
     kv: layer -> KVCache; conv: layer -> [conv_dim, kernel-1] (model dtype);
     rec: layer -> [Hv, Dk, Dv] (always fp32).
+    pending: layer -> an event (with `.wait()`) that a restore's copies into that layer's tensors
+    signal; whoever reads a layer's tensors calls `wait_for(layer)` first (empty on the CPU).
     """
 
     length: int = 0
     kv: dict[int, KVCache] = field(default_factory=dict)
     conv: dict[int, torch.Tensor] = field(default_factory=dict)
     rec: dict[int, torch.Tensor] = field(default_factory=dict)
+    pending: dict[int, Any] = field(default_factory=dict)
+
+    def wait_for(self, layer: int) -> None:
+        event = self.pending.pop(layer, None)
+        if event is not None:
+            event.wait()  # the current stream waits; the host does not
+
+    def wait_all(self) -> None:
+        for layer in list(self.pending):
+            self.wait_for(layer)
 
     @property
     def nbytes(self) -> int:
