@@ -1,0 +1,40 @@
+"""GPU kernels, chosen by `engine.ops.kernels_for` when the model sits on a CUDA device:
+fla-core's Triton Gated DeltaNet (chunked prefill, fused recurrent decode), SDPA/flash attention
+with grouped KV heads, grouped-GEMM experts; plus a runtime for pinned host transfers and CUDA
+graph decode (`GpuKernels.runtime`)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from engine.ops import Kernels
+from engine.ops import deltanet as reference_deltanet
+from engine.ops.conv import causal_conv
+from engine.ops.gpu import attention, moe
+
+log = logging.getLogger(__name__)
+
+try:
+    from engine.ops.gpu import deltanet
+except ImportError as exc:  # fla-core missing: the reference scan still runs on the GPU, slowly
+    log.warning("fla-core not importable (%s): Gated DeltaNet uses the reference kernels", exc)
+    deltanet = reference_deltanet
+
+
+@dataclass(frozen=True)
+class GpuKernels(Kernels):
+    def runtime(self, model):
+        from engine.ops.gpu.runtime import GpuRuntime  # noqa: PLC0415
+
+        return GpuRuntime(model, self)
+
+
+KERNELS = GpuKernels(
+    name="gpu" if deltanet is not reference_deltanet else "gpu-no-fla",
+    causal_attention=attention.causal_attention,
+    causal_conv=causal_conv,
+    chunk_gated_delta_rule=deltanet.chunk_gated_delta_rule,
+    recurrent_gated_delta_rule=deltanet.recurrent_gated_delta_rule,
+    moe_experts=moe.experts_grouped,
+)

@@ -1,0 +1,37 @@
+"""What the engine asks of a CUDA device beyond kernels: snapshot copies to pinned host memory,
+restores from host memory, and decode steps through a CUDA graph."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from engine.model import HybridForCausalLM
+from engine.ops.gpu.decode import GraphDecoder
+from engine.ops.gpu.transfer import Transfers
+from engine.snapshot import Snapshot
+from engine.state import SequenceState
+
+
+class GpuRuntime:
+    def __init__(self, model: HybridForCausalLM, kernels):
+        self.model = model
+        self.device = model.lm_head.weight.device
+        self.dtype = model.lm_head.weight.dtype
+        self.transfers = Transfers(self.device)
+        self.decoder = GraphDecoder(model, kernels, use_graph=os.environ.get("FT_CUDA_GRAPHS", "1") != "0")
+
+    def to_host(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.transfers.to_host(tensors)
+
+    def sync(self) -> None:
+        self.transfers.sync()
+
+    def restore(self, state: SequenceState, chain: Sequence[Snapshot]) -> SequenceState:
+        self.transfers.restore(state, chain, self.model.config, self.dtype)
+        return state
+
+    def step(self, state: SequenceState, token: int) -> torch.Tensor:
+        return self.decoder.step(state, token)

@@ -1,0 +1,79 @@
+"""Host <-> device copies for snapshots, on a side stream so they stay off the compute stream.
+
+Device -> host: each captured tensor is copied into pinned host memory on the copy stream after
+an event on the compute stream; `sync()` waits for all copies issued so far (the engine calls it
+once, at the end of a prefill, so a snapshot's tensors are complete when the snapshot is handed
+out). Host -> device: a restore copies each layer's tensors on the copy stream and leaves one
+event per layer in `SequenceState.pending`; the model waits for a layer's event just before it
+runs that layer, so the copies overlap the first prefill chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.config import ModelConfig
+from engine.snapshot import Snapshot
+from engine.state import SequenceState
+
+KV_HEADROOM = 4096  # tokens of KV capacity beyond a restored prefix, so the next prefill need not regrow
+
+
+class Transfers:
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.pending: list[torch.cuda.Event] = []
+
+    def to_host(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Pinned host copies of device `tensors`, complete after `sync()`."""
+        ready = torch.cuda.Event()
+        ready.record()
+        self.stream.wait_event(ready)
+        out = {}
+        with torch.cuda.stream(self.stream):
+            for name, t in tensors.items():
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                t.record_stream(self.stream)  # the allocator must not reuse t's memory before the copy ran
+                out[name] = host
+        done = torch.cuda.Event()
+        done.record(self.stream)
+        self.pending.append(done)
+        return out
+
+    def sync(self) -> None:
+        for event in self.pending:
+            event.synchronize()
+        self.pending.clear()
+
+    def restore(self, state: SequenceState, chain: Sequence[Snapshot], config: ModelConfig, dtype: torch.dtype) -> None:
+        """Fill the empty `state` from `chain` (KV deltas from 0, the last one holding a state)."""
+        end = chain[-1].end
+        last = chain[-1].tensors
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)  # freshly allocated blocks may still be read by earlier kernels
+        for layer in range(config.num_hidden_layers):
+            copies = []  # (device destination allocated on the compute stream, host source)
+            if layer in state.kv:
+                cache = state.kv[layer]
+                cache.reserve(end + KV_HEADROOM)
+                for snap in chain:
+                    copies.append((cache.k[snap.start : snap.end], snap.tensors[f"kv.{layer}.k"]))
+                    copies.append((cache.v[snap.start : snap.end], snap.tensors[f"kv.{layer}.v"]))
+                cache.length = end
+            else:
+                conv, rec = last[f"conv.{layer}"], last[f"rec.{layer}"]
+                state.conv[layer] = torch.empty(conv.shape, dtype=dtype, device=self.device)
+                state.rec[layer] = torch.empty(rec.shape, dtype=torch.float32, device=self.device)
+                copies += [(state.conv[layer], conv), (state.rec[layer], rec)]
+            with torch.cuda.stream(self.stream):
+                for dst, src in copies:
+                    dst.copy_(src if src.dtype == dst.dtype else src.to(dst.dtype), non_blocking=True)
+                    dst.record_stream(self.stream)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            state.pending[layer] = event
+        state.length = end
