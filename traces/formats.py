@@ -20,6 +20,7 @@ from adapters.readers.claude import message_hash
 from adapters.readers.codex import build_body
 from adapters.trace import (
     AssistantOutput,
+    Protocol,
     RecordLine,
     Timings,
     ToolCall,
@@ -224,7 +225,7 @@ def chat_body(session: Session, messages: list[dict[str, Any]]) -> dict[str, Any
     }
 
 
-def to_trace(session: Session, protocol: str) -> Trace:
+def to_trace(session: Session, protocol: Protocol) -> Trace:
     """The session as the requests an agent speaking `protocol` would send."""
     if protocol == "anthropic":
         pairs = [(s, anthropic_body(session, m)) for s, m, _, _ in _anthropic_steps(session)]
@@ -237,7 +238,7 @@ def to_trace(session: Session, protocol: str) -> Trace:
     requests = [
         TraceRequest(protocol, body, output_of(s), is_tool_result_last(protocol, body), s.start, s.end)
         for s, body in pairs
-    ]  # type: ignore[arg-type]
+    ]
     return Trace(session.session_id, "generated", f"seed:{session.seed}", requests, {"seed": session.seed})
 
 
@@ -248,7 +249,7 @@ def _turn_of(session: Session, step: Step) -> int:
 # -- writers -------------------------------------------------------------------------------------
 
 
-def write_recording(session: Session, path: Path, protocol: str = "chat") -> None:
+def write_recording(session: Session, path: Path, protocol: Protocol = "chat") -> None:
     trace = to_trace(session, protocol)
     lines = [
         RecordLine(
@@ -256,10 +257,10 @@ def write_recording(session: Session, path: Path, protocol: str = "chat") -> Non
             r.path,
             r.body,
             r.output,
-            Timings(total_ms=round((r.output_ts - r.ts) * 1000, 1)),
+            Timings(total_ms=round(((r.output_ts or 0.0) - (r.ts or 0.0)) * 1000, 1)),
             r.ts,
             session.session_id,
-        )  # type: ignore[operator]
+        )
         for r in trace.requests
     ]
     path.write_bytes(encode_jsonl(lines))
@@ -365,7 +366,7 @@ def write_claude(session: Session, path: Path) -> None:
                     {"type": "api-request-blob", "hash": message_hash(message), "message": message, **common}
                 )
         params = {"model": session.model, "max_tokens": 32000, "thinking": {"type": "adaptive"}}
-        request = {
+        request: dict[str, Any] = {
             "type": "api-request",
             "id": request_id,
             "timestamp": iso(step.start),

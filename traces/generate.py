@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from adapters.trace import Protocol
 from traces.formats import write_claude, write_codex, write_recording
 from traces.session import Session, simulate
 
@@ -41,7 +42,7 @@ EXAMPLES = (
 
 
 def write(
-    session: Session, out: Path, name: str, formats: tuple[str, ...], protocol: str = "chat"
+    session: Session, out: Path, name: str, formats: tuple[str, ...], protocol: Protocol = "chat"
 ) -> list[Path]:
     """Write `session` in each of `formats` under `out` as `<name>.<format>.jsonl`."""
     out.mkdir(parents=True, exist_ok=True)

