@@ -57,9 +57,9 @@ def make_plan(rt: Runtime, conv: Conversation) -> Plan:
     message = forced_message(conv)
     forced_ids = rt.renderer.render_generation(conv, message) if message is not None else None
     p = conv.params
-    room = max_context - len(prompt_ids)
+    limits = [p.max_tokens or rt.config.default_max_tokens, max_context - len(prompt_ids), rt.config.max_tokens_cap]
     sampling = SamplingParams(
-        max_tokens=min(p.max_tokens or rt.config.default_max_tokens, room),
+        max_tokens=min(n for n in limits if n is not None),
         temperature=1.0 if p.temperature is None else p.temperature,
         top_p=1.0 if p.top_p is None else p.top_p,
         top_k=p.top_k or 0,

@@ -40,6 +40,7 @@ class ServeConfig:
     keep_volatile: bool = False
     max_body_bytes: int = 32 << 20
     default_max_tokens: int = 2048
+    max_tokens_cap: int | None = None
     model_name: str | None = None
 
 
