@@ -134,4 +134,18 @@ class _Run:
             output_tokens=collected.usage.output_tokens,
         )
         path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        self.rt.recorder.write(RecordLine(self.protocol.name, path, body, output, timings, ts=time.time()))
+        self.rt.recorder.write(RecordLine(self.protocol.name, path, body, output, timings, ts=time.time(),
+                                          session=session_id(request, body)))
+
+
+SESSION_HEADERS = ("x-claude-code-session-id", "session-id", "x-session-id")
+
+
+def session_id(request: Request, body: dict) -> str | None:
+    """The client's session id where it sends one (Claude Code, Codex, OpenCode headers; Codex's
+    `prompt_cache_key`), so interleaved sessions in one recording can be told apart."""
+    for name in SESSION_HEADERS:
+        if value := request.headers.get(name):
+            return value
+    key = body.get("prompt_cache_key")
+    return key if isinstance(key, str) else None

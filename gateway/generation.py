@@ -16,6 +16,7 @@ from gateway import checkpoints
 from gateway.conversation import Message, ToolCall
 from gateway.events import Event, Finish, Usage, collect
 from gateway.parsers import QwenParser
+from gateway.parsers.stop import StopMatcher
 from gateway.plan import Plan
 from gateway.policy import keeps_generation_end, precomputes
 from gateway.runtime import Runtime
@@ -52,16 +53,17 @@ def run_generation(
             emit(ev)
 
     send([Usage(plan.prompt_len, cached, started.prefill_tokens)])
-    generated, finish = _decode(rt, plan, state, result.logits, send, cancel, call_id)
+    stops = StopMatcher(plan.conv.params.stop)
+    generated, finish = _decode(rt, plan, state, result.logits, send, cancel, call_id, stops)
     reasoning_tokens = _reasoning_tokens(rt, generated)
-    send([Finish(finish), Usage(plan.prompt_len, cached, started.prefill_tokens, len(generated), reasoning_tokens)])
+    send([Finish(finish, stops.hit), Usage(plan.prompt_len, cached, started.prefill_tokens, len(generated), reasoning_tokens)])
     rt.metrics.add_tokens(generated=len(generated))
     if finish != "cancelled":
         _after_generation(rt, plan, state, generated, events)
     return events
 
 
-def _decode(rt, plan, state, logits, send, cancel, call_id) -> tuple[list[int], str]:
+def _decode(rt, plan, state, logits, send, cancel, call_id, stops: StopMatcher) -> tuple[list[int], str]:
     conv = plan.conv
     tools = {t.name: t.parameters for t in conv.tools if t.kind == "function"}
     custom = [t.name for t in conv.tools if t.kind == "custom"]
@@ -72,12 +74,14 @@ def _decode(rt, plan, state, logits, send, cancel, call_id) -> tuple[list[int], 
     finish = "length"
     for ev in rt.engine.generate(state, logits, plan.sampling, forced=plan.forced_ids):
         generated.append(ev.token_id)
-        send(parser.feed(detok.feed(ev.token_id)))
+        send(stops.filter(parser.feed(detok.feed(ev.token_id))))
         if cancel.is_set():
             return generated, "cancelled"
+        if stops.hit is not None:
+            return generated, "stop"
         if ev.finish_reason is not None:
             finish = "stop" if ev.token_id in eos or ev.finish_reason == "stop" else "length"
-    send(parser.feed(detok.flush()) + parser.close())
+    send(stops.filter(parser.feed(detok.flush()) + parser.close()) + stops.flush())
     return generated, finish
 
 

@@ -101,3 +101,15 @@ def test_sampling_without_forcing_respects_max_tokens(openai_client):
     out = openai_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                 max_tokens=5, temperature=0.8, seed=1)
     assert out.usage.completion_tokens == 5 and out.choices[0].finish_reason == "length"
+
+
+def test_stop_strings_end_the_answer_before_the_match(openai_client, anthropic_client):
+    forced = {"reasoning": "ok", "content": "Hello there! Goodbye now."}
+    out = openai_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                stop=["Good"], extra_body={"ft_forced_output": forced})
+    assert out.choices[0].message.content == "Hello there! " and out.choices[0].finish_reason == "stop"
+    msg = anthropic_client.messages.create(model="tiny", max_tokens=64, stop_sequences=["Good"],
+                                           messages=[{"role": "user", "content": "hi"}],
+                                           extra_body={"ft_forced_output": forced})
+    assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == "Good"
+    assert msg.content[-1].text == "Hello there! "
