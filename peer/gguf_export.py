@@ -33,7 +33,11 @@ from peer.gguf_vocab import add_vocab, qwen_vocab
 GGUF_ARCH = {"qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
 ROPE_SECTIONS = [11, 11, 10, 0]  # Qwen3.5's interleaved MRoPE; text positions are equal in all sections
 TEMPLATE = Path(__file__).resolve().parent.parent / "gateway" / "render" / "templates" / "qwen3_6.jinja"
-FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16}
+FILE_TYPES = {
+    "f32": gguf.LlamaFileType.ALL_F32,
+    "f16": gguf.LlamaFileType.MOSTLY_F16,
+    "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+}
 
 LAYER_NAMES = {  # our (HF) name inside `model.layers.N.` → GGUF name inside `blk.N.`
     "input_layernorm.weight": "attn_norm.weight",
@@ -61,8 +65,11 @@ LAYER_NAMES = {  # our (HF) name inside `model.layers.N.` → GGUF name inside `
     "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
     "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
-GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight"}
+GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 ZERO_CENTRED = ("layernorm.weight", "q_norm.weight", "k_norm.weight", "model.norm.weight")
 
 
@@ -127,7 +134,12 @@ def tile_value_heads(c: ModelConfig, key: str, t: torch.Tensor) -> torch.Tensor:
         return torch.cat([t[:qk], tile(t[qk:], 0, dv)])
     if key == "linear_attn.in_proj_z.weight":
         return tile(t, 0, dv)
-    if key in ("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight", "linear_attn.A_log", "linear_attn.dt_bias"):
+    if key in (
+        "linear_attn.in_proj_b.weight",
+        "linear_attn.in_proj_a.weight",
+        "linear_attn.A_log",
+        "linear_attn.dt_bias",
+    ):
         return tile(t, 0, 1)
     if key == "linear_attn.out_proj.weight":
         return tile(t, 1, dv)
@@ -161,7 +173,9 @@ def add_hparams(w: gguf.GGUFWriter, c: ModelConfig, raw: dict, name: str) -> Non
     w.add_ssm_time_step_rank(c.linear_num_value_heads)
     w.add_ssm_inner_size(c.linear_value_dim)
     w.add_array(f"{w.arch}.attention.recurrent_layers", [t == "linear_attention" for t in c.layer_types])
-    w.add_full_attention_interval(c.attention_layers[0] + 1 if c.attention_layers else c.num_hidden_layers + 1)
+    w.add_full_attention_interval(
+        c.attention_layers[0] + 1 if c.attention_layers else c.num_hidden_layers + 1
+    )
 
 
 def to_numpy(t: torch.Tensor, dtype: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
@@ -173,7 +187,9 @@ def to_numpy(t: torch.Tensor, dtype: str) -> tuple[np.ndarray, gguf.GGMLQuantiza
     return t.bfloat16().contiguous().view(torch.int16).numpy(), gguf.GGMLQuantizationType.BF16
 
 
-def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "f32", chat_template: str | None = None) -> Path:
+def export_gguf(
+    model_dir: str | Path, out: str | Path, dtype: str = "f32", chat_template: str | None = None
+) -> Path:
     """Write `model_dir` (an HF folder) as one GGUF file at `out`; returns `out`."""
     import json  # noqa: PLC0415
 
@@ -184,7 +200,9 @@ def export_gguf(model_dir: str | Path, out: str | Path, dtype: str = "f32", chat
     if c.linear_key_head_dim != c.linear_value_head_dim and c.arch == "qwen3_5_moe":
         raise ValueError("llama.cpp's qwen35moe needs equal DeltaNet key and value head sizes")
     raw = json.loads((model_dir / "config.json").read_text())
-    template = chat_template if chat_template is not None else (TEMPLATE.read_text() if TEMPLATE.is_file() else None)
+    template = (
+        chat_template if chat_template is not None else (TEMPLATE.read_text() if TEMPLATE.is_file() else None)
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     w = gguf.GGUFWriter(str(tmp), GGUF_ARCH[c.arch])

