@@ -220,6 +220,12 @@ def export_gguf(
     return out
 
 
+def ensure_gguf(model_dir: str | Path, out: str | Path, dtype: str = "f32") -> Path:
+    """`out` if it exists (exports are written atomically), else a fresh export."""
+    out = Path(out)
+    return out if out.is_file() else export_gguf(model_dir, out, dtype)
+
+
 def main(argv: list[str] | None = None) -> None:
     from engine.engine import ensure_preset  # noqa: PLC0415
 

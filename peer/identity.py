@@ -1,0 +1,110 @@
+"""Identity check: the same prompt ids through our engine and llama-server (same weights, GGUF
+f32), greedy tokens and top-k log-probabilities compared step by step.
+
+    python -m peer.identity --preset tiny [--tokens 16] [--dtype f32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from engine import Engine
+from engine.engine import ensure_preset
+from gateway.tokenizer import QwenTokenizer
+from peer.gguf_export import ensure_gguf
+from peer.llama_server import PEER_HOME, LlamaServer, build
+
+PROMPT = "<|im_start|>user\nWrite a short poem about the sea.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def ours(engine: Engine, ids: list[int], n: int, k: int) -> list[dict]:
+    """Greedy steps: the chosen id, its logprob, the top-k (id, logprob), and the top-2 margin."""
+    state = engine.new_state()
+    logits = engine.prefill(state, ids).logits
+    steps = []
+    for _ in range(n):
+        logp = torch.log_softmax(logits.float(), -1)
+        top = torch.topk(logp, k)
+        token = int(top.indices[0])
+        steps.append(
+            {
+                "id": token,
+                "logprob": float(top.values[0]),
+                "margin": float(top.values[0] - top.values[1]),
+                "top": [(int(i), float(v)) for i, v in zip(top.indices, top.values, strict=True)],
+            }
+        )
+        logits = engine.feed(state, [token])[0]
+    return steps
+
+
+def theirs(server: LlamaServer, ids: list[int], n: int, k: int) -> list[dict]:
+    out = server.complete_ids(ids, n, n_probs=k)
+    steps = []
+    for p in out["completion_probabilities"]:
+        top = [(t["id"], t["logprob"]) for t in p["top_logprobs"]]
+        steps.append({"id": p["id"], "logprob": p["logprob"], "top": top})
+    return steps
+
+
+def compare(a: list[dict], b: list[dict]) -> dict:
+    """Steps until the first different greedy token; max |Δ logprob| over ids in both top-k lists."""
+    same, max_diff, first_diff = 0, 0.0, None
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        theirs_top = dict(y["top"])
+        diffs = [abs(lp - theirs_top[t]) for t, lp in x["top"] if t in theirs_top]
+        max_diff = max([max_diff, *diffs])
+        if x["id"] != y["id"]:
+            first_diff = {"step": i, "ours": x["id"], "theirs": y["id"], "our_margin": x["margin"]}
+            break
+        same += 1
+    return {
+        "steps": min(len(a), len(b)),
+        "same_tokens": same,
+        "first_difference": first_diff,
+        "max_abs_logprob_diff": max_diff,
+        "min_margin": min(s["margin"] for s in a[: same + 1]),
+    }
+
+
+def run(preset: str, n: int, k: int, dtype: str) -> dict:
+    folder = ensure_preset(preset)
+    gguf_path = ensure_gguf(folder, PEER_HOME / "models" / f"{preset}-{dtype}.gguf", dtype)
+    build()
+    ids = QwenTokenizer().encode(PROMPT)
+    engine = Engine.load(folder, dtype=torch.float32)
+    with LlamaServer(gguf_path, ctx_size=4096, log_path=PEER_HOME / f"identity-{preset}.log") as server:
+        assert server.tokenize(PROMPT) == ids, "llama.cpp tokenizes the prompt differently"
+        b = theirs(server, ids, n, k)
+    a = ours(engine, ids, n, k)
+    result = {
+        "preset": preset,
+        "gguf_dtype": dtype,
+        "prompt_tokens": len(ids),
+        **compare(a, b),
+        "ours": [s["id"] for s in a],
+        "theirs": [s["id"] for s in b],
+    }
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"])
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    result = run(args.preset, args.tokens, args.top, args.dtype)
+    print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

