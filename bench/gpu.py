@@ -26,6 +26,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/engine.py would 
 
 import torch  # noqa: E402
 
+import engine.engine as engine_module  # noqa: E402
 from engine import Engine, SamplingParams  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 
@@ -240,6 +241,14 @@ def profile_decode(eng: Engine, ctx: int, top: int = 12) -> list[dict]:
     return rows
 
 
+def fast_kernel_verdicts() -> dict[str, bool | None]:
+    """Which Triton kernels passed their first-use check against plain torch (engine.ops.gpu.checked)."""
+    from engine.ops.gpu import conv, moe, norm  # noqa: PLC0415
+
+    checked = (conv.causal_conv, moe.experts_decode, norm._plain, norm._with_residual, norm.gated_rms_norm)
+    return {c.name: c.verdict for c in checked}
+
+
 def markdown(result: dict) -> str:
     c = result["ceilings"]
     lines = [
@@ -258,6 +267,9 @@ def markdown(result: dict) -> str:
         target = " ≥ 25%" if r["context"] == 8192 else ""
         lines.append(f"| prefill {r['context']} | {r['tok_s']:.0f} tok/s ({r['seconds'] * 1e3:.0f} ms, {r['tflops']:.0f} TFLOP/s) "
                      f"| {r['ratio_matmul']:.1%} of matmul |{target} |")
+    for r in result.get("prefill_by_chunk", []):
+        lines.append(f"| prefill 8192, prefill chunk {r['chunk']} (default {result['prefill_chunk']}) | {r['tok_s']:.0f} tok/s "
+                     f"({r['seconds'] * 1e3:.0f} ms, {r['tflops']:.0f} TFLOP/s) | {r['ratio_matmul']:.1%} of matmul | ≥ 25% |")
     for r in result["decode"]:
         lines.append(f"| decode batch 1 at {r['context']} | {r['tok_s']:.0f} tok/s ({r['ms_per_token']:.2f} ms/token, "
                      f"{r['bytes_per_token'] / 1e9:.2f} GB/token) | {r['ratio_copy']:.1%} of copy | ≥ 40% |")
@@ -283,6 +295,7 @@ def main() -> None:
     parser.add_argument("--decode", default="8192,32768")
     parser.add_argument("--decode-steps", type=int, default=128)
     parser.add_argument("--captures", type=int, default=8)
+    parser.add_argument("--chunks", default="8192,16384", help="extra 8K prefills at these prefill chunk sizes")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--json", type=Path, default=Path("bench/gpu.json"))
     parser.add_argument("--markdown", type=Path, default=None)
@@ -303,6 +316,14 @@ def main() -> None:
         "matmul_params_per_token": matmul_params(eng.config),
     }
     result["prefill"] = bench_prefill(eng, ints(args.contexts), ceil)
+    default_chunk = engine_module.PREFILL_CHUNK
+    result["prefill_by_chunk"] = []
+    for chunk in ints(args.chunks):  # the engine's prefill chunk (FT_PREFILL_CHUNK): bigger GEMMs per launch
+        engine_module.PREFILL_CHUNK = chunk
+        row = bench_prefill(eng, [8192], ceil)[0]
+        result["prefill_by_chunk"].append({"chunk": chunk, **row})
+    engine_module.PREFILL_CHUNK = default_chunk
+    result["prefill_chunk"] = default_chunk
     result["capture"] = bench_capture(eng, 8192, args.captures)
     result["restore"] = [bench_restore(eng, ctx, ceil) for ctx in ints(args.restore)]
     result["decode"] = [bench_decode(eng, ctx, args.decode_steps, ceil) for ctx in ints(args.decode)]
@@ -310,6 +331,8 @@ def main() -> None:
     if args.profile:
         result["profile_prefill_8k"] = profile_prefill(eng, 8192)
         result["profile_decode"] = profile_decode(eng, 8192)
+    result["fast_kernels"] = fast_kernel_verdicts()
+    print("fast kernels in use:", result["fast_kernels"], flush=True)
     result["replay"] = "left out: adapters/replay.py (ft replay) does not exist yet"
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))

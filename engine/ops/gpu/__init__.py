@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 from engine.ops import Kernels
 from engine.ops import deltanet as reference_deltanet
-from engine.ops.conv import causal_conv
-from engine.ops.gpu import attention, moe
+from engine.ops.gpu import attention, conv, moe
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +32,7 @@ class GpuKernels(Kernels):
 KERNELS = GpuKernels(
     name="gpu" if deltanet is not reference_deltanet else "gpu-no-fla",
     causal_attention=attention.causal_attention,
-    causal_conv=causal_conv,
+    causal_conv=conv.causal_conv,
     chunk_gated_delta_rule=deltanet.chunk_gated_delta_rule,
     recurrent_gated_delta_rule=deltanet.recurrent_gated_delta_rule,
     moe_experts=moe.experts_grouped,

@@ -1,5 +1,10 @@
 """Decode one token at batch 1 through a CUDA graph.
 
+The step is the model's forward for one token, written for the decode shapes: projections that
+read the same input are one GEMV (weights concatenated once: about 2 GiB more at the 35B shape),
+residual adds are fused into the following RMSNorm, and the routed experts run as two Triton
+GEMV kernels that read only the chosen experts.
+
 The graph runs on static buffers: the token id and position, a KV cache per attention layer
 preallocated to `capacity` tokens, and the conv and recurrent state per DeltaNet layer. Attention
 reads the valid length from the device (`decode_attention`), so one graph serves every length up to
@@ -17,9 +22,9 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from engine.model import HybridForCausalLM
+from engine.model import GatedDeltaNet, HybridForCausalLM
 from engine.ops.gpu.attention import decode_attention
-from engine.ops.norm import gated_rms_norm
+from engine.ops.gpu.norm import add_rms_norm, gated_rms_norm
 from engine.ops.rope import apply_rope, rope_cos_sin
 from engine.state import SequenceState
 
@@ -123,44 +128,81 @@ class GraphDecoder:
 
     # -- one token through every layer, on the static buffers
 
-    def _forward(self) -> torch.Tensor:
-        m = self.model
-        rope = rope_cos_sin(self.position, self.c.rotary_dim, self.c.rope_theta, self.dtype)
-        x = m.model.embed_tokens(self.token)  # [1, H]
-        for layer in m.model.layers:
-            h = layer.input_layernorm(x)
+    def _fuse_weights(self) -> None:
+        """Per layer, the projections that read the same input as one weight (one GEMV each)."""
+        self.fused: dict[int, torch.Tensor] = {}
+        for layer in self.model.model.layers:
+            i = layer.layer
             if layer.is_attention:
-                h = self._attention(layer.self_attn, h, rope, layer.layer)
+                a = layer.self_attn
+                self.fused[i] = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+            elif type(layer.linear_attn) is GatedDeltaNet:  # Qwen3.5 layout; Qwen3-Next keeps project()
+                n = layer.linear_attn
+                self.fused[i] = torch.cat([n.in_proj_qkv.weight, n.in_proj_z.weight, n.in_proj_b.weight, n.in_proj_a.weight])
+            mlp = layer.mlp
+            shared = mlp.shared_expert
+            self.fused[-1 - i] = torch.cat(
+                [mlp.gate.weight, shared.gate_proj.weight, shared.up_proj.weight, mlp.shared_expert_gate.weight]
+            )
+        self.neg_a = {i: -layer.linear_attn.A_log.float().exp() for i, layer in enumerate(self.model.model.layers) if not layer.is_attention}
+
+    def _forward(self) -> torch.Tensor:
+        m, c = self.model, self.c
+        if not hasattr(self, "fused"):
+            self._fuse_weights()
+        rope = rope_cos_sin(self.position, c.rotary_dim, c.rope_theta, self.dtype)
+        x = m.model.embed_tokens(self.token)  # [1, H]
+        h = None
+        for layer in m.model.layers:
+            x, normed = add_rms_norm(x, h, layer.input_layernorm.weight, c.rms_norm_eps)
+            if layer.is_attention:
+                h = self._attention(layer.self_attn, normed, rope, layer.layer)
             else:
-                h = self._deltanet(layer.linear_attn, h, layer.layer)
-            x = x + h
-            x = x + layer.mlp(layer.post_attention_layernorm(x), self.kernels)
-        return m.logits(m.model.norm(x)[0])
+                h = self._deltanet(layer.linear_attn, normed, layer.layer)
+            x, normed = add_rms_norm(x, h, layer.post_attention_layernorm.weight, c.rms_norm_eps)
+            h = self._moe(layer.mlp, normed, layer.layer)
+        _, normed = add_rms_norm(x, h, m.model.norm.weight, c.rms_norm_eps)
+        return m.logits(normed[0])
 
     def _attention(self, attn, x: torch.Tensor, rope, layer: int) -> torch.Tensor:
-        q, gate = attn.q_proj(x).view(1, attn.num_heads, 2 * attn.head_dim).chunk(2, dim=-1)
-        q = apply_rope(attn.q_norm(q), *rope)  # [1, Hq, D]
-        k = apply_rope(attn.k_norm(attn.k_proj(x).view(1, -1, attn.head_dim)), *rope)  # [1, Hkv, D]
-        v = attn.v_proj(x).view(1, -1, attn.head_dim)
+        c = self.c
+        q_dim, kv_dim = attn.num_heads * attn.head_dim * 2, c.num_key_value_heads * attn.head_dim
+        q, k, v = F.linear(x, self.fused[layer]).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q, gate = q.view(1, attn.num_heads, 2 * attn.head_dim).chunk(2, dim=-1)
+        q = apply_rope(add_rms_norm(q, None, attn.q_norm.weight, c.rms_norm_eps)[1], *rope)  # [1, Hq, D]
+        k = apply_rope(add_rms_norm(k.view(1, -1, attn.head_dim), None, attn.k_norm.weight, c.rms_norm_eps)[1], *rope)
         self.k[layer].index_copy_(0, self.position, k)
-        self.v[layer].index_copy_(0, self.position, v)
+        self.v[layer].index_copy_(0, self.position, v.view(1, -1, attn.head_dim))
         out = decode_attention(q[0], self.k[layer], self.v[layer], self.position + 1)  # [Hq, D]
         return attn.o_proj(out.reshape(1, -1) * torch.sigmoid(gate.reshape(1, -1)))
 
     def _deltanet(self, net, x: torch.Tensor, layer: int) -> torch.Tensor:
         c = self.c
-        mixed, z, b, a = net.project(x)  # [1, conv_dim], [1, Hv*Dv], [1, Hv], [1, Hv]
-        window = torch.cat([self.conv[layer], mixed.transpose(0, 1)], dim=1)  # [C, K]
-        weight = net.conv1d.weight[:, 0]  # [C, K]
-        mixed = F.silu((window.float() * weight.float()).sum(-1)).to(self.dtype)[None]  # [1, C]
-        self.conv[layer].copy_(window[:, 1:])
+        if layer in self.fused:
+            hv = c.linear_num_value_heads
+            mixed, z, b, a = F.linear(x, self.fused[layer]).split([c.conv_dim, c.linear_value_dim, hv, hv], dim=-1)
+        else:
+            mixed, z, b, a = net.project(x)  # [1, conv_dim], [1, Hv*Dv], [1, Hv], [1, Hv]
+        mixed, conv, _ = self.kernels.causal_conv(mixed, self.conv[layer], net.conv1d.weight[:, 0], [])
+        self.conv[layer].copy_(conv)
         q, k, v = mixed.split([c.linear_key_dim, c.linear_key_dim, c.linear_value_dim], dim=-1)
         q = q.reshape(1, -1, c.linear_key_head_dim)
         k = k.reshape(1, -1, c.linear_key_head_dim)
         v = v.reshape(1, -1, c.linear_value_head_dim)
-        beta = b.sigmoid()
-        g = -net.A_log.float().exp() * F.softplus(a.float() + net.dt_bias)
-        out, rec = self.kernels.recurrent_gated_delta_rule(q, k, v, g, beta, self.rec[layer])
+        g = self.neg_a[layer] * F.softplus(a.float() + net.dt_bias)
+        out, rec = self.kernels.recurrent_gated_delta_rule(q, k, v, g, b.sigmoid(), self.rec[layer])
         self.rec[layer].copy_(rec)
         out = gated_rms_norm(out, z.view(1, -1, c.linear_value_head_dim), net.norm.weight, c.rms_norm_eps)
         return net.out_proj(out.reshape(1, -1))
+
+    def _moe(self, mlp, x: torch.Tensor, layer: int) -> torch.Tensor:
+        c = self.c
+        inter = c.shared_expert_intermediate_size
+        router, gate, up, shared_gate = F.linear(x, self.fused[-1 - layer]).split([c.num_experts, inter, inter, 1], dim=-1)
+        probs = F.softmax(router, dim=-1, dtype=torch.float)
+        weights, ids = torch.topk(probs, c.num_experts_per_tok, dim=-1)
+        if c.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        routed = self.kernels.moe_experts(x, weights.to(x.dtype), ids, mlp.experts.gate_up_proj, mlp.experts.down_proj)
+        shared = mlp.shared_expert.down_proj(F.silu(gate) * up)
+        return routed + torch.sigmoid(shared_gate) * shared

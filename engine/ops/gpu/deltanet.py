@@ -1,9 +1,16 @@
-"""Gated DeltaNet on the GPU through fla-core's Triton kernels.
+"""Gated DeltaNet on the GPU through fla-core's Triton kernels (bf16/fp16; fp32 runs the reference
+scan on the GPU, since fla's fp32 dots are tf32 and fp32 is the exactness mode).
 
 Same contract as `engine.ops.deltanet`: q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv];
 state [Hv, Dk, Dv] fp32. fla takes [B, T, H, D] and maps value head i to key head
 i // (Hv / Hk), the same consecutive grouping as the reference's repeat_interleave, so no copy
-of q/k per value head is made. q/k are L2-normalised in the kernel and q is scaled by Dk^-0.5.
+of q/k per value head is made. q/k are L2-normalised (once per call, not per segment) and q is
+scaled by Dk^-0.5 in the kernel.
+
+Captures split the scan: fla's final state is fp32 (its per-chunk states are not), so each
+capture position ends one segment. Inputs are made contiguous once; segments along T of a
+[1, T, H, D] tensor are then contiguous views, and each segment calls fla's forward directly
+(no autograd Function, no per-segment copies or l2norm).
 """
 
 from __future__ import annotations
@@ -11,6 +18,23 @@ from __future__ import annotations
 import torch
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
+
+from engine.ops import deltanet as reference
+
+try:  # fla-core 0.6 internals; the public API below is the fallback
+    from fla.modules.norm.l2norm import l2norm_fwd
+    from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+except ImportError:  # pragma: no cover
+    chunk_gated_delta_rule_fwd = None
+
+
+def _segment(q, k, v, g, beta, h, normalised: bool):
+    """One scan over [1, t, H, D] contiguous inputs from state h [1, Hv, Dk, Dv]: out, final state."""
+    if normalised:
+        out = chunk_gated_delta_rule_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=q.shape[-1] ** -0.5,
+                                         initial_state=h, output_final_state=True)
+        return out[1].to(q.dtype), out[3]
+    return fla_chunk(q, k, v, g, beta=beta, initial_state=h, output_final_state=True, use_qk_l2norm_in_kernel=True)
 
 
 def chunk_gated_delta_rule(
@@ -22,16 +46,18 @@ def chunk_gated_delta_rule(
     state: torch.Tensor,
     capture_at: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """Prefill scan, split at each offset in `capture_at` so the fp32 state there is exact
-    (fla's final state is fp32; its per-chunk states are not, so they are not read off)."""
-    q, k, v, g, beta = (x.unsqueeze(0) for x in (q, k, v, g.float(), beta))  # [1, T, H, *]
-    h = state.float().unsqueeze(0)  # [1, Hv, Dk, Dv]
+    """Prefill scan; returns out [T, Hv, Dv], the final fp32 state and the state after each offset
+    in `capture_at`."""
+    if q.dtype == torch.float32:
+        return reference.chunk_gated_delta_rule(q, k, v, g, beta, state, capture_at)
+    q, k, v, g, beta = (x.unsqueeze(0).contiguous() for x in (q, k, v, g.float(), beta))  # [1, T, H, *]
+    normalised = chunk_gated_delta_rule_fwd is not None
+    if normalised:
+        q, k = l2norm_fwd(q)[0], l2norm_fwd(k)[0]
+    h = state.float().unsqueeze(0).contiguous()  # [1, Hv, Dk, Dv]
     outs, captured, lo = [], [], 0
     for hi in sorted({*capture_at, q.shape[1]}):
-        out, h = fla_chunk(
-            q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta=beta[:, lo:hi],
-            initial_state=h, output_final_state=True, use_qk_l2norm_in_kernel=True,
-        )
+        out, h = _segment(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], g[:, lo:hi], beta[:, lo:hi], h, normalised)
         outs.append(out[0])  # [hi - lo, Hv, Dv]
         if hi in capture_at:
             captured.append(h[0])
@@ -44,6 +70,8 @@ def recurrent_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token recurrence (decode): out [T, Hv, Dv] and the final fp32 state."""
+    if q.dtype == torch.float32:
+        return reference.recurrent_gated_delta_rule(q, k, v, g, beta, state)
     out, h = fla_recurrent(
         q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0), beta=beta.unsqueeze(0),
         initial_state=state.float().unsqueeze(0), output_final_state=True, use_qk_l2norm_in_kernel=True,

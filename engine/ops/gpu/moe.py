@@ -1,15 +1,19 @@
-"""Routed experts through grouped GEMMs: one launch per projection for all experts, no host sync
-(so the same code runs inside a CUDA graph)."""
+"""Routed experts without a Python loop over experts and without a host sync (so the same code
+runs inside a CUDA graph): grouped GEMMs over expert-sorted rows for prefill, and for a few tokens
+(decode) two Triton kernels that read only the chosen experts' weights."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
+from engine.ops.gpu.checked import Checked
 from engine.ops.moe import experts_loop
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
-SMALL_GATHER_ROWS = 64  # fp32 (tests): gather the few hit experts' weights and batch-matmul them
+DECODE_ROWS = 32  # token x expert assignments up to which the Triton GEMV kernels run
 
 
 def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,26 +30,78 @@ def experts_grouped(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
     """x: [T, H]; weights, ids: [T, k]; gate_up: [E, 2I, H]; down: [E, H, I]. Returns [T, H]."""
+    if ids.numel() <= DECODE_ROWS:
+        return experts_decode(x, weights, ids, gate_up, down)
     if x.dtype != torch.bfloat16:
-        return _experts_gathered(x, weights, ids, gate_up, down)
+        return experts_loop(x, weights, ids, gate_up, down)
     num_tokens, top_k = ids.shape
     order, offs = group_by_expert(ids, gate_up.shape[0])
     xs = x[order // top_k]  # [T*k, H], rows grouped by expert
     gate, up = _grouped_mm(xs, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [T*k, I] each
-    ys = _grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)  # [T*k, H]
-    ys = ys.float() * weights.flatten()[order, None].float()
+    act = F.silu(gate) * up * weights.flatten()[order, None]  # routing weight folded in before the down GEMM
+    ys = _grouped_mm(act, down.transpose(1, 2), offs=offs)  # [T*k, H] bf16
     out = torch.empty_like(ys)
     out[order] = ys
-    return out.view(num_tokens, top_k, -1).sum(1).to(x.dtype)
+    return out.view(num_tokens, top_k, -1).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+@triton.jit
+def _up_kernel(X, W, IDS, A, H, INTER, TOPK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+    slot = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    expert = tl.load(IDS + slot).to(tl.int64)
+    x = X + (slot // TOPK) * H
+    w = W + expert * (2 * INTER * H)
+    gate = tl.zeros([BLOCK_I], tl.float32)
+    up = tl.zeros([BLOCK_I], tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        xv = tl.load(x + h).to(tl.float32)[None, :]
+        gate += tl.sum(tl.load(w + i[:, None] * H + h[None, :]).to(tl.float32) * xv, 1)
+        up += tl.sum(tl.load(w + (INTER + i)[:, None] * H + h[None, :]).to(tl.float32) * xv, 1)
+    act = gate * tl.sigmoid(gate) * up
+    tl.store(A + slot * INTER + i, act.to(A.dtype.element_ty))
+
+
+@triton.jit
+def _down_kernel(A, W, IDS, RW, OUT, H, INTER, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr):
+    token = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for s in range(TOPK):
+        slot = token * TOPK + s
+        expert = tl.load(IDS + slot).to(tl.int64)
+        part = tl.zeros([BLOCK_N], tl.float32)
+        for i0 in range(0, INTER, BLOCK_I):
+            i = i0 + tl.arange(0, BLOCK_I)
+            av = tl.load(A + slot * INTER + i).to(tl.float32)
+            part += tl.sum(tl.load(W + expert * (H * INTER) + n[:, None] * INTER + i[None, :]).to(tl.float32) * av[None, :], 1)
+        acc += tl.load(RW + slot).to(tl.float32) * part
+    tl.store(OUT + token * H + n, acc.to(OUT.dtype.element_ty))
+
+
+def _experts_triton(x, weights, ids, gate_up, down):
+    num_tokens, top_k = ids.shape
+    hidden, inter = x.shape[1], down.shape[2]
+    block_i, block_h, block_n = 16, 256, 16
+    assert inter % block_i == 0 and hidden % block_h == 0 and hidden % block_n == 0 and inter % 128 == 0
+    x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
+    act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    _up_kernel[(num_tokens * top_k, inter // block_i)](x, gate_up, ids, act, hidden, inter, TOPK=top_k, BLOCK_I=block_i, BLOCK_H=block_h)
+    out = torch.empty_like(x)
+    _down_kernel[(num_tokens, hidden // block_n)](act, down, ids, weights, out, hidden, inter, TOPK=top_k, BLOCK_N=block_n, BLOCK_I=128)
+    return out
 
 
 def _experts_gathered(x, weights, ids, gate_up, down):
-    if ids.numel() > SMALL_GATHER_ROWS:
-        return experts_loop(x, weights, ids, gate_up, down)
+    """Plain torch for a few tokens: gather the hit experts' weights and batch-matmul them."""
     num_tokens, top_k = ids.shape
     flat = ids.flatten()
     xs = x.repeat_interleave(top_k, dim=0)[:, None, :]  # [T*k, 1, H]
     gate, up = torch.bmm(xs, gate_up[flat].transpose(1, 2)).chunk(2, dim=-1)  # [T*k, 1, I]
     ys = torch.bmm(F.silu(gate) * up, down[flat].transpose(1, 2))[:, 0]  # [T*k, H]
-    ys = ys * weights.flatten()[:, None]
-    return ys.view(num_tokens, top_k, -1).sum(1)
+    ys = ys.float() * weights.flatten()[:, None].float()
+    return ys.view(num_tokens, top_k, -1).sum(1).to(x.dtype)
+
+
+experts_decode = Checked("moe_decode", _experts_triton, _experts_gathered)

@@ -18,6 +18,7 @@ from engine.config import ModelConfig
 from engine.snapshot import Snapshot
 from engine.state import SequenceState
 
+ALIGN = 64  # bytes between tensors in one pinned buffer
 KV_HEADROOM = 4096  # tokens of KV capacity beyond a restored prefix, so the next prefill need not regrow
 
 
@@ -28,14 +29,19 @@ class Transfers:
         self.pending: list[torch.cuda.Event] = []
 
     def to_host(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Pinned host copies of device `tensors`, complete after `sync()`."""
+        """Pinned host copies of device `tensors` (views of one pinned buffer), complete after `sync()`."""
         ready = torch.cuda.Event()
         ready.record()
         self.stream.wait_event(ready)
+        offsets, total = [], 0
+        for t in tensors.values():
+            offsets.append(total)
+            total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        buffer = torch.empty(total, dtype=torch.uint8, pin_memory=True)
         out = {}
         with torch.cuda.stream(self.stream):
-            for name, t in tensors.items():
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            for (name, t), offset in zip(tensors.items(), offsets, strict=True):
+                host = buffer[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
                 host.copy_(t, non_blocking=True)
                 t.record_stream(self.stream)  # the allocator must not reuse t's memory before the copy ran
                 out[name] = host

@@ -1,0 +1,45 @@
+"""A fast kernel is used only after it has matched its plain-torch version once, on the first real
+inputs (outside any CUDA graph capture); on a mismatch or an error the plain version is kept and
+the reason logged. This keeps a new Triton kernel from silently corrupting results on a device or
+library version it was never run on."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class Checked:
+    def __init__(self, name: str, fast: Callable, slow: Callable, rtol: float = 2e-2):
+        self.name, self.fast, self.slow, self.rtol = name, fast, slow, rtol
+        self.verdict: bool | None = None  # None: not checked yet
+
+    def __call__(self, *args):
+        if self.verdict is None:
+            self.verdict = self._check(args)
+        return (self.fast if self.verdict else self.slow)(*args)
+
+    def _check(self, args) -> bool:
+        try:
+            got, want = _flat(self.fast(*args)), _flat(self.slow(*args))
+            errors = [((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item() for a, b in zip(got, want, strict=True)]
+        except Exception as exc:  # noqa: BLE001
+            log.warning("%s: fast kernel failed (%s); using the torch version", self.name, exc)
+            return False
+        if not all(e <= self.rtol for e in errors):
+            log.warning("%s: fast kernel off by %s; using the torch version", self.name, errors)
+            return False
+        return True
+
+
+def _flat(out) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    flat = []
+    for item in out:
+        flat.extend(_flat(item) if not isinstance(item, torch.Tensor) else [item])
+    return flat

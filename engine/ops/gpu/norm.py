@@ -1,0 +1,78 @@
+"""Fused norms for the decode step: residual add + zero-centred RMSNorm, and the DeltaNet's gated
+RMSNorm, one Triton kernel each (the torch versions take 7 to 10 kernels)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.ops.gpu.checked import Checked
+from engine.ops.norm import gated_rms_norm as reference_gated
+from engine.ops.norm import rms_norm as reference_rms
+
+
+@triton.jit
+def _add_rms_norm(X, R, S, W, Y, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + row * N + cols, mask=mask, other=0.0)
+    if HAS_RES:  # s = x + r, rounded as the model rounds it, and kept as the new residual
+        x = (x.to(tl.float32) + tl.load(R + row * N + cols, mask=mask, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(S + row * N + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * N + cols, (xf * rstd * (1.0 + w)).to(Y.dtype.element_ty), mask=mask)
+
+
+def _add_rms_norm_triton(x, residual, weight, eps):
+    """(x + residual, rms_norm(x + residual)); residual may be None (then just the norm)."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1]).contiguous()
+    n = x.shape[-1]
+    s = torch.empty_like(x) if residual is not None else x
+    y = torch.empty_like(x)
+    r = residual.reshape(-1, n).contiguous() if residual is not None else x
+    _add_rms_norm[(x.shape[0],)](x, r, s, weight, y, n, eps, HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(n))
+    return s.view(shape), y.view(shape)
+
+
+def _add_rms_norm_torch(x, residual, weight, eps):
+    s = x + residual if residual is not None else x
+    return s, reference_rms(s, weight, eps)
+
+
+@triton.jit
+def _gated_rms_norm(X, Z, W, Y, N, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0)
+    normed = (w * (x * rstd).to(Y.dtype.element_ty)).to(tl.float32)
+    z = tl.load(Z + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * N + cols, (normed * z * tl.sigmoid(z)).to(Y.dtype.element_ty), mask=mask)
+
+
+def _gated_triton(x, gate, weight, eps):
+    shape = x.shape
+    x = x.reshape(-1, shape[-1]).contiguous()
+    y = torch.empty_like(x)
+    n = x.shape[-1]
+    _gated_rms_norm[(x.shape[0],)](x, gate.reshape(-1, n).contiguous(), weight, y, n, eps, BLOCK=triton.next_power_of_2(n))
+    return y.view(shape)
+
+
+_with_residual = Checked("add_rms_norm", _add_rms_norm_triton, _add_rms_norm_torch)
+_plain = Checked("rms_norm", _add_rms_norm_triton, _add_rms_norm_torch)
+
+
+def add_rms_norm(x, residual, weight, eps):
+    """(x + residual, zero-centred rms_norm of it); without a residual, (x, rms_norm(x))."""
+    return (_plain if residual is None else _with_residual)(x, residual, weight, eps)
+
+
+gated_rms_norm = Checked("gated_rms_norm", _gated_triton, reference_gated)
