@@ -43,7 +43,9 @@ log = logging.getLogger("checkpoint_store")
 
 SUFFIX = {KV_PART: b"k", STATE_PART: b"s"}
 PART_OF = {v[0]: k for k, v in SUFFIX.items()}
-CAPACITY_FRACTION = 0.85
+CAPACITY_FRACTION = 0.75  # headroom: LMDB reuses freed pages only two transactions later
+RESERVE_BYTES = 1 << 20  # B-tree, freelist and meta pages
+MIN_MAP_BYTES = 4 << 20
 MAX_ANCHOR_BYTES = 500
 
 
@@ -65,6 +67,8 @@ class DiskTier:
     """Record parts in LMDB under ``path``; ``lock`` guards ``index`` (shared with the store)."""
 
     def __init__(self, path: str | Path, map_bytes: int, fingerprint: str, lock: threading.RLock) -> None:
+        if map_bytes < MIN_MAP_BYTES:
+            raise ValueError(f"disk_bytes must be at least {MIN_MAP_BYTES}")
         Path(path).mkdir(parents=True, exist_ok=True)
         self.path = Path(path)
         self.fingerprint = fingerprint
@@ -73,7 +77,7 @@ class DiskTier:
         )
         self.env.reader_check()  # clear reader slots left by a killed process
         self.page_bytes = self.env.stat()["psize"]
-        self.capacity = int(map_bytes * CAPACITY_FRACTION)
+        self.capacity = int(map_bytes * CAPACITY_FRACTION) - RESERVE_BYTES
         self.lock = lock
         self.index = TierIndex()
         self.evictions = 0
@@ -208,8 +212,12 @@ class DiskTier:
         if victim is None:
             return False
         anchor, part = victim
-        with self.env.begin(write=True) as txn:
-            txn.delete(key(anchor, part))
+        try:
+            with self.env.begin(write=True) as txn:
+                txn.delete(key(anchor, part))
+        except lmdb.MapFullError:
+            log.warning("checkpoint store: the map is too full even to delete %s", anchor.hex())
+            return False
         with self.lock:
             self.forget(anchor, part)
             self.evictions += part == KV_PART
@@ -254,8 +262,12 @@ class DiskTier:
     def _delete_keys(self, bad: list[tuple[bytes, str]]) -> None:
         if not bad:
             return
-        with self.env.begin(write=True) as txn:
-            for k, why in bad:
-                log.warning("checkpoint store: deleting record %s: %s", k.hex(), why)
-                txn.delete(k)
+        for k, why in bad:
+            log.warning("checkpoint store: deleting record %s: %s", k.hex(), why)
+        try:
+            with self.env.begin(write=True) as txn:
+                for k, _ in bad:
+                    txn.delete(k)
+        except lmdb.MapFullError:
+            log.warning("checkpoint store: the map is too full to delete %d bad records", len(bad))
         self.corrupt += len(bad)

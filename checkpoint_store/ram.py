@@ -29,6 +29,7 @@ class RamTier:
         self.records: dict[bytes, RamRecord] = {}
         self.evictions = 0
         self.states_dropped = 0
+        self.rejected = 0  # records (or states) larger than what eviction could free
 
     @property
     def used_bytes(self) -> int:
@@ -44,12 +45,17 @@ class RamTier:
             self.index.touch(meta.anchor, clock)
             return
         self.remove(meta.anchor)
-        if kv.nbytes + (state.nbytes if state else 0) > self.budget:
-            state = None
-        if kv.nbytes > self.budget or not self._make_room(kv.nbytes + (state.nbytes if state else 0)):
+        state_bytes = state.nbytes if state else 0
+        if kv.nbytes + state_bytes > self.budget:
+            self.rejected += 1
+            state, state_bytes = None, 0
+            if kv.nbytes > self.budget:
+                return
+        if not self._make_room(kv.nbytes + state_bytes):
+            self.rejected += 1
             return
         self.records[meta.anchor] = RamRecord(meta, kv, state)
-        self.index.add(meta, kv.nbytes, state.nbytes if state else 0, clock)
+        self.index.add(meta, kv.nbytes, state_bytes, clock)
 
     def touch(self, anchor: bytes, clock: int) -> None:
         self.index.touch(anchor, clock)

@@ -12,6 +12,7 @@ class StoreStats(msgspec.Struct, frozen=True):
     needed: a RAM miss is a part not in memory (then looked up on disk); a disk miss is a
     part found in neither tier, or found corrupt. ``restores`` / ``restore_misses`` count
     whole ``load_chain`` calls. ``*_bytes`` are payload bytes held (disk: pages used).
+    ``ram_rejected`` counts records (or their states) too big for the RAM budget.
     """
 
     puts: int = 0
@@ -26,6 +27,7 @@ class StoreStats(msgspec.Struct, frozen=True):
     ram_records: int = 0
     ram_evictions: int = 0
     ram_states_dropped: int = 0
+    ram_rejected: int = 0
     disk_bytes: int = 0
     disk_records: int = 0
     disk_evictions: int = 0

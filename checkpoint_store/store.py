@@ -78,17 +78,21 @@ class CheckpointStore:
         )
         _check_put(meta, snapshot)
         parts = split_parts(snapshot.tensors)
-        if self._already_held(meta, STATE_PART in parts):
-            return
+        with_state = STATE_PART in parts
+        with self._lock:
+            in_ram, on_disk = self._ram_covers(meta, with_state), self._disk_covers(meta, with_state)
+            if in_ram and on_disk:
+                self._clock += 1
+                self._ram.touch(meta.anchor, self._clock)
+                return
         kv = pack(parts[KV_PART])
-        state = pack(parts[STATE_PART]) if STATE_PART in parts else None
+        state = pack(parts[STATE_PART]) if with_state else None
         with self._lock:
             self._clock += 1
             self._counters.puts += 1
-            self._ram.put(meta, kv, state, self._clock)
-            op = PutOp(meta, kv, state, self._clock) if self._writer is not None else None
-            if op is not None:
-                self._pending[meta.anchor] = op
+            if not in_ram:
+                self._ram.put(meta, kv, state, self._clock)
+            op = None if on_disk else self._queue_put(meta, kv, state)
         if op is not None and self._writer is not None:
             self._writer.submit(op)
 
@@ -172,6 +176,7 @@ class CheckpointStore:
                 ram_records=len(ram.records),
                 ram_evictions=ram.evictions,
                 ram_states_dropped=ram.states_dropped,
+                ram_rejected=ram.rejected,
                 disk_bytes=disk.index.used_bytes if disk else 0,
                 disk_records=len(disk.index) if disk else 0,
                 disk_evictions=disk.evictions if disk else 0,
@@ -184,25 +189,32 @@ class CheckpointStore:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _already_held(self, meta: RecordMeta, with_state: bool) -> bool:
-        """True (and the record touched) if the store already holds this record in full."""
-        with self._lock:
-            ram = self._ram.get(meta.anchor)
-            if ram is None or ram.meta != meta or (with_state and ram.state is None):
-                return False
-            pending = self._pending.get(meta.anchor)
-            durable = self._disk is None or (
-                self._disk.index.metas.get(meta.anchor) == meta
-                and (self._disk.index.has_state(meta.anchor) or not with_state)
-            )
-            queued = (
-                pending is not None and pending.meta == meta and (pending.state is not None or not with_state)
-            )
-            if not (durable or queued):
-                return False
-            self._clock += 1
-            self._ram.touch(meta.anchor, self._clock)
+    def _ram_covers(self, meta: RecordMeta, with_state: bool) -> bool:
+        ram = self._ram.get(meta.anchor)
+        return ram is not None and ram.meta == meta and (ram.state is not None or not with_state)
+
+    def _disk_covers(self, meta: RecordMeta, with_state: bool) -> bool:
+        """True without a disk tier, or if the disk holds (or is about to) this record in full."""
+        if self._disk is None:
             return True
+        pending = self._pending.get(meta.anchor)
+        if pending is not None and pending.meta == meta and (pending.state is not None or not with_state):
+            return True
+        index = self._disk.index
+        return (
+            pending is None
+            and index.metas.get(meta.anchor) == meta
+            and (index.has_state(meta.anchor) or not with_state)
+        )
+
+    def _queue_put(self, meta: RecordMeta, kv: Packed, state: Packed | None) -> PutOp:
+        """Replace any queued put of this anchor (keeping its state if it is the same record)."""
+        queued = self._pending.get(meta.anchor)
+        if state is None and queued is not None and queued.meta == meta:
+            state = queued.state
+        op = PutOp(meta, kv, state, self._clock)
+        self._pending[meta.anchor] = op
+        return op
 
     def _locate(self, anchor: bytes) -> Located | None:
         """Where ``anchor``'s parts are, preferring RAM, then the write queue, then disk."""

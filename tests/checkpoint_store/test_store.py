@@ -139,9 +139,9 @@ def test_full_disk_evicts_old_records_instead_of_failing(tmp_path) -> None:
 
 
 def test_record_larger_than_the_map_is_dropped_with_a_log_line(tmp_path, caplog) -> None:
-    config = StoreConfig(ram_bytes=0, disk_dir=tmp_path, disk_bytes=1 * MiB, fingerprint="fp")
+    config = StoreConfig(ram_bytes=0, disk_dir=tmp_path, disk_bytes=4 * MiB, fingerprint="fp")
     with CheckpointStore(config) as store:
-        store.put(b"big", None, make_snapshot(0, 0, 2, with_state=True, state_numel=1_000_000))
+        store.put(b"big", None, make_snapshot(0, 0, 2, with_state=True, state_numel=2_000_000))
         store.flush()
         assert store.stats().write_errors == 1
         assert store.longest_restorable([b"big"]) == 0
