@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from adapters.replay_floor import suffix_floor
 from gateway.endpoint import generate, read_json
 from gateway.errors import NotFound, Unauthorized, error_response
 from gateway.protocol import ANTHROPIC, CHAT, RESPONSES
@@ -102,6 +103,7 @@ def create_app(rt: Runtime) -> Starlette:
         Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/ft/suffix_floor", suffix_floor, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]

@@ -1,0 +1,475 @@
+"""`ft replay`: send recorded agent sessions to a server, request by request, and report TTFT,
+tokens re-prefilled and the suffix floor for each capture policy.
+
+Each request is sent as recorded, streaming, with its recorded answer teacher-forced
+(`ft_forced_output`), so the server checkpoints the same decode-time states as in real use.
+Client TTFT is the time to the first SSE event carrying model output. Before each request the
+replay waits until the server's worker is idle (the time a tool or the user would take), so
+background precompute finishes as it would between real turns.
+
+With `--preset` the server runs in this process, once per policy of `--compare`, each on a fresh
+store; with `--server URL` the replay runs once against that server, whatever its policy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+
+from adapters.trace import Trace, TraceRequest
+
+POLICY_ORDER = ("anchor", "prefix", "user", "none")
+FLOOR_PATH = "/v1/ft/suffix_floor"
+
+
+class ReplayError(Exception):
+    """A failure worth one line: bad arguments, a bad trace, a server that refused a request."""
+
+
+class Row(msgspec.Struct):
+    """What one request measured. Times in milliseconds; `context_tokens` is the previous
+    request's prompt + output, `new_tokens` this prompt minus that (the suffix an ideal cache
+    prefills)."""
+
+    session: str
+    index: int
+    protocol: str
+    after_tool_result: bool
+    prompt_tokens: int
+    output_tokens: int
+    context_tokens: int
+    new_tokens: int
+    prefilled_tokens: int
+    cached_tokens: int
+    client_ttft_ms: float
+    server_ttft_ms: float
+    total_ms: float
+    floor_ms: float | None = None
+
+
+class PolicyRun(msgspec.Struct):
+    """One pass over every trace against one server."""
+
+    policy: str
+    rows: list[Row]
+    server_prefilled: int | None = None  # the server's own ft_tokens_total{kind="prefilled"} delta
+    seconds: float = 0.0
+
+
+# -- in-process server ---------------------------------------------------------------------------
+
+
+@dataclass
+class LocalServer:
+    url: str
+    runtime: Any
+    server: Any
+    thread: threading.Thread
+
+    def wait_idle(self, timeout: float = 600) -> None:
+        """Wait until the engine worker has no queued or running job (precompute included)."""
+        deadline = time.monotonic() + timeout
+        while not self.runtime.scheduler.idle:
+            if time.monotonic() > deadline:
+                raise ReplayError("server still busy after {timeout:.0f} s")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+
+    def __enter__(self) -> LocalServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_in_thread(config: Any, startup_timeout: float = 300) -> LocalServer:
+    """Run `ft serve`'s app for `config` (a ServeConfig; its port is replaced by a free one) in a
+    daemon thread on 127.0.0.1; returns once it accepts connections."""
+    import dataclasses  # noqa: PLC0415
+
+    import uvicorn  # noqa: PLC0415
+
+    from gateway.app import create_app  # noqa: PLC0415
+    from gateway.runtime import build_runtime  # noqa: PLC0415
+
+    config = dataclasses.replace(config, host="127.0.0.1", port=free_port())
+    runtime = build_runtime(config)
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(runtime), host=config.host, port=config.port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, name="ft-replay-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise ReplayError("the in-process server did not start")
+        time.sleep(0.05)
+    return LocalServer(f"http://{config.host}:{config.port}", runtime, server, thread)
+
+
+# -- one request ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Measured:
+    client_ttft_ms: float
+    server_ttft_ms: float
+    total_ms: float
+    prefilled: int
+    cached: int
+    output_tokens: int
+
+
+def stream_body(req: TraceRequest) -> dict[str, Any]:
+    body = req.replay_body()
+    body["stream"] = True
+    if req.protocol == "chat":
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def is_output_delta(protocol: str, event: dict[str, Any]) -> bool:
+    """Whether an SSE data event carries model output (reasoning, text or a tool call)."""
+    kind = event.get("type")
+    if protocol == "anthropic":
+        return kind == "content_block_delta"
+    if protocol == "responses":
+        return isinstance(kind, str) and kind.startswith("response.") and kind.endswith(".delta")
+    for choice in event.get("choices") or []:
+        delta = choice.get("delta") or {}
+        if any(delta.get(k) for k in ("content", "reasoning_content", "reasoning", "tool_calls")):
+            return True
+    return False
+
+
+def output_tokens_of(protocol: str, event: dict[str, Any]) -> int | None:
+    if protocol == "anthropic" and event.get("type") == "message_delta":
+        return (event.get("usage") or {}).get("output_tokens")
+    if protocol == "responses" and event.get("type") in ("response.completed", "response.incomplete"):
+        return ((event.get("response") or {}).get("usage") or {}).get("output_tokens")
+    if protocol == "chat" and event.get("usage"):
+        return event["usage"].get("completion_tokens")
+    return None
+
+
+def stream_error(protocol: str, event: dict[str, Any]) -> str | None:
+    kind = event.get("type")
+    if kind in ("error", "response.failed") or (protocol == "chat" and "error" in event):
+        error = event.get("error") or (event.get("response") or {}).get("error") or event
+        return str(error.get("message", error)) if isinstance(error, dict) else str(error)
+    return None
+
+
+def sse_data(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
+    for line in lines:
+        if line.startswith("data:"):
+            data = line[5:].strip()
+            if data and data != "[DONE]":
+                yield json.loads(data)
+
+
+def send(client: httpx.Client, req: TraceRequest) -> Measured:
+    """Send one request (streaming) and measure it."""
+    started = time.perf_counter()
+    first: float | None = None
+    output_tokens: int | None = None
+    with client.stream("POST", req.path, json=stream_body(req)) as response:
+        if response.status_code != 200:
+            text = response.read().decode(errors="replace")
+            raise ReplayError(f"{req.path}: HTTP {response.status_code}: {text[:300]}")
+        for event in sse_data(response.iter_lines()):
+            if first is None and is_output_delta(req.protocol, event):
+                first = time.perf_counter()
+            if (message := stream_error(req.protocol, event)) is not None:
+                raise ReplayError(f"{req.path}: stream error: {message}")
+            output_tokens = output_tokens_of(req.protocol, event) or output_tokens
+        headers = response.headers
+    ended = time.perf_counter()
+    if "x-prefill-tokens" not in headers:
+        raise ReplayError(f"{req.path}: the server sent no x-prefill-tokens header (not an ft server?)")
+    return Measured(
+        client_ttft_ms=1000 * ((first or ended) - started),
+        server_ttft_ms=float(headers["x-server-ttft-ms"]),
+        total_ms=1000 * (ended - started),
+        prefilled=int(headers["x-prefill-tokens"]),
+        cached=int(headers["x-cached-tokens"]),
+        output_tokens=output_tokens or 0,
+    )
+
+
+# -- sessions and policies -----------------------------------------------------------------------
+
+
+def replay_trace(
+    client: httpx.Client,
+    trace: Trace,
+    limit: int | None,
+    wait_idle: Callable[[], None],
+    advance: Callable[[], None] = lambda: None,
+) -> list[Row]:
+    rows: list[Row] = []
+    context = 0
+    for index, req in enumerate(trace.requests[:limit]):
+        wait_idle()
+        m = send(client, req)
+        prompt = m.prefilled + m.cached
+        rows.append(
+            Row(
+                session=trace.session_id,
+                index=index,
+                protocol=req.protocol,
+                after_tool_result=req.after_tool_result,
+                prompt_tokens=prompt,
+                output_tokens=m.output_tokens,
+                context_tokens=context,
+                new_tokens=prompt - context,
+                prefilled_tokens=m.prefilled,
+                cached_tokens=m.cached,
+                client_ttft_ms=round(m.client_ttft_ms, 2),
+                server_ttft_ms=m.server_ttft_ms,
+                total_ms=round(m.total_ms, 2),
+            )
+        )
+        context = prompt + m.output_tokens
+        advance()
+    return rows
+
+
+def floor_ms(client: httpx.Client, context: int, new: int) -> float:
+    response = client.post(FLOOR_PATH, json={"context": context, "new": new})
+    if response.status_code != 200:
+        raise ReplayError(f"{FLOOR_PATH}: HTTP {response.status_code}: {response.text[:300]}")
+    return float(response.json()["ms"])
+
+
+def floor_query(row: Row) -> tuple[int, int]:
+    """(context, new) for a row: when the prompt rewrote history (it is shorter than the previous
+    prompt + output, e.g. earlier reasoning dropped), the part it keeps is taken as warm."""
+    context = min(row.context_tokens, max(row.prompt_tokens - 1, 0))
+    return context, max(row.prompt_tokens - context, 1)
+
+
+def prefilled_counter(client: httpx.Client) -> int | None:
+    response = client.get("/metrics")
+    for line in response.text.splitlines() if response.status_code == 200 else []:
+        if line.startswith('ft_tokens_total{kind="prefilled"}'):
+            return int(float(line.split()[-1]))
+    return None
+
+
+def run_policy(
+    url: str,
+    policy: str,
+    traces: list[Trace],
+    limit: int | None,
+    wait_idle: Callable[[], None],
+    with_floor: bool,
+    advance: Callable[[], None],
+) -> PolicyRun:
+    started = time.monotonic()
+    with httpx.Client(base_url=url, timeout=httpx.Timeout(3600, connect=30)) as client:
+        before = prefilled_counter(client)
+        rows = [row for trace in traces for row in replay_trace(client, trace, limit, wait_idle, advance)]
+        wait_idle()
+        after = prefilled_counter(client)
+        if with_floor:
+            for row in rows:
+                row.floor_ms = floor_ms(client, *floor_query(row))
+    delta = after - before if before is not None and after is not None else None
+    return PolicyRun(policy, rows, delta, round(time.monotonic() - started, 2))
+
+
+def copy_floors(source: PolicyRun, runs: list[PolicyRun]) -> None:
+    """The floor depends on the model and the token counts, not the policy: measure it once."""
+    floors = {(r.session, r.index, *floor_query(r)): r.floor_ms for r in source.rows}
+    for run in runs:
+        for row in run.rows:
+            row.floor_ms = floors.get((row.session, row.index, *floor_query(row)), row.floor_ms)
+
+
+def http_wait_idle(url: str) -> Callable[[], None]:
+    """Best effort for a remote server: wait until /health reports an empty queue."""
+
+    def wait() -> None:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{url}/health", timeout=10).json().get("queue_depth", 0) == 0:
+                    return
+            except (httpx.HTTPError, ValueError):
+                return
+            time.sleep(0.05)
+
+    return wait
+
+
+# -- command line --------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.description = __doc__
+    parser.epilog = (
+        "measures (see DESIGN.md): client and server TTFT per request; worst TTFT after a tool result\n"
+        "(the headline) beside the suffix floor of the same requests (measured by the server's\n"
+        f"{FLOOR_PATH}); re-prefill ratio = tokens prefilled / tokens new (1.0 is ideal).\n\n"
+        "example: ft replay traces/sessions/small-bugfix.codex.jsonl --preset tiny --json out.json --plot out.png"
+    )
+    parser.add_argument(
+        "traces",
+        nargs="+",
+        type=Path,
+        metavar="TRACE",
+        help="trace files or folders (Codex, Claude Code, SWE-agent, ft recordings)",
+    )
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--server", metavar="URL", help="replay against a running ft server (its own policy)")
+    where.add_argument(
+        "--preset",
+        metavar="NAME",
+        help="serve this preset in-process, once per policy, fresh store each (default: tiny)",
+    )
+    parser.add_argument(
+        "--compare",
+        metavar="POLICIES",
+        help=f"comma-separated policies for --preset (default: {','.join(POLICY_ORDER)})",
+    )
+    parser.add_argument("--json", type=Path, metavar="OUT", help="write every row and summary as JSON")
+    parser.add_argument("--plot", type=Path, metavar="OUT.png", help="plot TTFT per request for each policy")
+    parser.add_argument(
+        "--limit", type=int, metavar="N", help="replay only the first N requests of each session"
+    )
+    parser.add_argument("--device", default="cpu", help="torch device for --preset (default cpu)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        metavar="N",
+        help="torch CPU threads for --preset (default: torch's; 1 is fastest on a busy machine)",
+    )
+    parser.add_argument("--no-floor", action="store_true", help="skip the suffix floor measurement")
+    parser.add_argument("--quiet", action="store_true", help="no per-request table")
+
+
+def parse_policies(text: str | None) -> list[str]:
+    names = [p.strip() for p in (text or ",".join(POLICY_ORDER)).split(",") if p.strip()]
+    unknown = [p for p in names if p not in POLICY_ORDER]
+    if unknown or not names:
+        raise ReplayError(
+            f"--compare: unknown policy {', '.join(unknown) or '(none)'} (from {', '.join(POLICY_ORDER)})"
+        )
+    return list(dict.fromkeys(names))
+
+
+def load_traces(paths: list[Path]) -> list[Trace]:
+    from adapters.readers import TraceError, read_trace  # noqa: PLC0415
+
+    traces: list[Trace] = []
+    for path in paths:
+        try:
+            found = read_trace(path, strict=True)
+        except TraceError as exc:
+            raise ReplayError(str(exc)) from None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ReplayError(f"{path}: unreadable trace ({type(exc).__name__}: {exc})") from None
+        traces.extend(t for t in found if t.requests)
+    if not traces:
+        raise ReplayError(f"no requests in {', '.join(map(str, paths))}")
+    return traces
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except ReplayError as exc:
+        print(f"ft replay: {exc}", file=sys.stderr)
+        return 2
+    except httpx.HTTPError as exc:
+        print(f"ft replay: server: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    from rich.console import Console  # noqa: PLC0415
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
+
+    from adapters import replay_report as report  # noqa: PLC0415
+
+    if args.server and args.compare:
+        raise ReplayError("--compare needs --preset (a --server runs whatever policy it was started with)")
+    if args.limit is not None and args.limit < 1:
+        raise ReplayError("--limit must be at least 1")
+    policies = ["server"] if args.server else parse_policies(args.compare)
+    traces = load_traces(args.traces)
+    console = Console() if sys.stdout.isatty() else Console(width=200)
+    if args.threads is not None:
+        import torch  # noqa: PLC0415
+
+        torch.set_num_threads(max(1, args.threads))
+    total = sum(len(t.requests[: args.limit]) for t in traces) * len(policies)
+    runs: list[PolicyRun] = []
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("replay", total=total)
+        advance = lambda: progress.advance(task)  # noqa: E731
+        for policy in policies:
+            progress.update(task, description=f"replay [{policy}]")
+            with_floor = not args.no_floor and not runs
+            if args.server:
+                url = args.server.rstrip("/")
+                runs.append(
+                    run_policy(url, policy, traces, args.limit, http_wait_idle(url), with_floor, advance)
+                )
+                continue
+            with serve_in_thread(_serve_config(args, policy)) as server:
+                runs.append(
+                    run_policy(server.url, policy, traces, args.limit, server.wait_idle, with_floor, advance)
+                )
+    if not args.no_floor:
+        copy_floors(runs[0], runs[1:])
+    summaries = [report.summarize(r) for r in runs]
+    report.print_report(console, runs, summaries, rows=not args.quiet)
+    meta = {
+        "traces": [str(p) for p in args.traces],
+        "sessions": [t.session_id for t in traces],
+        "server": args.server,
+        "preset": None if args.server else (args.preset or "tiny"),
+        "device": args.device,
+        "limit": args.limit,
+        "threads": args.threads,
+    }
+    if args.json:
+        args.json.write_bytes(report.report_json(runs, summaries, meta))
+        console.print(f"wrote {args.json}")
+    if args.plot:
+        title = (
+            f"{', '.join(t.session_id for t in traces)}: TTFT per request ({meta['preset'] or args.server})"
+        )
+        report.plot(runs, args.plot, title)
+        console.print(f"wrote {args.plot}")
+    return 0
+
+
+def _serve_config(args: argparse.Namespace, policy: str) -> Any:
+    from gateway.runtime import ServeConfig  # noqa: PLC0415
+
+    return ServeConfig(preset=args.preset or "tiny", device=args.device, policy=policy)
