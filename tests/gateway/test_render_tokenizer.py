@@ -40,8 +40,8 @@ def qwen_tokenizer_folder(root: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def hf_folder(request) -> Path:
-    return qwen_tokenizer_folder(Path(request.config.cache.mkdir("ft-gateway")))
+def hf_folder(tmp_path_factory) -> Path:
+    return qwen_tokenizer_folder(tmp_path_factory.mktemp("ft-gateway"))
 
 
 @pytest.fixture(scope="module")
