@@ -19,10 +19,15 @@ pytestmark = [
 ]
 
 SEED = int(os.environ.get("FT_TEST_SEED", random.SystemRandom().randrange(1 << 30)))
-# bf16 bounds: bf16 rounding (2^-8) accumulated over the layers; measured values are printed
+# Kernels: one op, so bf16 rounding stays near 2^-8. Whole model in fp32: tight. Whole model in
+# bf16: these random-weight presets amplify rounding (a top-k routing flip changes a token's MoE
+# output outright), so the CPU reference itself lands 0.15 (relative) from fp32 in bf16, and a
+# restore split in bf16 moves the logits by up to 0.1 on the CPU too. The bf16 bound is therefore
+# measured, not fixed: a bf16 result may be at most twice as far from the fp32 GPU run as the
+# one-pass bf16 run is, plus 0.01; and where the fp32 top-two margin exceeds twice the one-pass
+# bf16 noise (max abs), the greedy token must match fp32.
 KERNEL_TOL = {torch.bfloat16: 2e-2, torch.float32: 2e-3}
-MODEL_TOL = {torch.bfloat16: 4e-2, torch.float32: 2e-3}
-SPLIT_TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-3}  # restore+suffix vs one pass, same device
+FP32_TOL = 1e-4
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -168,37 +173,48 @@ def cpu32(weights):
     return _engine(weights, "cpu", torch.float32)
 
 
+@pytest.fixture(scope="module")
+def gpu32(weights):
+    return _engine(weights, "cuda", torch.float32)
+
+
 @pytest.fixture(scope="module", params=[torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def gpu_engine(request, weights):
-    return _engine(weights, "cuda", request.param)
+def gpu_engine(request, weights, gpu32):
+    return gpu32 if request.param == torch.float32 else _engine(weights, "cuda", request.param)
 
 
 def test_gpu_engine_uses_gpu_kernels(gpu_engine):
     assert gpu_engine.kernels.name == "gpu" and gpu_engine.runtime is not None
 
 
-def test_gpu_prefill_matches_cpu_reference(gpu_engine, cpu32, rng):
+def _within_bf16_noise(got: torch.Tensor, one_pass: torch.Tensor, exact: torch.Tensor, tag: str) -> None:
+    """`got` (bf16, another path) vs `exact` (fp32): no further than twice the one-pass bf16 run,
+    and the fp32 greedy token wherever the fp32 margin exceeds twice the one-pass noise."""
+    noise, err = rel(one_pass, exact), rel(got, exact)
+    metric(f"{tag}_vs_fp32", err)
+    metric(f"{tag}_one_pass_bf16_vs_fp32", noise)
+    assert err <= 2 * noise + 1e-2, (tag, err, noise, SEED)
+    rows_got, rows_one, rows_exact = (t.reshape(-1, t.shape[-1]).double().cpu() for t in (got, one_pass, exact))
+    for g, o, e in zip(rows_got, rows_one, rows_exact, strict=True):
+        top2 = e.topk(2).values
+        if (top2[0] - top2[1]).item() > 2 * (o - e).abs().max().item():
+            assert int(g.argmax()) == int(e.argmax()), (tag, SEED)
+
+
+def test_gpu_prefill_matches_cpu_reference(gpu_engine, cpu32, weights, rng):
     ids = [rng.randrange(248_000) for _ in range(rng.randrange(100, 400))]
     want = cpu32.prefill(cpu32.new_state(), ids, all_logits=True).logits
     got = gpu_engine.prefill(gpu_engine.new_state(), ids, all_logits=True).logits
-    err = rel(got, want)
-    metric(f"model_vs_cpu_{gpu_engine.dtype}", err)
-    assert err <= MODEL_TOL[gpu_engine.dtype], (err, SEED)
-
-
-def _agree(got: torch.Tensor, full: torch.Tensor, dtype: torch.dtype, tag: str) -> None:
-    """Within the bound, and the same greedy token wherever the top-two margin exceeds it."""
-    err = rel(got, full)
-    metric(tag, err)
-    assert err <= SPLIT_TOL[dtype], (tag, err, SEED)
-    bound = SPLIT_TOL[dtype] * full.double().norm().item() / full.numel() ** 0.5 * 4  # per-logit
-    top2 = full.topk(2).values
-    if (top2[0] - top2[1]).item() > 2 * bound:
-        assert int(got.argmax()) == int(full.argmax()), (tag, SEED)
+    if gpu_engine.dtype == torch.float32:
+        metric("model_vs_cpu_fp32", rel(got, want))
+        assert rel(got, want) <= FP32_TOL, SEED
+        return
+    cpu16 = _engine(weights, "cpu", torch.bfloat16)  # the reference kernels, rounded the same way
+    _within_bf16_noise(got, cpu16.prefill(cpu16.new_state(), ids, all_logits=True).logits, want, "model_gpu_bf16")
 
 
 @pytest.mark.parametrize("trial", range(3))
-def test_restore_then_suffix_matches_full_prefill(gpu_engine, rng, trial):
+def test_restore_then_suffix_matches_full_prefill(gpu_engine, gpu32, rng, trial):
     eng = gpu_engine
     length = rng.randrange(200, 1500)
     ids = [rng.randrange(248_000) for _ in range(length)]
@@ -208,11 +224,16 @@ def test_restore_then_suffix_matches_full_prefill(gpu_engine, rng, trial):
     assert all(t.device.type == "cpu" and t.is_pinned() for s in snaps for t in s.tensors.values())
     upto = rng.randrange(1, len(captures) + 1)
     state = eng.restore(snaps[:upto])  # the chain itself: deltas copied into place
-    rest = eng.prefill(state, ids[captures[upto - 1] :])
-    _agree(rest.logits, full, eng.dtype, f"restore_split_{eng.dtype}")
+    rest = eng.prefill(state, ids[captures[upto - 1] :]).logits
+    if eng.dtype == torch.float32:
+        metric("restore_split_fp32", rel(rest, full))
+        assert rel(rest, full) <= FP32_TOL, SEED
+        return
+    exact = gpu32.prefill(gpu32.new_state(), ids).logits
+    _within_bf16_noise(rest, full, exact, "restore_split_bf16")
 
 
-def test_graph_decode_matches_prefill_and_states_stay_separate(gpu_engine, rng):
+def test_graph_decode_matches_prefill_and_states_stay_separate(gpu_engine, gpu32, rng):
     from engine import SamplingParams
 
     eng = gpu_engine
@@ -226,16 +247,22 @@ def test_graph_decode_matches_prefill_and_states_stay_separate(gpu_engine, rng):
     for i, token in enumerate(forced):  # interleave two states through the one set of graph buffers
         steps.append(eng.feed(a, [token])[0])
         eng.feed(b, [prompt[20 + i]])
-    err = rel(torch.stack(steps), full[len(prompt) :])
-    metric(f"graph_decode_vs_prefill_{eng.dtype}", err)
-    assert err <= SPLIT_TOL[eng.dtype] * 2, (err, SEED)
-    # b went through 12 single steps while sharing buffers with a: it equals a plain prefill
-    want = eng.prefill(eng.new_state(), prompt[:33]).logits
-    _agree(eng.prefill(b, [prompt[32]]).logits, want, eng.dtype, f"graph_b_{eng.dtype}")
-    # a snapshot of a decoded state restores to the same continuation
-    restored = eng.restore(eng.snapshot(a, 0))
+    steps = torch.stack(steps)
+    # b went through 12 single steps while sharing buffers with a
+    b_next = eng.prefill(b, [prompt[32]]).logits
     tail = [rng.randrange(248_000) for _ in range(5)]
-    _agree(eng.prefill(restored, tail).logits, eng.prefill(a, tail).logits, eng.dtype, f"graph_snapshot_{eng.dtype}")
+    restored = eng.restore(eng.snapshot(a, 0))  # a snapshot of a decoded state restores to the same continuation
+    after_restore, after_a = eng.prefill(restored, tail).logits, eng.prefill(a, tail).logits
+    assert rel(after_restore, after_a) <= 1e-6, SEED
+    if eng.dtype == torch.float32:
+        errors = [rel(steps, full[len(prompt) :]), rel(b_next, eng.prefill(eng.new_state(), prompt[:33]).logits)]
+        metric("graph_decode_fp32", max(errors))
+        assert max(errors) <= FP32_TOL, (errors, SEED)
+    else:
+        exact = gpu32.prefill(gpu32.new_state(), prompt + forced, all_logits=True).logits
+        _within_bf16_noise(steps, full[len(prompt) :], exact[len(prompt) :], "graph_decode_bf16")
+        b_exact = gpu32.prefill(gpu32.new_state(), prompt[:33]).logits
+        _within_bf16_noise(b_next, eng.prefill(eng.new_state(), prompt[:33]).logits, b_exact, "graph_b_bf16")
     events = list(eng.generate(eng.new_state(), full[-1], SamplingParams(max_tokens=3)))
     assert len(events) == 3
     if eng.dtype == torch.bfloat16:  # the Triton kernels passed their first-use check against torch

@@ -64,33 +64,30 @@ def _up_kernel(X, W, IDS, A, H, INTER, TOPK: tl.constexpr, BLOCK_I: tl.constexpr
 
 
 @triton.jit
-def _down_kernel(A, W, IDS, RW, OUT, H, INTER, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr):
+def _down_kernel(A, W, IDS, RW, PART, H, INTER, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr):
     token = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    slot = token * TOPK + tl.program_id(2)
+    expert = tl.load(IDS + slot).to(tl.int64)
     acc = tl.zeros([BLOCK_N], tl.float32)
-    for s in range(TOPK):
-        slot = token * TOPK + s
-        expert = tl.load(IDS + slot).to(tl.int64)
-        part = tl.zeros([BLOCK_N], tl.float32)
-        for i0 in range(0, INTER, BLOCK_I):
-            i = i0 + tl.arange(0, BLOCK_I)
-            av = tl.load(A + slot * INTER + i).to(tl.float32)
-            part += tl.sum(tl.load(W + expert * (H * INTER) + n[:, None] * INTER + i[None, :]).to(tl.float32) * av[None, :], 1)
-        acc += tl.load(RW + slot).to(tl.float32) * part
-    tl.store(OUT + token * H + n, acc.to(OUT.dtype.element_ty))
+    for i0 in range(0, INTER, BLOCK_I):
+        i = i0 + tl.arange(0, BLOCK_I)
+        av = tl.load(A + slot * INTER + i).to(tl.float32)
+        acc += tl.sum(tl.load(W + expert * (H * INTER) + n[:, None] * INTER + i[None, :]).to(tl.float32) * av[None, :], 1)
+    tl.store(PART + slot * H + n, acc * tl.load(RW + slot).to(tl.float32))
 
 
 def _experts_triton(x, weights, ids, gate_up, down):
     num_tokens, top_k = ids.shape
     hidden, inter = x.shape[1], down.shape[2]
-    block_i, block_h, block_n = 16, 256, 16
+    block_i, block_h, block_n = 8, 256, 32
     assert inter % block_i == 0 and hidden % block_h == 0 and hidden % block_n == 0 and inter % 128 == 0
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     _up_kernel[(num_tokens * top_k, inter // block_i)](x, gate_up, ids, act, hidden, inter, TOPK=top_k, BLOCK_I=block_i, BLOCK_H=block_h)
-    out = torch.empty_like(x)
-    _down_kernel[(num_tokens, hidden // block_n)](act, down, ids, weights, out, hidden, inter, TOPK=top_k, BLOCK_N=block_n, BLOCK_I=128)
-    return out
+    part = torch.empty(num_tokens, top_k, hidden, dtype=torch.float32, device=x.device)  # one row per chosen expert
+    _down_kernel[(num_tokens, hidden // block_n, top_k)](act, down, ids, weights, part, hidden, inter, TOPK=top_k, BLOCK_N=block_n, BLOCK_I=128)
+    return part.sum(1).to(x.dtype)
 
 
 def _experts_gathered(x, weights, ids, gate_up, down):
