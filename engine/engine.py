@@ -18,7 +18,8 @@ from engine.sampling import Sampler, SamplingParams
 from engine.snapshot import Snapshot, concat_chain
 from engine.state import KVCache, SequenceState
 
-PREFILL_CHUNK = int(os.environ.get("FT_PREFILL_CHUNK", "4096"))
+PREFILL_CHUNK: int | None = int(os.environ["FT_PREFILL_CHUNK"]) if os.environ.get("FT_PREFILL_CHUNK") else None
+DEFAULT_CHUNK = {"cuda": 8192, "cpu": 4096}  # tokens per forward: bigger GEMMs on a GPU (bench/RESULTS.md)
 
 
 @dataclass
@@ -93,8 +94,9 @@ class Engine:
         ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.device)
         captured: dict[int, dict[str, torch.Tensor]] = {}
         outputs = []
-        for lo in range(0, len(ids), PREFILL_CHUNK):
-            chunk = ids[lo : lo + PREFILL_CHUNK]
+        step = PREFILL_CHUNK or DEFAULT_CHUNK.get(self.device.type, 4096)
+        for lo in range(0, len(ids), step):
+            chunk = ids[lo : lo + step]
             base = start + lo
             offsets = [p - base for p in positions if base < p <= base + len(chunk)]
             hidden, states = self.model(chunk, state, offsets, self.kernels)
