@@ -40,7 +40,8 @@ class ReplayError(Exception):
 class Row(msgspec.Struct):
     """What one request measured. Times in milliseconds; `context_tokens` is the previous
     request's prompt + output, `new_tokens` this prompt minus that (the suffix an ideal cache
-    prefills)."""
+    prefills; negative where the prompt rewrote history, e.g. Qwen dropping earlier reasoning at
+    a new user turn)."""
 
     session: str
     index: int

@@ -2,8 +2,9 @@
 
 `POST /v1/ft/suffix_floor` with `{"context": C, "new": N}` answers `{"ms": ...}`: on the engine
 worker, a state holding C filler tokens is restored from a cached snapshot (never consumed) and
-the prefill of N more filler tokens is timed. The filler token at position p is a fixed function
-of p, so a cached state at length L is a prefix of every longer one: a query extends the nearest
+the prefill of N more filler tokens is timed. Filler is real code (this project's gateway
+sources, tokenized once and cycled), so the MoE routes it as it routes an agent's tool output;
+the filler token at position p is a fixed function of p, so a cached state at length L is a prefix of every longer one: a query extends the nearest
 cached state below C (untimed) and caches the result, one state per 1024-token bucket, the few
 most recently used kept. A replay that asks with growing C therefore calibrates each token once.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from pathlib import Path
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -32,15 +34,17 @@ MAX_BODY_BYTES = 4096
 class SuffixFloor:
     """Calibration states of one engine, and the timed suffix prefill. Use on the engine worker."""
 
-    def __init__(self, engine: Engine, max_cached: int = MAX_CACHED) -> None:
+    def __init__(self, engine: Engine, corpus: list[int] | None = None, max_cached: int = MAX_CACHED) -> None:
         self.engine = engine
         self.max_cached = max_cached
         self._states: OrderedDict[int, Snapshot] = OrderedDict()  # bucket -> snapshot from position 0
-        self._span = max(1, min(engine.config.vocab_size, 200_000) - FILLER_LOW)
+        span = max(1, min(engine.config.vocab_size, 200_000) - FILLER_LOW)
+        self.corpus = corpus or [FILLER_LOW + (p * 7919) % span for p in range(8192)]
 
     def filler(self, start: int, end: int) -> list[int]:
         """Deterministic token ids for positions [start, end)."""
-        return [FILLER_LOW + (p * 7919) % self._span for p in range(start, end)]
+        n = len(self.corpus)
+        return [self.corpus[p % n] for p in range(start, end)]
 
     def measure(self, context: int, new: int) -> float:
         """Milliseconds to prefill `new` tokens after `context` tokens of warm state."""
@@ -66,6 +70,12 @@ class SuffixFloor:
             self._states.popitem(last=False)
 
 
+def code_corpus(tokenizer) -> list[int]:
+    """Token ids of the gateway package's Python sources (a fixed, realistic filler)."""
+    root = Path(__file__).resolve().parent.parent / "gateway"
+    return list(tokenizer.encode("".join(p.read_text(encoding="utf-8") for p in sorted(root.rglob("*.py")))))
+
+
 def parse_floor_body(body: dict, max_context: int) -> tuple[int, int]:
     """(context, new) from a request body, or BadRequest."""
     values = []
@@ -89,6 +99,7 @@ async def suffix_floor(request: Request) -> Response:
         return error_response("openai", exc)
     floor = getattr(request.app.state, "suffix_floor", None)
     if floor is None:
-        floor = request.app.state.suffix_floor = SuffixFloor(rt.engine)
+        corpus = await rt.scheduler.run(lambda: code_corpus(rt.renderer.tokenizer))
+        floor = request.app.state.suffix_floor = SuffixFloor(rt.engine, corpus)
     ms = await rt.scheduler.run(lambda: floor.measure(context, new))
     return JSONResponse({"ms": round(ms, 3), "context": context, "new": new})

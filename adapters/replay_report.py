@@ -26,7 +26,7 @@ class Summary(msgspec.Struct):
     server_worst_after_tool_ms: float | None
     floor_after_tool_ms: float | None
     worst_over_floor: float | None
-    reprefill_ratio: float | None  # tokens prefilled / tokens new, summed over the sessions
+    reprefill_ratio: float | None  # tokens prefilled / tokens new (negative rows count 0), summed
     prefilled_tokens: int
     new_tokens: int
     server_prefilled_tokens: int | None

@@ -9,22 +9,51 @@ import json
 import pytest
 
 from adapters import replay
-from adapters.replay_floor import SuffixFloor
+from adapters.replay_floor import SuffixFloor, code_corpus
 from adapters.trace import AssistantOutput, RecordLine, ToolCall, encode_jsonl
 from ft.cli import main
 from tests.conftest import start_server
 
 SYSTEM = "You are a careful coding agent working in a Python repository. " * 12
-TOOLS = [{"type": "function", "function": {
-    "name": "shell", "description": "Run a shell command",
-    "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "shell",
+            "description": "Run a shell command",
+            "parameters": {
+                "type": "object",
+                "properties": {"command": {"type": "string"}},
+                "required": ["command"],
+            },
+        },
+    }
+]
 STEPS = [  # (user text or None after a tool result, answer)
-    ("The test_refund suite fails, please fix it.",
-     AssistantOutput("I should look at the failing test first.", None, [ToolCall("shell", {"command": "pytest -x"})])),
-    (None, AssistantOutput("The rounding happens too early.", None, [ToolCall("shell", {"command": "git diff"})])),
-    (None, AssistantOutput("The diff is right; time to report.", "Fixed: rounding now happens after conversion.")),
-    ("Thanks. Now explain why it failed.",
-     AssistantOutput("A short explanation is enough.", "Rounding before conversion lost a cent on each line.")),
+    (
+        "The test_refund suite fails, please fix it.",
+        AssistantOutput(
+            "I should look at the failing test first.", None, [ToolCall("shell", {"command": "pytest -x"})]
+        ),
+    ),
+    (
+        None,
+        AssistantOutput(
+            "The rounding happens too early.", None, [ToolCall("shell", {"command": "git diff"})]
+        ),
+    ),
+    (
+        None,
+        AssistantOutput(
+            "The diff is right; time to report.", "Fixed: rounding now happens after conversion."
+        ),
+    ),
+    (
+        "Thanks. Now explain why it failed.",
+        AssistantOutput(
+            "A short explanation is enough.", "Rounding before conversion lost a cent on each line."
+        ),
+    ),
 ]
 
 
@@ -36,11 +65,22 @@ def chat_session() -> list[RecordLine]:
             messages.append({"role": "user", "content": user})
         body = {"model": "tiny", "messages": list(messages), "tools": TOOLS}
         lines.append(RecordLine("chat", "/v1/chat/completions", body, output, ts=1000.0 + i))
-        calls = [{"id": f"call_{i}_{j}", "type": "function",
-                  "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
-                 for j, c in enumerate(output.tool_calls)]
-        messages.append({"role": "assistant", "content": output.content or "",
-                         "reasoning_content": output.reasoning, **({"tool_calls": calls} if calls else {})})
+        calls = [
+            {
+                "id": f"call_{i}_{j}",
+                "type": "function",
+                "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+            }
+            for j, c in enumerate(output.tool_calls)
+        ]
+        messages.append(
+            {
+                "role": "assistant",
+                "content": output.content or "",
+                "reasoning_content": output.reasoning,
+                **({"tool_calls": calls} if calls else {}),
+            }
+        )
         for call in calls:
             messages.append({"role": "tool", "tool_call_id": call["id"], "content": "output line\n" * 30})
     return lines
@@ -56,8 +96,19 @@ def trace_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def report(trace_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("replay_out")
-    argv = ["replay", str(trace_file), "--preset", "tiny", "--compare", "anchor,prefix,user,none",
-            "--json", str(out / "r.json"), "--plot", str(out / "r.png"), "--quiet"]
+    argv = [
+        "replay",
+        str(trace_file),
+        "--preset",
+        "tiny",
+        "--compare",
+        "anchor,prefix,user,none",
+        "--json",
+        str(out / "r.json"),
+        "--plot",
+        str(out / "r.png"),
+        "--quiet",
+    ]
     assert main(argv) == 0
     return out
 
@@ -109,10 +160,19 @@ def test_suffix_floor_route_times_a_warm_prefill(server):
         assert again.status_code == 200 and again.json()["ms"] > 0
 
 
-@pytest.mark.parametrize("body", [
-    {}, {"context": 10}, {"context": -1, "new": 5}, {"context": 10, "new": 0}, {"context": "10", "new": 5},
-    {"context": 10, "new": True}, {"context": 10**9, "new": 1}, [1, 2],
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {},
+        {"context": 10},
+        {"context": -1, "new": 5},
+        {"context": 10, "new": 0},
+        {"context": "10", "new": 5},
+        {"context": 10, "new": True},
+        {"context": 10**9, "new": 1},
+        [1, 2],
+    ],
+)
 def test_suffix_floor_rejects_bad_bodies(server, body):
     with server.client() as client:
         r = client.post("/v1/ft/suffix_floor", json=body)
@@ -128,6 +188,7 @@ def test_suffix_floor_rejects_invalid_json(server):
 
 def test_floor_states_are_not_consumed_and_stay_few(server):
     floor = SuffixFloor(server.runtime.engine, max_cached=2)
+    assert len(code_corpus(server.runtime.renderer.tokenizer)) > 10_000
     for context in (100, 1500, 2600, 3100, 150):
         assert floor.measure(context, 4) > 0
     assert len(floor._states) <= 2
@@ -144,17 +205,22 @@ def test_replay_against_a_running_server(server, trace_file, tmp_path, capsys):
 
 def test_malformed_trace_is_one_line(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"protocol": "chat", "body": {"messages": []}, "path": "/v1/chat/completions"}\nnot json\n')
+    bad.write_text(
+        '{"protocol": "chat", "body": {"messages": []}, "path": "/v1/chat/completions"}\nnot json\n'
+    )
     assert main(["replay", str(bad), "--preset", "tiny"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("ft replay: ") and "\n" not in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--server", "http://127.0.0.1:9", "--compare", "anchor"], "--compare needs --preset"),
-    (["--compare", "anchor,radix"], "unknown policy radix"),
-    (["--limit", "0"], "--limit"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--server", "http://127.0.0.1:9", "--compare", "anchor"], "--compare needs --preset"),
+        (["--compare", "anchor,radix"], "unknown policy radix"),
+        (["--limit", "0"], "--limit"),
+    ],
+)
 def test_bad_arguments_are_one_line(trace_file, capsys, argv, message):
     assert main(["replay", str(trace_file), *argv]) == 2
     err = capsys.readouterr().err
@@ -167,10 +233,11 @@ def test_unreachable_server_is_one_line(trace_file, capsys):
 
 
 def test_output_delta_detection_per_protocol():
-    assert replay.is_output_delta("anthropic", {"type": "content_block_delta", "delta": {"type": "thinking_delta"}})
+    assert replay.is_output_delta(
+        "anthropic", {"type": "content_block_delta", "delta": {"type": "thinking_delta"}}
+    )
     assert not replay.is_output_delta("anthropic", {"type": "content_block_start"})
     assert replay.is_output_delta("responses", {"type": "response.reasoning_text.delta"})
     assert not replay.is_output_delta("responses", {"type": "response.output_item.added"})
     assert replay.is_output_delta("chat", {"choices": [{"delta": {"reasoning_content": "x"}}]})
     assert not replay.is_output_delta("chat", {"choices": [{"delta": {"role": "assistant", "content": ""}}]})
-
