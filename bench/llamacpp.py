@@ -92,24 +92,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policy", default="anchor", help="our capture policy (anchor, prefix, user, none)")
     p.add_argument("--ctx", type=int, default=32768, help="llama-server context size")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--llama-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra llama-server argument (repeat), e.g. --llama-arg=--no-reasoning-preserve",
+    )
+    p.add_argument("--only", choices=["llama.cpp", "ft"], help="run one side only")
     p.add_argument("--out", type=Path, default=Path(__file__).with_suffix(".json"))
     args = p.parse_args(argv)
-    console = Console()
+    console = Console(width=max(Console().width, 170))
 
     traces = [t for path in args.traces for t in read_trace(path) if t.protocol == "chat" and t.requests]
     folder = ensure_preset(args.preset)
     gguf_path = ensure_gguf(folder, PEER_HOME / "models" / f"{args.preset}-{args.dtype}.gguf", args.dtype)
     build()
     results: dict[str, dict[str, dict]] = {t.session_id: {} for t in traces}
+    llama_name = " ".join(["llama.cpp", *args.llama_arg])
     sides = {
-        "llama.cpp": lambda: LlamaServer(
-            gguf_path, ctx_size=args.ctx, threads=args.threads, log_path=PEER_HOME / "llama-server.log"
+        llama_name: lambda: LlamaServer(
+            gguf_path,
+            ctx_size=args.ctx,
+            threads=args.threads,
+            extra=args.llama_arg,
+            log_path=PEER_HOME / "llama-server.log",
         ),
         f"ft/{args.policy}": lambda: FtServer(
             preset=args.preset, policy=args.policy, log_path=PEER_HOME / "ft-serve.log"
         ),
     }
-    probes = {"llama.cpp": llama_sample, f"ft/{args.policy}": gateway_sample}
+    probes = {llama_name: llama_sample, f"ft/{args.policy}": gateway_sample}
+    if args.only:
+        sides = {name: make for name, make in sides.items() if name.startswith(args.only)}
     for side, make in sides.items():  # one server at a time: they share 2 cores
         for trace in traces:  # a fresh server per session: no cache carried across sessions
             with make() as server:
@@ -125,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     console.print(summary_table(results))
     meta = {
+        "llama_args": args.llama_arg,
         "preset": args.preset,
         "gguf_dtype": args.dtype,
         "policy": args.policy,
