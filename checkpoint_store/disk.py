@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
@@ -80,6 +81,7 @@ class DiskTier:
         self.capacity = int(map_bytes * CAPACITY_FRACTION) - RESERVE_BYTES
         self.lock = lock
         self.index = TierIndex()
+        self.pinned: Counter[bytes] = Counter()
         self.evictions = 0
         self.states_dropped = 0
         self.write_errors = 0
@@ -207,22 +209,30 @@ class DiskTier:
                 return
 
     def _evict_one(self, keep: tuple[bytes, ...]) -> bool:
+        """Evict one victim: out of the index first (no new restore plans on it), then deleted."""
         with self.lock:
-            victim = self.index.victim(keep)
-        if victim is None:
-            return False
-        anchor, part = victim
-        try:
-            with self.env.begin(write=True) as txn:
-                txn.delete(key(anchor, part))
-        except lmdb.MapFullError:
-            log.warning("checkpoint store: the map is too full even to delete %s", anchor.hex())
-            return False
-        with self.lock:
+            victim = self.index.victim(keep + tuple(self.pinned))
+            if victim is None:
+                return False
+            anchor, part = victim
             self.forget(anchor, part)
             self.evictions += part == KV_PART
             self.states_dropped += part == STATE_PART
+        try:
+            with self.env.begin(write=True) as txn:
+                txn.delete(key(anchor, part))
+        except lmdb.MapFullError:  # the key stays until the next open finds it unindexed... or reused
+            log.warning("checkpoint store: the map is too full even to delete %s", anchor.hex())
+            return False
         return True
+
+    def pin(self, anchors: list[bytes]) -> None:
+        """Spare ``anchors`` from eviction while a restore reads them (caller holds ``lock``)."""
+        self.pinned.update(anchors)
+
+    def unpin(self, anchors: list[bytes]) -> None:
+        self.pinned.subtract(anchors)
+        self.pinned = +self.pinned  # drop zero counts
 
     # -- open ------------------------------------------------------------------------------
 

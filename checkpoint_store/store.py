@@ -11,7 +11,11 @@ parents or positions, is a miss; the offending record (or part) is deleted and l
 the ``checkpoint_store`` logger. ``load_chain`` never returns a chain with a hole.
 
 Thread safety: every method may be called from any thread; one lock guards the indexes,
-and is never held during disk I/O or large copies.
+and is never held during disk I/O or large copies. ``longest_restorable`` answers for the
+moment it is called: the writer thread may evict disk records to make room for queued
+puts before a following ``load_chain``, which then misses (``load_longest`` retries with
+what is left). Once ``load_chain`` has planned a chain, its disk records are pinned
+against eviction until it returns.
 """
 
 from __future__ import annotations
@@ -145,6 +149,8 @@ class CheckpointStore:
         except PartMiss as miss:
             self._miss(miss)
             return None
+        finally:
+            self._unpin(plan)
         with self._lock:
             self._counters.bytes_restored += snapshot.nbytes
         return snapshot
@@ -252,7 +258,14 @@ class CheckpointStore:
                 self._ram.touch(loc.meta.anchor, self._clock)
                 if self._disk is not None:
                     self._disk.index.touch(loc.meta.anchor, self._clock)
+            if self._disk is not None:
+                self._disk.pin(chain)
             return plan
+
+    def _unpin(self, plan: list[Located]) -> None:
+        if self._disk is not None:
+            with self._lock:
+                self._disk.unpin([loc.meta.anchor for loc in plan])
 
     def _broken(self, anchor: bytes, loc: Located | None, prev: RecordMeta | None) -> None:
         """A chain that cannot be restored as asked; a record that contradicts its own parent goes."""
@@ -319,6 +332,7 @@ class CheckpointStore:
                 setattr(self._counters, name, getattr(self._counters, name) + delta)
 
     def _miss(self, miss: PartMiss) -> None:
+        log.info("checkpoint store: miss on the %s part of %s: %s", miss.part, miss.anchor.hex(), miss.reason)
         with self._lock:
             self._counters.restore_misses += 1
             self._counters.disk_misses += 1
