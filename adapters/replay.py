@@ -83,7 +83,7 @@ class LocalServer:
         deadline = time.monotonic() + timeout
         while not self.runtime.scheduler.idle:
             if time.monotonic() > deadline:
-                raise ReplayError("server still busy after {timeout:.0f} s")
+                raise ReplayError(f"server still busy after {timeout:.0f} s")
             time.sleep(0.02)
 
     def stop(self) -> None:
@@ -263,11 +263,10 @@ def floor_ms(client: httpx.Client, context: int, new: int) -> float:
     return float(response.json()["ms"])
 
 
-def floor_query(row: Row) -> tuple[int, int]:
-    """(context, new) for a row: when the prompt rewrote history (it is shorter than the previous
-    prompt + output, e.g. earlier reasoning dropped), the part it keeps is taken as warm."""
-    context = min(row.context_tokens, max(row.prompt_tokens - 1, 0))
-    return context, max(row.prompt_tokens - context, 1)
+def floor_query(row: Row) -> tuple[int, int] | None:
+    """(context, new) of a row's suffix floor; None where the prompt rewrote history (new <= 0:
+    how much of it is new is not known from token counts)."""
+    return (row.context_tokens, row.new_tokens) if row.new_tokens > 0 else None
 
 
 def prefilled_counter(client: httpx.Client) -> int | None:
@@ -295,17 +294,18 @@ def run_policy(
         after = prefilled_counter(client)
         if with_floor:
             for row in rows:
-                row.floor_ms = floor_ms(client, *floor_query(row))
+                if (query := floor_query(row)) is not None:
+                    row.floor_ms = floor_ms(client, *query)
     delta = after - before if before is not None and after is not None else None
     return PolicyRun(policy, rows, delta, round(time.monotonic() - started, 2))
 
 
 def copy_floors(source: PolicyRun, runs: list[PolicyRun]) -> None:
     """The floor depends on the model and the token counts, not the policy: measure it once."""
-    floors = {(r.session, r.index, *floor_query(r)): r.floor_ms for r in source.rows}
+    floors = {(r.session, r.index, floor_query(r)): r.floor_ms for r in source.rows}
     for run in runs:
         for row in run.rows:
-            row.floor_ms = floors.get((row.session, row.index, *floor_query(row)), row.floor_ms)
+            row.floor_ms = floors.get((row.session, row.index, floor_query(row)), row.floor_ms)
 
 
 def http_wait_idle(url: str) -> Callable[[], None]:

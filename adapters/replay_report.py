@@ -162,8 +162,8 @@ def plot(runs: list[PolicyRun], out: Path, title: str) -> None:
     xs = list(range(len(runs[0].rows)))
     for run in runs:
         ax.plot(xs, [r.client_ttft_ms for r in run.rows], marker="o", markersize=3, label=run.policy)
-    floors = [r.floor_ms for r in runs[0].rows if r.floor_ms is not None]
-    if len(floors) == len(xs):
+    floors = [float("nan") if r.floor_ms is None else r.floor_ms for r in runs[0].rows]
+    if any(r.floor_ms is not None for r in runs[0].rows):
         ax.plot(xs, floors, linestyle="--", color="black", label="suffix floor")
     for x, row in zip(xs, runs[0].rows, strict=True):
         if not row.after_tool_result:

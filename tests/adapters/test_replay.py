@@ -120,7 +120,8 @@ def test_replay_writes_json_and_png(report):
     rows = data["policies"]["anchor"]["rows"]
     assert len(rows) == len(STEPS)
     assert [r["after_tool_result"] for r in rows] == [False, True, True, False]
-    assert all(r["client_ttft_ms"] > 0 and r["server_ttft_ms"] > 0 and r["floor_ms"] > 0 for r in rows)
+    assert all(r["client_ttft_ms"] > 0 and r["server_ttft_ms"] > 0 for r in rows)
+    assert all(r["floor_ms"] > 0 for r in rows if r["new_tokens"] > 0)
     assert rows[0]["new_tokens"] == rows[0]["prompt_tokens"] == rows[0]["prefilled_tokens"]
 
 
