@@ -43,8 +43,11 @@ class Summary(msgspec.Struct):
     prompt_tokens: int
     processed: int
     reused: int
-    reprocessed: int  # processed tokens that had already been seen in an earlier prompt
-    new_tokens: int  # tokens not in the previous prompt of the session (lower bound on processed)
+    # From token counts alone (the client sees no ids): a request's new tokens are its prompt's growth
+    # over the previous prompt (0 when the prompt shrank, as when Qwen's template drops reasoning);
+    # whatever else it processed had been in an earlier prompt.
+    reprocessed: int
+    new_tokens: int
 
 
 def probe_body(request: TraceRequest, model: str) -> dict[str, Any]:
