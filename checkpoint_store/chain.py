@@ -52,11 +52,11 @@ def join(snapshots: list[Snapshot]) -> Snapshot:
     views = {id(t) for s in snapshots for n, t in s.tensors.items() if not is_kv(n)}
     for name, t in out.tensors.items():
         if id(t) in views:
-            out.tensors[name] = _fresh_copy(t)
+            out.tensors[name] = fresh_copy(t)
     return out
 
 
-def _fresh_copy(t: torch.Tensor) -> torch.Tensor:
+def fresh_copy(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=t.dtype)
     out.copy_(t)
     return out

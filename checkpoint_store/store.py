@@ -28,7 +28,7 @@ import torch
 
 from engine.snapshot import Snapshot
 
-from .chain import Located, first_mismatch, follows, join
+from .chain import Located, first_mismatch, follows, fresh_copy, join
 from .config import StoreConfig
 from .disk import MAX_ANCHOR_BYTES, DiskTier, MissingRecord
 from .ram import RamTier
@@ -141,19 +141,17 @@ class CheckpointStore:
 
         The result owns fresh memory (one copy of each byte restored).
         """
-        plan = self._plan(chain)
-        if plan is None:
-            return None
-        try:
-            snapshot = self._materialize(plan)
-        except PartMiss as miss:
-            self._miss(miss)
-            return None
-        finally:
-            self._unpin(plan)
-        with self._lock:
-            self._counters.bytes_restored += snapshot.nbytes
-        return snapshot
+        snapshots = self._load(chain, joined=True)
+        return None if snapshots is None else snapshots[0]
+
+    def load_records(self, chain: list[bytes]) -> list[Snapshot] | None:
+        """The chain's records as consecutive snapshots (for ``Engine.restore(list)``), or None.
+
+        KV deltas and the last record's state, not concatenated: RAM-held parts are
+        read-only views into the store (no copy; never write through them), disk parts are
+        copied once out of the map. The same checks and misses as ``load_chain``.
+        """
+        return self._load(chain, joined=False)
 
     def load_longest(self, chain: list[bytes]) -> tuple[int, Snapshot | None]:
         """``longest_restorable`` then ``load_chain``, retrying shorter after a miss."""
@@ -283,30 +281,50 @@ class CheckpointStore:
         else:
             log.info("checkpoint store: record %s does not follow the chain asked for", anchor.hex())
 
-    def _materialize(self, plan: list[Located]) -> Snapshot:
+    def _load(self, chain: list[bytes], joined: bool) -> list[Snapshot] | None:
+        plan = self._plan(chain)
+        if plan is None:
+            return None
+        try:
+            snapshots = self._materialize(plan, joined)
+        except PartMiss as miss:
+            self._miss(miss)
+            return None
+        finally:
+            self._unpin(plan)
+        with self._lock:
+            self._counters.bytes_restored += sum(s.nbytes for s in snapshots)
+        return snapshots
+
+    def _materialize(self, plan: list[Located], joined: bool) -> list[Snapshot]:
         on_disk = self._disk is not None and any(loc.kv is None or loc.state is None for loc in plan)
         txn = self._disk.read_txn() if on_disk and self._disk is not None else None
         try:
             last = len(plan) - 1
-            snapshots = [self._snapshot(loc, txn, i == last) for i, loc in enumerate(plan)]
+            snapshots = [
+                self._snapshot(loc, txn, i == last, copy_disk=not joined) for i, loc in enumerate(plan)
+            ]
             bad = first_mismatch(snapshots)
             if bad is not None:
                 raise PartMiss(
                     plan[bad].meta.anchor, KV_PART, "KV tensors disagree with the chain", "corrupt"
                 )
-            return join(snapshots)
+            return [join(snapshots)] if joined else snapshots
         finally:
             if txn is not None:
                 txn.abort()
 
-    def _snapshot(self, loc: Located, txn: lmdb.Transaction | None, with_state: bool) -> Snapshot:
-        tensors = self._part(loc, KV_PART, loc.kv, txn)
+    def _snapshot(
+        self, loc: Located, txn: lmdb.Transaction | None, with_state: bool, copy_disk: bool
+    ) -> Snapshot:
+        """One record's tensors: views into RAM buffers or the LMDB map (copied out if ``copy_disk``)."""
+        tensors = self._part(loc, KV_PART, loc.kv, txn, copy_disk)
         if with_state:
-            tensors.update(self._part(loc, STATE_PART, loc.state, txn))
+            tensors.update(self._part(loc, STATE_PART, loc.state, txn, copy_disk))
         return Snapshot(loc.meta.start, loc.meta.end, tensors)
 
     def _part(
-        self, loc: Located, part: str, held: Packed | None, txn: lmdb.Transaction | None
+        self, loc: Located, part: str, held: Packed | None, txn: lmdb.Transaction | None, copy_disk: bool
     ) -> dict[str, torch.Tensor]:
         anchor = loc.meta.anchor
         if held is not None:
@@ -324,7 +342,7 @@ class CheckpointStore:
         if header.meta != loc.meta:
             raise PartMiss(anchor, part, "replaced while reading", "stale")
         self._count(disk_hits=1)
-        return views
+        return {n: fresh_copy(t) for n, t in views.items()} if copy_disk else views
 
     def _count(self, **deltas: int) -> None:
         with self._lock:

@@ -67,8 +67,8 @@ def test_restore_in_a_new_process_matches_full_recompute(tmp_path: Path) -> None
     )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    print(report)
     assert report["whole"]["anchors"] == 4 and report["whole"]["tokens"] == 31
     assert report["earlier"]["anchors"] == 2 and report["earlier"]["tokens"] == 15
     assert report["whole"]["max_abs_diff"] <= 1e-4 and report["earlier"]["max_abs_diff"] <= 1e-4
+    assert report["records"]["tokens"] == 31 and report["records"]["max_abs_diff"] <= 1e-4
     assert report["stats"]["disk_hits"] > 0

@@ -180,3 +180,20 @@ def test_restored_state_is_fresh_memory() -> None:
         a, b = store.load_chain(anchors), store.load_chain(anchors)
         assert a.tensors["rec.1"].data_ptr() != b.tensors["rec.1"].data_ptr()
         assert torch.equal(a.tensors["rec.1"], b.tensors["rec.1"])
+
+
+def test_load_records_gives_the_chain_unjoined_from_both_tiers(tmp_path) -> None:
+    anchors, snaps = linear_chain(4, state_every=2)
+    config = StoreConfig(
+        ram_bytes=2 * snaps[0].nbytes, disk_dir=tmp_path, disk_bytes=64 * MiB, fingerprint="fp"
+    )
+    with CheckpointStore(config) as store:
+        put_chain(store, anchors, snaps)
+        store.flush()
+        records = store.load_records(anchors)
+        assert records is not None and len(records) == 4
+        assert_same(expected_chain(records), expected_chain(snaps))
+        assert not any(records[i].has_state for i in range(3)) and records[3].has_state
+        assert store.load_records(anchors[:3]) is None
+        stats = store.stats()
+        assert stats.ram_hits > 0 and stats.disk_hits > 0
