@@ -71,13 +71,17 @@ class Runtime:
             self.recorder.close()
 
 
-def build_runtime(config: ServeConfig) -> Runtime:
+def load_engine(config: ServeConfig) -> Engine:
     if config.model_dir is not None:
-        engine = Engine.load(config.model_dir, device=config.device)
-        model_id = config.model_name or config.model_dir.name
-    else:
-        engine = Engine.from_preset(config.preset, device=config.device)
-        model_id = config.model_name or config.preset
+        return Engine.load(config.model_dir, device=config.device)
+    return Engine.from_preset(config.preset, device=config.device)
+
+
+def build_runtime(config: ServeConfig, engine: Engine | None = None) -> Runtime:
+    """A runtime with a fresh store; `engine` reuses an already loaded model (replays that
+    compare policies on one set of weights)."""
+    engine = engine or load_engine(config)
+    model_id = config.model_name or (config.model_dir.name if config.model_dir else config.preset)
     renderer = load_renderer(engine.model_dir)
     store = CheckpointStore(StoreConfig(
         ram_bytes=int(config.ram_cache_gib * GiB),
