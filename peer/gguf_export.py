@@ -70,6 +70,7 @@ GLOBAL_NAMES = {
     "model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
+F32_SUFFIXES = ("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
 ZERO_CENTRED = ("layernorm.weight", "q_norm.weight", "k_norm.weight", "model.norm.weight")
 
 
@@ -178,9 +179,14 @@ def add_hparams(w: gguf.GGUFWriter, c: ModelConfig, raw: dict, name: str) -> Non
     )
 
 
-def to_numpy(t: torch.Tensor, dtype: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
-    """1-D tensors (norms, biases, ssm_a) stay fp32, as llama.cpp's converter keeps them."""
-    if dtype == "f32" or t.ndim == 1:
+def keeps_f32(name: str, t: torch.Tensor) -> bool:
+    """Tensors llama.cpp wants in fp32 whatever the file type: 1-D ones (norms, biases, ssm_a), the
+    routers, and the conv kernel (its CPU ssm_conv op is fp32 only)."""
+    return t.ndim == 1 or not name.endswith(".weight") or name.endswith(F32_SUFFIXES)
+
+
+def to_numpy(name: str, t: torch.Tensor, dtype: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+    if dtype == "f32" or keeps_f32(name, t):
         return t.float().contiguous().numpy(), gguf.GGMLQuantizationType.F32
     if dtype == "f16":
         return t.half().contiguous().numpy(), gguf.GGMLQuantizationType.F16
@@ -210,7 +216,7 @@ def export_gguf(
     w.add_file_type(FILE_TYPES[dtype])
     add_vocab(w, qwen_vocab(c.vocab_size), template)
     for name, tensor in gguf_tensors(c, read_state_dict(model_dir, None)):
-        array, qtype = to_numpy(tensor, dtype)
+        array, qtype = to_numpy(name, tensor, dtype)
         w.add_tensor(name, array, raw_dtype=qtype if qtype == gguf.GGMLQuantizationType.BF16 else None)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -246,3 +246,15 @@ def test_vocab_reproduces_qwen_tokenizer():
         assert gpt2_encode(text, vocab.tokens, vocab.merges, specials, QWEN3_5_PAT_STR) == tok.encode(text), (
             text
         )
+
+
+def test_bf16_export_keeps_llama_fp32_tensors(tmp_path):
+    folder = write_preset("tiny", tmp_path / "tiny")
+    reader = gguf.GGUFReader(str(export_gguf(folder, tmp_path / "tiny-bf16.gguf", "bf16")))
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    f32 = gguf.GGMLQuantizationType.F32
+    assert types["blk.0.ssm_conv1d.weight"] == f32
+    assert types["blk.0.ffn_gate_inp.weight"] == f32
+    assert types["blk.0.ssm_a"] == f32 and types["blk.3.attn_q_norm.weight"] == f32
+    assert types["blk.0.attn_qkv.weight"] == gguf.GGMLQuantizationType.BF16
+    assert types["blk.0.ffn_gate_exps.weight"] == gguf.GGMLQuantizationType.BF16
