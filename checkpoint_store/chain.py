@@ -8,7 +8,7 @@ import torch
 
 from engine.snapshot import Snapshot, concat_chain, is_kv
 
-from .record import Packed, RecordMeta
+from .record import Packed, RecordMeta, allocate, copy_bytes
 
 
 @dataclass(frozen=True)
@@ -45,18 +45,27 @@ def first_mismatch(snapshots: list[Snapshot]) -> int | None:
 def join(snapshots: list[Snapshot]) -> Snapshot:
     """One snapshot owning fresh memory: one copy per byte of the views it is given.
 
-    ``concat_chain`` copies the KV (``torch.cat``); the state tensors it passes through are
-    views into the store (RAM buffers or the LMDB map), so they are cloned here.
+    ``concat_chain`` defines the result (it runs on meta tensors: names, shapes, dtypes,
+    no data); the bytes are then copied once into two allocations, one for all KV and one
+    for all state, so a caller that keeps only the state does not keep the KV alive.
     """
-    out = concat_chain(snapshots)
-    views = {id(t) for s in snapshots for n, t in s.tensors.items() if not is_kv(n)}
-    for name, t in out.tensors.items():
-        if id(t) in views:
-            out.tensors[name] = fresh_copy(t)
-    return out
+    layout = concat_chain([_meta(s) for s in snapshots])
+    kv = allocate({n: t for n, t in layout.tensors.items() if is_kv(n)}).views()
+    state = allocate({n: t for n, t in layout.tensors.items() if not is_kv(n)}).views()
+    for name, dst in kv.items():  # [T_total, H, D] <- each record's [T_i, H, D] rows
+        for snap in snapshots:
+            copy_bytes(dst[snap.start - layout.start : snap.end - layout.start], snap.tensors[name])
+    for name, dst in state.items():
+        copy_bytes(dst, snapshots[-1].tensors[name])
+    return Snapshot(layout.start, layout.end, {n: state.get(n, kv.get(n)) for n in layout.tensors})
+
+
+def _meta(snapshot: Snapshot) -> Snapshot:
+    tensors = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in snapshot.tensors.items()}
+    return Snapshot(snapshot.start, snapshot.end, tensors)
 
 
 def fresh_copy(t: torch.Tensor) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=t.dtype)
-    out.copy_(t)
+    copy_bytes(out, t)
     return out

@@ -28,6 +28,7 @@ import warnings
 from dataclasses import dataclass
 
 import msgspec
+import numpy as np
 import torch
 import xxhash
 
@@ -124,18 +125,43 @@ def split_parts(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.T
 
 def pack(tensors: dict[str, torch.Tensor]) -> Packed:
     """Copy ``tensors`` (any layout, on any device) into one aligned buffer: one copy per byte."""
+    packed = allocate(tensors)
+    for spec, t in zip(packed.specs, tensors.values(), strict=True):
+        copy_bytes(_view(packed.buf, spec), t)
+    return packed
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, as one memcpy where both are contiguous host tensors.
+
+    numpy's copy is a single-threaded memcpy; torch's CPU copy splits work across its
+    intra-op threads (slow when the cores are busy: 0.3 GB/s measured on a loaded 2-core
+    machine, against 40 GB/s single-threaded) and converts bf16 element by element.
+    """
+    if _plain(dst) and _plain(src) and dst.dtype == src.dtype and dst.shape == src.shape:
+        np.copyto(_bytes(dst), _bytes(src))
+    else:
+        dst.copy_(src)
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.is_contiguous()
+
+
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    return t.detach().reshape(-1).view(torch.uint8).numpy()
+
+
+def allocate(like: dict[str, torch.Tensor]) -> Packed:
+    """One uninitialised buffer laid out for tensors shaped like ``like`` (meta tensors will do)."""
     specs, offset = [], 0
-    for name, t in tensors.items():
+    for name, t in like.items():
         if t.dtype not in DTYPE_NAMES:
             raise ValueError(f"unsupported dtype {t.dtype} for {name}")
         nbytes = t.numel() * t.element_size()
         specs.append(TensorSpec(name, DTYPE_NAMES[t.dtype], tuple(t.shape), offset, nbytes))
         offset += _aligned(nbytes)
-    buf = torch.empty(offset, dtype=torch.uint8)
-    packed = Packed(tuple(specs), buf)
-    for spec, t in zip(specs, tensors.values(), strict=True):
-        _view(buf, spec).copy_(t)
-    return packed
+    return Packed(tuple(specs), torch.empty(offset, dtype=torch.uint8))
 
 
 def encode_frame(meta: RecordMeta, part: str, packed: Packed, fingerprint: str) -> bytes:
