@@ -334,6 +334,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "measures (see DESIGN.md): client and server TTFT per request; worst TTFT after a tool result\n"
         "(the headline) beside the suffix floor of the same requests (measured by the server's\n"
         f"{FLOOR_PATH}); re-prefill ratio = tokens prefilled / tokens new (1.0 is ideal).\n\n"
+        "with --server the replay can only wait for the server's queue to empty between requests (a\n"
+        "precompute already running is not visible over HTTP); --preset waits for the worker itself.\n\n"
         "example: ft replay traces/sessions/small-bugfix.codex.jsonl --preset tiny --json out.json --plot out.png"
     )
     parser.add_argument(
