@@ -8,10 +8,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from engine import SequenceState
+from engine import SequenceState, TokenEvent
 from gateway import checkpoints
 from gateway.conversation import Message, ToolCall
 from gateway.events import Event, Finish, Usage, collect
@@ -72,7 +72,7 @@ def _decode(rt, plan, state, logits, send, cancel, call_id, stops: StopMatcher) 
     detok = IncrementalDetokenizer(rt.renderer.tokenizer, skip_ids=frozenset(eos))
     generated: list[int] = []
     finish = "length"
-    for ev in rt.engine.generate(state, logits, plan.sampling, forced=plan.forced_ids):
+    for ev in _tokens(rt, plan, state, logits):
         generated.append(ev.token_id)
         send(stops.filter(parser.feed(detok.feed(ev.token_id))))
         if cancel.is_set():
@@ -83,6 +83,22 @@ def _decode(rt, plan, state, logits, send, cancel, call_id, stops: StopMatcher) 
             finish = "stop" if ev.token_id in eos or ev.finish_reason == "stop" else "length"
     send(stops.filter(parser.feed(detok.flush()) + parser.close()) + stops.flush())
     return generated, finish
+
+
+def _tokens(rt: Runtime, plan: Plan, state: SequenceState, logits) -> Iterator[TokenEvent]:
+    """Sampled tokens, or the forced ones. Forced tokens after the first are fed in one prefill
+    pass (`--forced-decode prefill`, the default: same state, no per-token decode cost) or one
+    decode step each (`steps`: what generating them would have cost)."""
+    forced = plan.forced_ids
+    if not forced or rt.config.forced_decode == "steps":
+        yield from rt.engine.generate(state, logits, plan.sampling, forced=forced)
+        return
+    last = len(forced) - 1
+    yield TokenEvent(forced[0], 0, "stop" if last == 0 else None)
+    if last:
+        rt.engine.prefill(state, forced[:-1])
+    for index in range(1, last + 1):
+        yield TokenEvent(forced[index], index, "stop" if index == last else None)
 
 
 def _reasoning_tokens(rt: Runtime, generated: list[int]) -> int:

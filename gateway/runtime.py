@@ -41,6 +41,7 @@ class ServeConfig:
     max_body_bytes: int = 32 << 20
     default_max_tokens: int = 2048
     max_tokens_cap: int | None = None
+    forced_decode: str = "prefill"  # "prefill" | "steps" (see gateway/generation.py)
     model_name: str | None = None
 
 

@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output tokens for requests that set no limit (default 2048)")
     parser.add_argument("--max-tokens-cap", type=int, metavar="N",
                         help="cap every request's output tokens at N (like llama.cpp's --n-predict)")
+    parser.add_argument("--forced-decode", choices=["prefill", "steps"], default="prefill",
+                        help="teacher-forced outputs (ft_forced_output, --replay-outputs): fed in one prefill "
+                             "pass (default) or one decode step per token")
     parser.add_argument("--served-model-name", help="model id to report (default: folder or preset name)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -43,7 +46,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         model_dir=args.model, preset=args.preset or "tiny", device=args.device, host=args.host, port=args.port,
         ram_cache_gib=args.ram_cache, disk_cache=args.disk_cache, disk_cache_gib=args.disk_cache_size,
         policy=args.policy, api_key=args.api_key, record_dir=args.record, replay_outputs=args.replay_outputs,
-        keep_volatile=args.keep_volatile, default_max_tokens=args.max_tokens, max_tokens_cap=args.max_tokens_cap, model_name=args.served_model_name,
+        keep_volatile=args.keep_volatile, default_max_tokens=args.max_tokens, max_tokens_cap=args.max_tokens_cap,
+        forced_decode=args.forced_decode, model_name=args.served_model_name,
     )
 
 
