@@ -66,6 +66,6 @@ def _meta(snapshot: Snapshot) -> Snapshot:
 
 
 def fresh_copy(t: torch.Tensor) -> torch.Tensor:
-    out = torch.empty(t.shape, dtype=t.dtype)
+    out = allocate({"": t}).views()[""]
     copy_bytes(out, t)
     return out
