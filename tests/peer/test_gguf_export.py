@@ -248,8 +248,8 @@ def test_vocab_reproduces_qwen_tokenizer():
         )
 
 
-def test_bf16_export_keeps_llama_fp32_tensors(tmp_path):
-    folder = write_preset("tiny", tmp_path / "tiny")
+def test_bf16_export_keeps_llama_fp32_tensors(exported, tmp_path):
+    folder = exported["tiny"][2]
     reader = gguf.GGUFReader(str(export_gguf(folder, tmp_path / "tiny-bf16.gguf", "bf16")))
     types = {t.name: t.tensor_type for t in reader.tensors}
     f32 = gguf.GGMLQuantizationType.F32
