@@ -103,9 +103,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_in_thread(config: Any, startup_timeout: float = 300) -> LocalServer:
+def serve_in_thread(config: Any, engine: Any = None, startup_timeout: float = 300) -> LocalServer:
     """Run `ft serve`'s app for `config` (a ServeConfig; its port is replaced by a free one) in a
-    daemon thread on 127.0.0.1; returns once it accepts connections."""
+    daemon thread on 127.0.0.1, on a fresh store; `engine` reuses a loaded model. Returns once
+    it accepts connections."""
     import dataclasses  # noqa: PLC0415
 
     import uvicorn  # noqa: PLC0415
@@ -114,7 +115,7 @@ def serve_in_thread(config: Any, startup_timeout: float = 300) -> LocalServer:
     from gateway.runtime import build_runtime  # noqa: PLC0415
 
     config = dataclasses.replace(config, host="127.0.0.1", port=free_port())
-    runtime = build_runtime(config)
+    runtime = build_runtime(config, engine)
     server = uvicorn.Server(
         uvicorn.Config(create_app(runtime), host=config.host, port=config.port, log_level="warning")
     )
@@ -363,6 +364,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--limit", type=int, metavar="N", help="replay only the first N requests of each session"
     )
     parser.add_argument("--device", default="cpu", help="torch device for --preset (default cpu)")
+    parser.add_argument("--ram-cache", type=float, default=4.0, metavar="GiB",
+                        help="checkpoint RAM budget of each in-process server (default 4)")
     parser.add_argument(
         "--threads",
         type=int,
@@ -416,6 +419,7 @@ def _run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
 
     from adapters import replay_report as report  # noqa: PLC0415
+    from gateway.runtime import load_engine  # noqa: PLC0415
 
     if args.server and args.compare:
         raise ReplayError("--compare needs --preset (a --server runs whatever policy it was started with)")
@@ -431,6 +435,7 @@ def _run(args: argparse.Namespace) -> int:
     total = sum(len(t.requests[: args.limit]) for t in traces) * len(policies)
     runs: list[PolicyRun] = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    engine = None if args.server else load_engine(_serve_config(args, policies[0]))  # one model for every policy
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("replay", total=total)
         advance = lambda: progress.advance(task)  # noqa: E731
@@ -443,7 +448,7 @@ def _run(args: argparse.Namespace) -> int:
                     run_policy(url, policy, traces, args.limit, http_wait_idle(url), with_floor, advance)
                 )
                 continue
-            with serve_in_thread(_serve_config(args, policy)) as server:
+            with serve_in_thread(_serve_config(args, policy), engine) as server:
                 runs.append(
                     run_policy(server.url, policy, traces, args.limit, server.wait_idle, with_floor, advance)
                 )
@@ -475,4 +480,4 @@ def _run(args: argparse.Namespace) -> int:
 def _serve_config(args: argparse.Namespace, policy: str) -> Any:
     from gateway.runtime import ServeConfig  # noqa: PLC0415
 
-    return ServeConfig(preset=args.preset or "tiny", device=args.device, policy=policy)
+    return ServeConfig(preset=args.preset or "tiny", device=args.device, policy=policy, ram_cache_gib=args.ram_cache)

@@ -15,7 +15,7 @@ from engine.loader import build_model, fingerprint, load_folder
 from engine.model import HybridForCausalLM
 from engine.ops import Kernels, kernels_for
 from engine.sampling import Sampler, SamplingParams
-from engine.snapshot import Snapshot, concat_chain
+from engine.snapshot import Snapshot
 from engine.state import KVCache, SequenceState
 
 PREFILL_CHUNK: int | None = int(os.environ["FT_PREFILL_CHUNK"]) if os.environ.get("FT_PREFILL_CHUNK") else None
@@ -156,19 +156,20 @@ class Engine:
         chain = [snapshot] if isinstance(snapshot, Snapshot) else list(snapshot)
         if not chain or chain[0].start != 0 or not chain[-1].has_state:
             raise ValueError("restore needs a chain from position 0 that ends with a state")
+        if any(a.end != b.start for a, b in zip(chain, chain[1:], strict=False)):
+            raise ValueError("chain has a hole")
         if self.runtime is not None:
-            if any(a.end != b.start for a, b in zip(chain, chain[1:], strict=False)):
-                raise ValueError("chain has a hole")
             return self.runtime.restore(self.new_state(), chain)
-        snapshot = concat_chain(chain) if len(chain) > 1 else chain[0]
         state = self.new_state()
-        t = snapshot.tensors
         for layer, cache in state.kv.items():
-            cache.append(t[f"kv.{layer}.k"].to(self.device, self.dtype), t[f"kv.{layer}.v"].to(self.device, self.dtype))
+            cache.reserve(chain[-1].end)
+            for part in chain:  # each delta copied into place once (store views are read-only)
+                cache.append(part.tensors[f"kv.{layer}.k"].to(self.dtype), part.tensors[f"kv.{layer}.v"].to(self.dtype))
+        last = chain[-1].tensors
         for layer in self.config.deltanet_layers:
-            state.conv[layer] = t[f"conv.{layer}"].to(self.device, self.dtype)
-            state.rec[layer] = t[f"rec.{layer}"].to(self.device, torch.float32)
-        state.length = snapshot.end
+            state.conv[layer] = last[f"conv.{layer}"].to(self.device, self.dtype, copy=True)
+            state.rec[layer] = last[f"rec.{layer}"].to(self.device, torch.float32, copy=True)
+        state.length = chain[-1].end
         return state
 
     @torch.no_grad()
@@ -188,6 +189,15 @@ class Engine:
                 return
             yield TokenEvent(token, index)
             logits = self._step(state, token)
+
+    def warmup(self) -> None:
+        """Run every path once (kernel compilation and checks, CUDA graph capture, capture and
+        restore copies) so that the first request does not pay for it."""
+        state = self.new_state()
+        result = self.prefill(state, list(range(1000, 1160)), capture_at=[64, 160])
+        list(self.generate(state, result.logits, SamplingParams(), forced=[11, 12, 13, 14]))
+        restored = self.restore(result.snapshots)
+        self.prefill(restored, [15, 16, 17])
 
     @torch.no_grad()
     def feed(self, state: SequenceState, token_ids: Sequence[int]) -> torch.Tensor:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from engine import PrefillResult, SequenceState
+from engine import PrefillResult, SequenceState, Snapshot
 from gateway.anchors import anchor_chain, boundaries
 from gateway.conversation import Conversation, Message
 from gateway.policy import state_positions
@@ -26,33 +26,48 @@ def restore(rt: Runtime, chain: Sequence[bytes], ends: Sequence[int]) -> tuple[S
     and the number of tokens it covers."""
     if rt.config.policy == "none" or not chain:
         return rt.engine.new_state(), 0
-    count, snapshot = rt.store.load_longest(list(chain))
-    if count == 0 or snapshot is None:
-        return rt.engine.new_state(), 0
-    return rt.engine.restore(snapshot), ends[count - 1]
+    for _ in range(3):  # the disk writer may evict between the match and the load: retry shorter
+        count = rt.store.longest_restorable(list(chain))
+        if count == 0:
+            break
+        records = rt.store.load_records(list(chain[:count]))  # deltas, not joined: copied into place once
+        if records is not None:
+            return rt.engine.restore(records), ends[count - 1]
+    return rt.engine.new_state(), 0
+
+
+class Pending:
+    """Snapshots taken but not yet stored: storing copies them, so a live request stores its
+    prompt's checkpoints after its first token, not before."""
+
+    def __init__(self) -> None:
+        self._items: list[tuple[Sequence[bytes], bytes | None, list[Snapshot]]] = []
+
+    def add(self, anchors: Sequence[bytes], parent: bytes | None, snapshots: list[Snapshot]) -> None:
+        self._items.append((anchors, parent, snapshots))
+
+    def store(self, rt: Runtime) -> None:
+        for anchors, parent, snapshots in self._items:
+            for anchor, snapshot in zip(anchors, snapshots, strict=True):
+                rt.store.put(anchor, parent, snapshot)
+                parent = anchor
+        self._items.clear()
 
 
 def prefill(
     rt: Runtime, state: SequenceState, segments: Sequence[Segment], chain: Sequence[bytes], ends: Sequence[int],
-    start: int,
+    start: int, pending: Pending,
 ) -> PrefillResult:
-    """Prefill the tokens of `segments` after position `start` (where `state` is), capturing
-    and storing a checkpoint at each boundary after `start`."""
+    """Prefill the tokens of `segments` after position `start` (where `state` is), capturing a
+    checkpoint at each boundary after `start` into `pending`."""
     ids = [t for s in segments for t in s.token_ids][start:]
     first = next(i for i, end in enumerate(ends) if end > start)
     if rt.config.policy == "none":
         return rt.engine.prefill(state, ids)
     wanted = state_positions(rt.config.policy, segments, ends)
-    captures = list(ends[first:])
-    result = rt.engine.prefill(state, ids, capture_at=captures, state_at=wanted)
-    _put_all(rt, chain[first:], chain[first - 1] if first else None, result.snapshots)
+    result = rt.engine.prefill(state, ids, capture_at=list(ends[first:]), state_at=wanted)
+    pending.add(chain[first:], chain[first - 1] if first else None, result.snapshots)
     return result
-
-
-def _put_all(rt: Runtime, anchors: Sequence[bytes], parent: bytes | None, snapshots) -> None:
-    for anchor, snapshot in zip(anchors, snapshots, strict=True):
-        rt.store.put(anchor, parent, snapshot)
-        parent = anchor
 
 
 def generation_end(rt: Runtime, plan, state: SequenceState, generated: list[int]) -> None:
@@ -67,7 +82,9 @@ def generation_end(rt: Runtime, plan, state: SequenceState, generated: list[int]
     starts = [plan.prompt_len, *ends[:-1]]
     snapshots = [rt.engine.kv_delta(state, a, b) for a, b in zip(starts[:-1], ends[:-1], strict=True)]
     tail = rt.engine.prefill(state, generated[-1:], capture_at=[ends[-1]], kv_start=starts[-1])
-    _put_all(rt, chain, plan.chain[-1], [*snapshots, *tail.snapshots])
+    pending = Pending()
+    pending.add(chain, plan.chain[-1], [*snapshots, *tail.snapshots])
+    pending.store(rt)
 
 
 def next_turn_segments(rt: Runtime, conv: Conversation, reply: Message) -> list[Segment]:
@@ -101,7 +118,9 @@ def precompute(rt: Runtime, segments: list[Segment]) -> int:
         if rt.scheduler.live_waiting():
             log.info("precompute yielded to a live request at %d/%d tokens", done, ends[-1])
             break
-        prefill(rt, state, segments[: i + 1], chain[: i + 1], ends[: i + 1], done)
+        pending = Pending()
+        prefill(rt, state, segments[: i + 1], chain[: i + 1], ends[: i + 1], done, pending)
+        pending.store(rt)
         computed += ends[i] - done
         done = ends[i]
     rt.metrics.add_tokens(precomputed=computed)

@@ -40,7 +40,8 @@ def run_generation(
 ) -> list[Event]:
     """Runs on the worker; returns every event emitted (for the recorder)."""
     state, cached = checkpoints.restore(rt, plan.chain[:-1], plan.ends)
-    result = checkpoints.prefill(rt, state, plan.segments, plan.chain, plan.ends, cached)
+    pending = checkpoints.Pending()
+    result = checkpoints.prefill(rt, state, plan.segments, plan.chain, plan.ends, cached, pending)
     started = Started(cached, plan.prompt_len - cached, time.perf_counter() - received_at)
     rt.metrics.observe_ttft(started.ttft_s)
     rt.metrics.add_tokens(prefilled=started.prefill_tokens, reused=cached)
@@ -54,7 +55,10 @@ def run_generation(
 
     send([Usage(plan.prompt_len, cached, started.prefill_tokens)])
     stops = StopMatcher(plan.conv.params.stop)
-    generated, finish = _decode(rt, plan, state, result.logits, send, cancel, call_id, stops)
+    try:
+        generated, finish = _decode(rt, plan, state, result.logits, send, cancel, call_id, stops)
+    finally:
+        pending.store(rt)  # the prompt's checkpoints, stored once the answer is out
     reasoning_tokens = _reasoning_tokens(rt, generated)
     send([Finish(finish, stops.hit), Usage(plan.prompt_len, cached, started.prefill_tokens, len(generated), reasoning_tokens)])
     rt.metrics.add_tokens(generated=len(generated))

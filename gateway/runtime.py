@@ -73,9 +73,13 @@ class Runtime:
 
 
 def load_engine(config: ServeConfig) -> Engine:
+    """The model, warmed up (the first request must not pay for kernel compilation)."""
     if config.model_dir is not None:
-        return Engine.load(config.model_dir, device=config.device)
-    return Engine.from_preset(config.preset, device=config.device)
+        engine = Engine.load(config.model_dir, device=config.device)
+    else:
+        engine = Engine.from_preset(config.preset, device=config.device)
+    engine.warmup()
+    return engine
 
 
 def build_runtime(config: ServeConfig, engine: Engine | None = None) -> Runtime:
