@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,8 +32,13 @@ def timed(fn, repeat: int = 1) -> float:
     return best
 
 
-def prefill_seconds(engine: Engine, ids: list[int], captures: list[int], repeat: int) -> float:
-    return timed(lambda: engine.prefill(engine.new_state(), ids, capture_at=captures), repeat)
+def prefill_pair(engine: Engine, ids: list[int], captures: list[int], repeat: int) -> tuple[float, float]:
+    """Median seconds without and with captures, runs interleaved so machine drift hits both."""
+    plain, captured = [], []
+    for _ in range(repeat):
+        plain.append(timed(lambda: engine.prefill(engine.new_state(), ids)))
+        captured.append(timed(lambda: engine.prefill(engine.new_state(), ids, capture_at=captures)))
+    return statistics.median(plain), statistics.median(captured)
 
 
 def decode_tokens_per_s(engine: Engine, context: int, steps: int) -> float:
@@ -49,7 +55,7 @@ def main() -> None:
     parser.add_argument("--contexts", default="1024,4096,16384")
     parser.add_argument("--captures", type=int, default=32)
     parser.add_argument("--decode-steps", type=int, default=32)
-    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3, help="interleaved runs per context (median)")
     parser.add_argument("--json", type=Path, default=Path("bench/engine.json"))
     args = parser.parse_args()
 
@@ -60,8 +66,7 @@ def main() -> None:
         ids = torch.randint(0, 248_000, (context,), generator=gen).tolist()
         step = max(1, context // args.captures)
         captures = list(range(step, context + 1, step))[: args.captures]
-        plain = prefill_seconds(engine, ids, [], args.repeat)
-        captured = prefill_seconds(engine, ids, captures, args.repeat)
+        plain, captured = prefill_pair(engine, ids, captures, args.repeat)
         rows.append({
             "context": context, "prefill_s": plain, "prefill_tok_s": context / plain,
             "captures": len(captures), "prefill_captured_s": captured, "capture_overhead": captured / plain - 1,

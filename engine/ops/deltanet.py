@@ -23,18 +23,25 @@ def _prepare(q, k, v, g, beta):
     return (x.transpose(0, 1).contiguous() for x in (q, k, v.float(), g.float(), beta.float()))
 
 
+def _chunk_size(length: int) -> int:
+    """CHUNK, or the smallest power of two covering a shorter segment (less padding when a
+    capture splits the scan into short pieces)."""
+    return CHUNK if length >= CHUNK else max(8, 1 << (length - 1).bit_length())
+
+
 def _chunk_scan(q, k, v, g, beta, state):
     """One chunked scan over [H, T, *] inputs from `state`; returns out [H, T, Dv], final state."""
     num_heads, length, _ = q.shape
-    pad = (CHUNK - length % CHUNK) % CHUNK
+    chunk = _chunk_size(length)
+    pad = (chunk - length % chunk) % chunk
     q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
     g, beta = (F.pad(x, (0, pad)) for x in (g, beta))
-    n = (length + pad) // CHUNK
-    v_beta = (v * beta[..., None]).view(num_heads, n, CHUNK, -1)
-    k_beta = (k * beta[..., None]).view(num_heads, n, CHUNK, -1)
-    q, k = q.view(num_heads, n, CHUNK, -1), k.view(num_heads, n, CHUNK, -1)
-    cum = g.view(num_heads, n, CHUNK).cumsum(-1)  # [H, N, C]
-    upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
+    n = (length + pad) // chunk
+    v_beta = (v * beta[..., None]).view(num_heads, n, chunk, -1)
+    k_beta = (k * beta[..., None]).view(num_heads, n, chunk, -1)
+    q, k = q.view(num_heads, n, chunk, -1), k.view(num_heads, n, chunk, -1)
+    cum = g.view(num_heads, n, chunk).cumsum(-1)  # [H, N, C]
+    upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()  # [H, N, C, C]
     system = (k_beta @ k.transpose(-1, -2)) * decay
     intra = (q @ k.transpose(-1, -2)) * decay
@@ -49,7 +56,7 @@ def _chunk_scan(q, k, v, g, beta, state):
         v_new = new_v[:, i] - k_cum[:, i] @ state
         out[:, i] = q[:, i] @ state + intra[:, i] @ v_new
         state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
-    return out.reshape(num_heads, n * CHUNK, -1)[:, :length], state
+    return out.reshape(num_heads, n * chunk, -1)[:, :length], state
 
 
 def chunk_gated_delta_rule(
