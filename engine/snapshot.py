@@ -53,7 +53,15 @@ def concat_chain(snapshots: list[Snapshot]) -> Snapshot:
     last = snapshots[-1]
     if not last.has_state:
         raise ValueError("the last snapshot of a chain must hold a state")
+    kv_names = {n for n in last.tensors if is_kv(n)}
+    for s in snapshots:
+        names = {n for n in s.tensors if is_kv(n)}
+        if names != kv_names:
+            raise ValueError(f"KV tensors differ along the chain: {sorted(names ^ kv_names)[:4]}")
     tensors = {n: t for n, t in last.tensors.items() if not is_kv(n)}
-    for name in (n for n in last.tensors if is_kv(n)):
-        tensors[name] = torch.cat([s.tensors[name] for s in snapshots], dim=0)
+    for name in sorted(kv_names):
+        parts = [s.tensors[name] for s in snapshots]
+        if len({(p.dtype, p.shape[1:]) for p in parts}) != 1:
+            raise ValueError(f"{name}: dtype or row shape differs along the chain")
+        tensors[name] = torch.cat(parts, dim=0)
     return Snapshot(snapshots[0].start, last.end, tensors)

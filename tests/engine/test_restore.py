@@ -64,3 +64,19 @@ def test_recurrent_state_is_fp32_and_kv_delta_is_tokens_first(tiny):
     assert snap.tensors[f"rec.{c.deltanet_layers[0]}"].dtype == torch.float32
     layer = c.attention_layers[0]
     assert snap.tensors[f"kv.{layer}.k"].shape == (40, c.num_key_value_heads, c.head_dim)
+
+
+def test_concat_chain_rejects_mismatched_parts(tiny):
+    import pytest
+
+    from engine.snapshot import Snapshot
+
+    snaps = tiny.prefill(tiny.new_state(), list(range(40)), capture_at=[20, 40]).snapshots
+    bad = Snapshot(20, 40, {**snaps[1].tensors, "kv.3.k": snaps[1].tensors["kv.3.k"].double()})
+    with pytest.raises(ValueError, match="dtype"):
+        concat_chain([snaps[0], bad])
+    missing = Snapshot(20, 40, {n: t for n, t in snaps[1].tensors.items() if n != "kv.3.v"})
+    with pytest.raises(ValueError, match="differ"):
+        concat_chain([snaps[0], missing])
+    with pytest.raises(ValueError, match="hole"):
+        concat_chain([snaps[1], snaps[1]])
