@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -71,62 +69,14 @@ class PolicyRun(msgspec.Struct):
 # -- in-process server ---------------------------------------------------------------------------
 
 
-@dataclass
-class LocalServer:
-    url: str
-    runtime: Any
-    server: Any
-    thread: threading.Thread
+def serve_in_thread(config: Any, engine: Any = None) -> Any:
+    """The real server in this process (see gateway/embedded.py); a start failure is a ReplayError."""
+    from gateway.embedded import serve_in_thread as serve  # noqa: PLC0415
 
-    def wait_idle(self, timeout: float = 600) -> None:
-        """Wait until the engine worker has no queued or running job (precompute included)."""
-        deadline = time.monotonic() + timeout
-        while not self.runtime.scheduler.idle:
-            if time.monotonic() > deadline:
-                raise ReplayError(f"server still busy after {timeout:.0f} s")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(60)
-
-    def __enter__(self) -> LocalServer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def serve_in_thread(config: Any, engine: Any = None, startup_timeout: float = 300) -> LocalServer:
-    """Run `ft serve`'s app for `config` (a ServeConfig; its port is replaced by a free one) in a
-    daemon thread on 127.0.0.1, on a fresh store; `engine` reuses a loaded model. Returns once
-    it accepts connections."""
-    import dataclasses  # noqa: PLC0415
-
-    import uvicorn  # noqa: PLC0415
-
-    from gateway.app import create_app  # noqa: PLC0415
-    from gateway.runtime import build_runtime  # noqa: PLC0415
-
-    config = dataclasses.replace(config, host="127.0.0.1", port=free_port())
-    runtime = build_runtime(config, engine)
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(runtime), host=config.host, port=config.port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, name="ft-replay-server", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + startup_timeout
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise ReplayError("the in-process server did not start")
-        time.sleep(0.05)
-    return LocalServer(f"http://{config.host}:{config.port}", runtime, server, thread)
+    try:
+        return serve(config, engine)
+    except RuntimeError as exc:
+        raise ReplayError(str(exc)) from None
 
 
 # -- one request ---------------------------------------------------------------------------------

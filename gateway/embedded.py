@@ -1,0 +1,68 @@
+"""`ft serve`'s app in a thread of this process, on a free loopback port: what `ft replay
+--preset` and the tests use to drive the real server without a subprocess."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import uvicorn
+
+from engine import Engine
+from gateway.app import create_app
+from gateway.runtime import Runtime, ServeConfig, build_runtime
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class EmbeddedServer:
+    url: str
+    runtime: Runtime
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=120, **kw)
+
+    def wait_idle(self, timeout: float = 600) -> None:
+        """Wait until the engine worker has no queued or running job (precompute included)."""
+        deadline = time.monotonic() + timeout
+        while not self.runtime.scheduler.idle:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server still busy after {timeout:.0f} s")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+
+    def __enter__(self) -> EmbeddedServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def serve_in_thread(config: ServeConfig, engine: Engine | None = None, startup_timeout: float = 300) -> EmbeddedServer:
+    """Serve `config` (its host/port replaced by 127.0.0.1 and a free port) on a fresh store;
+    `engine` reuses a loaded model. Returns once the server accepts connections."""
+    config = dataclasses.replace(config, host="127.0.0.1", port=free_port())
+    runtime = build_runtime(config, engine)
+    server = uvicorn.Server(uvicorn.Config(create_app(runtime), host=config.host, port=config.port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="ft-embedded-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the in-process server did not start")
+        time.sleep(0.05)
+    return EmbeddedServer(f"http://{config.host}:{config.port}", runtime, server, thread)
