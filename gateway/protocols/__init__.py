@@ -149,3 +149,19 @@ def forced_output(body: dict) -> ForcedOutput | None:
 def nonempty(messages: list, path: str) -> None:
     if not messages:
         raise BadRequest(path, "must contain at least one message")
+
+
+TOOL_CHOICE_MODES = ("auto", "none", "required")
+
+
+def tool_choice_mode(body: dict) -> str | dict:
+    """OpenAI `tool_choice`: a mode string (absent = "auto"), or the object naming a tool,
+    which each protocol spells differently."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto"
+    if isinstance(choice, str):
+        if choice not in TOOL_CHOICE_MODES:
+            raise BadRequest("tool_choice", f"unknown tool_choice {choice!r}")
+        return choice
+    return obj(choice, "tool_choice")

@@ -33,6 +33,7 @@ from gateway.protocols import (
     req,
     stop_list,
     string,
+    tool_choice_mode,
 )
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -157,14 +158,9 @@ def _tools(raw: list) -> tuple[list[Tool], list[str]]:
 
 
 def _tool_choice(body: dict) -> str:
-    choice = body.get("tool_choice")
-    if choice is None:
-        return "auto"
+    choice = tool_choice_mode(body)
     if isinstance(choice, str):
-        if choice not in ("auto", "none", "required"):
-            raise BadRequest("tool_choice", f"unknown tool_choice {choice!r}")
         return choice
-    choice = obj(choice, "tool_choice")
     kind = opt(choice, "type", string, "tool_choice", "function")
     if kind not in ("function", "custom"):
         raise BadRequest("tool_choice.type", f"unknown tool_choice type {kind!r}")

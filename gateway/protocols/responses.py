@@ -36,6 +36,7 @@ from gateway.protocols import (
     positive_int,
     req,
     string,
+    tool_choice_mode,
 )
 
 MESSAGE_ROLES = ("user", "assistant", "system", "developer")
@@ -223,14 +224,9 @@ def _tools(raw: list, path: str, namespace: str | None = None) -> tuple[list[Too
 
 
 def _tool_choice(body: dict) -> str:
-    choice = body.get("tool_choice")
-    if choice is None:
-        return "auto"
+    choice = tool_choice_mode(body)
     if isinstance(choice, str):
-        if choice not in ("auto", "none", "required"):
-            raise BadRequest("tool_choice", f"unknown tool_choice {choice!r}")
         return choice
-    choice = obj(choice, "tool_choice")
     kind = req(choice, "type", string, "tool_choice")
     if kind in ("function", "custom"):
         return req(choice, "name", string, "tool_choice")
