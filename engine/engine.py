@@ -193,6 +193,8 @@ class Engine:
     def warmup(self) -> None:
         """Run every path once (kernel compilation and checks, CUDA graph capture, capture and
         restore copies) so that the first request does not pay for it."""
+        if self.device.type == "cuda":  # kernels tuned per shape: one full prefill chunk as well
+            self.prefill(self.new_state(), [1000 + i % 50_000 for i in range(DEFAULT_CHUNK["cuda"])])
         state = self.new_state()
         result = self.prefill(state, list(range(1000, 1160)), capture_at=[64, 160])
         list(self.generate(state, result.logits, SamplingParams(), forced=[11, 12, 13, 14]))
