@@ -80,9 +80,9 @@ async def generate(request: Request, protocol: Protocol) -> Response:
             headers={**SSE_HEADERS, **headers},
         )
     events = [ev async for ev in run.events(request, body)]
+    if run.error is not None:
+        return error_response(protocol.error_style, run.error)
     collected = collect(events)
-    if collected.error is not None:
-        return JSONResponse({"error": collected.error.message}, status_code=500, headers=headers)
     return JSONResponse(protocol.body(collected, model, plan.memo_handle, body), headers=headers)
 
 
@@ -94,6 +94,7 @@ class _Run:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
         self.started: Started | None = None
+        self.error: BaseException | None = None  # a failure after the first token
         loop = asyncio.get_running_loop()
         emit = lambda item: loop.call_soon_threadsafe(self.queue.put_nowait, item)  # noqa: E731
         future = rt.scheduler.submit(
@@ -114,6 +115,7 @@ class _Run:
                 events.append(item)
                 yield item
             if item.error is not None:
+                self.error = item.error
                 yield error_event(self.protocol.error_style, item.error)
         finally:
             self.cancel.set()  # a client that went away stops the generation at its next token
