@@ -19,6 +19,7 @@ from gateway.runtime import Runtime
 from gateway.scheduler import BACKGROUND
 
 log = logging.getLogger("gateway.checkpoints")
+PRECOMPUTE_STEP = 2048  # tokens per background pass: big enough for the GPU, small enough to yield soon
 
 
 def restore(rt: Runtime, chain: Sequence[bytes], ends: Sequence[int]) -> tuple[SequenceState, int]:
@@ -94,8 +95,8 @@ def next_turn_segments(rt: Runtime, conv: Conversation, reply: Message) -> list[
     future = msgspec.structs.replace(conv, messages=(*conv.messages, reply, probe), forced_output=None)
     segments = rt.renderer.render(future, rt.memo)
     probe_index = len(conv.messages) + 1
-    return [s for s in segments if s.message_index is None and s.kind in ("system", "tools")
-            or s.message_index is not None and s.message_index < probe_index]
+    return [s for s in segments if (s.message_index is None and s.kind in ("system", "tools"))
+            or (s.message_index is not None and s.message_index < probe_index)]
 
 
 def schedule_precompute(rt: Runtime, conv: Conversation, reply: Message) -> None:
@@ -104,24 +105,23 @@ def schedule_precompute(rt: Runtime, conv: Conversation, reply: Message) -> None
 
 
 def precompute(rt: Runtime, segments: list[Segment]) -> int:
-    """Prefill `segments` from the longest checkpointed prefix, one segment at a time, stopping
-    as soon as a live request waits. Returns the tokens computed."""
+    """Prefill `segments` from the longest checkpointed prefix in passes of about
+    PRECOMPUTE_STEP tokens (whole segments, a checkpoint at every boundary), stopping between
+    passes as soon as a live request waits. Returns the tokens computed."""
     chain, ends = anchor_chain(segments, rt.root), boundaries(segments)
-    count = rt.store.longest_restorable(chain)
-    if count == len(chain):
+    if rt.store.longest_restorable(chain) == len(chain):
         return 0
     state, done = restore(rt, chain, ends)
     computed = 0
-    for i in range(len(segments)):
-        if ends[i] <= done:
-            continue
+    for i, end in enumerate(ends):
+        if end - done < PRECOMPUTE_STEP and i + 1 < len(ends):
+            continue  # extend this pass to the next boundary
         if rt.scheduler.live_waiting():
             log.info("precompute yielded to a live request at %d/%d tokens", done, ends[-1])
             break
         pending = Pending()
         prefill(rt, state, segments[: i + 1], chain[: i + 1], ends[: i + 1], done, pending)
         pending.store(rt)
-        computed += ends[i] - done
-        done = ends[i]
+        computed, done = computed + end - done, end
     rt.metrics.add_tokens(precomputed=computed)
     return computed
