@@ -80,8 +80,8 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> Hyb
     with torch.device("meta"):
         model = HybridForCausalLM(config)
     expected = {name: p.shape for name, p in model.state_dict().items()}
-    if config.tie_word_embeddings and "lm_head.weight" not in state_dict:
-        state_dict = {**state_dict, "lm_head.weight": state_dict.get("model.embed_tokens.weight")}
+    if config.tie_word_embeddings and "lm_head.weight" not in state_dict and "model.embed_tokens.weight" in state_dict:
+        state_dict = {**state_dict, "lm_head.weight": state_dict["model.embed_tokens.weight"]}
     missing = sorted(set(expected) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(expected))
     if missing:

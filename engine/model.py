@@ -3,6 +3,8 @@ parameter names identical to the HF checkpoints (`model.layers.N.linear_attn.in_
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -13,6 +15,28 @@ from engine.ops.moe import route
 from engine.ops.norm import gated_rms_norm, rms_norm
 from engine.ops.rope import apply_rope, rope_cos_sin
 from engine.state import KVCache, SequenceState
+
+
+class Weight(nn.Module):
+    """A bare `weight` parameter under an HF module name (`linear_attn.norm`, `mlp.gate`)."""
+
+    weight: torch.Tensor
+
+    def __init__(self, *shape: int, fill: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.full(shape, fill))
+
+
+class Experts(nn.Module):
+    """Stacked expert weights: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+
+    gate_up_proj: torch.Tensor
+    down_proj: torch.Tensor
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.zeros(c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size))
+        self.down_proj = nn.Parameter(torch.zeros(c.num_experts, c.hidden_size, c.moe_intermediate_size))
 
 
 class RMSNorm(nn.Module):
@@ -58,8 +82,7 @@ class GatedDeltaNet(nn.Module):
         self.conv1d = nn.Conv1d(c.conv_dim, c.conv_dim, c.linear_conv_kernel_dim, groups=c.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(c.linear_num_value_heads))
         self.A_log = nn.Parameter(torch.zeros(c.linear_num_value_heads))
-        self.norm = nn.Module()
-        self.norm.weight = nn.Parameter(torch.ones(c.linear_value_head_dim))
+        self.norm = Weight(c.linear_value_head_dim, fill=1.0)
         self.out_proj = nn.Linear(c.linear_value_dim, c.hidden_size, bias=False)
         self._init_projections(c)
 
@@ -131,11 +154,8 @@ class SparseMoe(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.c = c
-        self.gate = nn.Module()
-        self.gate.weight = nn.Parameter(torch.zeros(c.num_experts, c.hidden_size))
-        self.experts = nn.Module()
-        self.experts.gate_up_proj = nn.Parameter(torch.zeros(c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size))
-        self.experts.down_proj = nn.Parameter(torch.zeros(c.num_experts, c.hidden_size, c.moe_intermediate_size))
+        self.gate = Weight(c.num_experts, c.hidden_size)
+        self.experts = Experts(c)
         self.shared_expert = MLP(c.hidden_size, c.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
 
@@ -195,7 +215,7 @@ class HybridForCausalLM(nn.Module):
         rope = rope_cos_sin(positions, c.rotary_dim, c.rope_theta, self.lm_head.weight.dtype)
         x = self.model.embed_tokens(ids)  # [T, H]
         captures: list[dict[str, torch.Tensor]] = [{} for _ in capture_at]
-        for layer in self.model.layers:
+        for layer in cast(list[DecoderLayer], self.model.layers):
             state.wait_for(layer.layer)  # a restore may still be copying this layer's state in
             x, captured = layer(x, rope, state, capture_at, kernels)
             for snapshot, (conv, rec) in zip(captures, captured, strict=False):

@@ -16,12 +16,18 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from adapters.replay_floor import suffix_floor
 from gateway.endpoint import generate, read_json
 from gateway.errors import NotFound, Unauthorized, error_response
+from gateway.errors import Protocol as ErrorStyle
 from gateway.protocol import ANTHROPIC, CHAT, RESPONSES
 from gateway.render import segment_ids
 from gateway.runtime import Runtime
 from gateway.volatile import normalize
 
 OPEN_PATHS = ("/health", "/metrics")
+
+
+def error_style(path: str) -> ErrorStyle:
+    """Errors outside a generation (auth, unknown routes) in the protocol the path belongs to."""
+    return "anthropic" if path.startswith("/v1/messages") else "openai"
 
 
 class ApiKey:
@@ -36,8 +42,7 @@ class ApiKey:
         headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
         given = headers.get("x-api-key") or headers.get("authorization", "").removeprefix("Bearer ").strip()
         if given != self.key:
-            style = "anthropic" if scope["path"].startswith("/v1/messages") else "openai"
-            return await error_response(style, Unauthorized())(scope, receive, send)
+            return await error_response(error_style(scope["path"]), Unauthorized())(scope, receive, send)
         return await self.app(scope, receive, send)
 
 
@@ -87,8 +92,7 @@ async def metrics(request: Request) -> Response:
 
 
 async def not_found(request: Request, exc: Exception) -> Response:
-    style = "anthropic" if request.url.path.startswith("/v1/messages") else "openai"
-    return error_response(style, NotFound(f"{request.method} {request.url.path}"))
+    return error_response(error_style(request.url.path), NotFound(f"{request.method} {request.url.path}"))
 
 
 def create_app(rt: Runtime) -> Starlette:

@@ -96,7 +96,10 @@ class _Run:
         self.started: Started | None = None
         self.error: BaseException | None = None  # a failure after the first token
         loop = asyncio.get_running_loop()
-        emit = lambda item: loop.call_soon_threadsafe(self.queue.put_nowait, item)  # noqa: E731
+
+        def emit(item: object) -> None:
+            loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
         future = rt.scheduler.submit(
             lambda: run_generation(rt, plan, emit, self.cancel, received, call_ids(protocol))
         )

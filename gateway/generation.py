@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from engine import SequenceState, TokenEvent
 from gateway import checkpoints
 from gateway.conversation import Message, ToolCall
-from gateway.events import Event, Finish, Usage, collect
+from gateway.events import Event, Finish, FinishReason, Usage, collect
 from gateway.parsers import QwenParser
 from gateway.parsers.stop import StopMatcher
 from gateway.plan import Plan
@@ -67,7 +67,7 @@ def run_generation(
     return events
 
 
-def _decode(rt, plan, state, logits, send, cancel, call_id, stops: StopMatcher) -> tuple[list[int], str]:
+def _decode(rt, plan, state, logits, send, cancel, call_id, stops: StopMatcher) -> tuple[list[int], FinishReason]:
     conv = plan.conv
     tools = {t.name: t.parameters for t in conv.tools if t.kind == "function"}
     custom = [t.name for t in conv.tools if t.kind == "custom"]
@@ -75,7 +75,7 @@ def _decode(rt, plan, state, logits, send, cancel, call_id, stops: StopMatcher) 
     eos = set(rt.renderer.tokenizer.eos_ids)
     detok = IncrementalDetokenizer(rt.renderer.tokenizer, skip_ids=frozenset(eos))
     generated: list[int] = []
-    finish = "length"
+    finish: FinishReason = "length"
     for ev in _tokens(rt, plan, state, logits):
         generated.append(ev.token_id)
         send(stops.filter(parser.feed(detok.feed(ev.token_id))))

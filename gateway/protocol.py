@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from gateway.conversation import Conversation
+from gateway.errors import Protocol as ErrorStyle
 from gateway.events import Collected
 from gateway.parsers.qwen import new_call_id
 from gateway.protocols import anthropic, anthropic_out, chat, chat_out, responses, responses_out
@@ -16,8 +17,8 @@ from gateway.sse import StreamEncoder
 
 @dataclass(frozen=True)
 class Protocol:
-    name: str  # "anthropic" | "responses" | "chat" (the trace/record name)
-    error_style: str  # "anthropic" | "openai"
+    name: Literal["anthropic", "responses", "chat"]  # the trace/record name
+    error_style: ErrorStyle
     parse: Callable[[Any], Conversation]
     stream: Callable[[str, str, dict, Conversation], StreamEncoder]
     body: Callable[[Collected, str, str, dict], dict]
