@@ -15,6 +15,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     seed: int | None = None
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    vocab_limit: int | None = None  # ids >= this (the model's padding past the tokenizer) are never chosen
 
 
 class Sampler:
@@ -31,6 +32,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor) -> int:
         """logits: [V] fp32 -> one token id."""
         p = self.params
+        if p.vocab_limit is not None and p.vocab_limit < logits.shape[-1]:
+            logits = logits[: p.vocab_limit]
         if p.temperature <= 0:
             return int(torch.argmax(logits))
         logits = logits / p.temperature

@@ -7,6 +7,7 @@ restored and computed: `x-cached-tokens`, `x-prefill-tokens`, `x-server-ttft-ms`
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -18,7 +19,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from adapters.trace import AssistantOutput, RecordLine, Timings
 from adapters.trace import ToolCall as RecordedCall
-from gateway.errors import PayloadTooLarge, error_event, error_response
+from gateway.errors import GatewayError, PayloadTooLarge, error_event, error_response
 from gateway.events import Event, collect
 from gateway.generation import Started, run_generation
 from gateway.plan import make_plan
@@ -27,9 +28,17 @@ from gateway.protocols import BadRequest
 from gateway.runtime import Runtime
 from gateway.sse import SSE_HEADERS, SSE_MEDIA_TYPE, encode_stream
 
+log = logging.getLogger("gateway")
+
 
 class _Done(msgspec.Struct):
     error: BaseException | None = None
+
+
+def log_unexpected(exc: BaseException) -> None:
+    """A failure that is not the client's (not a typed gateway error) is a bug: log its traceback."""
+    if not isinstance(exc, GatewayError | BadRequest):
+        log.error("request failed", exc_info=exc)
 
 
 async def read_json(request: Request, limit: int) -> dict:
@@ -63,6 +72,7 @@ async def generate(request: Request, protocol: Protocol) -> Response:
         if isinstance(first, _Done):
             raise first.error or RuntimeError("generation ended before its first token")
     except Exception as exc:  # noqa: BLE001 (every failure becomes the protocol's error JSON)
+        log_unexpected(exc)
         response = error_response(protocol.error_style, exc)
         rt.metrics.request(protocol.name, response.status_code)
         return response
@@ -81,6 +91,7 @@ async def generate(request: Request, protocol: Protocol) -> Response:
         )
     events = [ev async for ev in run.events(request, body)]
     if run.error is not None:
+        log_unexpected(run.error)
         return error_response(protocol.error_style, run.error)
     collected = collect(events)
     return JSONResponse(protocol.body(collected, model, plan.memo_handle, body), headers=headers)

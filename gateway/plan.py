@@ -65,6 +65,7 @@ def make_plan(rt: Runtime, conv: Conversation) -> Plan:
         top_k=p.top_k or 0,
         seed=p.seed,
         stop_token_ids=frozenset(rt.renderer.tokenizer.eos_ids),
+        vocab_limit=rt.renderer.tokenizer.vocab_size,
     )
     return Plan(conv, segments, anchor_chain(segments, rt.root), boundaries(segments), prompt_ids, sampling,
                 forced_ids, rt.memo.issue_handle())

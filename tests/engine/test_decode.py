@@ -54,3 +54,13 @@ def test_top_k_one_is_greedy(tiny):
 
 def test_tiny_top_p_is_greedy(tiny):
     assert _sample(tiny, temperature=1.0, top_p=1e-6, seed=3) == _sample(tiny)
+
+
+def test_ids_past_the_tokenizer_are_never_chosen():
+    from engine.sampling import Sampler
+
+    logits = torch.zeros(300)
+    logits[250:] = 50.0  # the model's padding rows past the tokenizer's vocabulary
+    for params in (SamplingParams(vocab_limit=200), SamplingParams(temperature=1.0, seed=1, vocab_limit=200)):
+        sampler = Sampler(params, torch.device("cpu"))
+        assert all(sampler(logits) < 200 for _ in range(50))
