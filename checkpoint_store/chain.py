@@ -57,7 +57,7 @@ def join(snapshots: list[Snapshot]) -> Snapshot:
             copy_bytes(dst[snap.start - layout.start : snap.end - layout.start], snap.tensors[name])
     for name, dst in state.items():
         copy_bytes(dst, snapshots[-1].tensors[name])
-    return Snapshot(layout.start, layout.end, {n: state.get(n, kv.get(n)) for n in layout.tensors})
+    return Snapshot(layout.start, layout.end, {n: state[n] if n in state else kv[n] for n in layout.tensors})
 
 
 def _meta(snapshot: Snapshot) -> Snapshot:

@@ -240,8 +240,8 @@ class DiskTier:
         headers: dict[bytes, dict[str, tuple[RecordHeader, int]]] = {}
         bad: list[tuple[bytes, str]] = []
         with self.env.begin(buffers=True) as txn:
-            for k, v in txn.cursor():
-                k = bytes(k)
+            for raw_key, v in txn.cursor():
+                k = bytes(raw_key)
                 try:
                     anchor, part = k[:-1], PART_OF.get(k[-1]) if k else None
                     if part is None:

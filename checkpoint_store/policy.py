@@ -50,7 +50,7 @@ class Entry:
 
 
 def state_score(entry: Entry, num_children: int) -> float:
-    bonus = TIP_BONUS if num_children == 0 else 0
+    bonus = float(TIP_BONUS if num_children == 0 else 0)
     if num_children >= 2:
         bonus += SHARE_BONUS * math.log2(num_children)
     return entry.last_used + bonus

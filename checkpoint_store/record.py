@@ -167,7 +167,7 @@ def allocate(like: dict[str, torch.Tensor]) -> Packed:
 
 def encode_frame(meta: RecordMeta, part: str, packed: Packed, fingerprint: str) -> bytes:
     """The bytes stored on disk for one part (one copy of the payload)."""
-    payload = memoryview(packed.buf.numpy())
+    payload = memoryview(packed.buf.numpy())  # type: ignore[arg-type]  # ndarray is a buffer
     header = RecordHeader(
         anchor=meta.anchor,
         parent=meta.parent,
@@ -186,7 +186,7 @@ def encode_frame(meta: RecordMeta, part: str, packed: Packed, fingerprint: str) 
     return b"".join((prefix, raw, pad, payload))
 
 
-def decode_header(value: memoryview, anchor: bytes, part: str, fingerprint: str) -> RecordHeader:
+def decode_header(value: bytes | memoryview, anchor: bytes, part: str, fingerprint: str) -> RecordHeader:
     """Parse and check a frame's header and its length (not the payload checksum)."""
     if len(value) < PREFIX.size:
         raise CorruptRecord(f"truncated frame: {len(value)} bytes")
@@ -206,7 +206,7 @@ def decode_header(value: memoryview, anchor: bytes, part: str, fingerprint: str)
     return header
 
 
-def decode_frame(value: memoryview, anchor: bytes, part: str, fingerprint: str) -> tuple[RecordHeader, dict]:
+def decode_frame(value: bytes | memoryview, anchor: bytes, part: str, fingerprint: str) -> tuple[RecordHeader, dict]:
     """Check a whole frame; return its header and typed views into ``value`` (valid as long as it is)."""
     header = decode_header(value, anchor, part, fingerprint)
     payload = value[len(value) - header.payload_bytes :]
