@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from pathlib import Path
 
 import httpx
 
@@ -17,7 +18,7 @@ class HealthyProcess:
 
     name = "server"
     port: int
-    log_path: object
+    log_path: Path | None
     proc: subprocess.Popen | None
 
     def command(self) -> list[str]:

@@ -6,6 +6,7 @@ graph decode (`GpuKernels.runtime`)."""
 from __future__ import annotations
 
 import logging
+import types
 from dataclasses import dataclass
 
 from engine.ops import Kernels
@@ -14,6 +15,7 @@ from engine.ops.gpu import attention, conv, moe
 
 log = logging.getLogger(__name__)
 
+deltanet: types.ModuleType
 try:
     from engine.ops.gpu import deltanet
 except ImportError as exc:  # fla-core missing: the reference scan still runs on the GPU, slowly
