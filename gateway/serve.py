@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from pathlib import Path
 
@@ -51,6 +52,17 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
     )
 
 
+def port_problem(host: str, port: int) -> str | None:
+    """Why `host:port` cannot be bound (in use, bad address), checked before the model loads."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn  # noqa: PLC0415
 
@@ -60,6 +72,9 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     if args.model is not None and not args.model.is_dir():
         print(f"ft serve: {args.model}: no such folder", file=sys.stderr)
+        return 2
+    if (problem := port_problem(config.host, config.port)) is not None:
+        print(f"ft serve: cannot listen on {config.host}:{config.port}: {problem}", file=sys.stderr)
         return 2
     try:
         runtime = build_runtime(config)
