@@ -127,7 +127,7 @@ class Engine:
         tensors = {}
         for layer, cache in state.kv.items():
             k, v = cache.slice(start, end)
-            tensors[f"kv.{layer}.k"], tensors[f"kv.{layer}.v"] = (k, v) if self.runtime else (k.clone(), v.clone())
+            tensors[f"kv.{layer}.k"], tensors[f"kv.{layer}.v"] = k, v  # the cache is append-only: views stay valid
         return self._to_host(tensors)
 
     def kv_delta(self, state: SequenceState, start: int, end: int) -> Snapshot:

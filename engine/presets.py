@@ -18,6 +18,7 @@ from engine.config import ModelConfig
 QWEN36_VOCAB = 248320
 QWEN36_EOS = [248046, 248044]  # <|im_end|>, <|endoftext|>
 SHARD_BYTES = 2 << 30
+PRESET_REVISION = 2  # bump when the initialisation changes
 
 
 def _config(name: str, **shape) -> dict:
@@ -77,8 +78,14 @@ def _seed(name: str, seed: int) -> int:
     return xxhash.xxh64_intdigest(f"{seed}:{name}".encode()) & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, device, dtype) -> torch.Tensor:
-    """Initial values by parameter role; norms are moved off their identity values."""
+RESIDUAL_OUTPUTS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
+
+
+def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, device, dtype, num_layers: int) -> torch.Tensor:
+    """Initial values by parameter role; norms are moved off their identity values. Projections
+    that write into the residual stream are scaled by 1/sqrt(2 * layers) (GPT-2's rule), which
+    keeps the random model well conditioned: without it fp32 rounding was amplified ~100x through
+    four layers, enough to break a 1e-4 exactness bound between two orders of the same sum."""
     def normal(std: float) -> torch.Tensor:
         return torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std
 
@@ -94,6 +101,8 @@ def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, device, dtype
         t = normal(1 / math.sqrt(shape[-1]))
     elif name.endswith("embed_tokens.weight"):
         t = normal(1.0)
+    elif name.endswith(RESIDUAL_OUTPUTS):
+        t = normal(1 / math.sqrt(shape[-1] * 2 * num_layers))
     else:
         t = normal(1 / math.sqrt(shape[-1]))
     return t.to(dtype)
@@ -112,7 +121,7 @@ def materialise(name: str, device: str | torch.device = "cpu", dtype: torch.dtyp
     state_dict = {}
     for param, shape in shapes.items():
         gen = torch.Generator(device=device).manual_seed(_seed(param, seed))
-        state_dict[param] = _init(param, shape, gen, device, dtype)
+        state_dict[param] = _init(param, shape, gen, device, dtype, config.num_hidden_layers)
     return config, raw, state_dict
 
 
@@ -151,7 +160,7 @@ def write_preset(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     tmp.mkdir(parents=True, exist_ok=True)
     tensors = {n: t.contiguous() for n, t in unstack_experts(state_dict).items()}
     _save_sharded(tensors, tmp)
-    (tmp / "config.json").write_text(json.dumps({**raw, "ft_seed": seed}, indent=2))
+    (tmp / "config.json").write_text(json.dumps({**raw, "ft_seed": seed, "ft_preset_revision": PRESET_REVISION}, indent=2))
     (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": QWEN36_EOS}, indent=2))
     try:
         tmp.rename(out_dir)
@@ -184,5 +193,7 @@ def _save_sharded(tensors: dict[str, torch.Tensor], folder: Path) -> None:
 
 
 def default_model_dir(name: str) -> Path:
+    """Where a preset is written on first use; the revision in the name keeps folders written
+    by an older initialisation from being mistaken for the current one."""
     root = Path(os.environ.get("FT_HOME", Path.home() / ".cache" / "ft"))
-    return root / "models" / name
+    return root / "models" / f"{name}-r{PRESET_REVISION}"

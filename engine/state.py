@@ -34,9 +34,6 @@ class KVCache:
     def slice(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[start:end], self.v[start:end]
 
-    def truncate(self, length: int) -> None:
-        self.length = min(self.length, length)
-
     def _grow(self, capacity: int) -> None:
         k = self.k.new_empty(capacity, *self.k.shape[1:])
         v = self.v.new_empty(capacity, *self.v.shape[1:])
@@ -69,9 +66,3 @@ class SequenceState:
     def wait_all(self) -> None:
         for layer in list(self.pending):
             self.wait_for(layer)
-
-    @property
-    def nbytes(self) -> int:
-        tensors = [*self.conv.values(), *self.rec.values()]
-        kv = sum(c.length * c.k[0].numel() * c.k.element_size() * 2 for c in self.kv.values())
-        return kv + sum(t.numel() * t.element_size() for t in tensors)
