@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
     traces = [t for path in args.traces for t in read_trace(path) if t.protocol == "chat" and t.requests]
     folder = ensure_preset(args.preset)
-    gguf_path = ensure_gguf(folder, PEER_HOME / "models" / f"{args.preset}-{args.dtype}.gguf", args.dtype)
+    gguf_path = ensure_gguf(folder, PEER_HOME / "models" / f"{folder.name}-{args.dtype}.gguf", args.dtype)
     build()
     results: dict[str, dict[str, dict]] = {t.session_id: {} for t in traces}
     llama_name = " ".join(["llama.cpp", *args.llama_arg])

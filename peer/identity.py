@@ -43,11 +43,20 @@ def ours(engine: Engine, ids: list[int], n: int, k: int) -> list[dict]:
 
 
 def theirs(server: LlamaServer, ids: list[int], n: int, k: int) -> list[dict]:
+    """llama-server's greedy ids (`tokens`) with their top-k where it reports them: it folds the
+    probabilities of a token that ends inside a UTF-8 character into the next entry, so entries
+    are matched to steps by id, and a step without its own entry has an empty top-k."""
     out = server.complete_ids(ids, n, n_probs=k)
+    probs = iter(out["completion_probabilities"])
+    entry = next(probs, None)
     steps = []
-    for p in out["completion_probabilities"]:
-        top = [(t["id"], t["logprob"]) for t in p["top_logprobs"]]
-        steps.append({"id": p["id"], "logprob": p["logprob"], "top": top})
+    for token in out["tokens"]:
+        if entry is not None and entry["id"] == token:
+            top = [(t["id"], t["logprob"]) for t in entry["top_logprobs"]]
+            steps.append({"id": token, "logprob": entry["logprob"], "top": top})
+            entry = next(probs, None)
+        else:
+            steps.append({"id": token, "logprob": None, "top": []})
     return steps
 
 
@@ -73,7 +82,8 @@ def compare(a: list[dict], b: list[dict]) -> dict:
 
 def run(preset: str, n: int, k: int, dtype: str) -> dict:
     folder = ensure_preset(preset)
-    gguf_path = ensure_gguf(folder, PEER_HOME / "models" / f"{preset}-{dtype}.gguf", dtype)
+    # the folder's name carries the preset revision, so a GGUF of older weights is never reused
+    gguf_path = ensure_gguf(folder, PEER_HOME / "models" / f"{folder.name}-{dtype}.gguf", dtype)
     build()
     ids = QwenTokenizer().encode(PROMPT)
     engine = Engine.load(folder, dtype=torch.float32)
