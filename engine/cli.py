@@ -21,15 +21,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.model_command == "list":
         for name, cfg in presets.PRESETS.items():
-            print(f"{name:18} layers={cfg['num_hidden_layers']:<3} hidden={cfg['hidden_size']:<5} "
+            print(f"{name:20} layers={cfg['num_hidden_layers']:<3} hidden={cfg['hidden_size']:<5} "
                   f"experts={cfg['num_experts']}x top-{cfg['num_experts_per_tok']} dtype={cfg['dtype']}")
         return 0
     out = args.out or presets.default_model_dir(args.preset)
     if (out / "config.json").is_file():
         print(f"{out}: already holds a model; not overwriting", file=sys.stderr)
         return 1
-    if args.preset == "qwen3.6-35b-a3b":
-        print("note: ~70 GB of bf16 weights; on a GPU prefer FT_MATERIALISE=1 (built in device memory)", file=sys.stderr)
+    if args.preset.startswith("qwen3.6-35b-a3b"):
+        print("note: 21-70 GB of bf16 weights; on a GPU prefer FT_MATERIALISE=1 (built in device memory)", file=sys.stderr)
     presets.write_preset(args.preset, out, seed=args.seed)
     print(f"wrote preset {args.preset!r} to {out}")
     return 0

@@ -72,6 +72,10 @@ PRESETS: dict[str, dict] = {
         shared_expert_intermediate_size=512, dtype="bfloat16",
     ),
 }
+# The 35B-A3B shape with 64 experts instead of 256 (top-8 of them, as before): the same active
+# parameters and work per token, ~21 GB of bf16 weights instead of ~70, so that it and a GGUF copy
+# of it fit a 64 GiB disk (the side-by-side with llama.cpp on the H200, bench/llamacpp.py).
+PRESETS["qwen3.6-35b-a3b-e64"] = {**PRESETS["qwen3.6-35b-a3b"], "ft_preset": "qwen3.6-35b-a3b-e64", "num_experts": 64}
 
 
 def _seed(name: str, seed: int) -> int:

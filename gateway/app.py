@@ -82,7 +82,10 @@ async def models(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     rt: Runtime = request.app.state.runtime
-    return JSONResponse({"status": "ok", "model": rt.model_id, "queue_depth": rt.scheduler.queue_depth})
+    scheduler = rt.scheduler
+    return JSONResponse(
+        {"status": "ok", "model": rt.model_id, "queue_depth": scheduler.queue_depth, "idle": scheduler.idle}
+    )
 
 
 async def metrics(request: Request) -> Response:

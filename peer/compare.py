@@ -75,31 +75,49 @@ def llama_sample(url: str, index: int, request: TraceRequest, client: httpx.Clie
     )
 
 
+def header_sample(index: int, request: TraceRequest, ttft: float, h: httpx.Headers) -> Sample:
+    """A sample from our gateway's response headers."""
+    processed, reused = int(h["x-prefill-tokens"]), int(h["x-cached-tokens"])
+    return Sample(
+        index, request.after_tool_result, ttft, float(h["x-server-ttft-ms"]), processed + reused, processed, reused
+    )
+
+
 def gateway_sample(url: str, index: int, request: TraceRequest, client: httpx.Client) -> Sample:
     t0 = time.perf_counter()
     r = client.post(url + "/v1/chat/completions", json=probe_body(request, "ft"))
     ttft = 1000 * (time.perf_counter() - t0)
     r.raise_for_status()
-    h = r.headers
-    processed, reused = int(h["x-prefill-tokens"]), int(h["x-cached-tokens"])
-    return Sample(
-        index,
-        request.after_tool_result,
-        ttft,
-        float(h["x-server-ttft-ms"]),
-        processed + reused,
-        processed,
-        reused,
-    )
+    return header_sample(index, request, ttft, r.headers)
+
+
+def gateway_forced_sample(url: str, index: int, request: TraceRequest, client: httpx.Client) -> Sample:
+    """The request as an agent's turn runs on our gateway: streamed, with the recorded answer
+    teacher-forced (`ft_forced_output`), so the server holds the same tokens the real session
+    produced and precomputes the next turn's history from them. TTFT is the wall time to the
+    response headers, which our gateway sends with the first token; the rest is drained."""
+    body = {**request.replay_body(), "model": "ft", "stream": True}
+    t0 = time.perf_counter()
+    with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        ttft = 1000 * (time.perf_counter() - t0)
+        r.raise_for_status()
+        for _ in r.iter_bytes():
+            pass
+    return header_sample(index, request, ttft, r.headers)
 
 
 Prober = Callable[[str, int, TraceRequest, httpx.Client], Sample]
 
 
 def replay(
-    url: str, trace: Trace, probe: Prober, on_sample: Callable[[Sample], None] | None = None
+    url: str,
+    trace: Trace,
+    probe: Prober,
+    on_sample: Callable[[Sample], None] | None = None,
+    between: Callable[[], None] | None = None,
 ) -> list[Sample]:
-    """Send the session's chat requests in order, one at a time."""
+    """Send the session's chat requests in order, one at a time (calling `between` after each,
+    e.g. to let the server's background work finish as a tool or user would)."""
     if trace.protocol != "chat":
         raise ValueError(
             f"{trace.session_id}: {trace.protocol} requests; llama-server is driven over chat completions"
@@ -110,6 +128,8 @@ def replay(
             samples.append(probe(url, i, request, client))
             if on_sample:
                 on_sample(samples[-1])
+            if between:
+                between()
     return samples
 
 

@@ -186,11 +186,47 @@ def keeps_f32(name: str, t: torch.Tensor) -> bool:
 
 
 def to_numpy(name: str, t: torch.Tensor, dtype: str) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+    """The tensor as written, converted where it lives (a GPU for materialised presets), then copied to host."""
     if dtype == "f32" or keeps_f32(name, t):
-        return t.float().contiguous().numpy(), gguf.GGMLQuantizationType.F32
+        return t.float().contiguous().cpu().numpy(), gguf.GGMLQuantizationType.F32
     if dtype == "f16":
-        return t.half().contiguous().numpy(), gguf.GGMLQuantizationType.F16
-    return t.bfloat16().contiguous().view(torch.int16).numpy(), gguf.GGMLQuantizationType.BF16
+        return t.half().contiguous().cpu().numpy(), gguf.GGMLQuantizationType.F16
+    return t.bfloat16().contiguous().view(torch.int16).cpu().numpy(), gguf.GGMLQuantizationType.BF16
+
+
+def write_gguf(
+    c: ModelConfig,
+    raw: dict,
+    state_dict: dict[str, torch.Tensor],
+    out: str | Path,
+    dtype: str = "f32",
+    chat_template: str | None = None,
+) -> Path:
+    """Write a model (its config, raw config.json dict and in-memory state dict) as one GGUF file,
+    atomically (a file at `out` is complete); returns `out`."""
+    out = Path(out)
+    if c.arch not in GGUF_ARCH:
+        raise ValueError(f"no GGUF architecture for {c.arch}")
+    if c.linear_key_head_dim != c.linear_value_head_dim and c.arch == "qwen3_5_moe":
+        raise ValueError("llama.cpp's qwen35moe needs equal DeltaNet key and value head sizes")
+    template = (
+        chat_template if chat_template is not None else (TEMPLATE.read_text() if TEMPLATE.is_file() else None)
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    w = gguf.GGUFWriter(str(tmp), GGUF_ARCH[c.arch])
+    add_hparams(w, c, raw, raw.get("ft_preset") or out.stem)
+    w.add_file_type(FILE_TYPES[dtype])
+    add_vocab(w, qwen_vocab(c.vocab_size), template)
+    for name, tensor in gguf_tensors(c, state_dict):
+        array, qtype = to_numpy(name, tensor, dtype)
+        w.add_tensor(name, array, raw_dtype=qtype if qtype == gguf.GGMLQuantizationType.BF16 else None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=True)
+    w.close()
+    tmp.rename(out)
+    return out
 
 
 def export_gguf(
@@ -199,31 +235,35 @@ def export_gguf(
     """Write `model_dir` (an HF folder) as one GGUF file at `out`; returns `out`."""
     import json  # noqa: PLC0415
 
-    model_dir, out = Path(model_dir), Path(out)
-    c = ModelConfig.from_folder(model_dir)
-    if c.arch not in GGUF_ARCH:
-        raise ValueError(f"no GGUF architecture for {c.arch}")
-    if c.linear_key_head_dim != c.linear_value_head_dim and c.arch == "qwen3_5_moe":
-        raise ValueError("llama.cpp's qwen35moe needs equal DeltaNet key and value head sizes")
+    model_dir = Path(model_dir)
     raw = json.loads((model_dir / "config.json").read_text())
-    template = (
-        chat_template if chat_template is not None else (TEMPLATE.read_text() if TEMPLATE.is_file() else None)
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    w = gguf.GGUFWriter(str(tmp), GGUF_ARCH[c.arch])
-    add_hparams(w, c, raw, raw.get("ft_preset") or model_dir.name)
-    w.add_file_type(FILE_TYPES[dtype])
-    add_vocab(w, qwen_vocab(c.vocab_size), template)
-    for name, tensor in gguf_tensors(c, read_state_dict(model_dir, None)):
-        array, qtype = to_numpy(name, tensor, dtype)
-        w.add_tensor(name, array, raw_dtype=qtype if qtype == gguf.GGMLQuantizationType.BF16 else None)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    tmp.rename(out)
-    return out
+    raw.setdefault("ft_preset", model_dir.name)
+    c = ModelConfig.from_folder(model_dir)
+    return write_gguf(c, raw, read_state_dict(model_dir, None), out, dtype, chat_template)
+
+
+def export_preset_gguf(preset: str, out: str | Path, dtype: str = "bf16", device: str = "cpu") -> Path:
+    """Write preset `preset` as GGUF from weights built in memory on `device` (the same values
+    `Engine.from_preset` builds with FT_MATERIALISE=1), with no HF folder on disk."""
+    from engine.presets import materialise  # noqa: PLC0415
+
+    config, raw, state_dict = materialise(preset, device)
+    return write_gguf(config, raw, state_dict, out, dtype)
+
+
+def preset_gguf(preset: str, models_dir: Path, dtype: str = "f32", materialise_on: str | None = None) -> Path:
+    """The GGUF of preset `preset` in `models_dir`, exported on first use: from its HF folder, or
+    from weights built on device `materialise_on`. Named after the preset's folder, whose name
+    carries the preset revision, so a GGUF of older weights is never reused."""
+    from engine.engine import ensure_preset  # noqa: PLC0415
+    from engine.presets import default_model_dir  # noqa: PLC0415
+
+    out = models_dir / f"{default_model_dir(preset).name}-{dtype}.gguf"
+    if out.is_file():
+        return out
+    if materialise_on is not None:
+        return export_preset_gguf(preset, out, dtype, materialise_on)
+    return export_gguf(ensure_preset(preset), out, dtype)
 
 
 def ensure_gguf(model_dir: str | Path, out: str | Path, dtype: str = "f32") -> Path:
@@ -239,9 +279,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("model", help="an HF model folder, or a preset name (tiny, tiny-next, small, …)")
     p.add_argument("out", help="output .gguf path")
     p.add_argument("--dtype", choices=sorted(FILE_TYPES), default="f32")
+    p.add_argument(
+        "--materialise",
+        metavar="DEVICE",
+        help="build a preset's weights in memory on DEVICE (cpu, cuda) instead of writing its HF folder first",
+    )
     args = p.parse_args(argv)
-    folder = Path(args.model) if Path(args.model).is_dir() else ensure_preset(args.model)
-    print(export_gguf(folder, args.out, args.dtype))
+    if Path(args.model).is_dir():
+        print(export_gguf(args.model, args.out, args.dtype))
+    elif args.materialise:
+        print(export_preset_gguf(args.model, args.out, args.dtype, args.materialise))
+    else:
+        print(export_gguf(ensure_preset(args.model), args.out, args.dtype))
 
 
 if __name__ == "__main__":

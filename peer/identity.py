@@ -2,20 +2,24 @@
 f32), greedy tokens and top-k log-probabilities compared step by step.
 
     python -m peer.identity --preset tiny [--tokens 16] [--dtype f32]
+    FT_MATERIALISE=1 python -m peer.identity --preset qwen3.6-35b-a3b-e64 --device cuda --dtype bf16
+
+On the CPU our engine runs in fp32; on a GPU in the preset's dtype, against a CUDA llama-server
+with every layer offloaded.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
 
 from engine import Engine
-from engine.engine import ensure_preset
 from gateway.tokenizer import QwenTokenizer
-from peer.gguf_export import ensure_gguf
+from peer.gguf_export import preset_gguf
 from peer.llama_server import PEER_HOME, LlamaServer, build
 
 PROMPT = "<|im_start|>user\nWrite a short poem about the sea.<|im_end|>\n<|im_start|>assistant\n"
@@ -80,19 +84,28 @@ def compare(a: list[dict], b: list[dict]) -> dict:
     }
 
 
-def run(preset: str, n: int, k: int, dtype: str) -> dict:
-    folder = ensure_preset(preset)
-    # the folder's name carries the preset revision, so a GGUF of older weights is never reused
-    gguf_path = ensure_gguf(folder, PEER_HOME / "models" / f"{folder.name}-{dtype}.gguf", dtype)
-    build()
+def run(preset: str, n: int, k: int, dtype: str, device: str = "cpu") -> dict:
+    cuda = device != "cpu"
+    materialise = os.environ.get("FT_MATERIALISE") == "1"
+    gguf_path = preset_gguf(preset, PEER_HOME / "models", dtype, device if materialise else None)
+    binary = build(cuda=cuda)
     ids = QwenTokenizer().encode(PROMPT)
-    engine = Engine.load(folder, dtype=torch.float32)
-    with LlamaServer(gguf_path, ctx_size=4096, log_path=PEER_HOME / f"identity-{preset}.log") as server:
+    engine = Engine.from_preset(preset, device, dtype=None if cuda else torch.float32)
+    server = LlamaServer(
+        gguf_path,
+        ctx_size=4096,
+        gpu_layers=999 if cuda else None,
+        binary=binary,
+        log_path=PEER_HOME / f"identity-{preset}.log",
+    )
+    with server:
         assert server.tokenize(PROMPT) == ids, "llama.cpp tokenizes the prompt differently"
         b = theirs(server, ids, n, k)
     a = ours(engine, ids, n, k)
     result = {
         "preset": preset,
+        "device": device,
+        "engine_dtype": str(engine.dtype),
         "gguf_dtype": dtype,
         "prompt_tokens": len(ids),
         **compare(a, b),
@@ -108,9 +121,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"])
+    p.add_argument("--device", default="cpu", help="our engine's device; cuda also runs a CUDA llama-server")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    result = run(args.preset, args.tokens, args.top, args.dtype)
+    result = run(args.preset, args.tokens, args.top, args.dtype, args.device)
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

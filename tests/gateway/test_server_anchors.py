@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from adapters.replay import http_wait_idle
 from gateway.protocols import chat
 from gateway.render import segment_ids
 from tests.conftest import start_server
@@ -51,7 +52,7 @@ def server():
     s.stop()
 
 
-def run_tool_loop(server, client, user_text, commands, final="All done."):
+def run_tool_loop(server, client, user_text, commands, final="All done.", output_lines=20):
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user_text}]
     counts = []
     for i, command in enumerate([*commands, None]):
@@ -61,7 +62,7 @@ def run_tool_loop(server, client, user_text, commands, final="All done."):
         messages.append(assistant_turn(response, forced["reasoning"]))
         if command:
             tool_id = response["choices"][0]["message"]["tool_calls"][0]["id"]
-            messages.append({"role": "tool", "tool_call_id": tool_id, "content": f"output of {command} #{i}\n" * 20})
+            messages.append({"role": "tool", "tool_call_id": tool_id, "content": f"output of {command} #{i}\n" * output_lines})
     return messages, counts
 
 
@@ -73,10 +74,16 @@ def test_appending_a_tool_result_reprefills_only_the_new_tokens(server):
         assert prefilled == next_prompt - cached  # only the tool result and the generation prompt
 
 
-def test_new_user_message_after_tool_loop_pays_only_for_itself_once_precomputed(server):
+@pytest.mark.parametrize("wait", ["in process", "over HTTP"])
+def test_new_user_message_after_tool_loop_pays_only_for_itself_once_precomputed(server, wait):
     with server.client() as client:
-        messages, _ = run_tool_loop(server, client, "Rename the helper.", ["grep -r helper ."])
-        server.wait_idle()  # precompute of the next turn's history (reasoning dropped) has run
+        # a long tool result: the precompute takes long enough to still run when a careless wait returns
+        messages, _ = run_tool_loop(
+            server, client, f"Rename the helper ({wait}).", ["grep -r helper ."], output_lines=1500
+        )
+        # precompute of the next turn's history (reasoning dropped) has run; over HTTP, /health
+        # says when the worker is idle (what `ft replay` and bench/llamacpp.py wait on)
+        server.wait_idle() if wait == "in process" else http_wait_idle(server.url)()
         messages.append({"role": "user", "content": "Thanks. Now add a test for it."})
         _, cached, prefilled = call(client, messages, {"reasoning": "ok", "content": "Sure."})
     segments = prompt_segments(server, messages)

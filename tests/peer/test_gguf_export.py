@@ -11,7 +11,7 @@ regex = pytest.importorskip("regex")
 
 from engine.config import ModelConfig  # noqa: E402
 from engine.presets import write_preset  # noqa: E402
-from peer.gguf_export import export_gguf  # noqa: E402
+from peer.gguf_export import export_gguf, export_preset_gguf  # noqa: E402
 
 ARCHS = {"tiny": "qwen35moe", "tiny-next": "qwen3next"}
 
@@ -258,3 +258,15 @@ def test_bf16_export_keeps_llama_fp32_tensors(exported, tmp_path):
     assert types["blk.0.ssm_a"] == f32 and types["blk.3.attn_q_norm.weight"] == f32
     assert types["blk.0.attn_qkv.weight"] == gguf.GGMLQuantizationType.BF16
     assert types["blk.0.ffn_gate_exps.weight"] == gguf.GGMLQuantizationType.BF16
+
+
+@pytest.mark.parametrize("preset", list(ARCHS))
+def test_materialised_preset_export_equals_folder_export(exported, preset, tmp_path):
+    """The GPU path (weights built in memory, no HF folder) writes the same metadata and tensors."""
+    from_folder = exported[preset][1]
+    direct = gguf.GGUFReader(str(export_preset_gguf(preset, tmp_path / "direct.gguf", "f32")))
+    assert field(direct, "general.name") == field(from_folder, "general.name") == preset
+    a, b = tensors(direct), tensors(from_folder)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert np.array_equal(np.asarray(a[name].data), np.asarray(b[name].data)), name
