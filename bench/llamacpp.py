@@ -140,8 +140,6 @@ def main(argv: list[str] | None = None) -> int:
     traces = [t for path in args.traces for t in read_trace(path) if t.protocol == "chat" and t.requests]
     materialise = os.environ.get("FT_MATERIALISE") == "1"
     gguf_path = preset_gguf(args.preset, PEER_HOME / "models", args.dtype, args.device if materialise else None)
-    if cuda:
-        torch.cuda.empty_cache()  # the export's device memory, before the servers start
     binary = build(cuda=cuda)
     results: dict[str, dict[str, dict]] = {t.session_id: {} for t in traces}
 
@@ -165,11 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     sides: dict[str, tuple] = {}  # name -> (server factory, prober, between requests)
-    for extra in [args.llama_arg, *([*args.llama_arg, *more.split()] for more in args.also_llama)]:
-        sides[" ".join(["llama.cpp", *extra])] = (llama(extra), llama_sample, False)
     sides[f"ft/{args.policy}"] = (ours, gateway_sample, False)
     if args.forced:
         sides[f"ft/{args.policy} forced"] = (ours, gateway_forced_sample, True)
+    for extra in [args.llama_arg, *([*args.llama_arg, *more.split()] for more in args.also_llama)]:
+        sides[" ".join(["llama.cpp", *extra])] = (llama(extra), llama_sample, False)
     if args.only:
         sides = {name: side for name, side in sides.items() if name.startswith(args.only)}
     for side, (make, probe, wait) in sides.items():  # one server at a time

@@ -6,7 +6,8 @@
 #
 #   bash bench/llamacpp_h200.sh build LOGDIR          # CUDA llama-server (~8 min on 16 cores) while the GGUF is written
 #   bash bench/llamacpp_h200.sh run JSON TRACE...     # both servers, the same requests (bench/llamacpp.py)
-#   bash bench/llamacpp_h200.sh identity JSON         # greedy tokens and log-probs, ours vs llama-server
+#   bash bench/llamacpp_h200.sh identity JSON [ARGS]  # greedy tokens and log-probs, ours vs llama-server (bf16;
+#                                                     # --dtype f32 --engine-dtype float32: both in fp32)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PRESET=qwen3.6-35b-a3b-e64
@@ -33,6 +34,8 @@ run)
     --also-llama=--no-reasoning-preserve --forced --out "$json" "$@"
   ;;
 identity)
-  python3 -m peer.identity --preset $PRESET --device cuda --dtype bf16 --json "$2"
+  json=$2
+  shift 2
+  python3 -m peer.identity --preset $PRESET --device cuda --dtype bf16 --json "$json" "$@"
   ;;
 esac

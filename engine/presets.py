@@ -114,18 +114,19 @@ def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, device, dtype
 
 def materialise(name: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, seed: int = 0):
     """The preset's config and in-memory (stacked-expert) state dict, built directly on `device`
-    (so the 35B shape can live in GPU memory without touching disk)."""
+    (so the 35B shape can live in GPU memory without touching disk). The values are those of the
+    preset's own dtype (what `write_preset` stores), cast to `dtype` if another is asked for."""
     from engine.model import HybridForCausalLM  # noqa: PLC0415
 
     raw = preset_config(name)
     config = ModelConfig.from_dict(raw)
-    dtype = dtype or getattr(torch, raw["dtype"])
+    own = getattr(torch, raw["dtype"])
     with torch.device("meta"):
         shapes = {n: tuple(p.shape) for n, p in HybridForCausalLM(config).state_dict().items()}
     state_dict = {}
     for param, shape in shapes.items():
         gen = torch.Generator(device=device).manual_seed(_seed(param, seed))
-        state_dict[param] = _init(param, shape, gen, device, dtype, config.num_hidden_layers)
+        state_dict[param] = _init(param, shape, gen, device, own, config.num_hidden_layers).to(dtype or own)
     return config, raw, state_dict
 
 

@@ -2,7 +2,8 @@
 off the event loop, run the generation on the engine worker, and answer with SSE or JSON.
 
 Headers are sent once the first token is ready, so every response carries what was
-restored and computed: `x-cached-tokens`, `x-prefill-tokens`, `x-server-ttft-ms`."""
+restored and computed: `x-cached-tokens`, `x-prefill-tokens`, `x-server-ttft-ms`, and where
+the time to the first token went (`server-timing`: plan, queue, restore, prefill, in ms)."""
 
 from __future__ import annotations
 
@@ -80,6 +81,7 @@ async def generate(request: Request, protocol: Protocol) -> Response:
         "x-cached-tokens": str(first.cached_tokens),
         "x-prefill-tokens": str(first.prefill_tokens),
         "x-server-ttft-ms": f"{1000 * first.ttft_s:.1f}",
+        "server-timing": ", ".join(f"{name};dur={1000 * s:.1f}" for name, s in first.phases.items()),
     }
     rt.metrics.request(protocol.name, status)
     model = conv.model or rt.model_id
@@ -102,6 +104,7 @@ class _Run:
 
     def __init__(self, rt: Runtime, plan, protocol: Protocol, received: float):
         self.rt, self.plan, self.protocol, self.received = rt, plan, protocol, received
+        planned = time.perf_counter()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
         self.started: Started | None = None
@@ -112,7 +115,7 @@ class _Run:
             loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
         future = rt.scheduler.submit(
-            lambda: run_generation(rt, plan, emit, self.cancel, received, call_ids(protocol))
+            lambda: run_generation(rt, plan, emit, self.cancel, received, call_ids(protocol), planned)
         )
         future.add_done_callback(lambda f: emit(_Done(f.exception())))
 

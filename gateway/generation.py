@@ -32,17 +32,24 @@ class Started:
     cached_tokens: int
     prefill_tokens: int
     ttft_s: float
+    phases: dict[str, float]  # seconds from request to first token, by phase (the Server-Timing header)
 
 
 def run_generation(
     rt: Runtime, plan: Plan, emit: Callable[[Started | Event], None], cancel: threading.Event,
-    received_at: float, call_id: Callable[[], str],
+    received_at: float, call_id: Callable[[], str], planned_at: float,
 ) -> list[Event]:
-    """Runs on the worker; returns every event emitted (for the recorder)."""
+    """Runs on the worker; returns every event emitted (for the recorder). `received_at` and
+    `planned_at`: when the request arrived and when its plan was ready (perf_counter)."""
+    t_start = time.perf_counter()
     state, cached = checkpoints.restore(rt, plan.chain[:-1], plan.ends)
+    t_restored = time.perf_counter()
     pending = checkpoints.Pending()
     result = checkpoints.prefill(rt, state, plan.segments, plan.chain, plan.ends, cached, pending)
-    started = Started(cached, plan.prompt_len - cached, time.perf_counter() - received_at)
+    t_first = time.perf_counter()
+    phases = {"plan": planned_at - received_at, "queue": t_start - planned_at, "restore": t_restored - t_start,
+              "prefill": t_first - t_restored}
+    started = Started(cached, plan.prompt_len - cached, t_first - received_at, phases)
     rt.metrics.observe_ttft(started.ttft_s)
     rt.metrics.add_tokens(prefilled=started.prefill_tokens, reused=cached)
     emit(started)

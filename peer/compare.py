@@ -33,6 +33,7 @@ class Sample(msgspec.Struct):
     prompt_tokens: int
     processed: int  # prompt tokens computed
     reused: int  # prompt tokens restored from a cache
+    phases: dict[str, float] | None = None  # ours: the server-timing header (ms by phase)
 
 
 class Summary(msgspec.Struct):
@@ -78,8 +79,20 @@ def llama_sample(url: str, index: int, request: TraceRequest, client: httpx.Clie
 def header_sample(index: int, request: TraceRequest, ttft: float, h: httpx.Headers) -> Sample:
     """A sample from our gateway's response headers."""
     processed, reused = int(h["x-prefill-tokens"]), int(h["x-cached-tokens"])
+    phases = {}
+    for item in h.get("server-timing", "").split(","):
+        name, _, dur = item.strip().partition(";dur=")
+        if dur:
+            phases[name] = float(dur)
     return Sample(
-        index, request.after_tool_result, ttft, float(h["x-server-ttft-ms"]), processed + reused, processed, reused
+        index,
+        request.after_tool_result,
+        ttft,
+        float(h["x-server-ttft-ms"]),
+        processed + reused,
+        processed,
+        reused,
+        phases,
     )
 
 

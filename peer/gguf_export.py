@@ -248,7 +248,11 @@ def export_preset_gguf(preset: str, out: str | Path, dtype: str = "bf16", device
     from engine.presets import materialise  # noqa: PLC0415
 
     config, raw, state_dict = materialise(preset, device)
-    return write_gguf(config, raw, state_dict, out, dtype)
+    out = write_gguf(config, raw, state_dict, out, dtype)
+    del state_dict
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # give the weights' device memory back before a server starts
+    return out
 
 
 def preset_gguf(preset: str, models_dir: Path, dtype: str = "f32", materialise_on: str | None = None) -> Path:

@@ -3,6 +3,7 @@ f32), greedy tokens and top-k log-probabilities compared step by step.
 
     python -m peer.identity --preset tiny [--tokens 16] [--dtype f32]
     FT_MATERIALISE=1 python -m peer.identity --preset qwen3.6-35b-a3b-e64 --device cuda --dtype bf16
+    FT_MATERIALISE=1 python -m peer.identity --preset qwen3.6-35b-a3b-e64 --device cuda --dtype f32 --engine-dtype float32
 
 On the CPU our engine runs in fp32; on a GPU in the preset's dtype, against a CUDA llama-server
 with every layer offloaded.
@@ -84,13 +85,16 @@ def compare(a: list[dict], b: list[dict]) -> dict:
     }
 
 
-def run(preset: str, n: int, k: int, dtype: str, device: str = "cpu") -> dict:
+def run(preset: str, n: int, k: int, dtype: str, device: str = "cpu", engine_dtype: str | None = None) -> dict:
     cuda = device != "cpu"
     materialise = os.environ.get("FT_MATERIALISE") == "1"
     gguf_path = preset_gguf(preset, PEER_HOME / "models", dtype, device if materialise else None)
     binary = build(cuda=cuda)
     ids = QwenTokenizer().encode(PROMPT)
-    engine = Engine.from_preset(preset, device, dtype=None if cuda else torch.float32)
+    # our engine: fp32 on the CPU; on a GPU the preset's dtype unless asked (a f32 GGUF of a bf16
+    # preset holds the bf16 values exactly, so --engine-dtype float32 compares like with like)
+    engine_dtype = engine_dtype or (None if cuda else "float32")
+    engine = Engine.from_preset(preset, device, dtype=getattr(torch, engine_dtype) if engine_dtype else None)
     server = LlamaServer(
         gguf_path,
         ctx_size=4096,
@@ -122,9 +126,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"])
     p.add_argument("--device", default="cpu", help="our engine's device; cuda also runs a CUDA llama-server")
+    p.add_argument("--engine-dtype", choices=["float32", "bfloat16"], help="our engine's dtype (default: fp32 on "
+                   "the CPU, the preset's on a GPU)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    result = run(args.preset, args.tokens, args.top, args.dtype, args.device)
+    result = run(args.preset, args.tokens, args.top, args.dtype, args.device, args.engine_dtype)
     print(json.dumps(result, indent=2))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

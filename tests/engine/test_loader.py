@@ -85,3 +85,15 @@ def test_preset_vocab_covers_the_qwen36_tokenizer():
 
     tok = get_tokenizer("qwen3.6-35b-a3b")
     assert max(tok.encode("hello <|im_start|> world", allowed_special="all")) < presets_module.QWEN36_VOCAB
+
+
+def test_materialised_preset_in_another_dtype_is_the_preset_values_cast(monkeypatch):
+    """FT_MATERIALISE with a dtype override builds the preset's own values and casts them, as
+    loading its folder with that dtype does (a f32 GGUF of a bf16 preset then holds the same values)."""
+    monkeypatch.setitem(presets_module.PRESETS, "tiny-bf16", {**presets_module.PRESETS["tiny"], "dtype": "bfloat16"})
+    _, _, own = presets_module.materialise("tiny-bf16")
+    _, _, wide = presets_module.materialise("tiny-bf16", dtype=torch.float32)
+    assert own.keys() == wide.keys()
+    for name, t in own.items():
+        assert t.dtype == torch.bfloat16 and wide[name].dtype == torch.float32
+        assert torch.equal(t.float(), wide[name]), name

@@ -25,6 +25,10 @@ def call(client, messages, forced, tools=TOOLS):
     usage = r.json()["usage"]
     assert int(r.headers["x-cached-tokens"]) == usage["prompt_tokens_details"]["cached_tokens"]
     assert int(r.headers["x-prefill-tokens"]) + int(r.headers["x-cached-tokens"]) == usage["prompt_tokens"]
+    phases = dict(item.split(";dur=") for item in r.headers["server-timing"].split(", "))
+    assert list(phases) == ["plan", "queue", "restore", "prefill"]
+    assert all(float(ms) >= 0 for ms in phases.values())
+    assert abs(sum(map(float, phases.values())) - float(r.headers["x-server-ttft-ms"])) <= 0.3  # rounding
     return r.json(), int(r.headers["x-cached-tokens"]), int(r.headers["x-prefill-tokens"])
 
 
