@@ -115,7 +115,9 @@ def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, device, dtype
 def materialise(name: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, seed: int = 0):
     """The preset's config and in-memory (stacked-expert) state dict, built directly on `device`
     (so the 35B shape can live in GPU memory without touching disk). The values are those of the
-    preset's own dtype (what `write_preset` stores), cast to `dtype` if another is asked for."""
+    preset's own dtype (what `write_preset` stores), cast to `dtype` if another is asked for.
+    They depend on the device's random generator: built on a GPU they differ from the CPU's (and
+    so from the written folder); compare across devices by moving one build's tensors."""
     from engine.model import HybridForCausalLM  # noqa: PLC0415
 
     raw = preset_config(name)
