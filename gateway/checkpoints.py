@@ -22,13 +22,36 @@ log = logging.getLogger("gateway.checkpoints")
 PRECOMPUTE_STEP = 2048  # tokens per background pass: big enough for the GPU, small enough to yield soon
 
 
+class Live(msgspec.Struct):
+    """The sequence the worker last left at a checkpointed boundary: `state` is exactly what
+    restoring `anchor`'s record would give, so a request that extends it continues in place."""
+
+    anchor: bytes
+    state: SequenceState
+
+
+def keep_live(rt: Runtime, anchor: bytes, state: SequenceState) -> None:
+    """Call right after a checkpoint with a state was captured at `state`'s current position."""
+    if rt.config.continue_live:
+        rt.live = Live(anchor, state)
+
+
 def restore(rt: Runtime, chain: Sequence[bytes], ends: Sequence[int]) -> tuple[SequenceState, int]:
     """A state at the end of the longest restorable prefix of `chain` (a fresh state when none)
-    and the number of tokens it covers."""
+    and the number of tokens it covers. When the live sequence sits at that prefix's end (the
+    previous answer, or the precomputed history, that this request extends), it is continued in
+    place: the same state with no copy (on a GPU: no host-to-device transfer of the whole prefix)."""
     if rt.config.policy == "none" or not chain:
         return rt.engine.new_state(), 0
     for _ in range(3):  # the disk writer may evict between the match and the load: retry shorter
         count = rt.store.longest_restorable(list(chain))
+        live = rt.live
+        if live is not None and live.anchor in chain[count - 1 if count else 0 :]:
+            depth = chain.index(live.anchor) + 1
+            if live.state.length == ends[depth - 1]:
+                rt.live = None  # this request moves the sequence on
+                rt.metrics.add_tokens(continued=live.state.length)
+                return live.state, live.state.length
         if count == 0:
             break
         records = rt.store.load_records(list(chain[:count]))  # deltas, not joined: copied into place once
@@ -86,6 +109,7 @@ def generation_end(rt: Runtime, plan, state: SequenceState, generated: list[int]
     pending = Pending()
     pending.add(chain, plan.chain[-1], [*snapshots, *tail.snapshots])
     pending.store(rt)
+    keep_live(rt, chain[-1], state)
 
 
 def next_turn_segments(rt: Runtime, conv: Conversation, reply: Message) -> list[Segment]:
@@ -112,7 +136,7 @@ def precompute(rt: Runtime, segments: list[Segment]) -> int:
     if rt.store.longest_restorable(chain) == len(chain):
         return 0
     state, done = restore(rt, chain, ends)
-    computed = 0
+    computed, at_state = 0, None
     for i, end in enumerate(ends):
         if end - done < PRECOMPUTE_STEP and i + 1 < len(ends):
             continue  # extend this pass to the next boundary
@@ -120,8 +144,11 @@ def precompute(rt: Runtime, segments: list[Segment]) -> int:
             log.info("precompute yielded to a live request at %d/%d tokens", done, ends[-1])
             break
         pending = Pending()
-        prefill(rt, state, segments[: i + 1], chain[: i + 1], ends[: i + 1], done, pending)
+        result = prefill(rt, state, segments[: i + 1], chain[: i + 1], ends[: i + 1], done, pending)
         pending.store(rt)
         computed, done = computed + end - done, end
+        at_state = chain[i] if result.snapshots and result.snapshots[-1].has_state else None
+    if at_state is not None:  # the last pass ended on a state checkpoint: continue from here
+        keep_live(rt, at_state, state)
     rt.metrics.add_tokens(precomputed=computed)
     return computed

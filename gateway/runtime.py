@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from checkpoint_store import CheckpointStore, StoreConfig
 from engine import Engine
@@ -42,6 +43,7 @@ class ServeConfig:
     default_max_tokens: int = 2048
     max_tokens_cap: int | None = None
     forced_decode: str = "prefill"  # "prefill" | "steps" (see gateway/generation.py)
+    continue_live: bool = True  # continue the live sequence in place when a request extends it
     model_name: str | None = None
 
 
@@ -59,6 +61,7 @@ class Runtime:
     recorder: Recorder | None = None
     replay: ReplayOutputs | None = None
     started_at: float = field(default_factory=time.time)
+    live: Any = None  # checkpoints.Live: the sequence the worker last left at a checkpoint (worker only)
 
     @property
     def volatile_rules(self) -> VolatileRules:

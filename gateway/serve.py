@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--forced-decode", choices=["prefill", "steps"], default="prefill",
                         help="teacher-forced outputs (ft_forced_output, --replay-outputs): fed in one prefill "
                              "pass (default) or one decode step per token")
+    parser.add_argument("--always-restore", action="store_true",
+                        help="restore every request from the checkpoint store, never continue the live sequence "
+                             "in place (the default when a request extends the last answer; for A/B measurement)")
     parser.add_argument("--served-model-name", help="model id to report (default: folder or preset name)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -48,7 +51,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         ram_cache_gib=args.ram_cache, disk_cache=args.disk_cache, disk_cache_gib=args.disk_cache_size,
         policy=args.policy, api_key=args.api_key, record_dir=args.record, replay_outputs=args.replay_outputs,
         keep_volatile=args.keep_volatile, default_max_tokens=args.max_tokens, max_tokens_cap=args.max_tokens_cap,
-        forced_decode=args.forced_decode, model_name=args.served_model_name,
+        forced_decode=args.forced_decode, model_name=args.served_model_name, continue_live=not args.always_restore,
     )
 
 

@@ -3,7 +3,9 @@
 Neither side can be handed the recorded answer in the same way (llama-server cannot force an
 output), so both get each recorded request as it was, with `max_tokens: 1`: what is measured
 is prompt processing. The next recorded request carries the recorded assistant message, not the
-one token either server produced, so both see exactly the same sequence of prompts.
+one token either server produced, so both see exactly the same sequence of prompts. Our gateway
+can also be run as the agent's session ran (`gateway_forced_sample`): the recorded answer
+teacher-forced, streamed, so its generation-end checkpoints and precompute take part.
 
 Per request: client TTFT (wall time of the 1-token request), the server's own prompt time,
 prompt tokens, tokens processed and tokens reused from a cache. llama-server reports the last

@@ -89,7 +89,9 @@ def test_new_user_message_after_tool_loop_pays_only_for_itself_once_precomputed(
         # says when the worker is idle (what `ft replay` and bench/llamacpp.py wait on)
         server.wait_idle() if wait == "in process" else http_wait_idle(server.url)()
         messages.append({"role": "user", "content": "Thanks. Now add a test for it."})
+        continued = server.runtime.metrics.tokens["continued"]
         _, cached, prefilled = call(client, messages, {"reasoning": "ok", "content": "Sure."})
+    assert server.runtime.metrics.tokens["continued"] - continued == cached  # the precomputed sequence, in place
     segments = prompt_segments(server, messages)
     new_tail = segments[-2:]  # the new user message and the generation prompt
     assert [s.kind for s in new_tail] == ["user", "generation_prompt"]
@@ -135,3 +137,40 @@ def test_policies_rank_anchor_below_prefix_below_none_on_a_new_user_turn():
         finally:
             s.stop()
     assert totals["anchor"] < totals["prefix"] < totals["none"]
+
+
+def test_a_request_extending_the_last_answer_continues_it_in_place_exactly(server):
+    """The previous answer's end is the live sequence: the next request continues it with no
+    restore copy, and answers exactly as a restore from the store does."""
+    metrics = server.runtime.metrics
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Count the files."}]
+    with server.client() as client:
+        response, _, _ = call(client, messages, tool_round("ls | wc -l"))
+        tool_id = response["choices"][0]["message"]["tool_calls"][0]["id"]
+        messages += [
+            assistant_turn(response, "I will run ls | wc -l."),
+            {"role": "tool", "tool_call_id": tool_id, "content": "42\n"},
+        ]
+        body = {"model": "tiny", "messages": messages, "tools": TOOLS, "max_tokens": 24, "temperature": 0}
+        answers = []
+        for _ in range(2):  # first continuing the live sequence, then (it moved on) restoring from the store
+            before = metrics.tokens["continued"]
+            r = client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            answers.append((r.json()["choices"][0]["message"], int(r.headers["x-cached-tokens"]),
+                            metrics.tokens["continued"] - before))
+    (first, cached_first, continued_first), (second, cached_second, continued_second) = answers
+    assert continued_first == cached_first > 0
+    assert continued_second == 0 and cached_second >= cached_first  # the first stored its prompt's checkpoints
+    assert first == second
+
+
+def test_always_restore_never_continues_in_place():
+    s = start_server(preset="tiny", policy="anchor", continue_live=False)
+    try:
+        with s.client() as client:
+            run_tool_loop(s, client, "List the files.", ["ls"])
+        assert s.runtime.metrics.tokens["continued"] == 0
+        assert s.runtime.metrics.tokens["reused"] > 0
+    finally:
+        s.stop()
