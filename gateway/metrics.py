@@ -14,7 +14,7 @@ class Metrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.requests: Counter[tuple[str, str]] = Counter()  # (endpoint, status)
-        self.tokens = Counter({"prefilled": 0, "reused": 0, "generated": 0, "precomputed": 0})
+        self.tokens = Counter({"prefilled": 0, "reused": 0, "continued": 0, "generated": 0, "precomputed": 0})
         self._ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
         self._ttft_sum = 0.0
 
