@@ -22,7 +22,7 @@ from adapters.trace import AssistantOutput, RecordLine, Timings
 from adapters.trace import ToolCall as RecordedCall
 from gateway.errors import GatewayError, PayloadTooLarge, error_event, error_response
 from gateway.events import Event, collect
-from gateway.generation import Started, run_generation
+from gateway.generation import Answered, Started, run_generation
 from gateway.plan import make_plan
 from gateway.protocol import Protocol, call_ids
 from gateway.protocols import BadRequest
@@ -128,10 +128,10 @@ class _Run:
     async def events(self, request: Request, body: dict) -> AsyncIterator[Event]:
         events: list[Event] = []
         try:
-            while not isinstance(item := await self.queue.get(), _Done):
+            while not isinstance(item := await self.queue.get(), _Done | Answered):
                 events.append(item)
                 yield item
-            if item.error is not None:
+            if isinstance(item, _Done) and item.error is not None:
                 self.error = item.error
                 yield error_event(self.protocol.error_style, item.error)
         finally:

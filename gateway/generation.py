@@ -25,6 +25,13 @@ from gateway.tokenizer import IncrementalDetokenizer
 log = logging.getLogger("gateway.generation")
 
 
+class Answered:
+    """Sent once the answer is complete: the response can end while the worker checkpoints."""
+
+
+ANSWERED = Answered()
+
+
 @dataclass(frozen=True)
 class Started:
     """Sent once the first token is ready: what was restored and what was computed."""
@@ -36,7 +43,7 @@ class Started:
 
 
 def run_generation(
-    rt: Runtime, plan: Plan, emit: Callable[[Started | Event], None], cancel: threading.Event,
+    rt: Runtime, plan: Plan, emit: Callable[[Started | Event | Answered], None], cancel: threading.Event,
     received_at: float, call_id: Callable[[], str], planned_at: float,
 ) -> list[Event]:
     """Runs on the worker; returns every event emitted (for the recorder). `received_at` and
@@ -64,13 +71,21 @@ def run_generation(
     stops = StopMatcher(plan.conv.params.stop)
     try:
         generated, finish = _decode(rt, plan, state, result.logits, send, cancel, call_id, stops)
-    finally:
-        pending.store(rt)  # the prompt's checkpoints, stored once the answer is out
+    except BaseException:
+        pending.store(rt)
+        raise
     reasoning_tokens = _reasoning_tokens(rt, generated)
     send([Finish(finish, stops.hit), Usage(plan.prompt_len, cached, started.prefill_tokens, len(generated), reasoning_tokens)])
     rt.metrics.add_tokens(generated=len(generated))
-    if finish != "cancelled":
-        _after_generation(rt, plan, state, generated, events)
+    message = _remember(rt, plan, generated, events) if finish != "cancelled" else None
+    emit(ANSWERED)  # the client has its whole answer; what follows only prepares the next request
+    try:
+        pending.store(rt)  # the prompt's checkpoints
+        if message is not None:
+            _after_answer(rt, plan, state, generated, message)
+    except Exception:
+        log.exception("checkpointing after the answer failed (the answer was sent)")
+        raise
     return events
 
 
@@ -128,12 +143,18 @@ def assistant_message(events: list[Event]) -> Message:
     return Message(role="assistant", reasoning=collected.reasoning, content=collected.text, tool_calls=tuple(calls))
 
 
-def _after_generation(rt: Runtime, plan: Plan, state: SequenceState, generated: list[int], events) -> None:
+def _remember(rt: Runtime, plan: Plan, generated: list[int], events) -> Message | None:
+    """The complete assistant message, its tokens remembered before the client can send it back
+    (None when truncated: not a message the client will send back as it is)."""
     eos = rt.renderer.tokenizer.eos_ids
     if not generated or generated[-1] != eos[0]:
-        return  # truncated: not a message the client will send back as it is
+        return None
     message = assistant_message(events)
     rt.memo.remember(message, generated, plan.memo_handle)
+    return message
+
+
+def _after_answer(rt: Runtime, plan: Plan, state: SequenceState, generated: list[int], message: Message) -> None:
     if keeps_generation_end(rt.config.policy):
         checkpoints.generation_end(rt, plan, state, generated)
     if precomputes(rt.config.policy) and not message.tool_calls:

@@ -4,6 +4,7 @@ counts (response headers), with outputs teacher-forced so every request is deter
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
@@ -173,4 +174,31 @@ def test_always_restore_never_continues_in_place():
         assert s.runtime.metrics.tokens["continued"] == 0
         assert s.runtime.metrics.tokens["reused"] > 0
     finally:
+        s.stop()
+
+
+def test_the_answer_is_sent_before_its_checkpoints_are_stored():
+    """The response ends once the answer is complete; storing the prompt's checkpoints (and the
+    generation end, and scheduling precompute) happens after, off the client's wait. The store is
+    held shut by the test until the response has arrived."""
+    s = start_server(preset="tiny", policy="anchor")
+    gate = threading.Event()
+    put = s.runtime.store.put
+
+    def held_put(*args, **kwargs):
+        assert gate.wait(60), "the response never arrived while the store was held"
+        return put(*args, **kwargs)
+
+    s.runtime.store.put = held_put
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Say hi."}]
+    try:
+        with s.client() as client:
+            _, cached, _ = call(client, messages, {"reasoning": "hi", "content": "Hi."})
+            assert cached == 0 and not s.runtime.scheduler.idle  # answered; the worker is still storing
+            gate.set()
+            s.wait_idle()
+            _, cached, _ = call(client, messages, {"reasoning": "hi", "content": "Hi."})
+        assert cached > 0  # and what it stored afterwards is used
+    finally:
+        gate.set()
         s.stop()
