@@ -24,6 +24,10 @@ template produces without reasoning), never from the memo.
 
 Memo only generations that ended with the end-of-turn id (`<|im_end|>`); a truncated
 generation is not a message the model would continue from.
+
+With a disk cache the memo is also kept on disk (`MemoFile`, an LMDB folder beside the
+checkpoints, one per model and template), written before the answer's end is sent, so a
+restart, even after `kill -9`, renders surviving sessions with the ids their checkpoints hold.
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ import json
 import secrets
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
+import lmdb
 import msgspec
 import xxhash
 
@@ -69,16 +75,56 @@ class MemoEntry(msgspec.Struct, frozen=True):
     body_hash: str
 
 
-class TokenMemo:
-    """A bounded LRU of generated ids, by handle and by content hash. Thread-safe."""
+class MemoFile:
+    """Memo entries on disk: handle -> (sequence number, entry), each write one synced LMDB
+    transaction; `entries()` yields them oldest first."""
 
-    def __init__(self, max_entries: int = 4096, max_tokens: int = 16 << 20):
+    def __init__(self, path: str | Path, map_bytes: int = 1 << 30):
+        Path(path).mkdir(parents=True, exist_ok=True)
+        self.env = lmdb.open(str(path), map_size=map_bytes, subdir=True, sync=True, metasync=True)
+        self.env.reader_check()  # reader slots left by a killed process
+        self._seq = 0
+
+    def entries(self) -> Iterator[tuple[str, MemoEntry]]:
+        with self.env.begin() as txn:
+            rows = [(msgspec.msgpack.decode(v, type=tuple[int, MemoEntry]), k.decode()) for k, v in txn.cursor()]
+        rows.sort(key=lambda row: row[0][0])
+        self._seq = rows[-1][0][0] + 1 if rows else 0
+        for (_, entry), handle in rows:
+            yield handle, entry
+
+    def write(self, put: tuple[str, MemoEntry] | None, drop: Sequence[str] = ()) -> None:
+        with self.env.begin(write=True) as txn:
+            for handle in drop:
+                txn.delete(handle.encode())
+            if put is not None:
+                txn.put(put[0].encode(), msgspec.msgpack.encode((self._seq, put[1])))
+                self._seq += 1
+
+    def close(self) -> None:
+        self.env.close()
+
+
+class TokenMemo:
+    """A bounded LRU of generated ids, by handle and by content hash. Thread-safe. With a
+    `file`, entries are loaded from it and every change is written to it."""
+
+    def __init__(self, max_entries: int = 4096, max_tokens: int = 16 << 20, file: MemoFile | None = None):
         self.max_entries, self.max_tokens = max_entries, max_tokens
         self._by_handle: OrderedDict[str, MemoEntry] = OrderedDict()
         self._by_content: dict[str, str] = {}
         self._tokens = 0
         self._lock = threading.Lock()
         self.hits = self.misses = 0
+        self.file = file
+        if file is not None:
+            dropped = [h for handle, entry in file.entries() for h in self._insert(handle, entry)]
+            if dropped:
+                file.write(None, dropped)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
 
     def issue_handle(self) -> str:
         """A fresh opaque handle, to send to the client before the message is complete."""
@@ -90,15 +136,22 @@ class TokenMemo:
         handle = handle or self.issue_handle()
         entry = MemoEntry(tuple(token_ids), content_hash(message), body_hash(message))
         with self._lock:
-            self._drop(handle)
-            self._by_handle[handle] = entry
-            self._by_content[entry.content_hash] = handle
-            self._tokens += len(entry.token_ids)
-            while self._by_handle and (
-                len(self._by_handle) > self.max_entries or self._tokens > self.max_tokens
-            ):
-                self._drop(next(iter(self._by_handle)))
+            dropped = self._insert(handle, entry)
+        if self.file is not None:  # only the engine worker remembers: writes stay in order
+            self.file.write((handle, entry), dropped)
         return handle
+
+    def _insert(self, handle: str, entry: MemoEntry) -> list[str]:
+        """Add an entry (the lock held, or during construction); returns the handles evicted."""
+        self._drop(handle)
+        self._by_handle[handle] = entry
+        self._by_content[entry.content_hash] = handle
+        self._tokens += len(entry.token_ids)
+        dropped = []
+        while self._by_handle and (len(self._by_handle) > self.max_entries or self._tokens > self.max_tokens):
+            dropped.append(next(iter(self._by_handle)))
+            self._drop(dropped[-1])
+        return dropped
 
     def lookup(self, message: Message) -> list[int] | None:
         """The generated ids of `message`, if known (see the module doc for the rules)."""

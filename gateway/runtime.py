@@ -12,7 +12,7 @@ from typing import Any
 from checkpoint_store import CheckpointStore, StoreConfig
 from engine import Engine
 from gateway.anchors import root_anchor
-from gateway.memo import TokenMemo
+from gateway.memo import MemoFile, TokenMemo
 from gateway.metrics import Metrics
 from gateway.recorder import Recorder
 from gateway.render import Renderer, load_renderer
@@ -71,6 +71,7 @@ class Runtime:
         self.scheduler.close()
         self.store.flush()
         self.store.close()
+        self.memo.close()
         if self.recorder is not None:
             self.recorder.close()
 
@@ -97,13 +98,17 @@ def build_runtime(config: ServeConfig, engine: Engine | None = None) -> Runtime:
         disk_bytes=int(config.disk_cache_gib * GiB),
         fingerprint=engine.fingerprint,
     ))
+    root = root_anchor(engine.fingerprint, renderer.template_id)
+    # the memo's ids belong to this model and template, as the checkpoints do
+    memo_file = MemoFile(config.disk_cache / f"memo-{root.hex()[:16]}") if config.disk_cache else None
     return Runtime(
         config=config,
         engine=engine,
         store=store,
         renderer=renderer,
-        root=root_anchor(engine.fingerprint, renderer.template_id),
+        root=root,
         model_id=model_id,
+        memo=TokenMemo(file=memo_file),
         recorder=Recorder(config.record_dir) if config.record_dir else None,
         replay=ReplayOutputs.load(config.replay_outputs) if config.replay_outputs else None,
     )

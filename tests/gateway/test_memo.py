@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gateway.conversation import Message, ToolCall
-from gateway.memo import TokenMemo, content_hash
+from gateway.memo import MemoFile, TokenMemo, content_hash
 
 CALL = ToolCall(id="c1", name="bash", arguments={"b": 1, "a": [1, 2]})
 MSG = Message(role="assistant", reasoning="think", content="text", tool_calls=(CALL,))
@@ -69,3 +69,23 @@ def test_bounded_by_entries_and_tokens():
     assert len(memo) == 2 and memo.lookup(msgs[0]) is None and memo.lookup(msgs[2]) == [0, 1, 2]
     memo.remember(Message(role="assistant", content="big"), list(range(9)))
     assert len(memo) == 1
+
+
+def test_file_keeps_entries_across_instances_and_follows_evictions(tmp_path):
+    messages = [Message(role="assistant", content=f"m{i}") for i in range(4)]
+    memo = TokenMemo(max_entries=3, file=MemoFile(tmp_path / "memo"))
+    handles = [memo.remember(m, [i, i + 1]) for i, m in enumerate(messages)]  # the first is evicted
+    memo.close()
+    again = TokenMemo(max_entries=3, file=MemoFile(tmp_path / "memo"))
+    assert len(again) == 3
+    assert again.lookup(messages[0]) is None
+    assert [again.lookup(m) for m in messages[1:]] == [[1, 2], [2, 3], [3, 4]]
+    echoed = Message(role="assistant", content="m3", memo_handle=handles[3])
+    assert again.lookup(echoed) == [3, 4]
+    again.remember(Message(role="assistant", content="m4"), [9])  # evicts m1, oldest on disk too
+    again.close()
+    smaller = TokenMemo(max_entries=2, file=MemoFile(tmp_path / "memo"))  # a tighter bound on load
+    assert len(smaller) == 2 and smaller.lookup(messages[2]) is None
+    assert smaller.lookup(messages[3]) == [3, 4]
+    smaller.close()
+    assert len(list(MemoFile(tmp_path / "memo").entries())) == 2

@@ -74,3 +74,26 @@ def test_a_port_in_use_is_a_one_line_error(tmp_path):
                               capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert done.stderr.strip() == f"ft serve: cannot listen on 127.0.0.1:{port}: Address already in use"
+
+
+def test_the_token_memo_survives_kill_9(tmp_path):
+    """A generated message's ids are on disk once its answer has ended: a restart renders the
+    message with them (here: read back from the memo folder after kill -9)."""
+    from gateway.conversation import Message
+    from gateway.memo import MemoFile, content_hash
+
+    forced = {"reasoning": "Short.", "content": "Hello there."}
+    proc, url = serve(tmp_path / "ckpt")
+    try:
+        r = httpx.post(url + "/v1/chat/completions", json={**BODY, "max_tokens": 64, "ft_forced_output": forced},
+                       timeout=120)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Hello there."
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    (folder,) = (tmp_path / "ckpt").glob("memo-*")
+    entries = list(MemoFile(folder).entries())
+    assert len(entries) == 1
+    _, entry = entries[0]
+    assert entry.content_hash == content_hash(Message(role="assistant", reasoning="Short.", content="Hello there."))
+    assert entry.token_ids[-1] == 248046  # through <|im_end|>
