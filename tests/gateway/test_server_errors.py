@@ -139,3 +139,33 @@ def test_models_health_and_metrics(live_server):
         metrics = client.get("/metrics").text
     for name in ("ft_requests_total", "ft_ttft_seconds_bucket", 'ft_tokens_total{kind="reused"}', "ft_store_"):
         assert name in metrics
+
+
+def test_a_failure_after_the_first_token_is_the_protocols_error(monkeypatch):
+    """The engine failing mid-answer (driven by a test double: the real engine does not fail on
+    demand) gives a non-streamed request the protocol's error JSON, a streamed one an in-stream
+    error event, and leaves the server serving."""
+    server = start_server(preset="tiny", policy="anchor", default_max_tokens=16)
+    engine = server.runtime.engine
+    real_generate = engine.generate
+
+    def failing_generate(state, logits, params, forced=None):
+        events = real_generate(state, logits, params, forced)
+        yield next(events)
+        raise RuntimeError("device lost")
+
+    body = {"model": "tiny", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        with server.client() as client:
+            monkeypatch.setattr(engine, "generate", failing_generate)
+            r = client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 500 and r.json()["error"]["type"] and "device lost" not in r.text
+            anthropic = client.post("/v1/messages", json={**body, "messages": [{"role": "user", "content": "yo"}]})
+            assert anthropic.status_code == 500 and anthropic.json()["type"] == "error"
+            with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+                lines = [line for line in s.iter_lines() if line.startswith("data: ")]
+            assert s.status_code == 200 and any('"error"' in line for line in lines)
+            monkeypatch.setattr(engine, "generate", real_generate)
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+    finally:
+        server.stop()
