@@ -43,20 +43,20 @@ def restore(rt: Runtime, chain: Sequence[bytes], ends: Sequence[int]) -> tuple[S
     place: the same state with no copy (on a GPU: no host-to-device transfer of the whole prefix)."""
     if rt.config.policy == "none" or not chain:
         return rt.engine.new_state(), 0
+    count = rt.store.longest_restorable(list(chain))
+    live = rt.live
+    if live is not None and live.anchor in chain[max(count - 1, 0) :]:  # at least as deep as the store
+        if live.state.length == ends[chain.index(live.anchor)]:
+            rt.live = None  # this request moves the sequence on
+            rt.metrics.add_tokens(continued=live.state.length)
+            return live.state, live.state.length
     for _ in range(3):  # the disk writer may evict between the match and the load: retry shorter
-        count = rt.store.longest_restorable(list(chain))
-        live = rt.live
-        if live is not None and live.anchor in chain[count - 1 if count else 0 :]:
-            depth = chain.index(live.anchor) + 1
-            if live.state.length == ends[depth - 1]:
-                rt.live = None  # this request moves the sequence on
-                rt.metrics.add_tokens(continued=live.state.length)
-                return live.state, live.state.length
         if count == 0:
             break
         records = rt.store.load_records(list(chain[:count]))  # deltas, not joined: copied into place once
         if records is not None:
             return rt.engine.restore(records), ends[count - 1]
+        count = rt.store.longest_restorable(list(chain))
     return rt.engine.new_state(), 0
 
 

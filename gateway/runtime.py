@@ -7,7 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from checkpoint_store import CheckpointStore, StoreConfig
 from engine import Engine
@@ -19,6 +19,9 @@ from gateway.render import Renderer, load_renderer
 from gateway.replay_outputs import ReplayOutputs
 from gateway.scheduler import Scheduler
 from gateway.volatile import VolatileRules
+
+if TYPE_CHECKING:
+    from gateway.checkpoints import Live
 
 log = logging.getLogger("gateway")
 GiB = 1 << 30
@@ -61,7 +64,7 @@ class Runtime:
     recorder: Recorder | None = None
     replay: ReplayOutputs | None = None
     started_at: float = field(default_factory=time.time)
-    live: Any = None  # checkpoints.Live: the sequence the worker last left at a checkpoint (worker only)
+    live: Live | None = None  # the sequence the worker last left at a state checkpoint (worker only)
 
     @property
     def volatile_rules(self) -> VolatileRules:
