@@ -140,9 +140,9 @@ def test_policies_rank_anchor_below_prefix_below_none_on_a_new_user_turn():
     assert totals["anchor"] < totals["prefix"] < totals["none"]
 
 
-def test_a_request_extending_the_last_answer_continues_it_in_place_exactly(server):
-    """The previous answer's end is the live sequence: the next request continues it with no
-    restore copy, and answers exactly as a restore from the store does."""
+def continuation_answers(server) -> list[tuple[dict, int, int]]:
+    """A tool round trip, then the same greedy follow-up twice: first continuing the live sequence,
+    then (it moved on) restored from the store. (answer message, cached tokens, continued tokens)"""
     metrics = server.runtime.metrics
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Count the files."}]
     with server.client() as client:
@@ -154,16 +154,26 @@ def test_a_request_extending_the_last_answer_continues_it_in_place_exactly(serve
         ]
         body = {"model": "tiny", "messages": messages, "tools": TOOLS, "max_tokens": 24, "temperature": 0}
         answers = []
-        for _ in range(2):  # first continuing the live sequence, then (it moved on) restoring from the store
+        for _ in range(2):
             before = metrics.tokens["continued"]
             r = client.post("/v1/chat/completions", json=body)
             assert r.status_code == 200, r.text
             answers.append((r.json()["choices"][0]["message"], int(r.headers["x-cached-tokens"]),
                             metrics.tokens["continued"] - before))
+    return answers
+
+
+def assert_continuation_is_exact(answers: list[tuple[dict, int, int]]) -> None:
     (first, cached_first, continued_first), (second, cached_second, continued_second) = answers
     assert continued_first == cached_first > 0
     assert continued_second == 0 and cached_second >= cached_first  # the first stored its prompt's checkpoints
     assert first == second
+
+
+def test_a_request_extending_the_last_answer_continues_it_in_place_exactly(server):
+    """The previous answer's end is the live sequence: the next request continues it with no
+    restore copy, and answers exactly as a restore from the store does."""
+    assert_continuation_is_exact(continuation_answers(server))
 
 
 def test_always_restore_never_continues_in_place():
