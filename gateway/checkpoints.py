@@ -22,34 +22,18 @@ log = logging.getLogger("gateway.checkpoints")
 PRECOMPUTE_STEP = 2048  # tokens per background pass: big enough for the GPU, small enough to yield soon
 
 
-class Live(msgspec.Struct):
-    """The sequence the worker last left at a checkpointed boundary: `state` is exactly what
-    restoring `anchor`'s record would give, so a request that extends it continues in place."""
-
-    anchor: bytes
-    state: SequenceState
-
-
-def keep_live(rt: Runtime, anchor: bytes, state: SequenceState) -> None:
-    """Call right after a checkpoint with a state was captured at `state`'s current position."""
-    if rt.config.continue_live:
-        rt.live = Live(anchor, state)
-
-
 def restore(rt: Runtime, chain: Sequence[bytes], ends: Sequence[int]) -> tuple[SequenceState, int]:
     """A state at the end of the longest restorable prefix of `chain` (a fresh state when none)
-    and the number of tokens it covers. When the live sequence sits at that prefix's end (the
-    previous answer, or the precomputed history, that this request extends), it is continued in
-    place: the same state with no copy (on a GPU: no host-to-device transfer of the whole prefix)."""
+    and the number of tokens it covers. When a live sequence sits at that prefix's end or deeper
+    (the previous answer, or the precomputed history, that this request extends), it is continued
+    in place: the same state with no copy (on a GPU: no host-to-device transfer of the prefix)."""
     if rt.config.policy == "none" or not chain:
         return rt.engine.new_state(), 0
     count = rt.store.longest_restorable(list(chain))
-    live = rt.live
-    if live is not None and live.anchor in chain[max(count - 1, 0) :]:  # at least as deep as the store
-        if live.state.length == ends[chain.index(live.anchor)]:
-            rt.live = None  # this request moves the sequence on
-            rt.metrics.add_tokens(continued=live.state.length)
-            return live.state, live.state.length
+    live = rt.live.take(chain, ends, count)
+    if live is not None:
+        rt.metrics.add_tokens(continued=live.length)
+        return live, live.length
     for _ in range(3):  # the disk writer may evict between the match and the load: retry shorter
         if count == 0:
             break
@@ -109,7 +93,7 @@ def generation_end(rt: Runtime, plan, state: SequenceState, generated: list[int]
     pending = Pending()
     pending.add(chain, plan.chain[-1], [*snapshots, *tail.snapshots])
     pending.store(rt)
-    keep_live(rt, chain[-1], state)
+    rt.live.keep(chain[-1], state)
 
 
 def next_turn_segments(rt: Runtime, conv: Conversation, reply: Message) -> list[Segment]:
@@ -149,6 +133,6 @@ def precompute(rt: Runtime, segments: list[Segment]) -> int:
         computed, done = computed + end - done, end
         at_state = chain[i] if result.snapshots and result.snapshots[-1].has_state else None
     if at_state is not None:  # the last pass ended on a state checkpoint: continue from here
-        keep_live(rt, at_state, state)
+        rt.live.keep(at_state, state)
     rt.metrics.add_tokens(precomputed=computed)
     return computed

@@ -7,11 +7,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from checkpoint_store import CheckpointStore, StoreConfig
 from engine import Engine
 from gateway.anchors import root_anchor
+from gateway.live import LiveSequences
 from gateway.memo import MemoFile, TokenMemo
 from gateway.metrics import Metrics
 from gateway.recorder import Recorder
@@ -19,9 +19,6 @@ from gateway.render import Renderer, load_renderer
 from gateway.replay_outputs import ReplayOutputs
 from gateway.scheduler import Scheduler
 from gateway.volatile import VolatileRules
-
-if TYPE_CHECKING:
-    from gateway.checkpoints import Live
 
 log = logging.getLogger("gateway")
 GiB = 1 << 30
@@ -46,7 +43,7 @@ class ServeConfig:
     default_max_tokens: int = 2048
     max_tokens_cap: int | None = None
     forced_decode: str = "prefill"  # "prefill" | "steps" (see gateway/generation.py)
-    continue_live: bool = True  # continue the live sequence in place when a request extends it
+    live_sequences: int = 4  # sequences kept after their answer, continued in place (0: always restore)
     model_name: str | None = None
 
 
@@ -64,7 +61,10 @@ class Runtime:
     recorder: Recorder | None = None
     replay: ReplayOutputs | None = None
     started_at: float = field(default_factory=time.time)
-    live: Live | None = None  # the sequence the worker last left at a state checkpoint (worker only)
+    live: LiveSequences = field(init=False)  # sequences left at a state checkpoint (worker only)
+
+    def __post_init__(self) -> None:
+        self.live = LiveSequences(self.config.live_sequences)
 
     @property
     def volatile_rules(self) -> VolatileRules:

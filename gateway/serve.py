@@ -13,6 +13,13 @@ from gateway.policy import POLICIES
 from gateway.runtime import ServeConfig, build_runtime
 
 
+def count(text: str) -> int:
+    """argparse type: a whole number >= 0."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
+    return int(text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--model", type=Path, help="HF model folder (config.json + safetensors + tokenizer)")
@@ -38,9 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--forced-decode", choices=["prefill", "steps"], default="prefill",
                         help="teacher-forced outputs (ft_forced_output, --replay-outputs): fed in one prefill "
                              "pass (default) or one decode step per token")
-    parser.add_argument("--always-restore", action="store_true",
-                        help="restore every request from the checkpoint store, never continue the live sequence "
-                             "in place (the default when a request extends the last answer; for A/B measurement)")
+    parser.add_argument("--live-sequences", type=count, default=4, metavar="N",
+                        help="sequences kept on the device after their answer; a request that extends one continues "
+                             "it in place instead of restoring it from the checkpoint store (default 4; 0: always "
+                             "restore)")
     parser.add_argument("--served-model-name", help="model id to report (default: folder or preset name)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -51,7 +59,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         ram_cache_gib=args.ram_cache, disk_cache=args.disk_cache, disk_cache_gib=args.disk_cache_size,
         policy=args.policy, api_key=args.api_key, record_dir=args.record, replay_outputs=args.replay_outputs,
         keep_volatile=args.keep_volatile, default_max_tokens=args.max_tokens, max_tokens_cap=args.max_tokens_cap,
-        forced_decode=args.forced_decode, model_name=args.served_model_name, continue_live=not args.always_restore,
+        forced_decode=args.forced_decode, model_name=args.served_model_name, live_sequences=args.live_sequences,
     )
 
 

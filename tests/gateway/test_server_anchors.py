@@ -176,13 +176,31 @@ def test_a_request_extending_the_last_answer_continues_it_in_place_exactly(serve
     assert_continuation_is_exact(continuation_answers(server))
 
 
-def test_always_restore_never_continues_in_place():
-    s = start_server(preset="tiny", policy="anchor", continue_live=False)
+@pytest.mark.parametrize("live_sequences", [0, 1, 2])
+def test_interleaved_sessions_each_continue_in_place_while_kept(live_sequences):
+    """Two sessions take turns (as a client's side requests interleave with its main loop): with
+    room for two live sequences each follow-up continues its own; with one, each answer replaces
+    the other session's and every follow-up restores from the store; with none, nothing continues."""
+    s = start_server(preset="tiny", policy="anchor", live_sequences=live_sequences)
+    metrics = s.runtime.metrics
+    sessions = {name: [{"role": "system", "content": f"{name}: " + SYSTEM}, {"role": "user", "content": "Go."}]
+                for name in ("main", "side")}
     try:
         with s.client() as client:
-            run_tool_loop(s, client, "List the files.", ["ls"])
-        assert s.runtime.metrics.tokens["continued"] == 0
-        assert s.runtime.metrics.tokens["reused"] > 0
+            for name, messages in sessions.items():
+                response, _, _ = call(client, messages, tool_round(f"ls {name}"))
+                tool_id = response["choices"][0]["message"]["tool_calls"][0]["id"]
+                messages += [assistant_turn(response, f"I will run ls {name}."),
+                             {"role": "tool", "tool_call_id": tool_id, "content": f"{name}.txt\n"}]
+            continued = {}
+            for name, messages in sessions.items():
+                before = metrics.tokens["continued"]
+                _, cached, _ = call(client, messages, {"reasoning": "ok", "content": "Done."})
+                continued[name] = (metrics.tokens["continued"] - before, cached)
+        if live_sequences == 2:
+            assert all(n == cached > 0 for n, cached in continued.values())
+        else:
+            assert all(n == 0 < cached for n, cached in continued.values())
     finally:
         s.stop()
 
