@@ -138,10 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     cuda = args.device != "cpu"
 
     traces = [t for path in args.traces for t in read_trace(path) if t.protocol == "chat" and t.requests]
-    materialise = os.environ.get("FT_MATERIALISE") == "1"
-    gguf_path = preset_gguf(args.preset, PEER_HOME / "models", args.dtype, args.device if materialise else None)
-    binary = build(cuda=cuda)
     results: dict[str, dict[str, dict]] = {t.session_id: {} for t in traces}
+    if args.only != "ft":  # the GGUF and llama-server only where a llama.cpp side runs
+        materialise = os.environ.get("FT_MATERIALISE") == "1"
+        gguf_path = preset_gguf(args.preset, PEER_HOME / "models", args.dtype, args.device if materialise else None)
+        binary = build(cuda=cuda)
 
     def llama(extra: list[str]):
         return lambda: LlamaServer(
@@ -166,8 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     sides[f"ft/{args.policy}"] = (ours, gateway_sample, False)
     if args.forced:
         sides[f"ft/{args.policy} forced"] = (ours, gateway_forced_sample, True)
-    for extra in [args.llama_arg, *([*args.llama_arg, *more.split()] for more in args.also_llama)]:
-        sides[" ".join(["llama.cpp", *extra])] = (llama(extra), llama_sample, False)
+    if args.only != "ft":
+        for extra in [args.llama_arg, *([*args.llama_arg, *more.split()] for more in args.also_llama)]:
+            sides[" ".join(["llama.cpp", *extra])] = (llama(extra), llama_sample, False)
     if args.only:
         sides = {name: side for name, side in sides.items() if name.startswith(args.only)}
     for side, (make, probe, wait) in sides.items():  # one server at a time

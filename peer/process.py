@@ -29,6 +29,8 @@ class HealthyProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 600.0):
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "w") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
