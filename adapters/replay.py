@@ -55,6 +55,7 @@ class Row(msgspec.Struct):
     server_ttft_ms: float
     total_ms: float
     floor_ms: float | None = None
+    server_timing: dict[str, float] | None = None  # the server's time to first token by phase (ms)
 
 
 class PolicyRun(msgspec.Struct):
@@ -90,6 +91,17 @@ class Measured:
     prefilled: int
     cached: int
     output_tokens: int
+    server_timing: dict[str, float]
+
+
+def parse_server_timing(header: str) -> dict[str, float]:
+    """`plan;dur=1.2, restore;dur=30.5` -> {"plan": 1.2, "restore": 30.5} (entries without a duration skipped)."""
+    phases = {}
+    for item in header.split(","):
+        name, _, dur = item.strip().partition(";dur=")
+        if name and dur:
+            phases[name] = float(dur)
+    return phases
 
 
 def stream_body(req: TraceRequest) -> dict[str, Any]:
@@ -166,6 +178,7 @@ def send(client: httpx.Client, req: TraceRequest) -> Measured:
         prefilled=int(headers["x-prefill-tokens"]),
         cached=int(headers["x-cached-tokens"]),
         output_tokens=output_tokens or 0,
+        server_timing=parse_server_timing(headers.get("server-timing", "")),
     )
 
 
@@ -200,6 +213,7 @@ def replay_trace(
                 client_ttft_ms=round(m.client_ttft_ms, 2),
                 server_ttft_ms=m.server_ttft_ms,
                 total_ms=round(m.total_ms, 2),
+                server_timing=m.server_timing,
             )
         )
         context = prompt + m.output_tokens

@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from adapters.replay import parse_server_timing
 from adapters.trace import Trace, TraceRequest
 
 
@@ -81,11 +82,6 @@ def llama_sample(url: str, index: int, request: TraceRequest, client: httpx.Clie
 def header_sample(index: int, request: TraceRequest, ttft: float, h: httpx.Headers) -> Sample:
     """A sample from our gateway's response headers."""
     processed, reused = int(h["x-prefill-tokens"]), int(h["x-cached-tokens"])
-    phases = {}
-    for item in h.get("server-timing", "").split(","):
-        name, _, dur = item.strip().partition(";dur=")
-        if dur:
-            phases[name] = float(dur)
     return Sample(
         index,
         request.after_tool_result,
@@ -94,7 +90,7 @@ def header_sample(index: int, request: TraceRequest, ttft: float, h: httpx.Heade
         processed + reused,
         processed,
         reused,
-        phases,
+        parse_server_timing(h.get("server-timing", "")),
     )
 
 

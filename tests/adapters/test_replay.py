@@ -121,6 +121,9 @@ def test_replay_writes_json_and_png(report):
     assert len(rows) == len(STEPS)
     assert [r["after_tool_result"] for r in rows] == [False, True, True, False]
     assert all(r["client_ttft_ms"] > 0 and r["server_ttft_ms"] > 0 for r in rows)
+    for r in rows:  # where the server's time to first token went
+        assert list(r["server_timing"]) == ["plan", "queue", "restore", "prefill"]
+        assert abs(sum(r["server_timing"].values()) - r["server_ttft_ms"]) <= 0.3
     assert all(r["floor_ms"] > 0 for r in rows if r["new_tokens"] > 0)
     assert rows[0]["new_tokens"] == rows[0]["prompt_tokens"] == rows[0]["prefilled_tokens"]
 
@@ -242,3 +245,11 @@ def test_output_delta_detection_per_protocol():
     assert not replay.is_output_delta("responses", {"type": "response.output_item.added"})
     assert replay.is_output_delta("chat", {"choices": [{"delta": {"reasoning_content": "x"}}]})
     assert not replay.is_output_delta("chat", {"choices": [{"delta": {"role": "assistant", "content": ""}}]})
+
+
+def test_server_timing_header_parses():
+    from adapters.replay import parse_server_timing
+
+    assert parse_server_timing("plan;dur=1.2, queue;dur=0.0,restore;dur=30.5, prefill;dur=120") == {
+        "plan": 1.2, "queue": 0.0, "restore": 30.5, "prefill": 120.0}
+    assert parse_server_timing("") == {} and parse_server_timing("cache;desc=hit") == {}
