@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from gateway.conversation import ForcedOutput, ForcedToolCall, Message
+from gateway.conversation import Conversation, ForcedOutput, ForcedToolCall, GenerationParams, Message
 
 
 class BadRequest(Exception):
@@ -120,6 +120,23 @@ def check_tool_results(messages: list[Message], path: str) -> None:
         called.update(c.id for c in m.tool_calls)
         if m.role == "tool" and m.tool_call_id not in called:
             raise BadRequest(join(path, i), f"tool result for unknown tool call id {m.tool_call_id!r}")
+
+
+def conversation(
+    body: dict, system: Sequence[str], messages: Sequence, tools: Sequence, notes: Sequence[str],
+    params: GenerationParams,
+) -> Conversation:
+    """The parsed request: what the protocol read, plus what all three read alike (`model`,
+    `ft_forced_output`)."""
+    return Conversation(
+        model=opt(body, "model", string, default=""),
+        system=tuple(system),
+        tools=tuple(tools),
+        messages=tuple(messages),
+        params=params,
+        forced_output=forced_output(body),
+        notes=tuple(notes),
+    )
 
 
 def forced_output(body: dict) -> ForcedOutput | None:

@@ -24,7 +24,7 @@ from gateway.protocols import (
     arr,
     boolean,
     check_tool_results,
-    forced_output,
+    conversation,
     integer,
     join,
     nonempty,
@@ -51,15 +51,7 @@ def parse_request(body: Any) -> Conversation:
         messages.extend(_message(m, join("messages", i)))
     check_tool_results(messages, "messages")
     tools, notes = _tools(opt(body, "tools", arr, default=[]))
-    return Conversation(
-        model=opt(body, "model", string, default=""),
-        system=_system(body.get("system")),
-        tools=tuple(tools),
-        messages=tuple(messages),
-        params=_params(body),
-        forced_output=forced_output(body),
-        notes=tuple(notes),
-    )
+    return conversation(body, _system(body.get("system")), messages, tools, notes, _params(body))
 
 
 def _system(value: Any) -> tuple[str, ...]:

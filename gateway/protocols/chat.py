@@ -21,7 +21,7 @@ from gateway.protocols import (
     arr,
     boolean,
     check_tool_results,
-    forced_output,
+    conversation,
     integer,
     join,
     json_arguments,
@@ -56,15 +56,7 @@ def parse_request(body: Any) -> Conversation:
     tools, notes = _tools(opt(body, "tools", arr, default=[]))
     if opt(body, "n", integer, default=1) != 1:
         raise BadRequest("n", "only n=1 is supported")
-    return Conversation(
-        model=opt(body, "model", string, default=""),
-        system=tuple(s for s in system if s),
-        tools=tuple(tools),
-        messages=tuple(messages),
-        params=_params(body),
-        forced_output=forced_output(body),
-        notes=tuple(notes),
-    )
+    return conversation(body, [s for s in system if s], messages, tools, notes, _params(body))
 
 
 def _content(value: Any, path: str) -> str:

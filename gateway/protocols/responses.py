@@ -26,7 +26,7 @@ from gateway.protocols import (
     arr,
     boolean,
     check_tool_results,
-    forced_output,
+    conversation,
     join,
     json_arguments,
     nonempty,
@@ -58,15 +58,7 @@ def parse_request(body: Any) -> Conversation:
     messages = _Builder().build(items, system)
     check_tool_results(messages, "input")
     tools, notes = _tools(opt(body, "tools", arr, default=[]), "tools")
-    return Conversation(
-        model=opt(body, "model", string, default=""),
-        system=tuple(s for s in system if s),
-        tools=tuple(tools),
-        messages=tuple(messages),
-        params=_params(body),
-        forced_output=forced_output(body),
-        notes=tuple(notes),
-    )
+    return conversation(body, [s for s in system if s], messages, tools, notes, _params(body))
 
 
 def _text(content: Any, path: str) -> str:
