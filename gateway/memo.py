@@ -83,14 +83,15 @@ class MemoFile:
         Path(path).mkdir(parents=True, exist_ok=True)
         self.env = lmdb.open(str(path), map_size=map_bytes, subdir=True, sync=True, metasync=True)
         self.env.reader_check()  # reader slots left by a killed process
-        self._seq = 0
+        self._seq = max((seq for seq, _, _ in self._rows()), default=-1) + 1
+
+    def _rows(self) -> list[tuple[int, str, MemoEntry]]:
+        with self.env.begin() as txn:
+            decoded = ((msgspec.msgpack.decode(v, type=tuple[int, MemoEntry]), k.decode()) for k, v in txn.cursor())
+            return [(seq, handle, entry) for (seq, entry), handle in decoded]
 
     def entries(self) -> Iterator[tuple[str, MemoEntry]]:
-        with self.env.begin() as txn:
-            rows = [(msgspec.msgpack.decode(v, type=tuple[int, MemoEntry]), k.decode()) for k, v in txn.cursor()]
-        rows.sort(key=lambda row: row[0][0])
-        self._seq = rows[-1][0][0] + 1 if rows else 0
-        for (_, entry), handle in rows:
+        for _, handle, entry in sorted(self._rows(), key=lambda row: row[0]):
             yield handle, entry
 
     def write(self, put: tuple[str, MemoEntry] | None, drop: Sequence[str] = ()) -> None:
