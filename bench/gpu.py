@@ -27,7 +27,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/engine.py would 
 import torch  # noqa: E402
 
 import engine.engine as engine_module  # noqa: E402
-from engine import Engine, SamplingParams  # noqa: E402
+from engine import Engine, Feed, SamplingParams  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 
 GIB = 1 << 30
@@ -185,6 +185,34 @@ def bench_decode(eng: Engine, ctx: int, steps: int, ceil: dict) -> dict:
     return row
 
 
+def bench_batched_decode(eng: Engine, ctx: int, batches: list[int], steps: int) -> list[dict]:
+    """B sequences at `ctx` tokens decoded together, one engine step (one forward) per token of
+    each: tokens/s per sequence and in aggregate (batch 1 is the CUDA-graph step)."""
+    rows = []
+    for batch in batches:
+        states = [eng.new_state() for _ in range(batch)]
+        for i, state in enumerate(states):
+            eng.prefill(state, ids_for(ctx, 10 + i))
+
+        def run(n: int, states=states) -> None:
+            for t in range(n):
+                eng.step([(Feed(s, [1000 + t + i]), 1) for i, s in enumerate(states)])
+
+        run(4)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        run(steps)
+        torch.cuda.synchronize()
+        seconds = (time.perf_counter() - start) / steps
+        rows.append({"batch": batch, "context": ctx, "ms_per_step": seconds * 1e3, "tok_s_per_sequence": 1 / seconds,
+                     "tok_s_aggregate": batch / seconds})
+        print(f"batched decode B={batch} at {ctx}: {seconds * 1e3:.2f} ms/step, {batch / seconds:.1f} tok/s in all", flush=True)
+        del states
+    for row in rows:
+        row["aggregate_vs_batch1"] = row["tok_s_aggregate"] / rows[0]["tok_s_aggregate"]
+    return rows
+
+
 def exactness(eng: Engine, ctx: int) -> dict:
     """Restore at a random split + suffix vs one full prefill, at this preset in bf16."""
     ids = ids_for(ctx, 5)
@@ -297,6 +325,9 @@ def main() -> None:
     parser.add_argument("--captures", type=int, default=8)
     parser.add_argument("--chunks", default="8192,16384", help="extra 8K prefills at these prefill chunk sizes")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--batches", default="1,4,8,16", help="batched decode: sequences decoded together")
+    parser.add_argument("--only", default="", help="comma list of parts to run (prefill,capture,restore,decode,batched,"
+                                                   "exactness); default all")
     parser.add_argument("--json", type=Path, default=Path("bench/gpu.json"))
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args()
@@ -315,19 +346,27 @@ def main() -> None:
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "preset": args.preset, "ceilings": ceil,
         "matmul_params_per_token": matmul_params(eng.config),
     }
-    result["prefill"] = bench_prefill(eng, ints(args.contexts), ceil)
-    default_chunk = engine_module.PREFILL_CHUNK
-    result["prefill_by_chunk"] = []
-    for chunk in ints(args.chunks):  # the engine's prefill chunk (FT_PREFILL_CHUNK): bigger GEMMs per launch
-        engine_module.PREFILL_CHUNK = chunk
-        row = bench_prefill(eng, [8192], ceil)[0]
-        result["prefill_by_chunk"].append({"chunk": chunk, **row})
-    engine_module.PREFILL_CHUNK = default_chunk
-    result["prefill_chunk"] = default_chunk
-    result["capture"] = bench_capture(eng, 8192, args.captures)
-    result["restore"] = [bench_restore(eng, ctx, ceil) for ctx in ints(args.restore)]
-    result["decode"] = [bench_decode(eng, ctx, args.decode_steps, ceil) for ctx in ints(args.decode)]
-    result["exactness"] = exactness(eng, 8192)
+    parts = set(args.only.split(",")) if args.only else {"prefill", "capture", "restore", "decode", "batched", "exactness"}
+    if "prefill" in parts:
+        result["prefill"] = bench_prefill(eng, ints(args.contexts), ceil)
+        default_chunk = engine_module.PREFILL_CHUNK
+        result["prefill_by_chunk"] = []
+        for chunk in ints(args.chunks):  # the engine's prefill chunk (FT_PREFILL_CHUNK): bigger GEMMs per launch
+            engine_module.PREFILL_CHUNK = chunk
+            row = bench_prefill(eng, [8192], ceil)[0]
+            result["prefill_by_chunk"].append({"chunk": chunk, **row})
+        engine_module.PREFILL_CHUNK = default_chunk
+        result["prefill_chunk"] = default_chunk
+    if "capture" in parts:
+        result["capture"] = bench_capture(eng, 8192, args.captures)
+    if "restore" in parts:
+        result["restore"] = [bench_restore(eng, ctx, ceil) for ctx in ints(args.restore)]
+    if "decode" in parts:
+        result["decode"] = [bench_decode(eng, ctx, args.decode_steps, ceil) for ctx in ints(args.decode)]
+    if "batched" in parts:
+        result["batched_decode"] = bench_batched_decode(eng, 8192, ints(args.batches), 32)
+    if "exactness" in parts:
+        result["exactness"] = exactness(eng, 8192)
     if args.profile:
         result["profile_prefill_8k"] = profile_prefill(eng, 8192)
         result["profile_decode"] = profile_decode(eng, 8192)
@@ -336,7 +375,7 @@ def main() -> None:
     result["replay"] = "left out: adapters/replay.py (ft replay) does not exist yet"
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
-    table = markdown(result)
+    table = markdown(result) if not args.only else json.dumps(result.get("batched_decode"), indent=1)  # the table needs every part
     if args.markdown:
         args.markdown.write_text(table)
     print(table)

@@ -4,35 +4,23 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from engine import presets
 from engine.config import ModelConfig
+from engine.feed import Feed, PrefillResult
 from engine.loader import build_model, fingerprint, load_folder
 from engine.model import HybridForCausalLM
 from engine.ops import Kernels, kernels_for
-from engine.sampling import Sampler, SamplingParams
+from engine.sampling import Decoding, SamplingParams, TokenEvent
 from engine.snapshot import Snapshot
 from engine.state import KVCache, SequenceState
 
 PREFILL_CHUNK: int | None = int(os.environ["FT_PREFILL_CHUNK"]) if os.environ.get("FT_PREFILL_CHUNK") else None
 DEFAULT_CHUNK = {"cuda": 8192, "cpu": 4096}  # tokens per forward: bigger GEMMs on a GPU (bench/RESULTS.md)
-
-
-@dataclass
-class PrefillResult:
-    logits: torch.Tensor  # [V] fp32 at the last position, or [T, V] with all_logits
-    snapshots: list[Snapshot]
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    token_id: int
-    index: int  # 0-based position in the generation
-    finish_reason: str | None = None  # "stop" | "length" on the last token
 
 
 class Engine:
@@ -73,7 +61,11 @@ class Engine:
         kv = {i: KVCache(c.num_key_value_heads, c.head_dim, self.dtype, self.device) for i in c.attention_layers}
         return SequenceState(kv=kv)
 
-    @torch.no_grad()
+    @property
+    def step_tokens(self) -> int:
+        """Tokens per forward: bigger GEMMs on a GPU (bench/RESULTS.md)."""
+        return PREFILL_CHUNK or DEFAULT_CHUNK.get(self.device.type, 4096)
+
     def prefill(
         self,
         state: SequenceState,
@@ -83,33 +75,58 @@ class Engine:
         kv_start: int | None = None,
         all_logits: bool = False,
     ) -> PrefillResult:
-        """Run `token_ids` after `state` (extended in place). For each absolute position p in
-        `capture_at` (state.length < p <= state.length + len(token_ids)) return a Snapshot with the
-        KV of [previous capture, p) (the first from `kv_start`, default state.length) and, if p is
-        in `state_at` (default: all), the exact DeltaNet states at p, all from this one pass."""
-        start = state.length
-        positions = sorted(set(capture_at))
-        if positions and not (start < positions[0] and positions[-1] <= start + len(token_ids)):
-            raise ValueError(f"capture positions {positions[0]}..{positions[-1]} outside ({start}, {start + len(token_ids)}]")
-        ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=self.device)
-        captured: dict[int, dict[str, torch.Tensor]] = {}
-        outputs = []
-        step = PREFILL_CHUNK or DEFAULT_CHUNK.get(self.device.type, 4096)
-        for lo in range(0, len(ids), step):
-            chunk = ids[lo : lo + step]
-            base = start + lo
-            offsets = [p - base for p in positions if base < p <= base + len(chunk)]
-            hidden, states = self.model(chunk, state, offsets, self.kernels)
-            captured.update({base + off: self._to_host(s) for off, s in zip(offsets, states, strict=True)})
-            outputs.append(hidden if all_logits else hidden[-1:])
-        hidden = torch.cat(outputs) if all_logits else outputs[-1][-1]
-        snapshots = self._snapshots(state, positions, captured, start if kv_start is None else kv_start, state_at)
-        logits = self.model.logits(hidden)
-        if self.runtime is not None:
-            self.runtime.sync()  # snapshot tensors are complete once handed out
-        return PrefillResult(logits, snapshots)
+        """`Feed`'s contract, run to completion alone; the snapshots are complete on return."""
+        feed = Feed(state, token_ids, capture_at, state_at, kv_start, all_logits)
+        while feed.result is None:
+            self.step([(feed, min(feed.remaining, self.step_tokens))])
+        feed.result.ready()
+        return feed.result
 
-    def _to_host(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    @torch.no_grad()
+    def step(self, parts: Sequence[tuple[Feed, int]]) -> None:
+        """One forward over the next `count` tokens of each feed (one part per sequence). A feed
+        whose last token ran gets its `result`; its snapshots' host copies may still be running
+        on a GPU until `result.ready()` returns."""
+        if self.runtime is not None:
+            # On a GPU each decode token is one CUDA-graph replay until the batched forward is
+            # captured too: eager, its host time exceeds the graph's (bench/RESULTS.md: 4 sequences
+            # in one eager step 72 ms, one graph step 5.5 ms each)
+            for feed, _ in parts:
+                if not feed.is_prefill:
+                    feed.done = 1
+                    feed.result = PrefillResult(self.runtime.step(feed.state, feed.token_ids[0]), [])
+            parts = [(feed, count) for feed, count in parts if feed.is_prefill]
+            if not parts:
+                return
+        spans = [feed.span(count) for feed, count in parts]
+        ids = torch.as_tensor([t for feed, count in parts for t in feed.next_ids(count)], dtype=torch.long, device=self.device)
+        hidden, captures = self.model(ids, spans, self.kernels)  # [T, H]
+        lo, finished = 0, []
+        for (feed, count), span, caps in zip(parts, spans, captures, strict=True):
+            base = feed.start + feed.done
+            feed.captured.update({base + off: self._to_host(c) for off, c in zip(span.capture_at, caps, strict=True)})
+            feed.hidden.append(hidden[lo : lo + count] if feed.all_logits else hidden[lo + count - 1 : lo + count])
+            feed.done, lo = feed.done + count, lo + count
+            if feed.remaining == 0:
+                finished.append(feed)
+        last = [f for f in finished if not f.all_logits]
+        if last:  # one lm_head GEMM for every feed that needs only its last position
+            logits = self.model.logits(torch.cat([f.hidden[-1] for f in last]))  # [n, V]
+            for feed, row in zip(last, logits, strict=True):
+                self._finish(feed, row)
+        for feed in finished:
+            if feed.all_logits:
+                self._finish(feed, self.model.logits(torch.cat(feed.hidden)))
+
+    def _finish(self, feed: Feed, logits: torch.Tensor) -> None:
+        kv_start = feed.start if feed.kv_start is None else feed.kv_start
+        snapshots = self._snapshots(feed.state, feed.capture_at, feed.captured, kv_start, feed.state_at)
+        feed.hidden = []
+        feed.result = PrefillResult(logits, snapshots)
+        if self.runtime is not None and snapshots:
+            feed.result.ready = self.runtime.fence().synchronize
+
+    def _to_host(self, tensors: dict[str, Any]) -> dict[str, torch.Tensor]:
         """On a GPU, snapshot tensors go to pinned host memory on a side stream."""
         return tensors if self.runtime is None else self.runtime.to_host(tensors)
 
@@ -179,16 +196,13 @@ class Engine:
         """Decode from the logits of the last prefilled position. With `forced`, those tokens are
         emitted (teacher forcing) while every step is computed exactly as in sampling. Every
         yielded token but the last is fed into `state` before the next one is chosen."""
-        sampler = Sampler(params, self.device)
-        limit = len(forced) if forced is not None else params.max_tokens
-        for index in range(limit):
-            token = forced[index] if forced is not None else sampler(logits)
-            stop = forced is None and token in params.stop_token_ids
-            if stop or index + 1 == limit:
-                yield TokenEvent(token, index, "stop" if stop or forced is not None else "length")
+        decoding = Decoding(params, self.device, forced)
+        while True:
+            event = decoding.next(logits)
+            yield event
+            if event.finish_reason is not None:
                 return
-            yield TokenEvent(token, index)
-            logits = self._step(state, token)
+            logits = self.decode(state, event.token_id)
 
     def warmup(self) -> None:
         """Run every path once (kernel compilation and checks, CUDA graph capture, capture and
@@ -204,14 +218,14 @@ class Engine:
     @torch.no_grad()
     def feed(self, state: SequenceState, token_ids: Sequence[int]) -> torch.Tensor:
         """Teacher-force `token_ids` one decode step at a time; returns the logits after each [T, V]."""
-        return torch.stack([self._step(state, token) for token in token_ids])
+        return torch.stack([self.decode(state, token) for token in token_ids])
 
-    def _step(self, state: SequenceState, token: int) -> torch.Tensor:
+    def decode(self, state: SequenceState, token: int) -> torch.Tensor:
         """One decode step: `token` into `state`; the logits [V] after it."""
-        if self.runtime is not None:
-            return self.runtime.step(state, token)
-        hidden, _ = self.model(torch.tensor([token], device=self.device), state, [], self.kernels)
-        return self.model.logits(hidden[-1])
+        feed = Feed(state, [token])
+        self.step([(feed, 1)])
+        assert feed.result is not None
+        return feed.result.logits
 
 
 def ensure_preset(name: str) -> Path:

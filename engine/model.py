@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.batch import Span, bounds, positions
 from engine.config import ModelConfig
 from engine.ops import Kernels
 from engine.ops.moe import route
 from engine.ops.norm import gated_rms_norm, rms_norm
 from engine.ops.rope import apply_rope, rope_cos_sin
-from engine.state import KVCache, SequenceState
 
 
 class Weight(nn.Module):
@@ -62,14 +62,17 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
-    def forward(self, x, rope, cache: KVCache, kernels: Kernels) -> torch.Tensor:
+    def forward(self, x, rope, spans: list[Span], layer: int, kernels: Kernels) -> torch.Tensor:
         length = x.shape[0]
         q, gate = self.q_proj(x).view(length, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = apply_rope(self.q_norm(q), *rope)  # [T, Hq, D]
         k = apply_rope(self.k_norm(self.k_proj(x).view(length, -1, self.head_dim)), *rope)  # [T, Hkv, D]
         v = self.v_proj(x).view(length, -1, self.head_dim)
-        keys, values = cache.append(k, v)  # [S, Hkv, D]
-        out = kernels.causal_attention(q, keys, values).reshape(length, -1)
+        outs = []
+        for span, (lo, hi) in zip(spans, bounds(spans), strict=True):
+            keys, values = span.state.kv[layer].append(k[lo:hi], v[lo:hi])  # [S, Hkv, D]
+            outs.append(kernels.causal_attention(q[lo:hi], keys, values))
+        out = (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(length, -1)
         return self.o_proj(out * torch.sigmoid(gate.reshape(length, -1)))
 
 
@@ -96,29 +99,59 @@ class GatedDeltaNet(nn.Module):
         """x [T, H] -> mixed qkv [T, conv_dim] (q ‖ k ‖ v), z [T, Hv*Dv], b [T, Hv], a [T, Hv]."""
         return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
 
-    def forward(self, x, state: SequenceState, layer: int, capture_at: list[int], kernels: Kernels):
+    def forward(self, x, spans: list[Span], layer: int, kernels: Kernels):
+        """x [T, H] of all spans -> out [T, H] and, per span, its captures [(conv, rec)]."""
         c, length = self.c, x.shape[0]
         mixed, z, b, a = self.project(x)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv]
+        out = torch.empty(length, c.linear_num_value_heads, c.linear_value_head_dim, dtype=x.dtype, device=x.device)
+        captures: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in spans]
+        decode = [i for i, s in enumerate(spans) if s.is_decode]
+        rows = bounds(spans)
+        if decode:
+            idx = torch.tensor([rows[i][0] for i in decode], device=x.device)
+            out[idx] = self._decode([spans[i] for i in decode], layer, mixed[idx], g[idx], beta[idx], kernels)
+        for i, (span, (lo, hi)) in enumerate(zip(spans, rows, strict=True)):
+            if not span.is_decode:
+                out[lo:hi], captures[i] = self._scan(span, layer, mixed[lo:hi], g[lo:hi], beta[lo:hi], kernels)
+        out = gated_rms_norm(out, z.view(length, -1, c.linear_value_head_dim), self.norm.weight, c.rms_norm_eps)
+        return self.out_proj(out.reshape(length, -1)), captures
+
+    def _split(self, mixed: torch.Tensor):
+        """mixed [T, conv_dim] after the conv -> q, k [T, Hk, Dk], v [T, Hv, Dv]."""
+        c, length = self.c, mixed.shape[0]
+        q, k, v = mixed.split([c.linear_key_dim, c.linear_key_dim, c.linear_value_dim], dim=-1)
+        return (q.reshape(length, -1, c.linear_key_head_dim), k.reshape(length, -1, c.linear_key_head_dim),
+                v.reshape(length, -1, c.linear_value_head_dim))
+
+    def _scan(self, span: Span, layer: int, mixed, g, beta, kernels: Kernels):
+        """One sequence's tokens through the conv and the chunked scan, from its own state."""
+        c, state = self.c, span.state
         conv_state = state.conv.get(layer)
         if conv_state is None:
-            conv_state = x.new_zeros(c.conv_dim, c.linear_conv_kernel_dim - 1)
-        mixed, state.conv[layer], conv_caps = kernels.causal_conv(mixed, conv_state, self.conv1d.weight[:, 0], capture_at)
-        q, k, v = mixed.split([c.linear_key_dim, c.linear_key_dim, c.linear_value_dim], dim=-1)
-        q = q.reshape(length, -1, c.linear_key_head_dim)  # [T, Hk, Dk]
-        k = k.reshape(length, -1, c.linear_key_head_dim)
-        v = v.reshape(length, -1, c.linear_value_head_dim)  # [T, Hv, Dv]
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+            conv_state = mixed.new_zeros(c.conv_dim, c.linear_conv_kernel_dim - 1)
+        mixed, state.conv[layer], conv_caps = kernels.causal_conv(mixed, conv_state, self.conv1d.weight[:, 0], span.capture_at)
+        q, k, v = self._split(mixed)
         rec = state.rec.get(layer)
         if rec is None:
-            rec = torch.zeros(v.shape[1], c.linear_key_head_dim, c.linear_value_head_dim, device=x.device)
-        if length == 1 and not capture_at:
-            out, state.rec[layer] = kernels.recurrent_gated_delta_rule(q, k, v, g, beta, rec)
-            rec_caps = []
-        else:
-            out, state.rec[layer], rec_caps = kernels.chunk_gated_delta_rule(q, k, v, g, beta, rec, capture_at)
-        out = gated_rms_norm(out, z.view(length, -1, c.linear_value_head_dim), self.norm.weight, c.rms_norm_eps)
-        return self.out_proj(out.reshape(length, -1)), list(zip(conv_caps, rec_caps, strict=True))
+            rec = torch.zeros(v.shape[1], c.linear_key_head_dim, c.linear_value_head_dim, device=mixed.device)
+        out, state.rec[layer], rec_caps = kernels.chunk_gated_delta_rule(q, k, v, g, beta, rec, span.capture_at)
+        return out, list(zip(conv_caps, rec_caps, strict=True))
+
+    def _decode(self, spans: list[Span], layer: int, mixed, g, beta, kernels: Kernels) -> torch.Tensor:
+        """One token of each of B sequences: one batched conv step and one batched recurrent step."""
+        c, device = self.c, mixed.device
+        conv = torch.stack([s.state.conv[layer] if layer in s.state.conv else
+                            mixed.new_zeros(c.conv_dim, c.linear_conv_kernel_dim - 1) for s in spans])  # [B, C, K-1]
+        rec = torch.stack([s.state.rec[layer] if layer in s.state.rec else torch.zeros(
+            c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim, device=device) for s in spans])
+        mixed, conv = kernels.decode_conv(mixed, conv, self.conv1d.weight[:, 0])
+        q, k, v = self._split(mixed)
+        out, rec = kernels.decode_gated_delta_rule(q, k, v, g, beta, rec)  # [B, Hv, Dv], [B, Hv, Dk, Dv]
+        for i, span in enumerate(spans):
+            span.state.conv[layer], span.state.rec[layer] = conv[i], rec[i]
+        return out
 
 
 class NextGatedDeltaNet(GatedDeltaNet):
@@ -177,13 +210,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, rope, state: SequenceState, capture_at: list[int], kernels: Kernels):
+    def forward(self, x, rope, spans: list[Span], kernels: Kernels):
         h = self.input_layernorm(x)
-        captured = []
+        captured: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in spans]
         if self.is_attention:
-            h = self.self_attn(h, rope, state.kv[self.layer], kernels)
+            h = self.self_attn(h, rope, spans, self.layer, kernels)
         else:
-            h, captured = self.linear_attn(h, state, self.layer, capture_at, kernels)
+            h, captured = self.linear_attn(h, spans, self.layer, kernels)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x), kernels), captured
 
@@ -205,22 +238,23 @@ class HybridForCausalLM(nn.Module):
         self.model = Backbone(c)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
 
-    def forward(
-        self, ids: torch.Tensor, state: SequenceState, capture_at: list[int], kernels: Kernels
-    ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
-        """ids [T] -> final hidden states [T, H] and, per offset in `capture_at` (1..T), the
-        DeltaNet states after that many tokens: {"conv.L": [C, K-1], "rec.L": [Hv, Dk, Dv]}."""
+    def forward(self, ids: torch.Tensor, spans: list[Span], kernels: Kernels) -> tuple[torch.Tensor, list[list[dict]]]:
+        """ids [T] (the spans' tokens, span after span) -> final hidden states [T, H] and, per span
+        and per offset in its `capture_at`, the DeltaNet states after that many of its tokens:
+        {"conv.L": [C, K-1], "rec.L": [Hv, Dk, Dv]}. Every span's state is extended in place."""
         c = self.config
-        positions = torch.arange(state.length, state.length + ids.shape[0], device=ids.device)
-        rope = rope_cos_sin(positions, c.rotary_dim, c.rope_theta, self.lm_head.weight.dtype)
+        rope = rope_cos_sin(positions(spans, ids.device), c.rotary_dim, c.rope_theta, self.lm_head.weight.dtype)
         x = self.model.embed_tokens(ids)  # [T, H]
-        captures: list[dict[str, torch.Tensor]] = [{} for _ in capture_at]
+        captures: list[list[dict[str, torch.Tensor]]] = [[{} for _ in s.capture_at] for s in spans]
         for layer in cast(list[DecoderLayer], self.model.layers):
-            state.wait_for(layer.layer)  # a restore may still be copying this layer's state in
-            x, captured = layer(x, rope, state, capture_at, kernels)
-            for snapshot, (conv, rec) in zip(captures, captured, strict=False):
-                snapshot[f"conv.{layer.layer}"], snapshot[f"rec.{layer.layer}"] = conv, rec
-        state.length += ids.shape[0]
+            for span in spans:
+                span.state.wait_for(layer.layer)  # a restore may still be copying this layer's state in
+            x, captured = layer(x, rope, spans, kernels)
+            for per_span, caps in zip(captures, captured, strict=True):
+                for snapshot, (conv, rec) in zip(per_span, caps, strict=False):
+                    snapshot[f"conv.{layer.layer}"], snapshot[f"rec.{layer.layer}"] = conv, rec
+        for span in spans:
+            span.state.length += span.length
         return self.model.norm(x), captures
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -47,3 +48,30 @@ class Sampler:
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+    index: int  # 0-based position in the generation
+    finish_reason: str | None = None  # "stop" | "length" on the last token
+
+
+class Decoding:
+    """Chooses a generation's tokens one at a time: sampled, or the `forced` ones (teacher
+    forcing). `next(logits)` gives the token after those logits; the last one carries its
+    finish reason ("stop" at a stop token or the end of the forced tokens, else "length")."""
+
+    def __init__(self, params: SamplingParams, device: torch.device, forced: Sequence[int] | None = None):
+        self.params, self.forced = params, forced
+        self.sampler = Sampler(params, device)
+        self.limit = len(forced) if forced is not None else params.max_tokens
+        self.index = 0
+
+    def next(self, logits: torch.Tensor) -> TokenEvent:
+        index, self.index = self.index, self.index + 1
+        token = self.forced[index] if self.forced is not None else self.sampler(logits)
+        stop = self.forced is None and token in self.params.stop_token_ids
+        if stop or index + 1 == self.limit:
+            return TokenEvent(token, index, "stop" if stop or self.forced is not None else "length")
+        return TokenEvent(token, index)

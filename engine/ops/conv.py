@@ -19,3 +19,11 @@ def causal_conv(
     out = F.conv1d(full[None], weight[:, None, :].to(x.dtype), groups=weight.shape[0])[0]  # [C, T]
     captured = [full[:, off : off + width].clone() for off in capture_at]
     return F.silu(out).transpose(0, 1), full[:, -width:].clone(), captured
+
+
+def decode_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One new input for each of B sequences. x: [B, C]; state: [B, C, K-1]; weight: [C, K].
+    Returns SiLU(conv) [B, C] and the states after the input [B, C, K-1]."""
+    full = torch.cat([state.to(x.dtype), x[:, :, None]], dim=2)  # [B, C, K]
+    out = (full.float() * weight.float()).sum(-1)  # accumulated in fp32, as the prefill conv does
+    return F.silu(out).to(x.dtype), full[:, :, 1:]

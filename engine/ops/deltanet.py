@@ -98,3 +98,18 @@ def recurrent_gated_delta_rule(
         state = state + kh[:, t, :, None] * delta[:, None, :]
         outs.append((state * qh[:, t, :, None]).sum(-2))
     return torch.stack(outs, dim=0).to(dtype), state
+
+
+def decode_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of B sequences, each from its own state: q, k [B, Hk, Dk]; v [B, Hv, Dv];
+    g, beta [B, Hv]; state [B, Hv, Dk, Dv] fp32. Returns out [B, Hv, Dv] and the new states."""
+    dtype = v.dtype
+    # _prepare's [H, T, D] with the B sequences in the T place: one recurrence step for each
+    qh, kh, vh, gh, bh = (x.transpose(0, 1) for x in _prepare(q, k, v, g, beta))  # [B, H, D], [B, H]
+    state = state.float() * gh.exp()[..., None, None]
+    memory = (state * kh[..., :, None]).sum(-2)  # [B, H, Dv]
+    delta = (vh - memory) * bh[..., None]
+    state = state + kh[..., :, None] * delta[..., None, :]
+    return (state * qh[..., :, None]).sum(-2).to(dtype), state

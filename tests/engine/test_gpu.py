@@ -275,3 +275,29 @@ def test_graph_decode_matches_prefill_and_states_stay_separate(gpu_engine, gpu32
         verdicts = {c.name: c.verdict for c in (conv.causal_conv, moe.experts_decode, norm._plain, norm._with_residual, norm.gated_rms_norm)}
         print("METRIC verdicts", verdicts)
         assert all(verdicts.values()), verdicts
+
+
+def test_batched_decode_with_a_prefill_matches_each_sequence_alone(gpu_engine, gpu32, rng):
+    """Four sequences decoded in one forward together with a fifth's prefill chunk (fla's batched
+    recurrent step, per-sequence attention) give each sequence's own logits."""
+    from engine import Feed
+
+    eng = gpu_engine
+    prompts = [[rng.randrange(248_000) for _ in range(rng.randrange(30, 300))] for _ in range(5)]
+    tokens = [rng.randrange(248_000) for _ in range(4)]
+    states = [eng.new_state() for _ in range(4)]
+    for state, prompt in zip(states, prompts[:4], strict=True):
+        eng.prefill(state, prompt)
+    feeds = [Feed(state, [t]) for state, t in zip(states, tokens, strict=True)]
+    joining = Feed(eng.new_state(), prompts[4], capture_at=[len(prompts[4]) // 2])
+    eng.step([*((f, 1) for f in feeds), (joining, joining.remaining)])
+    got = torch.stack([f.result.logits for f in feeds] + [joining.result.logits])
+    one_pass = torch.stack([eng.prefill(eng.new_state(), p + [t]).logits for p, t in zip(prompts, tokens, strict=False)]
+                           + [eng.prefill(eng.new_state(), prompts[4]).logits])
+    if eng.dtype == torch.float32:
+        metric("batched_step_fp32", rel(got, one_pass))
+        assert rel(got, one_pass) <= FP32_TOL, SEED
+        return
+    exact = torch.stack([gpu32.prefill(gpu32.new_state(), p + [t]).logits for p, t in zip(prompts, tokens, strict=False)]
+                        + [gpu32.prefill(gpu32.new_state(), prompts[4]).logits])
+    _within_bf16_noise(got, one_pass, exact, "batched_step_bf16", factor=4)

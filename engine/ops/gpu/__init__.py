@@ -37,5 +37,6 @@ KERNELS = GpuKernels(
     causal_conv=conv.causal_conv,
     chunk_gated_delta_rule=deltanet.chunk_gated_delta_rule,
     recurrent_gated_delta_rule=deltanet.recurrent_gated_delta_rule,
+    decode_gated_delta_rule=deltanet.decode_gated_delta_rule,
     moe_experts=moe.experts_grouped,
 )

@@ -16,11 +16,11 @@ DECODE_SPLITS = 64
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """q: [T, Hq, D] for the last T positions of k, v: [S, Hkv, D]. Returns [T, Hq, D]."""
     num_q, total = q.shape[0], k.shape[0]
+    if num_q == 1 and total > 1:  # one decode token: the split-K kernel (SDPA's cuDNN path costs ~1 ms of host time a call)
+        return decode_attention(q[0], k, v, torch.full((1,), total, device=q.device, dtype=torch.int32))[None]
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, T|S, D]
     if num_q == total:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
-    elif num_q == 1:
-        out = F.scaled_dot_product_attention(qh, kh, vh, enable_gqa=True)
     else:  # queries are the last rows: the causal mask is aligned to the bottom right
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(num_q, total), enable_gqa=True)
     return out[0].transpose(0, 1)

@@ -77,3 +77,16 @@ def recurrent_gated_delta_rule(
         initial_state=state.float().unsqueeze(0), output_final_state=True, use_qk_l2norm_in_kernel=True,
     )
     return out[0], h[0]
+
+
+def decode_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of B sequences (fla's batch dimension): out [B, Hv, Dv], new fp32 states."""
+    if q.dtype == torch.float32:
+        return reference.decode_gated_delta_rule(q, k, v, g, beta, state)
+    out, h = fla_recurrent(
+        q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), g.float().unsqueeze(1), beta=beta.unsqueeze(1),
+        initial_state=state.float().contiguous(), output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )
+    return out[:, 0], h

@@ -29,6 +29,9 @@ class GpuRuntime:
     def sync(self) -> None:
         self.transfers.sync()
 
+    def fence(self) -> torch.cuda.Event:
+        return self.transfers.fence()
+
     def restore(self, state: SequenceState, chain: Sequence[Snapshot]) -> SequenceState:
         self.transfers.restore(state, chain, self.model.config, self.dtype)
         return state

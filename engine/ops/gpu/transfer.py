@@ -50,6 +50,13 @@ class Transfers:
         self.pending.append(done)
         return out
 
+    def fence(self) -> torch.cuda.Event:
+        """An event that completes with every copy issued so far (they share one stream)."""
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        self.pending.clear()
+        return event
+
     def sync(self) -> None:
         for event in self.pending:
             event.synchronize()

@@ -1,0 +1,99 @@
+"""Batched = solo: sequences run together in one forward per step (prefill chunks mixed with
+decode tokens, joining and leaving at any step) give each one's solo logits (fp32, 1e-4)."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine import Feed
+
+TOL = 1e-4
+SETTINGS = settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@st.composite
+def sequences(draw):
+    """Per sequence: prompt, tokens fed after it, the step it joins at, where it is restored from
+    (0: a fresh state), capture points in its prompt, and after how many fed tokens it leaves."""
+    out = []
+    for _ in range(draw(st.integers(2, 5))):
+        length = draw(st.integers(2, 70))
+        prompt = draw(st.lists(st.integers(0, 248_000), min_size=length, max_size=length))
+        fed = draw(st.lists(st.integers(0, 248_000), min_size=1, max_size=6))
+        restore_at = draw(st.sampled_from([0, 0, draw(st.integers(1, length - 1))]))
+        captures = draw(st.lists(st.integers(restore_at + 1, length), max_size=3, unique=True))
+        leaves = draw(st.integers(1, len(fed)))  # < len(fed): cancelled mid-batch
+        out.append(dict(prompt=prompt, fed=fed[:leaves], join=draw(st.integers(0, 6)), restore_at=restore_at,
+                        captures=sorted(captures)))
+    return out
+
+
+def solo(engine, seq) -> list[torch.Tensor]:
+    """The logits after the prompt, then after each fed token, the sequence alone."""
+    state = engine.new_state()
+    logits = [engine.prefill(state, seq["prompt"]).logits]
+    return logits + [engine.decode(state, t) for t in seq["fed"][:-1]]
+
+
+def batched(engine, seqs, budget: int) -> list[list[torch.Tensor]]:
+    """Every step: all decode tokens, then prefill chunks of the joined sequences within `budget`."""
+    logits: list[list[torch.Tensor]] = [[] for _ in seqs]
+    feeds: dict[int, Feed] = {}
+    step = 0
+    while any(len(out) < len(s["fed"]) for out, s in zip(logits, seqs, strict=True)):
+        for i, s in enumerate(seqs):
+            if s["join"] == step:
+                state = engine.new_state()
+                if s["restore_at"]:
+                    cut = s["restore_at"]
+                    state = engine.restore(engine.prefill(engine.new_state(), s["prompt"][:cut], capture_at=[cut]).snapshots)
+                feeds[i] = Feed(state, s["prompt"][state.length :], capture_at=s["captures"])
+        parts, left = [], budget
+        for feed in feeds.values():
+            if not feed.is_prefill:
+                parts.append((feed, 1))
+            elif left > 0:
+                parts.append((feed, min(left, feed.remaining)))
+                left -= parts[-1][1]
+        if parts:
+            engine.step(parts)
+        for i, feed in list(feeds.items()):
+            if feed.result is None:
+                continue
+            logits[i].append(feed.result.logits)
+            seq = seqs[i]
+            assert [s.end for s in feed.result.snapshots] == (seq["captures"] if feed.is_prefill else [])
+            if len(logits[i]) < len(seq["fed"]):
+                feeds[i] = Feed(feed.state, [seq["fed"][len(logits[i]) - 1]])
+            else:
+                del feeds[i]  # left the batch (finished, or cancelled before its other tokens)
+        step += 1
+    return logits
+
+
+@SETTINGS
+@given(seqs=sequences(), budget=st.integers(1, 96))
+def test_batched_steps_give_each_sequence_its_solo_logits(tiny, seqs, budget):
+    together = batched(tiny, seqs, budget)
+    for seq, got in zip(seqs, together, strict=True):
+        want = solo(tiny, seq)
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            assert (a - b).abs().max().item() <= TOL
+
+
+def test_decode_tokens_of_several_sequences_share_one_forward(tiny):
+    """Four sequences decoded in one step equal four solo decode steps (the batched recurrent step)."""
+    prompts = [list(range(100 + i, 120 + 7 * i)) for i in range(4)]
+    states = [tiny.new_state() for _ in prompts]
+    for state, prompt in zip(states, prompts, strict=True):
+        tiny.prefill(state, prompt)
+    feeds = [Feed(state, [42 + i]) for i, state in enumerate(states)]
+    tiny.step([(f, 1) for f in feeds])
+    for i, prompt in enumerate(prompts):
+        alone = tiny.new_state()
+        tiny.prefill(alone, prompt)
+        assert (feeds[i].result.logits - tiny.decode(alone, 42 + i)).abs().max().item() <= TOL
+        assert feeds[i].state.length == len(prompt) + 1
