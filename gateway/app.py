@@ -83,14 +83,13 @@ async def models(request: Request) -> Response:
 async def health(request: Request) -> Response:
     rt: Runtime = request.app.state.runtime
     scheduler = rt.scheduler
-    return JSONResponse(
-        {"status": "ok", "model": rt.model_id, "queue_depth": scheduler.queue_depth, "idle": scheduler.idle}
-    )
+    return JSONResponse({"status": "ok", "model": rt.model_id, "queue_depth": scheduler.queue_depth,
+                         "running": scheduler.running, "idle": rt.idle})
 
 
 async def metrics(request: Request) -> Response:
     rt: Runtime = request.app.state.runtime
-    return PlainTextResponse(rt.metrics.render(rt.store.stats(), rt.scheduler.queue_depth),
+    return PlainTextResponse(rt.metrics.render(rt.store.stats(), rt.scheduler.stats()),
                              media_type="text/plain; version=0.0.4")
 
 

@@ -36,7 +36,7 @@ class EmbeddedServer:
     def wait_idle(self, timeout: float = 600) -> None:
         """Wait until the engine worker has no queued or running job (precompute included)."""
         deadline = time.monotonic() + timeout
-        while not self.runtime.scheduler.idle:
+        while not self.runtime.idle:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"server still busy after {timeout:.0f} s")
             time.sleep(0.02)

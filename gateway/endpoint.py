@@ -22,7 +22,7 @@ from adapters.trace import AssistantOutput, RecordLine, Timings
 from adapters.trace import ToolCall as RecordedCall
 from gateway.errors import GatewayError, PayloadTooLarge, error_event, error_response
 from gateway.events import Event, collect
-from gateway.generation import Answered, Started, run_generation
+from gateway.generation import Answered, Generation, Started
 from gateway.plan import make_plan
 from gateway.protocol import Protocol, call_ids
 from gateway.protocols import BadRequest
@@ -114,9 +114,8 @@ class _Run:
         def emit(item: object) -> None:
             loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
-        future = rt.scheduler.submit(
-            lambda: run_generation(rt, plan, emit, self.cancel, received, call_ids(protocol), planned)
-        )
+        generation = Generation(rt, plan, emit, self.cancel, received, planned, call_ids(protocol))
+        future = rt.scheduler.start(generation.steps(), self.cancel, lambda: generation.answered)
         future.add_done_callback(lambda f: emit(_Done(f.exception())))
 
     async def first(self) -> Started | _Done:

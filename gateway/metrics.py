@@ -32,7 +32,7 @@ class Metrics:
             self._ttft_counts[index] += 1
             self._ttft_sum += seconds
 
-    def render(self, store_stats: msgspec.Struct, queue_depth: int) -> str:
+    def render(self, store_stats: msgspec.Struct, scheduler_stats: dict[str, int]) -> str:
         with self._lock:
             lines = ["# TYPE ft_requests_total counter"]
             lines += [f'ft_requests_total{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())]
@@ -44,7 +44,7 @@ class Metrics:
                 cumulative += count
                 lines.append(f'ft_ttft_seconds_bucket{{le="{bound}"}} {cumulative}')
             lines += [f"ft_ttft_seconds_sum {self._ttft_sum:.6f}", f"ft_ttft_seconds_count {cumulative}"]
-        lines.append(f"ft_scheduler_queue_depth {queue_depth}")
+        lines += [f"ft_scheduler_{name} {value}" for name, value in scheduler_stats.items()]
         for name, value in msgspec.structs.asdict(store_stats).items():
             if isinstance(value, int | float):
                 lines.append(f"ft_store_{name} {value}")

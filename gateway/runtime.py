@@ -18,6 +18,7 @@ from gateway.recorder import Recorder
 from gateway.render import Renderer, load_renderer
 from gateway.replay_outputs import ReplayOutputs
 from gateway.scheduler import Scheduler
+from gateway.store_queue import StoreQueue
 from gateway.volatile import VolatileRules
 
 log = logging.getLogger("gateway")
@@ -44,6 +45,8 @@ class ServeConfig:
     max_tokens_cap: int | None = None
     forced_decode: str = "prefill"  # "prefill" | "steps" (see gateway/generation.py)
     live_sequences: int = 4  # sequences kept after their answer, continued in place (0: always restore)
+    max_running: int = 4  # requests decoded together, one batched forward per step
+    max_queue: int = 64  # requests waiting beyond max_running; more are answered `overloaded`
     model_name: str | None = None
 
 
@@ -56,7 +59,8 @@ class Runtime:
     root: bytes
     model_id: str
     memo: TokenMemo = field(default_factory=TokenMemo)
-    scheduler: Scheduler = field(default_factory=Scheduler)
+    scheduler: Scheduler = field(init=False)
+    store_queue: StoreQueue = field(init=False)
     metrics: Metrics = field(default_factory=Metrics)
     recorder: Recorder | None = None
     replay: ReplayOutputs | None = None
@@ -65,6 +69,13 @@ class Runtime:
 
     def __post_init__(self) -> None:
         self.live = LiveSequences(self.config.live_sequences)
+        self.scheduler = Scheduler(self.engine, self.config.max_running, self.config.max_queue)
+        self.store_queue = StoreQueue(self.store)
+
+    @property
+    def idle(self) -> bool:
+        """No request, background work or checkpoint write queued or running."""
+        return self.scheduler.idle and self.store_queue.idle
 
     @property
     def volatile_rules(self) -> VolatileRules:
@@ -72,6 +83,7 @@ class Runtime:
 
     def close(self) -> None:
         self.scheduler.close()
+        self.store_queue.close()
         self.store.flush()
         self.store.close()
         self.memo.close()

@@ -1,85 +1,226 @@
-"""The engine's one worker thread: live requests first (in arrival order), background work
-(precompute) only when no live request waits, and yielding to one that arrives.
+"""The engine's one worker thread: a step loop over up to `max_running` live tasks at once.
 
-Only this thread touches the engine and the store's write path; the event loop never blocks
-on model work. Jobs are plain callables run on the worker; `run` awaits one from async code.
+A task is a generator that yields each `Feed` it needs run (a prompt's prefill, one decode token)
+and is resumed once that feed holds its result. Every step runs one batched forward: the decode
+token of every running task, then prefill chunks of the others, oldest first, within the engine's
+token budget, so a new request's prefill starts at the next step instead of after the other
+sessions' answers. Requests beyond `max_running` wait in a queue (`Overloaded` past `max_queue`);
+one whose client left before it started is dropped. Background tasks (precompute) run only in
+steps with no live work. Plain jobs (`submit`) run alone between steps.
+
+Only this thread touches the engine; the event loop never blocks on model work.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import queue
 import threading
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from typing import Any
 
+from engine import Engine, Feed
+from gateway.errors import Overloaded
+
 log = logging.getLogger("gateway.scheduler")
 
-LIVE, BACKGROUND = 0, 1
+Steps = Generator[Feed, None, Any]
+
+
+class ClientGone(Exception):
+    """The request's client left before its generation finished."""
+
+
+class Task:
+    def __init__(self, steps: Steps, cancel: threading.Event | None = None,
+                 finishing: Callable[[], bool] = lambda: False):
+        self.steps, self.cancel, self.finishing = steps, cancel, finishing
+        self.future: Future = Future()
+        self.feed: Feed | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel.is_set()
+
+    def advance(self) -> bool:
+        """Run the task to its next feed; False once it has finished (its future resolved)."""
+        try:
+            self.feed = next(self.steps)
+            return True
+        except StopIteration as done:
+            self.future.set_result(done.value)
+        except BaseException as exc:  # noqa: BLE001 (delivered to whoever awaits the task)
+            self.future.set_exception(exc)
+        self.feed = None
+        return False
+
+    def drop(self) -> None:
+        self.steps.close()
+        if not self.future.done():
+            self.future.set_exception(ClientGone())
 
 
 class Scheduler:
-    def __init__(self) -> None:
-        self._queue: queue.PriorityQueue = queue.PriorityQueue()
-        self._order = itertools.count()
-        self._live_waiting = 0
-        self._lock = threading.Lock()
-        self._pending = 0
+    def __init__(self, engine: Engine, max_running: int = 4, max_queue: int = 64):
+        self.engine, self.max_running, self.max_queue = engine, max_running, max_queue
+        self._waiting: deque[Task] = deque()
+        self._running: list[Task] = []
+        self._background: list[Task] = []
+        self._jobs: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._wake = threading.Condition()
+        self._busy = False  # a step or job is running
+        self.steps_total = self.step_sequences_total = self.step_tokens_total = 0
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="engine-worker", daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[], Any], priority: int = LIVE) -> Future:
+    # -- what the gateway asks of it (any thread)
+
+    def start(self, steps: Steps, cancel: threading.Event | None = None,
+              finishing: Callable[[], bool] = lambda: False) -> Future:
+        """Queue a live task; its future resolves with the generator's return value. While a
+        running task is `finishing` (its answer sent, its end being checkpointed: one step), no
+        task is admitted, so a request that extends that answer finds it checkpointed."""
+        with self._wake:
+            if len(self._waiting) >= self.max_queue:
+                raise Overloaded(f"{len(self._waiting)} requests already wait; retry shortly")
+            task = Task(steps, cancel, finishing)
+            self._waiting.append(task)
+            self._wake.notify()
+        return task.future
+
+    def background(self, steps: Steps) -> Future:
+        """Queue a background task: run only in steps with no live work."""
+        with self._wake:
+            task = Task(steps)
+            self._background.append(task)
+            self._wake.notify()
+        return task.future
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn` alone on the worker, between two steps."""
         future: Future = Future()
-        with self._lock:
-            self._pending += 1
-            self._live_waiting += priority == LIVE
-        self._queue.put((priority, next(self._order), fn, future))
+        with self._wake:
+            self._jobs.append((fn, future))
+            self._wake.notify()
         return future
 
     async def run(self, fn: Callable[[], Any]) -> Any:
-        """Run `fn` on the worker as live work and await its result."""
-        return await asyncio.wrap_future(self.submit(fn, LIVE))
+        return await asyncio.wrap_future(self.submit(fn))
 
     def live_waiting(self) -> bool:
-        """True when a live request waits (or the server is closing): background work should
-        stop at its next boundary."""
-        return self._live_waiting > 0 or self._closing
+        """True when live work is queued or running (or the server is closing): background work
+        should stop at its next boundary."""
+        return bool(self._waiting or self._running or self._jobs) or self._closing
 
     @property
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def stats(self) -> dict[str, int]:
+        """For /metrics: requests waiting and running, and what the steps ran (mean batch size =
+        step_sequences_total / steps_total)."""
+        return {"queue_depth": len(self._waiting), "running": len(self._running), "steps_total": self.steps_total,
+                "step_sequences_total": self.step_sequences_total, "step_tokens_total": self.step_tokens_total}
 
     @property
     def idle(self) -> bool:
-        """No job queued or running."""
-        return self._pending == 0
+        """No task or job queued or running."""
+        return not (self._busy or self._waiting or self._running or self._background or self._jobs)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Finish queued live work, cut background work short, stop the thread."""
-        self._closing = True
-        self._queue.put((2, next(self._order), None, None))
+        """Finish queued and running live work, cut background work short, stop the thread."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
         self._thread.join(timeout)
+
+    # -- the worker
 
     def _loop(self) -> None:
         while True:
-            priority, _, fn, future = self._queue.get()
-            if fn is None:
-                return
-            if priority == LIVE:
-                with self._lock:
-                    self._live_waiting -= 1
+            with self._wake:
+                while not (self._jobs or self._waiting or self._running or self._background or self._closing):
+                    self._wake.wait()
+                if self._closing and not (self._jobs or self._waiting or self._running):
+                    for task in self._background:
+                        task.drop()
+                    self._background.clear()
+                    return
+                self._busy = True
             try:
-                if not future.set_running_or_notify_cancel():
-                    continue
-                future.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001 (delivered to the awaiting request)
-                if priority != LIVE:
-                    log.exception("background job failed")
-                future.set_exception(exc)
+                self._run_jobs()
+                self._admit()
+                self._step()
             finally:
-                with self._lock:
-                    self._pending -= 1
+                self._busy = False
+
+    def _run_jobs(self) -> None:
+        while self._jobs:
+            fn, future = self._jobs.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 (delivered to the awaiting request)
+                    future.set_exception(exc)
+
+    def _admit(self) -> None:
+        if any(t.finishing() for t in self._running):
+            return
+        while self._waiting and len(self._running) < self.max_running:
+            with self._wake:
+                task = self._waiting.popleft()
+            if task.cancelled:
+                task.drop()  # its client left while it waited
+            elif task.advance():  # restores its prefix and asks for its prefill
+                self._running.append(task)
+
+    def _step(self) -> None:
+        """One forward over what the tasks ask for, then resume every task whose feed is done."""
+        for task in [t for t in self._running if t.cancelled and t.feed is not None and t.feed.is_prefill]:
+            task.drop()  # a decoding task notices its cancel itself and finishes its answer
+            self._running.remove(task)
+        tasks = list(self._running or self._background[:1])
+        for task in tasks:
+            if task.feed is None and not task.advance():  # a background task not started yet
+                self._background.remove(task)
+        parts = self._parts(tasks)
+        if not parts:
+            return
+        try:
+            self.engine.step(parts)
+        except Exception as exc:  # noqa: BLE001 (the step's requests fail; the worker goes on)
+            log.exception("engine step failed")
+            for task in tasks:
+                self._discard(task)
+                task.steps.close()
+                task.future.set_exception(exc)
+            return
+        self.steps_total += 1
+        self.step_sequences_total += len(parts)
+        self.step_tokens_total += sum(count for _, count in parts)
+        for task in tasks:
+            if task.feed is not None and task.feed.result is not None and not task.advance():
+                self._discard(task)
+
+    def _discard(self, task: Task) -> None:
+        (self._running if task in self._running else self._background).remove(task)
+
+    def _parts(self, tasks: list[Task]) -> list[tuple[Feed, int]]:
+        """Every decode token, then prefill chunks in admission order within the token budget."""
+        parts = [(t.feed, 1) for t in tasks if t.feed is not None and not t.feed.is_prefill]
+        budget = self.engine.step_tokens - len(parts)
+        for task in tasks:
+            if budget <= 0:
+                break
+            if task.feed is not None and task.feed.is_prefill:
+                count = min(budget, task.feed.remaining)
+                parts.append((task.feed, count))
+                budget -= count
+        return parts

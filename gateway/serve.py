@@ -20,6 +20,13 @@ def count(text: str) -> int:
     return int(text)
 
 
+def positive(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    if count(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--model", type=Path, help="HF model folder (config.json + safetensors + tokenizer)")
@@ -49,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequences kept on the device after their answer; a request that extends one continues "
                              "it in place instead of restoring it from the checkpoint store (default 4; 0: always "
                              "restore)")
+    parser.add_argument("--max-running", type=positive, default=4, metavar="N",
+                        help="requests decoded together: every engine step runs one batched forward over their "
+                             "decode tokens and a chunk of pending prefill (default 4)")
+    parser.add_argument("--max-queue", type=count, default=64, metavar="N",
+                        help="requests that may wait beyond --max-running; more are answered with the protocol's "
+                             "overloaded error (default 64)")
     parser.add_argument("--served-model-name", help="model id to report (default: folder or preset name)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -60,6 +73,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         policy=args.policy, api_key=args.api_key, record_dir=args.record, replay_outputs=args.replay_outputs,
         keep_volatile=args.keep_volatile, default_max_tokens=args.max_tokens, max_tokens_cap=args.max_tokens_cap,
         forced_decode=args.forced_decode, model_name=args.served_model_name, live_sequences=args.live_sequences,
+        max_running=args.max_running, max_queue=args.max_queue,
     )
 
 

@@ -147,17 +147,17 @@ def test_a_failure_after_the_first_token_is_the_protocols_error(monkeypatch):
     error event, and leaves the server serving."""
     server = start_server(preset="tiny", policy="anchor", default_max_tokens=16)
     engine = server.runtime.engine
-    real_generate = engine.generate
+    real_step = engine.step
 
-    def failing_generate(state, logits, params, forced=None):
-        events = real_generate(state, logits, params, forced)
-        yield next(events)
-        raise RuntimeError("device lost")
+    def failing_step(parts):
+        if any(not feed.is_prefill for feed, _ in parts):  # the first decode step after the first token
+            raise RuntimeError("device lost")
+        return real_step(parts)
 
     body = {"model": "tiny", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
     try:
         with server.client() as client:
-            monkeypatch.setattr(engine, "generate", failing_generate)
+            monkeypatch.setattr(engine, "step", failing_step)
             r = client.post("/v1/chat/completions", json=body)
             assert r.status_code == 500 and r.json()["error"]["type"] and "device lost" not in r.text
             anthropic = client.post("/v1/messages", json={**body, "messages": [{"role": "user", "content": "yo"}]})
@@ -165,7 +165,7 @@ def test_a_failure_after_the_first_token_is_the_protocols_error(monkeypatch):
             with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
                 lines = [line for line in s.iter_lines() if line.startswith("data: ")]
             assert s.status_code == 200 and any('"error"' in line for line in lines)
-            monkeypatch.setattr(engine, "generate", real_generate)
+            monkeypatch.setattr(engine, "step", real_step)
             assert client.post("/v1/chat/completions", json=body).status_code == 200
     finally:
         server.stop()

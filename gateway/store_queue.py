@@ -1,0 +1,74 @@
+"""Checkpoints on their way into the store, put by a thread of their own so that no request waits
+for them: the engine worker hands over the snapshots a feed captured and moves on to its next
+step. A restore waits only for the queued checkpoints of its own chain (the previous answer of
+the same session), never for other sessions'."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+
+from checkpoint_store import CheckpointStore
+from engine import Snapshot
+
+log = logging.getLogger("gateway.store_queue")
+
+
+class StoreQueue:
+    def __init__(self, store: CheckpointStore):
+        self.store = store
+        self._items: deque[tuple[list[bytes], bytes | None, list[Snapshot], Callable[[], None]]] = deque()
+        self._queued: Counter[bytes] = Counter()  # anchor -> puts queued or running
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._loop, name="store-writer", daemon=True)
+        self._thread.start()
+
+    def put(self, anchors: Sequence[bytes], parent: bytes | None, snapshots: list[Snapshot],
+            ready: Callable[[], None] = lambda: None) -> None:
+        """Store `snapshots` under `anchors`, a chain after `parent`, once `ready()` returns
+        (their host copies are complete)."""
+        if not snapshots:
+            return
+        with self._cond:
+            self._items.append((list(anchors), parent, snapshots, ready))
+            self._queued.update(anchors)
+            self._cond.notify_all()
+
+    def wait_for(self, chain: Sequence[bytes]) -> None:
+        """Return once no checkpoint of `chain` is still queued."""
+        with self._cond:
+            self._cond.wait_for(lambda: not any(a in self._queued for a in chain))
+
+    @property
+    def idle(self) -> bool:
+        return not self._queued
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Store everything queued, then stop."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._items or self._closing)
+                if not self._items:
+                    return
+                anchors, parent, snapshots, ready = self._items[0]
+            try:
+                ready()
+                for anchor, snapshot in zip(anchors, snapshots, strict=True):
+                    self.store.put(anchor, parent, snapshot)
+                    parent = anchor
+            except Exception:  # noqa: BLE001 (a lost checkpoint is a later miss, never a failed answer)
+                log.exception("storing %d checkpoints failed", len(anchors))
+            with self._cond:
+                self._items.popleft()
+                self._queued.subtract(anchors)
+                self._queued += Counter()  # drop zero counts
+                self._cond.notify_all()
