@@ -126,15 +126,18 @@ class _Run:
 
     async def events(self, request: Request, body: dict) -> AsyncIterator[Event]:
         events: list[Event] = []
+        answered = False
         try:
             while not isinstance(item := await self.queue.get(), _Done | Answered):
                 events.append(item)
                 yield item
+            answered = True
             if isinstance(item, _Done) and item.error is not None:
                 self.error = item.error
                 yield error_event(self.protocol.error_style, item.error)
         finally:
-            self.cancel.set()  # a client that went away stops the generation at its next token
+            if not answered:  # a client that went away stops the generation at its next step
+                self.cancel.set()
         self._record(request, body, events)
 
     def _record(self, request: Request, body: dict, events: list[Event]) -> None:
