@@ -105,7 +105,10 @@ class Engine:
         for (feed, count), span, caps in zip(parts, spans, captures, strict=True):
             base = feed.start + feed.done
             feed.captured.update({base + off: self._to_host(c) for off, c in zip(span.capture_at, caps, strict=True)})
-            feed.hidden.append(hidden[lo : lo + count] if feed.all_logits else hidden[lo + count - 1 : lo + count])
+            if feed.all_logits:
+                feed.hidden.append(hidden[lo : lo + count])
+            else:  # only the last position's logits are wanted
+                feed.hidden = [hidden[lo + count - 1 : lo + count]]
             feed.done, lo = feed.done + count, lo + count
             if feed.remaining == 0:
                 finished.append(feed)
