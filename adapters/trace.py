@@ -5,45 +5,29 @@ body of its wire protocol plus the assistant message the model answered with. Th
 protocol-neutral (`AssistantOutput`) because the replay sends it back as `ft_forced_output`
 (notes/CONTRACTS.md) whichever protocol the request uses.
 
-`RecordLine` is one line of the gateway's `--record DIR` output; `read_trace` reads it back.
+The record format (`RecordLine`, `AssistantOutput`, `ToolCall`) is the gateway's (`gateway.record`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
-Protocol = Literal["anthropic", "responses", "chat"]
+from gateway.record import PROTOCOL_PATHS, AssistantOutput, Protocol, RecordLine, Timings, ToolCall
 
-# HTTP path of each protocol's generation endpoint on the gateway.
-PROTOCOL_PATHS: dict[str, str] = {
-    "anthropic": "/v1/messages",
-    "responses": "/v1/responses",
-    "chat": "/v1/chat/completions",
-}
-
-
-class ToolCall(msgspec.Struct, frozen=True):
-    """One tool call the model made: the tool's name and its parsed JSON arguments."""
-
-    name: str
-    arguments: dict[str, Any] = {}
-
-
-class AssistantOutput(msgspec.Struct, frozen=True):
-    """What the model produced for one request, independent of protocol.
-
-    Exactly the shape of the `ft_forced_output` request field: the gateway teacher-forces it.
-    """
-
-    reasoning: str | None = None
-    content: str | None = None
-    tool_calls: list[ToolCall] = []
-
-    def to_forced(self) -> dict[str, Any]:
-        """The `ft_forced_output` value (plain JSON types)."""
-        return msgspec.to_builtins(self)
+__all__ = [
+    "PROTOCOL_PATHS",
+    "AssistantOutput",
+    "Protocol",
+    "RecordLine",
+    "Timings",
+    "ToolCall",
+    "Trace",
+    "TraceRequest",
+    "is_tool_result_last",
+    "encode_jsonl",
+]
 
 
 class TraceRequest(msgspec.Struct):
@@ -95,35 +79,6 @@ class Trace(msgspec.Struct):
     @property
     def num_tool_result_requests(self) -> int:
         return sum(r.after_tool_result for r in self.requests)
-
-
-class Timings(msgspec.Struct, omit_defaults=True):
-    """What the gateway measured for one request (milliseconds; token counts as integers)."""
-
-    ttft_ms: float | None = None  # server side: request received -> first output token
-    total_ms: float | None = None  # request received -> last output token
-    prefill_tokens: int | None = None  # prompt tokens computed (x-prefill-tokens)
-    cached_tokens: int | None = None  # prompt tokens restored from checkpoints (x-cached-tokens)
-    output_tokens: int | None = None
-
-
-class RecordLine(msgspec.Struct, omit_defaults=True):
-    """One line of the gateway's `--record DIR` JSONL output: one model request and its answer.
-
-    `path` is the HTTP path the client used (query string kept, e.g. "/v1/messages?beta=true");
-    `ts` the Unix time the request arrived; `session` the client's session id where the
-    request carries one (Codex `prompt_cache_key`, Claude Code `metadata.user_id`'s
-    session_id, a `session-id` header), so several sessions interleaved in one file can be
-    told apart. Lines without `session` form one session per file.
-    """
-
-    protocol: Protocol
-    path: str
-    body: dict[str, Any]
-    output: AssistantOutput
-    timings: Timings = msgspec.field(default_factory=Timings)
-    ts: float | None = None
-    session: str | None = None
 
 
 def is_tool_result_last(protocol: str, body: dict[str, Any]) -> bool:

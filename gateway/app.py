@@ -13,13 +13,13 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from adapters.replay_floor import suffix_floor
 from gateway.endpoint import generate, read_json
 from gateway.errors import NotFound, Unauthorized, error_response
 from gateway.errors import Protocol as ErrorStyle
 from gateway.protocol import ANTHROPIC, CHAT, RESPONSES
 from gateway.render import segment_ids
 from gateway.runtime import Runtime
+from gateway.suffix_floor import suffix_floor
 from gateway.volatile import normalize
 
 OPEN_PATHS = ("/health", "/metrics")

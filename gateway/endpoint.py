@@ -18,14 +18,14 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from adapters.trace import AssistantOutput, RecordLine, Timings
-from adapters.trace import ToolCall as RecordedCall
 from gateway.errors import GatewayError, PayloadTooLarge, error_event, error_response
 from gateway.events import Event, collect
 from gateway.generation import Answered, Generation, Started
 from gateway.plan import make_plan
 from gateway.protocol import Protocol, call_ids
 from gateway.protocols import BadRequest
+from gateway.record import AssistantOutput, RecordLine, Timings
+from gateway.record import ToolCall as RecordedCall
 from gateway.runtime import Runtime
 from gateway.sse import SSE_HEADERS, SSE_MEDIA_TYPE, encode_stream
 

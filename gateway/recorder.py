@@ -1,5 +1,5 @@
 """`--record DIR`: every generation request and its answer as one JSONL line
-(`adapters.trace.RecordLine`), the format `ft replay` reads."""
+(`gateway.record.RecordLine`), the format `ft replay` reads."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import msgspec
 
-from adapters.trace import RecordLine
+from gateway.record import RecordLine
 
 
 class Recorder:

@@ -9,9 +9,9 @@ import json
 import pytest
 
 from adapters import replay
-from adapters.replay_floor import SuffixFloor, code_corpus
 from adapters.trace import AssistantOutput, RecordLine, ToolCall, encode_jsonl
 from ft.cli import main
+from gateway.suffix_floor import SuffixFloor, code_corpus
 from tests.conftest import start_server
 
 SYSTEM = "You are a careful coding agent working in a Python repository. " * 12
