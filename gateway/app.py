@@ -1,7 +1,9 @@
-"""The Starlette app: routes, API-key check, and the small non-generation endpoints."""
+"""The Starlette app: routes, API-key check, and the small non-generation endpoints. Endpoints
+raise typed errors; the handlers of gateway/errors.py answer them in the path's protocol."""
 
 from __future__ import annotations
 
+import hmac
 import time
 from contextlib import asynccontextmanager
 
@@ -13,37 +15,51 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from gateway.endpoint import generate, read_json
-from gateway.errors import NotFound, Unauthorized, error_response
-from gateway.errors import Protocol as ErrorStyle
+from gateway.drain import Drain
+from gateway.endpoint import body_limit, generate, read_json
+from gateway.errors import EXCEPTION_HANDLERS, Unauthorized, error_response, error_style
 from gateway.protocol import ANTHROPIC, CHAT, RESPONSES
+from gateway.protocols import BadRequest
 from gateway.render import segment_ids
 from gateway.runtime import Runtime
 from gateway.suffix_floor import suffix_floor
 from gateway.volatile import normalize
 
 OPEN_PATHS = ("/health", "/metrics")
-
-
-def error_style(path: str) -> ErrorStyle:
-    """Errors outside a generation (auth, unknown routes) in the protocol the path belongs to."""
-    return "anthropic" if path.startswith("/v1/messages") else "openai"
+KEY_HEADERS = (b"x-api-key", b"authorization")
 
 
 class ApiKey:
-    """With a key configured, every API path needs `Authorization: Bearer KEY` or `x-api-key`."""
+    """With a key configured, every API path needs `Authorization: Bearer KEY` or `x-api-key`,
+    compared in constant time (raw bytes: a header that is not UTF-8 is a wrong key, not a crash)."""
 
     def __init__(self, app: ASGIApp, key: str | None):
-        self.app, self.key = app, key
+        self.app, self.key = app, None if key is None else key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or self.key is None or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        headers = {k.decode().lower(): v.decode() for k, v in scope["headers"]}
-        given = headers.get("x-api-key") or headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if given != self.key:
+        try:
+            given = self.given(scope["headers"])
+        except BadRequest as exc:
+            return await error_response(error_style(scope["path"]), exc)(scope, receive, send)
+        if not hmac.compare_digest(given, self.key):
             return await error_response(error_style(scope["path"]), Unauthorized())(scope, receive, send)
         return await self.app(scope, receive, send)
+
+    @staticmethod
+    def given(headers: list[tuple[bytes, bytes]]) -> bytes:
+        """The key the client sent (`x-api-key`, else the bearer token), or b""."""
+        found = {name.lower(): value for name, value in headers if name.lower() in KEY_HEADERS}
+        for name, value in found.items():
+            try:
+                value.decode()
+            except UnicodeDecodeError:
+                raise BadRequest(f"headers.{name.decode()}", "is not valid UTF-8") from None
+        if key := found.get(b"x-api-key"):
+            return key
+        token = found.get(b"authorization", b"")
+        return token[7:].strip() if token[:7].lower() == b"bearer " else token.strip()
 
 
 async def messages(request: Request) -> Response:
@@ -60,11 +76,8 @@ async def chat_completions(request: Request) -> Response:
 
 async def count_tokens(request: Request) -> Response:
     rt: Runtime = request.app.state.runtime
-    try:
-        conv = normalize(ANTHROPIC.parse(await read_json(request, rt.config.max_body_bytes)), rt.volatile_rules)
-        segments = await anyio.to_thread.run_sync(rt.renderer.render, conv, rt.memo)
-    except Exception as exc:  # noqa: BLE001
-        return error_response("anthropic", exc)
+    conv = normalize(ANTHROPIC.parse(await read_json(request, body_limit(rt))), rt.volatile_rules)
+    segments = await anyio.to_thread.run_sync(rt.renderer.render, conv, rt.memo)
     return JSONResponse({"input_tokens": len(segment_ids(segments))})
 
 
@@ -93,11 +106,8 @@ async def metrics(request: Request) -> Response:
                              media_type="text/plain; version=0.0.4")
 
 
-async def not_found(request: Request, exc: Exception) -> Response:
-    return error_response(error_style(request.url.path), NotFound(f"{request.method} {request.url.path}"))
-
-
 def create_app(rt: Runtime) -> Starlette:
+    """The app; `app.state.drain` is what the HTTP server calls when it starts shutting down."""
     @asynccontextmanager
     async def lifespan(app: Starlette):
         yield
@@ -114,6 +124,7 @@ def create_app(rt: Runtime) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(ApiKey, key=rt.config.api_key)],
-                    exception_handlers={404: not_found, 405: not_found})
+                    exception_handlers=EXCEPTION_HANDLERS)
     app.state.runtime = rt
+    app.state.drain = Drain()
     return app

@@ -8,17 +8,18 @@ the time to the first token went (`server-timing`: plan, queue, restore, prefill
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 
 import anyio
 import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.errors import GatewayError, PayloadTooLarge, error_event, error_response
+from gateway.drain import Drain
+from gateway.errors import ClientGone, PayloadTooLarge, error_event
 from gateway.events import Event, collect
 from gateway.generation import Answered, Generation, Started
 from gateway.plan import make_plan
@@ -29,17 +30,25 @@ from gateway.record import ToolCall as RecordedCall
 from gateway.runtime import Runtime
 from gateway.sse import SSE_HEADERS, SSE_MEDIA_TYPE, encode_stream
 
-log = logging.getLogger("gateway")
+MAX_JSON_DEPTH = 100  # deeper bodies are refused before anything recurses over them
+BODY_BYTES_PER_TOKEN = 32  # a body longer than this many bytes per context token cannot fit the context
+MIN_BODY_LIMIT = 1 << 20
 
 
 class _Done(msgspec.Struct):
     error: BaseException | None = None
 
 
-def log_unexpected(exc: BaseException) -> None:
-    """A failure that is not the client's (not a typed gateway error) is a bug: log its traceback."""
-    if not isinstance(exc, GatewayError | BadRequest):
-        log.error("request failed", exc_info=exc)
+class _Interrupt(msgspec.Struct):
+    """The request must end now: its client left (`ClientGone`) or the server is stopping."""
+
+    error: BaseException
+
+
+def body_limit(rt: Runtime) -> int:
+    """The largest body accepted: the configured cap, and no more than a prompt that could fit the
+    model's context (so an over-long prompt is refused before it is decoded and tokenized)."""
+    return min(rt.config.max_body_bytes, max(MIN_BODY_LIMIT, BODY_BYTES_PER_TOKEN * rt.engine.max_context))
 
 
 async def read_json(request: Request, limit: int) -> dict:
@@ -52,40 +61,54 @@ async def read_json(request: Request, limit: int) -> dict:
         if len(raw) > limit:
             raise PayloadTooLarge(len(raw), limit)
     try:
-        body = msgspec.json.decode(bytes(raw))
+        body = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise BadRequest("body", f"invalid JSON: {exc}") from None
+    except RecursionError:
+        body = None
+    if body is None or too_deep(body, MAX_JSON_DEPTH):
+        raise BadRequest("body", f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
     if not isinstance(body, dict):
         raise BadRequest("body", "expected a JSON object")
     return body
 
 
+def too_deep(value: object, limit: int) -> bool:
+    """Whether arrays and objects nest deeper than `limit` (iterative: any depth is safe to ask)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        for child in children:
+            if isinstance(child, dict | list):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
+
+
 async def generate(request: Request, protocol: Protocol) -> Response:
+    """A raised error becomes the protocol's error JSON (gateway/errors.py `handle_error`)."""
     rt: Runtime = request.app.state.runtime
+    drain: Drain = request.app.state.drain
     received = time.perf_counter()
-    status = 200
-    try:
-        body = await read_json(request, rt.config.max_body_bytes)
-        conv = protocol.parse(body)
-        plan = await anyio.to_thread.run_sync(make_plan, rt, conv)
-        run = _Run(rt, plan, protocol, received)
-        first = await run.first()
-        if isinstance(first, _Done):
-            raise first.error or RuntimeError("generation ended before its first token")
-    except Exception as exc:  # noqa: BLE001 (every failure becomes the protocol's error JSON)
-        log_unexpected(exc)
-        response = error_response(protocol.error_style, exc)
-        rt.metrics.request(protocol.name, response.status_code)
-        return response
+    request.state.count_status = partial(rt.metrics.request, protocol.name)
+    drain.check()
+    body = await read_json(request, body_limit(rt))
+    conv = protocol.parse(body)
+    plan = await anyio.to_thread.run_sync(make_plan, rt, conv)
+    run = _Run(rt, plan, protocol, received, drain, request)
+    first = await run.first()
     headers = {
         "x-cached-tokens": str(first.cached_tokens),
         "x-prefill-tokens": str(first.prefill_tokens),
         "x-server-ttft-ms": f"{1000 * first.ttft_s:.1f}",
         "server-timing": ", ".join(f"{name};dur={1000 * s:.1f}" for name, s in first.phases.items()),
     }
-    rt.metrics.request(protocol.name, status)
     model = conv.model or rt.model_id
     if conv.params.stream:
+        run.stop_watching()  # the streaming response listens for the disconnect itself
+        rt.metrics.request(protocol.name, 200)
         encoder = protocol.stream(model, plan.memo_handle, body, conv)
         return StreamingResponse(
             encode_stream(encoder, run.events(request, body)), media_type=SSE_MEDIA_TYPE,
@@ -93,17 +116,18 @@ async def generate(request: Request, protocol: Protocol) -> Response:
         )
     events = [ev async for ev in run.events(request, body)]
     if run.error is not None:
-        log_unexpected(run.error)
-        return error_response(protocol.error_style, run.error)
-    collected = collect(events)
-    return JSONResponse(protocol.body(collected, model, plan.memo_handle, body), headers=headers)
+        raise run.error
+    rt.metrics.request(protocol.name, 200)
+    return JSONResponse(protocol.body(collect(events), model, plan.memo_handle, body), headers=headers)
 
 
 class _Run:
-    """One generation on the worker, its events relayed to this request's task."""
+    """One generation on the worker, its events relayed to this request's task. Until its answer
+    is streamed, a task watches for the client leaving (the cancel flag then stops the generation
+    at its next step); `interrupt` ends it early (gateway/drain.py)."""
 
-    def __init__(self, rt: Runtime, plan, protocol: Protocol, received: float):
-        self.rt, self.plan, self.protocol, self.received = rt, plan, protocol, received
+    def __init__(self, rt: Runtime, plan, protocol: Protocol, received: float, drain: Drain, request: Request):
+        self.rt, self.plan, self.protocol, self.received, self.drain = rt, plan, protocol, received, drain
         planned = time.perf_counter()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.cancel = threading.Event()
@@ -114,30 +138,73 @@ class _Run:
         def emit(item: object) -> None:
             loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
-        generation = Generation(rt, plan, emit, self.cancel, received, planned, call_ids(protocol))
-        future = rt.scheduler.start(generation.steps(), self.cancel, lambda: generation.answered)
+        self.generation = Generation(rt, plan, emit, self.cancel, received, planned, call_ids(protocol))
+        drain.check()
+        future = rt.scheduler.start(self.generation.steps(), self.cancel, lambda: self.generation.answered)
         future.add_done_callback(lambda f: emit(_Done(f.exception())))
+        drain.add(self)
+        self._watch = asyncio.create_task(self._watch_disconnect(request))
 
-    async def first(self) -> Started | _Done:
-        item = await self.queue.get()
-        if isinstance(item, Started):
-            self.started = item
+    @property
+    def has_started(self) -> bool:
+        return self.started is not None
+
+    def interrupt(self, error: BaseException) -> None:
+        self.queue.put_nowait(_Interrupt(error))
+
+    def stop_watching(self) -> None:
+        self._watch.cancel()
+
+    async def _watch_disconnect(self, request: Request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.interrupt(ClientGone())
+
+    def _stop(self) -> None:
+        """The answer will not be read to its end: the generation stops at its next step (never
+        once its answer is complete: what remains then checkpoints the generation's end)."""
+        if not self.generation.answered:
+            self.cancel.set()
+
+    def _close(self) -> None:
+        self.stop_watching()
+        self.drain.discard(self)
+
+    async def first(self) -> Started:
+        try:
+            item = await self.queue.get()
+            if isinstance(item, _Interrupt):
+                raise item.error
+            if isinstance(item, _Done):
+                raise item.error or RuntimeError("generation ended before its first token")
+        except BaseException:
+            self._stop()
+            self._close()
+            raise
+        self.started = item
         return item
 
     async def events(self, request: Request, body: dict) -> AsyncIterator[Event]:
         events: list[Event] = []
-        answered = False
+        finished = False
         try:
-            while not isinstance(item := await self.queue.get(), _Done | Answered):
+            while not isinstance(item := await self.queue.get(), _Done | Answered | _Interrupt):
                 events.append(item)
                 yield item
-            answered = True
+            if isinstance(item, _Interrupt):
+                self._stop()
+                self.error = item.error
+                if not isinstance(item.error, ClientGone):
+                    yield error_event(self.protocol.error_style, item.error)
+                return
+            finished = True
             if isinstance(item, _Done) and item.error is not None:
                 self.error = item.error
                 yield error_event(self.protocol.error_style, item.error)
         finally:
-            if not answered:  # a client that went away stops the generation at its next step
-                self.cancel.set()
+            if not finished:  # a client that went away stops the generation at its next step
+                self._stop()
+            self._close()
         self._record(request, body, events)
 
     def _record(self, request: Request, body: dict, events: list[Event]) -> None:

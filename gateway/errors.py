@@ -1,8 +1,9 @@
 """Typed gateway errors and their JSON in each protocol (by exception type, never text).
 
-`error_response(protocol, exc)` answers a request that failed before streaming began;
-`error_event(protocol, exc)` turns a failure after the stream started into an
-`ErrorEvent`, which each protocol's stream encoder renders in its in-stream form
+Endpoints raise; `EXCEPTION_HANDLERS`, registered on the app, answer a raised error with
+the protocol's error JSON, chosen by the request's path (`error_style`). `error_response`
+builds that response; `error_event(protocol, exc)` turns a failure after the stream started
+into an `ErrorEvent`, which each protocol's stream encoder renders in its in-stream form
 (Anthropic ``event: error``, Responses ``response.failed``, Chat a ``data: {"error"}``).
 """
 
@@ -11,12 +12,15 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from gateway.events import ErrorEvent, ErrorKind
 from gateway.protocols import BadRequest
 
 Protocol = Literal["anthropic", "openai"]
+CLIENT_CLOSED = 499  # nginx's status for "the client left first": counted, never seen by anyone
 
 
 class GatewayError(Exception):
@@ -55,6 +59,20 @@ class Overloaded(GatewayError):
         super().__init__(message)
 
 
+class ShuttingDown(GatewayError):
+    """The server is stopping: a queued request, or an answer still running at the end of the grace period."""
+
+    def __init__(self, message: str = "the server is shutting down; retry shortly"):
+        super().__init__(message)
+
+
+class ClientGone(GatewayError):
+    """The client closed its connection before its answer was complete."""
+
+    def __init__(self, message: str = "the client closed the connection"):
+        super().__init__(message)
+
+
 class Spec(msgspec.Struct, frozen=True):
     """How one exception type looks on the wire."""
 
@@ -83,6 +101,10 @@ SPECS: dict[type[Exception], Spec] = {
     ),
     NotFound: Spec(404, "not_found_error", "invalid_request_error", "not_found", "invalid_request"),
     Overloaded: Spec(429, "overloaded_error", "server_error", "server_is_overloaded", "overloaded", 529),
+    ShuttingDown: Spec(503, "overloaded_error", "server_error", "server_shutting_down", "overloaded"),
+    ClientGone: Spec(
+        CLIENT_CLOSED, "invalid_request_error", "invalid_request_error", None, "invalid_request"
+    ),
 }
 INTERNAL = Spec(500, "api_error", "server_error", None, "server_error")
 
@@ -135,3 +157,32 @@ def error_response(protocol: Protocol, exc: BaseException) -> Response:
 def error_event(protocol: Protocol, exc: BaseException) -> ErrorEvent:
     """An in-stream failure, to feed to the protocol's stream encoder."""
     return ErrorEvent(spec_of(exc).kind, message_of(protocol, exc))
+
+
+def error_style(path: str) -> Protocol:
+    """Errors in the protocol the path belongs to (OpenAI's shape for everything but Anthropic's)."""
+    return "anthropic" if path.startswith("/v1/messages") else "openai"
+
+
+async def handle_error(request: Request, exc: Exception) -> Response:
+    """Starlette exception handler: a raised typed error (or, registered for `Exception`, any
+    failure, which Starlette then re-raises for uvicorn to log) becomes the error JSON of the
+    request's protocol. An endpoint that counts its answers leaves `request.state.count_status`."""
+    if isinstance(exc, ClientDisconnect):
+        exc = ClientGone()
+    elif isinstance(exc, HTTPException):
+        exc = NotFound(f"{request.method} {request.url.path}")
+    response = error_response(error_style(request.url.path), exc)
+    if (count := getattr(request.state, "count_status", None)) is not None:
+        count(response.status_code)
+    return response
+
+
+EXCEPTION_HANDLERS = {
+    GatewayError: handle_error,
+    BadRequest: handle_error,
+    ClientDisconnect: handle_error,
+    404: handle_error,
+    405: handle_error,
+    Exception: handle_error,
+}

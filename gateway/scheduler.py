@@ -22,15 +22,11 @@ from concurrent.futures import Future
 from typing import Any
 
 from engine import Engine, Feed
-from gateway.errors import Overloaded
+from gateway.errors import ClientGone, Overloaded
 
 log = logging.getLogger("gateway.scheduler")
 
 Steps = Generator[Feed, None, Any]
-
-
-class ClientGone(Exception):
-    """The request's client left before its generation finished."""
 
 
 class Task:

@@ -21,7 +21,6 @@ from starlette.responses import JSONResponse, Response
 from engine import Engine
 from engine.snapshot import Snapshot
 from gateway.endpoint import read_json
-from gateway.errors import error_response
 from gateway.protocols import BadRequest
 from gateway.runtime import Runtime
 
@@ -93,10 +92,7 @@ def parse_floor_body(body: dict, max_context: int) -> tuple[int, int]:
 async def suffix_floor(request: Request) -> Response:
     """`POST /v1/ft/suffix_floor`: {"context": C, "new": N} -> {"ms": float, "context": C, "new": N}."""
     rt: Runtime = request.app.state.runtime
-    try:
-        context, new = parse_floor_body(await read_json(request, MAX_BODY_BYTES), rt.engine.max_context)
-    except Exception as exc:  # noqa: BLE001 (bad bodies become the error JSON)
-        return error_response("openai", exc)
+    context, new = parse_floor_body(await read_json(request, MAX_BODY_BYTES), rt.engine.max_context)
     floor = getattr(request.app.state, "suffix_floor", None)
     if floor is None:
         corpus = await rt.scheduler.run(lambda: code_corpus(rt.renderer.tokenizer))

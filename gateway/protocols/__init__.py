@@ -70,8 +70,10 @@ def req(body: dict, key: str, check: Callable[[Any, str], Any], path: str = "") 
 
 
 def integer(value: Any, path: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise BadRequest(path, f"expected an integer, got {kind_name(value)}")
+    if isinstance(value, float) and not value.is_integer():
+        raise BadRequest(path, f"expected an integer, got {value!r}")
     return int(value)
 
 
@@ -83,9 +85,46 @@ def positive_int(value: Any, path: str) -> int:
 
 
 def number(value: Any, path: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    """A finite number (a JSON integer too large for a float is out of range, not a crash)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise BadRequest(path, f"expected a number, got {kind_name(value)}")
-    return float(value)
+    try:
+        result = float(value)
+    except OverflowError:
+        raise BadRequest(path, "is out of range") from None
+    if not math.isfinite(result):
+        raise BadRequest(path, f"expected a finite number, got {result}")
+    return result
+
+
+# below MIN_TEMPERATURE the scaled logits overflow float32 for no gain over greedy
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-3, 2.0
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # what torch.Generator.manual_seed takes
+
+
+def temperature(value: Any, path: str) -> float:
+    """`temperature`: 0 (greedy) or a sampling temperature in [0.001, 2]."""
+    t = number(value, path)
+    if t != 0 and not MIN_TEMPERATURE <= t <= MAX_TEMPERATURE:
+        raise BadRequest(path, f"must be 0 (greedy) or between {MIN_TEMPERATURE} and {MAX_TEMPERATURE}")
+    return t
+
+
+def probability(value: Any, path: str) -> float:
+    """`top_p`: a number in [0, 1]."""
+    p = number(value, path)
+    if not 0 <= p <= 1:
+        raise BadRequest(path, f"must be between 0 and 1, got {p!r}")
+    return p
+
+
+def seed(value: Any, path: str) -> int:
+    """`seed`: an integer a 64-bit generator can take."""
+    n = integer(value, path)
+    low, high = SEED_RANGE
+    if not low <= n <= high:
+        raise BadRequest(path, f"must be between {low} and {high}")
+    return n
 
 
 def boolean(value: Any, path: str) -> bool:

@@ -28,13 +28,14 @@ from gateway.protocols import (
     integer,
     join,
     nonempty,
-    number,
     obj,
     opt,
     positive_int,
+    probability,
     req,
     stop_list,
     string,
+    temperature,
 )
 
 ROLES = ("user", "assistant", "system")
@@ -201,8 +202,8 @@ def _params(body: dict) -> GenerationParams:
     thinking = opt(body, "thinking", obj, default={})
     return GenerationParams(
         max_tokens=opt(body, "max_tokens", positive_int),
-        temperature=opt(body, "temperature", number),
-        top_p=opt(body, "top_p", number),
+        temperature=opt(body, "temperature", temperature),
+        top_p=opt(body, "top_p", probability),
         top_k=opt(body, "top_k", integer),
         stop=opt(body, "stop_sequences", stop_list, default=()),
         stream=opt(body, "stream", boolean, default=False),

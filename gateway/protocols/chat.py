@@ -26,13 +26,15 @@ from gateway.protocols import (
     join,
     json_arguments,
     nonempty,
-    number,
     obj,
     opt,
     positive_int,
+    probability,
     req,
+    seed,
     stop_list,
     string,
+    temperature,
     tool_choice_mode,
 )
 
@@ -165,11 +167,11 @@ def _params(body: dict) -> GenerationParams:
     max_tokens = opt(body, "max_completion_tokens", positive_int) or opt(body, "max_tokens", positive_int)
     return GenerationParams(
         max_tokens=max_tokens,
-        temperature=opt(body, "temperature", number),
-        top_p=opt(body, "top_p", number),
+        temperature=opt(body, "temperature", temperature),
+        top_p=opt(body, "top_p", probability),
         top_k=opt(body, "top_k", integer),
         stop=opt(body, "stop", stop_list, default=()),
-        seed=opt(body, "seed", integer),
+        seed=opt(body, "seed", seed),
         stream=opt(body, "stream", boolean, default=False),
         include_usage=opt(stream_options, "include_usage", boolean, "stream_options", False),
         tool_choice=_tool_choice(body),

@@ -30,12 +30,13 @@ from gateway.protocols import (
     join,
     json_arguments,
     nonempty,
-    number,
     obj,
     opt,
     positive_int,
+    probability,
     req,
     string,
+    temperature,
     tool_choice_mode,
 )
 
@@ -228,8 +229,8 @@ def _tool_choice(body: dict) -> str:
 def _params(body: dict) -> GenerationParams:
     return GenerationParams(
         max_tokens=opt(body, "max_output_tokens", positive_int),
-        temperature=opt(body, "temperature", number),
-        top_p=opt(body, "top_p", number),
+        temperature=opt(body, "temperature", temperature),
+        top_p=opt(body, "top_p", probability),
         stream=opt(body, "stream", boolean, default=False),
         tool_choice=_tool_choice(body),
         parallel_tool_calls=opt(body, "parallel_tool_calls", boolean, default=True),
