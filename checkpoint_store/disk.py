@@ -9,11 +9,14 @@ the caller copies into its destination).
 The cap is LMDB's map size. Before a batch is written, records are evicted (``policy``)
 until the batch fits under ``capacity``; if LMDB still reports ``MapFullError`` (page
 overhead, fragmentation of free pages), one more victim goes and the write is retried;
-a part that cannot fit even in an empty map is dropped with a log line. Never a crash.
+a part that cannot fit even in an empty map is dropped with a log line. Never a crash:
+any other failed write (a full disk, a file-size limit, an I/O error) drops what it was
+writing and is counted in ``write_errors`` (logged once per cause, see ``error_log``).
 
-On open, every frame header is checked (not the payloads: those are checked on every
-read); frames with a bad header, a wrong fingerprint, a wrong length, or a state part
-without its KV part are deleted and logged.
+The environment is opened by ``environment.open_env`` (which checks it before mapping it).
+Then every frame header is checked (not the payloads: those are checked on every read);
+frames with a bad header, a wrong fingerprint, a wrong length, or a state part without its
+KV part are deleted and logged.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from typing import NamedTuple
 import lmdb
 import torch
 
+from .environment import open_env
+from .error_log import ErrorLog
 from .index import TierIndex
 from .record import (
     KV_PART,
@@ -64,19 +69,24 @@ def key(anchor: bytes, part: str) -> bytes:
     return anchor + SUFFIX[part]
 
 
-class DiskTier:
-    """Record parts in LMDB under ``path``; ``lock`` guards ``index`` (shared with the store)."""
+ENV_OPTIONS = {"sync": True, "metasync": True, "max_readers": 256}
+RAM_ONLY = "checkpoints are kept in RAM only"
 
-    def __init__(self, path: str | Path, map_bytes: int, fingerprint: str, lock: threading.RLock) -> None:
-        if map_bytes < MIN_MAP_BYTES:
-            raise ValueError(f"disk_bytes must be at least {MIN_MAP_BYTES}")
-        Path(path).mkdir(parents=True, exist_ok=True)
-        self.path = Path(path)
+
+class DiskTier:
+    """Record parts in the LMDB environment ``env`` (opened with ``ENV_OPTIONS``, ``map_bytes``);
+    ``lock`` guards ``index`` (shared with the store); failed writes go to ``write_errors``."""
+
+    def __init__(
+        self,
+        env: lmdb.Environment,
+        map_bytes: int,
+        fingerprint: str,
+        lock: threading.RLock,
+        write_errors: ErrorLog,
+    ) -> None:
+        self.env = env
         self.fingerprint = fingerprint
-        self.env = lmdb.open(
-            str(path), map_size=map_bytes, subdir=True, sync=True, metasync=True, max_readers=256
-        )
-        self.env.reader_check()  # clear reader slots left by a killed process
         self.page_bytes = self.env.stat()["psize"]
         self.capacity = int(map_bytes * CAPACITY_FRACTION) - RESERVE_BYTES
         self.lock = lock
@@ -84,9 +94,31 @@ class DiskTier:
         self.pinned: Counter[bytes] = Counter()
         self.evictions = 0
         self.states_dropped = 0
-        self.write_errors = 0
+        self.write_errors = write_errors
         self.corrupt = 0
         self._scan()
+
+    @classmethod
+    def open(
+        cls,
+        folder: str | Path,
+        map_bytes: int,
+        fingerprint: str,
+        lock: threading.RLock,
+        write_errors: ErrorLog,
+    ) -> DiskTier | None:
+        """The tier in ``folder``, or None (logged) when the folder cannot be used."""
+        if map_bytes < MIN_MAP_BYTES:
+            raise ValueError(f"disk_bytes must be at least {MIN_MAP_BYTES}")
+        env = open_env(folder, map_bytes, "checkpoint store", RAM_ONLY, **ENV_OPTIONS)
+        if env is None:
+            return None
+        try:
+            return cls(env, map_bytes, fingerprint, lock, write_errors)
+        except lmdb.Error as exc:  # damage the check before opening did not see
+            env.close()
+            log.warning("checkpoint store: cannot read %s (%s); %s", folder, exc, RAM_ONLY)
+            return None
 
     def close(self) -> None:
         self.env.close()
@@ -169,8 +201,12 @@ class DiskTier:
                 if retry and self._evict_one(keep):
                     continue
                 if retry:
-                    self.write_errors += 1
-                    log.warning("checkpoint store: %d parts do not fit in the map; dropped", len(writes))
+                    self.write_errors.record(
+                        "parts that do not fit in the map even when it is empty", f"{len(writes)}"
+                    )
+                return False
+            except lmdb.Error as exc:
+                self.write_errors.record(exc, f"{len(writes)} parts dropped")
                 return False
             self._index_writes(writes)
             return True
@@ -221,8 +257,8 @@ class DiskTier:
         try:
             with self.env.begin(write=True) as txn:
                 txn.delete(key(anchor, part))
-        except lmdb.MapFullError:  # the key stays until the next open finds it unindexed... or reused
-            log.warning("checkpoint store: the map is too full even to delete %s", anchor.hex())
+        except lmdb.Error as exc:  # the key stays until the next open finds it unindexed... or reused
+            self.write_errors.record(exc, f"evicting {anchor.hex()}")
             return False
         return True
 
@@ -278,6 +314,6 @@ class DiskTier:
             with self.env.begin(write=True) as txn:
                 for k, _ in bad:
                     txn.delete(k)
-        except lmdb.MapFullError:
-            log.warning("checkpoint store: the map is too full to delete %d bad records", len(bad))
+        except lmdb.Error as exc:
+            self.write_errors.record(exc, f"deleting {len(bad)} bad records")
         self.corrupt += len(bad)

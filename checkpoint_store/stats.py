@@ -13,6 +13,8 @@ class StoreStats(msgspec.Struct, frozen=True):
     part found in neither tier, or found corrupt. ``restores`` / ``restore_misses`` count
     whole ``load_chain`` calls. ``*_bytes`` are payload bytes held (disk: pages used).
     ``ram_rejected`` counts records (or their states) too big for the RAM budget.
+    ``write_errors`` / ``read_errors`` count failed disk writes (of checkpoints and of the
+    token memo: a full disk, a file-size limit, I/O errors) and reads (then a miss).
     """
 
     puts: int = 0
@@ -34,6 +36,7 @@ class StoreStats(msgspec.Struct, frozen=True):
     disk_states_dropped: int = 0
     corrupt_records: int = 0
     write_errors: int = 0
+    read_errors: int = 0
     write_queue_depth: int = 0
     write_queue_bytes: int = 0
 

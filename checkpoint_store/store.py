@@ -10,6 +10,11 @@ Correct or miss: a part that fails its checks, or a chain whose records disagree
 parents or positions, is a miss; the offending record (or part) is deleted and logged on
 the ``checkpoint_store`` logger. ``load_chain`` never returns a chain with a hole.
 
+Disk failures never reach the caller: a cache folder that cannot be used leaves the store
+RAM-only, a damaged data file is moved aside (``environment``); a failed write is counted
+in ``stats().write_errors`` and logged once per cause (``error_log``), a failed read is a
+miss counted in ``read_errors``.
+
 Thread safety: every method may be called from any thread; one lock guards the indexes,
 and is never held during disk I/O or large copies. ``longest_restorable`` answers for the
 moment it is called: the writer thread may evict disk records to make room for queued
@@ -31,12 +36,14 @@ from engine.snapshot import Snapshot
 from .chain import Located, first_mismatch, follows, fresh_copy, join
 from .config import StoreConfig
 from .disk import MAX_ANCHOR_BYTES, DiskTier, MissingRecord
+from .error_log import ErrorLog
 from .ram import RamTier
 from .record import KV_PART, STATE_PART, CorruptRecord, Packed, RecordMeta, pack, split_parts
 from .stats import Counters, StoreStats
 from .writer import DeleteOp, Op, PutOp, Writer
 
 log = logging.getLogger("checkpoint_store")
+WRITE_FAILED = "what it was writing is not cached on disk; answers are not affected"
 
 
 class PartMiss(Exception):
@@ -57,10 +64,15 @@ class CheckpointStore:
         self._counters = Counters()
         self._ram = RamTier(config.ram_bytes)
         self._pending: dict[bytes, PutOp] = {}
+        self.write_errors = ErrorLog(log, "checkpoint cache write", WRITE_FAILED)
+        self.read_errors = ErrorLog(log, "checkpoint read", "the restore is a miss (prefilled instead)")
         self._disk: DiskTier | None = None
         self._writer: Writer | None = None
         if config.disk_dir is not None:
-            self._disk = DiskTier(config.disk_dir, config.disk_bytes, config.fingerprint, self._lock)
+            self._disk = DiskTier.open(
+                config.disk_dir, config.disk_bytes, config.fingerprint, self._lock, self.write_errors
+            )
+        if self._disk is not None:
             self._writer = Writer(self._apply, config.max_batch_bytes, config.max_queue_bytes)
 
     def __enter__(self) -> CheckpointStore:
@@ -186,7 +198,8 @@ class CheckpointStore:
                 disk_evictions=disk.evictions if disk else 0,
                 disk_states_dropped=disk.states_dropped if disk else 0,
                 corrupt_records=c.corrupt + (disk.corrupt if disk else 0),
-                write_errors=disk.write_errors if disk else 0,
+                write_errors=self.write_errors.count,
+                read_errors=self.read_errors.count,
                 write_queue_depth=writer.depth if writer else 0,
                 write_queue_bytes=writer.queued_bytes if writer else 0,
             )
@@ -298,7 +311,11 @@ class CheckpointStore:
 
     def _materialize(self, plan: list[Located], joined: bool) -> list[Snapshot]:
         on_disk = self._disk is not None and any(loc.kv is None or loc.state is None for loc in plan)
-        txn = self._disk.read_txn() if on_disk and self._disk is not None else None
+        try:
+            txn = self._disk.read_txn() if on_disk and self._disk is not None else None
+        except lmdb.Error as exc:
+            self.read_errors.record(exc)
+            raise PartMiss(plan[0].meta.anchor, KV_PART, str(exc), "stale") from exc
         try:
             last = len(plan) - 1
             snapshots = [
@@ -339,6 +356,9 @@ class CheckpointStore:
             raise PartMiss(anchor, part, str(e), "corrupt") from e
         except MissingRecord as e:
             raise PartMiss(anchor, part, str(e), "missing") from e
+        except lmdb.Error as e:  # a damaged page or a failed disk: unreadable, so as good as missing
+            self.read_errors.record(e, f"{part} part of {anchor.hex()}")
+            raise PartMiss(anchor, part, str(e), "missing") from e
         if header.meta != loc.meta:
             raise PartMiss(anchor, part, "replaced while reading", "stale")
         self._count(disk_hits=1)
@@ -378,11 +398,15 @@ class CheckpointStore:
     def _apply(self, ops: list[Op]) -> None:
         """Writer thread: apply a batch to disk, then retire its puts from the queue map."""
         assert self._disk is not None
-        self._disk.apply(ops)
-        with self._lock:
-            for op in ops:
-                if isinstance(op, PutOp) and self._pending.get(op.meta.anchor) is op:
-                    del self._pending[op.meta.anchor]
+        try:
+            self._disk.apply(ops)
+        except Exception as exc:  # noqa: BLE001 (a bug: apply handles the disk's errors; still never a failed answer)
+            self.write_errors.record(exc, f"{len(ops)} operations", trace=True)
+        finally:
+            with self._lock:
+                for op in ops:
+                    if isinstance(op, PutOp) and self._pending.get(op.meta.anchor) is op:
+                        del self._pending[op.meta.anchor]
 
 
 def _check_put(meta: RecordMeta, snapshot: Snapshot) -> None:

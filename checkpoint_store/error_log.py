@@ -1,0 +1,69 @@
+"""Failures of the cache's disk I/O, counted and logged without flooding the log.
+
+A full disk fails every write after the first, and a broken disk every read: a log line
+per failure would bury everything else. Each failure is counted; the first of each cause
+(the error message, so the store and the token memo failing for one reason log once) is a
+warning, later ones a summary line at most once per ``summary_seconds``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+MAX_CAUSES = 16  # distinct causes logged in full; beyond that only summaries
+
+
+def cause(exc: BaseException | str) -> str:
+    """What went wrong, without the call that noticed it (``mdb_txn_commit: Input/output
+    error`` and ``mdb_put: Input/output error`` are one cause)."""
+    if isinstance(exc, str):
+        return exc
+    return f"{type(exc).__name__}: {str(exc).rsplit(': ', 1)[-1]}"
+
+
+class ErrorLog:
+    """A thread-safe counter of failures of one kind (``what``: "checkpoint write") that logs
+    on ``logger``; ``consequence`` says what happens instead (the answer is not affected)."""
+
+    def __init__(
+        self, logger: logging.Logger, what: str, consequence: str, summary_seconds: float = 300.0
+    ) -> None:
+        self.logger, self.what, self.consequence = logger, what, consequence
+        self.summary_seconds = summary_seconds
+        self.count = 0
+        self._lock = threading.Lock()
+        self._causes: set[str] = set()
+        self._unlogged = 0
+        self._last_line = 0.0
+
+    def record(self, exc: BaseException | str, where: str = "", trace: bool = False) -> None:
+        """Count one failure (``where``: what was being written or read, for the log; ``trace``:
+        log the first with its traceback, for failures that are not the disk's)."""
+        with self._lock:
+            self.count += 1
+            key, now = cause(exc), time.monotonic()
+            if key not in self._causes and len(self._causes) < MAX_CAUSES:
+                self._causes.add(key)
+                self._last_line = now
+                self.logger.warning(
+                    "%s failed%s: %s; %s (further failures are counted and summarised at most every %.0f s)",
+                    self.what,
+                    f" ({where})" if where else "",
+                    exc,
+                    self.consequence,
+                    self.summary_seconds,
+                    exc_info=exc if trace and isinstance(exc, BaseException) else None,
+                )
+                return
+            self._unlogged += 1
+            if now - self._last_line >= self.summary_seconds:
+                self.logger.warning(
+                    "%d more %s failures (%d in all; the latest: %s)",
+                    self._unlogged,
+                    self.what,
+                    self.count,
+                    exc,
+                )
+                self._unlogged, self._last_line = 0, now
