@@ -28,11 +28,16 @@ generation is not a message the model would continue from.
 With a disk cache the memo is also kept on disk (`MemoFile`, an LMDB folder beside the
 checkpoints, one per model and template), written before the answer's end is sent, so a
 restart, even after `kill -9`, renders surviving sessions with the ids their checkpoints hold.
+The disk copy never fails an answer: a folder that cannot be used or a damaged file (moved
+aside, see `checkpoint_store.environment`) leaves a memo in memory only, an entry that fails
+its checksum is dropped (a miss), and a failed write (a full disk) is counted with the
+checkpoint store's write errors and logged once.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import threading
 from collections import OrderedDict
@@ -43,8 +48,11 @@ import lmdb
 import msgspec
 import xxhash
 
+from checkpoint_store.environment import open_env
+from checkpoint_store.error_log import ErrorLog
 from gateway.conversation import Message, ToolCall
 
+log = logging.getLogger("gateway.memo")
 HANDLE_PREFIX = "ft1."
 
 
@@ -75,35 +83,78 @@ class MemoEntry(msgspec.Struct, frozen=True):
     body_hash: str
 
 
+class StoredEntry(msgspec.Struct, array_like=True, frozen=True):
+    """An entry as the memo file holds it; ``digest`` (absent in files of earlier versions)
+    checks the rest."""
+
+    seq: int
+    entry: MemoEntry
+    digest: int | None = None
+
+
+def _digest_of(seq: int, entry: MemoEntry) -> int:
+    return xxhash.xxh3_64_intdigest(msgspec.msgpack.encode((seq, entry)))
+
+
 class MemoFile:
     """Memo entries on disk: handle -> (sequence number, entry), each write one synced LMDB
-    transaction; `entries()` yields them oldest first."""
+    transaction; `entries()` yields them oldest first. Without a usable folder it holds
+    nothing (logged once when opened); failed writes go to `errors`."""
 
-    def __init__(self, path: str | Path, map_bytes: int = 1 << 30):
-        Path(path).mkdir(parents=True, exist_ok=True)
-        self.env = lmdb.open(str(path), map_size=map_bytes, subdir=True, sync=True, metasync=True)
-        self.env.reader_check()  # reader slots left by a killed process
-        self._seq = max((seq for seq, _, _ in self._rows()), default=-1) + 1
+    def __init__(self, path: str | Path, map_bytes: int = 1 << 30, errors: ErrorLog | None = None):
+        self.errors = errors or ErrorLog(log, "token memo write", "the ids stay in memory only")
+        self.env = open_env(path, map_bytes, "token memo", "generated token ids are kept in memory only",
+                            sync=True, metasync=True)
+        self._seq = max((stored.seq for _, stored in self._rows()), default=-1) + 1
 
-    def _rows(self) -> list[tuple[int, str, MemoEntry]]:
+    def _rows(self) -> list[tuple[str, StoredEntry]]:
+        """Every sound entry; damaged ones are dropped from the file with one warning."""
+        if self.env is None:
+            return []
+        rows, damaged = [], []
         with self.env.begin() as txn:
-            decoded = ((msgspec.msgpack.decode(v, type=tuple[int, MemoEntry]), k.decode()) for k, v in txn.cursor())
-            return [(seq, handle, entry) for (seq, entry), handle in decoded]
+            for key, value in txn.cursor():
+                try:
+                    stored = msgspec.msgpack.decode(value, type=StoredEntry)
+                    if stored.digest not in (None, _digest_of(stored.seq, stored.entry)):
+                        raise ValueError("checksum mismatch")
+                    rows.append((key.decode(), stored))
+                except (msgspec.DecodeError, ValueError):  # UnicodeDecodeError is a ValueError
+                    damaged.append(key)
+        if damaged:
+            log.warning("token memo: %d damaged entries dropped (their messages are re-tokenized)", len(damaged))
+            self._delete(damaged)
+        return rows
 
     def entries(self) -> Iterator[tuple[str, MemoEntry]]:
-        for _, handle, entry in sorted(self._rows(), key=lambda row: row[0]):
-            yield handle, entry
+        for handle, stored in sorted(self._rows(), key=lambda row: row[1].seq):
+            yield handle, stored.entry
 
     def write(self, put: tuple[str, MemoEntry] | None, drop: Sequence[str] = ()) -> None:
-        with self.env.begin(write=True) as txn:
-            for handle in drop:
-                txn.delete(handle.encode())
-            if put is not None:
-                txn.put(put[0].encode(), msgspec.msgpack.encode((self._seq, put[1])))
-                self._seq += 1
+        if self.env is None:
+            return
+        try:
+            with self.env.begin(write=True) as txn:
+                for handle in drop:
+                    txn.delete(handle.encode())
+                if put is not None:
+                    stored = StoredEntry(self._seq, put[1], _digest_of(self._seq, put[1]))
+                    txn.put(put[0].encode(), msgspec.msgpack.encode(stored))
+                    self._seq += 1
+        except lmdb.Error as exc:
+            self.errors.record(exc, "token memo")
+
+    def _delete(self, keys: list[bytes]) -> None:
+        try:
+            with self.env.begin(write=True) as txn:
+                for key in keys:
+                    txn.delete(key)
+        except lmdb.Error as exc:
+            self.errors.record(exc, "token memo")
 
     def close(self) -> None:
-        self.env.close()
+        if self.env is not None:
+            self.env.close()
 
 
 class TokenMemo:

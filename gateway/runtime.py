@@ -4,6 +4,8 @@ metrics and recorder. Built once by `build_runtime`; the app reads it, nothing i
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,12 +103,22 @@ def load_engine(config: ServeConfig) -> Engine:
     return engine
 
 
+def ignore_file_size_signal() -> None:
+    """A write past the file-size limit (RLIMIT_FSIZE) then fails with EFBIG, a counted cache
+    write error, instead of killing the server with SIGXFSZ. CPython already ignores it at
+    start-up; an embedding program may not (only the main thread can change it)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+
 def build_runtime(config: ServeConfig, engine: Engine | None = None) -> Runtime:
     """A runtime with a fresh store; `engine` reuses an already loaded model (replays that
     compare policies on one set of weights)."""
     engine = engine or load_engine(config)
     model_id = config.model_name or (config.model_dir.name if config.model_dir else config.preset)
     renderer = load_renderer(engine.model_dir)
+    if config.disk_cache is not None:
+        ignore_file_size_signal()
     store = CheckpointStore(StoreConfig(
         ram_bytes=int(config.ram_cache_gib * GiB),
         disk_dir=config.disk_cache,
@@ -115,7 +127,9 @@ def build_runtime(config: ServeConfig, engine: Engine | None = None) -> Runtime:
     ))
     root = root_anchor(engine.fingerprint, renderer.template_id)
     # the memo's ids belong to this model and template, as the checkpoints do
-    memo_file = MemoFile(config.disk_cache / f"memo-{root.hex()[:16]}") if config.disk_cache else None
+    # failed memo writes count and log with the store's (one disk, one line in the log)
+    memo_file = (MemoFile(config.disk_cache / f"memo-{root.hex()[:16]}", errors=store.write_errors)
+                 if config.disk_cache else None)
     return Runtime(
         config=config,
         engine=engine,

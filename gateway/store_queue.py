@@ -1,19 +1,18 @@
 """Checkpoints on their way into the store, put by a thread of their own so that no request waits
 for them: the engine worker hands over the snapshots a feed captured and moves on to its next
 step. A restore waits only for the queued checkpoints of its own chain (the previous answer of
-the same session), never for other sessions'."""
+the same session), never for other sessions'. A put that fails loses its checkpoints (a later
+miss), is counted with the store's write errors and never reaches a request: a restore waiting
+for it goes on with what the store holds."""
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
 from checkpoint_store import CheckpointStore
 from engine import Snapshot
-
-log = logging.getLogger("gateway.store_queue")
 
 
 class StoreQueue:
@@ -23,7 +22,8 @@ class StoreQueue:
         self._queued: Counter[bytes] = Counter()  # anchor -> puts queued or running
         self._cond = threading.Condition()
         self._closing = False
-        self._thread = threading.Thread(target=self._loop, name="store-writer", daemon=True)
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="store-writer", daemon=True)
         self._thread.start()
 
     def put(self, anchors: Sequence[bytes], parent: bytes | None, snapshots: list[Snapshot],
@@ -38,9 +38,9 @@ class StoreQueue:
             self._cond.notify_all()
 
     def wait_for(self, chain: Sequence[bytes]) -> None:
-        """Return once no checkpoint of `chain` is still queued."""
+        """Return once no checkpoint of `chain` is still queued (or the thread has stopped)."""
         with self._cond:
-            self._cond.wait_for(lambda: not any(a in self._queued for a in chain))
+            self._cond.wait_for(lambda: self._stopped or not any(a in self._queued for a in chain))
 
     @property
     def idle(self) -> bool:
@@ -52,6 +52,14 @@ class StoreQueue:
             self._closing = True
             self._cond.notify_all()
         self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        finally:  # even on a BaseException: no restore may wait for a thread that is gone
+            with self._cond:
+                self._stopped = True
+                self._cond.notify_all()
 
     def _loop(self) -> None:
         while True:
@@ -65,8 +73,8 @@ class StoreQueue:
                 for anchor, snapshot in zip(anchors, snapshots, strict=True):
                     self.store.put(anchor, parent, snapshot)
                     parent = anchor
-            except Exception:  # noqa: BLE001 (a lost checkpoint is a later miss, never a failed answer)
-                log.exception("storing %d checkpoints failed", len(anchors))
+            except Exception as exc:  # noqa: BLE001 (a lost checkpoint is a later miss, never a failed answer)
+                self.store.write_errors.record(exc, f"storing {len(anchors)} checkpoints", trace=True)
             with self._cond:
                 self._items.popleft()
                 self._queued.subtract(anchors)

@@ -1,7 +1,13 @@
-"""TokenMemo: lookup by handle and by content, safety checks, bounds."""
+"""TokenMemo: lookup by handle and by content, safety checks, bounds, a damaged or full file."""
 
 from __future__ import annotations
 
+import logging
+
+import lmdb
+import msgspec
+
+from checkpoint_store.error_log import ErrorLog
 from gateway.conversation import Message, ToolCall
 from gateway.memo import MemoFile, TokenMemo, content_hash
 
@@ -89,3 +95,73 @@ def test_file_keeps_entries_across_instances_and_follows_evictions(tmp_path):
     assert smaller.lookup(messages[3]) == [3, 4]
     smaller.close()
     assert len(list(MemoFile(tmp_path / "memo").entries())) == 2
+
+
+def test_a_damaged_memo_file_is_moved_aside_and_the_memo_starts_empty(tmp_path, caplog):
+    memo = TokenMemo(file=MemoFile(tmp_path / "memo"))
+    memo.remember(Message(role="assistant", content="kept?"), [1, 2])
+    memo.close()
+    (tmp_path / "memo" / "data.mdb").write_bytes(b"\x00" * 8192)
+    with caplog.at_level(logging.WARNING):
+        again = TokenMemo(file=MemoFile(tmp_path / "memo"))
+    assert len(again) == 0 and "token memo" in caplog.text and "moved it aside" in caplog.text
+    again.remember(Message(role="assistant", content="new"), [3])
+    again.close()
+    assert [e.token_ids for _, e in MemoFile(tmp_path / "memo").entries()] == [(3,)]
+
+
+def test_a_damaged_entry_is_a_miss_and_is_dropped(tmp_path, caplog):
+    messages = [Message(role="assistant", content=f"m{i}") for i in range(3)]
+    memo = TokenMemo(file=MemoFile(tmp_path / "memo"))
+    handles = [memo.remember(m, [i, i + 1, 7]) for i, m in enumerate(messages)]
+    memo.close()
+    env = lmdb.open(str(tmp_path / "memo"))
+    with env.begin(write=True) as txn:  # one token id changes (7 -> 6), as a flipped bit would
+        value = bytearray(txn.get(handles[1].encode()))
+        value[value.index(b"\x07")] = 6
+        txn.put(handles[1].encode(), bytes(value))
+        txn.put(handles[2].encode(), b"\xc1 not msgpack")
+    env.close()
+    with caplog.at_level(logging.WARNING):
+        again = TokenMemo(file=MemoFile(tmp_path / "memo"))
+    assert [again.lookup(m) for m in messages] == [[0, 1, 7], None, None]
+    assert "2 damaged entries dropped" in caplog.text
+    again.close()
+    assert len(list(MemoFile(tmp_path / "memo").entries())) == 1
+
+
+def test_a_failed_memo_write_is_counted_and_the_memo_keeps_the_ids(tmp_path, caplog):
+    errors = ErrorLog(logging.getLogger("test"), "memo write", "kept in memory")
+    memo = TokenMemo(file=MemoFile(tmp_path / "memo", map_bytes=64 << 10, errors=errors))  # 64 KiB map
+    big = Message(role="assistant", content="big")
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            memo.remember(big, list(range(50_000)))  # about 150 KiB: does not fit
+    assert memo.lookup(big) == list(range(50_000))
+    assert errors.count == 3 and caplog.text.count("memo write failed") == 1
+    memo.close()
+
+
+def test_an_unusable_memo_folder_keeps_the_memo_in_memory(tmp_path, caplog):
+    (tmp_path / "memo").write_text("a file where the folder should be")
+    with caplog.at_level(logging.WARNING):
+        memo = TokenMemo(file=MemoFile(tmp_path / "memo"))
+    message = Message(role="assistant", content="x")
+    memo.remember(message, [5])
+    assert memo.lookup(message) == [5] and "generated token ids are kept in memory only" in caplog.text
+    memo.close()
+
+
+def test_entries_written_before_checksums_are_still_read(tmp_path):
+    from gateway.memo import MemoEntry
+
+    message = Message(role="assistant", content="old")
+    entry = MemoEntry((4, 5), content_hash(message), "")
+    MemoFile(tmp_path / "memo").close()
+    env = lmdb.open(str(tmp_path / "memo"))
+    with env.begin(write=True) as txn:  # the earlier format: (sequence number, entry)
+        txn.put(b"ft1.old", msgspec.msgpack.encode((0, entry)))
+    env.close()
+    memo = TokenMemo(file=MemoFile(tmp_path / "memo"))
+    assert memo.lookup(message) == [4, 5]
+    memo.close()
