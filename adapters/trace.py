@@ -5,12 +5,19 @@ body of its wire protocol plus the assistant message the model answered with. Th
 protocol-neutral (`AssistantOutput`) because the replay sends it back as `ft_forced_output`
 (notes/CONTRACTS.md) whichever protocol the request uses.
 
+Each request also says how faithful its body is to what the client sent (`fidelity`):
+"identical" when every field the model sees (system prompt, tool schemas, messages, the
+parameters the gateway reads) is exactly what went over the wire, so the gateway renders the
+same token ids; "approximate", with `why`, when the source did not record something the body
+needs and the reader filled it in. Fields no model sees (Claude Code's `metadata`, Codex's
+installation id and the id of its base-instructions item) are not part of that promise.
+
 The record format (`RecordLine`, `AssistantOutput`, `ToolCall`) is the gateway's (`gateway.record`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -22,12 +29,15 @@ __all__ = [
     "Protocol",
     "RecordLine",
     "Timings",
+    "Fidelity",
     "ToolCall",
     "Trace",
     "TraceRequest",
     "is_tool_result_last",
     "encode_jsonl",
 ]
+
+Fidelity = Literal["identical", "approximate"]
 
 
 class TraceRequest(msgspec.Struct):
@@ -37,7 +47,8 @@ class TraceRequest(msgspec.Struct):
     Responses body, or a Chat Completions body). `after_tool_result` is true when the
     request's last message is a tool result (the requests the headline TTFT is taken over).
     `ts` is when the request was sent and `output_ts` when its output was complete, in Unix
-    seconds, where the source records them (else None).
+    seconds, where the source records them (else None). `fidelity` and `why`: see the module
+    docstring; `why` says what differs where the body is approximate.
     """
 
     protocol: Protocol
@@ -46,6 +57,8 @@ class TraceRequest(msgspec.Struct):
     after_tool_result: bool = False
     ts: float | None = None
     output_ts: float | None = None
+    fidelity: Fidelity = "identical"
+    why: str | None = None
 
     @property
     def path(self) -> str:
@@ -79,6 +92,10 @@ class Trace(msgspec.Struct):
     @property
     def num_tool_result_requests(self) -> int:
         return sum(r.after_tool_result for r in self.requests)
+
+    @property
+    def num_approximate(self) -> int:
+        return sum(r.fidelity != "identical" for r in self.requests)
 
 
 def is_tool_result_last(protocol: str, body: dict[str, Any]) -> bool:

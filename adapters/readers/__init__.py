@@ -2,7 +2,7 @@
 
 `read_trace(path)` detects the format of a file (or of every file under a folder):
 Codex rollouts, Claude Code transcripts, SWE-agent trajectories, or the gateway's own
-recordings. Malformed input is reported with its file and line number and skipped, or
+recordings; each may be compressed (`.xz`, `.gz`). Malformed input is reported with its file and line number and skipped, or
 raised as `TraceError` with `strict=True`; never an unhandled exception for bad data.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 from adapters.readers.claude import read_claude
 from adapters.readers.codex import read_codex
-from adapters.readers.common import Problems, TraceError
+from adapters.readers.common import Problems, TraceError, head_lines, inner_suffix
 from adapters.readers.recording import read_recording
 from adapters.readers.swe_agent import read_swe_agent
 from adapters.trace import Trace
@@ -44,18 +44,17 @@ TRACE_SUFFIXES = (".jsonl", ".traj")
 def detect_format(path: str | Path) -> str | None:
     """The format of a trace file ("codex", "claude", "swe-agent", "recording"); None if unrecognised."""
     path = Path(path)
-    if path.suffix == ".traj":
+    if inner_suffix(path) == ".traj":
         return "swe-agent"
     try:
-        with path.open(encoding="utf-8") as handle:
-            head = [handle.readline() for _ in range(50)]
-    except (OSError, UnicodeDecodeError):
+        head = head_lines(path, 50)
+    except OSError:
         return None
     for raw in head:
         kind = _line_format(raw)
         if kind:
             return kind
-    return "swe-agent" if path.suffix == ".json" else None
+    return "swe-agent" if inner_suffix(path) == ".json" else None
 
 
 def _line_format(raw: str) -> str | None:
@@ -92,7 +91,7 @@ def read_trace(
     report = Problems(strict, problems)
     if path.is_dir():
         traces: list[Trace] = []
-        for file in sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TRACE_SUFFIXES):
+        for file in sorted(p for p in path.rglob("*") if p.is_file() and inner_suffix(p) in TRACE_SUFFIXES):
             traces.extend(_read_file(file, report, fmt, strict))
         return traces
     if not path.exists():

@@ -1,102 +1,39 @@
 """Claude Code transcripts (`~/.claude/projects/*/*.jsonl`) -> Anthropic Messages traces.
 
-A transcript is a tree of `user` / `assistant` / `attachment` lines linked by `parentUuid`;
-tool results are `user` lines, and one assistant message is split over several lines (one
-per content block) that share `message.id`. Claude Code 2.1 also logs each model call
-(`api-request`: the previous call it extends (`base`), how many of its messages it keeps
-(`keep`), and the hashes of the messages that follow (`tail`); `api-request-shape`: system
-and tools; `api-request-blob`: messages not found on the chain). When those lines are
-present the bodies are rebuilt exactly as sent; a tail hash is SHA-256 of the message's
-compact, key-sorted JSON. Older transcripts are rebuilt from the chain alone, without the
-system prompt, tool schemas and system reminders, which they do not record.
-
-Sidechain lines (sub-agent conversations) are left out.
+Claude Code 2.1 logs each model call: `api-request` names the previous call it extends
+(`base`), how many of its messages it keeps (`keep`) and the hashes of the messages that
+follow (`tail`); `api-request-shape` holds system and tools; `api-request-blob` the
+messages that are not on the chain as written. From those the bodies are rebuilt exactly as
+sent. A tail message is hashed as Claude Code prepares it, before its `cache_control` marks:
+a user prompt stored as a string is hashed as a one-text-block list when a mark lands on it
+(and sent as a string otherwise), and the tool results of parallel calls are hashed merged.
+A request whose messages cannot all be found is rebuilt from the chain (claude_chain.py),
+marked approximate and named in a warning; the other requests stay exact. Transcripts
+without `api-request` lines are rebuilt from the chain alone (approximate).
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
-from adapters.readers.common import Problems, TraceError, iter_jsonl, join_texts, parse_ts
-from adapters.trace import AssistantOutput, ToolCall, Trace, TraceRequest, is_tool_result_last
+from adapters.readers.claude_chain import chain_prompts, from_chain
+from adapters.readers.claude_transcript import (
+    Transcript,
+    assistant_groups,
+    message_hash,
+    output_of,
+    tool_result_groups,
+)
+from adapters.readers.common import Problems, TraceError, iter_jsonl, log, parse_ts
+from adapters.trace import Trace, TraceRequest, is_tool_result_last
 
-CHAIN_TYPES = ("user", "assistant")
-
-
-def message_hash(message: dict[str, Any]) -> str:
-    """The hash Claude Code names a message by in `api-request.tail`."""
-    canonical = json.dumps(message, ensure_ascii=False, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()
-
-
-def output_of(blocks: list[dict[str, Any]]) -> AssistantOutput:
-    """The protocol-neutral assistant message of an assistant message's content blocks."""
-    reasoning = [b.get("thinking", "") for b in blocks if b.get("type") == "thinking"]
-    content = [b.get("text", "") for b in blocks if b.get("type") == "text"]
-    calls = [ToolCall(b["name"], b.get("input") or {}) for b in blocks if b.get("type") == "tool_use"]
-    return AssistantOutput(join_texts(reasoning), join_texts(content), calls)
-
-
-class _Line:
-    """One parsed chain line."""
-
-    def __init__(self, number: int, obj: dict[str, Any]) -> None:
-        self.number = number
-        self.type: str = obj["type"]
-        self.uuid: str | None = obj.get("uuid")
-        self.parent: str | None = obj.get("parentUuid")
-        self.ts = parse_ts(obj.get("timestamp"))
-        self.request_ref: str | None = obj.get("requestRef")
-        message = obj.get("message") if self.type in CHAIN_TYPES else None
-        if self.type in CHAIN_TYPES and not isinstance(message, dict):
-            raise TypeError(f"{self.type} line without a message object")
-        self.message: dict[str, Any] = message or {}
-
-    @property
-    def content_blocks(self) -> list[dict[str, Any]]:
-        content = self.message.get("content")
-        if isinstance(content, str):
-            return [{"type": "text", "text": content}]
-        if not isinstance(content, list):
-            raise TypeError("message content is neither a string nor a list")
-        return content
-
-
-class _Transcript:
-    """All lines of one transcript file, sorted by kind."""
-
-    def __init__(self) -> None:
-        self.session_id: str | None = None
-        self.meta: dict[str, Any] = {}
-        self.nodes: dict[str, _Line] = {}  # every line with a uuid (chain walking)
-        self.chain_lines: list[_Line] = []  # user / assistant, file order
-        self.shapes: dict[str, dict[str, Any]] = {}
-        self.blobs: dict[str, dict[str, Any]] = {}
-        self.api_requests: list[tuple[int, dict[str, Any]]] = []
-
-    def add(self, number: int, obj: dict[str, Any]) -> None:
-        kind = obj["type"]
-        self.session_id = self.session_id or obj.get("sessionId")
-        if kind == "api-request-shape":
-            self.shapes[obj["shapeHash"]] = obj["shape"]
-        elif kind == "api-request-blob":
-            self.blobs[obj["hash"]] = obj["message"]
-        elif kind == "api-request":
-            self.api_requests.append((number, obj))
-        if obj.get("isSidechain") or "uuid" not in obj:
-            return
-        line = _Line(number, obj)
-        self.nodes[obj["uuid"]] = line
-        if kind in CHAIN_TYPES:
-            self.chain_lines.append(line)
-            self.meta.setdefault("version", obj.get("version"))
-            self.meta.setdefault("cwd", obj.get("cwd"))
-            if kind == "assistant" and obj["message"].get("model"):
-                self.meta["model"] = obj["message"]["model"]
+__all__ = ["message_hash", "output_of", "read_claude"]
+NO_API_REQUESTS = (
+    "no api-request lines (Claude Code before 2.1): rebuilt from the parentUuid chain; "
+    "system prompt and tools from the last logged shape, if any; no cache_control marks"
+)
 
 
 def read_claude(
@@ -109,88 +46,105 @@ def read_claude(
     """
     path = Path(path)
     report = Problems(strict, problems)
-    transcript = _Transcript()
+    transcript = Transcript()
     for number, obj in iter_jsonl(path, report):
         try:
             transcript.add(number, obj)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             report.report(path, number, f"malformed {obj.get('type', 'line')} line: {exc!r}")
-    requests = _from_api_requests(transcript, path, report) if transcript.api_requests else None
     meta = {k: v for k, v in transcript.meta.items() if v is not None}
-    meta["rebuilt_from"] = "api-request" if requests is not None else "chain"
-    if requests is None:
-        requests = _from_chain(transcript, path, report)
+    if transcript.api_requests:
+        meta["rebuilt_from"] = "api-request"
+        requests = _from_api_requests(transcript, path, report)
+    else:
+        meta["rebuilt_from"] = "chain"
+        requests = from_chain(transcript, path, report, NO_API_REQUESTS)
     return [Trace(transcript.session_id or path.stem, "claude", str(path), requests, meta)]
 
 
-# -- exact rebuild from api-request lines -------------------------------------------------------
-
-
-def _assistant_groups(lines: list[_Line]) -> list[list[_Line]]:
-    """Assistant lines grouped into messages: adjacent lines with the same `message.id` and request."""
-    groups: list[list[_Line]] = []
-    previous: _Line | None = None
-    for line in lines:
-        if line.type == "assistant":
-            if previous is not None and previous.type == "assistant" and _same_message(previous, line):
-                groups[-1].append(line)
-            else:
-                groups.append([line])
-        previous = line
-    return groups
-
-
-def _same_message(a: _Line, b: _Line) -> bool:
-    message_id = b.message.get("id")
-    return message_id is not None and a.message.get("id") == message_id and a.request_ref == b.request_ref
-
-
-def _chain_messages(transcript: _Transcript) -> dict[str, dict[str, Any]]:
-    """Every message the chain can supply, by its hash (user lines and merged assistant messages)."""
+def known_messages(transcript: Transcript) -> dict[str, dict[str, Any]]:
+    """Every message the transcript can supply, by the hash a tail names it by."""
     known = dict(transcript.blobs)
-    for line in transcript.chain_lines:
+    alternates: dict[str, dict[str, Any]] = {}
+    lines = transcript.chain_lines
+    for line in lines:
         if line.type == "user":
-            message: dict[str, Any] = {"role": "user", "content": line.message.get("content")}
+            content = line.message.get("content")
+            message: dict[str, Any] = {"role": "user", "content": content}
             known.setdefault(message_hash(message), message)
-    for group in _assistant_groups(transcript.chain_lines):
+            if isinstance(content, str):  # hashed in the form a cache mark gives it
+                alternates[message_hash({"role": "user", "content": [{"type": "text", "text": content}]})] = (
+                    message
+                )
+    for group in tool_result_groups(lines):
+        merged = {"role": "user", "content": [block for line in group for block in line.content_blocks]}
+        known.setdefault(message_hash(merged), merged)
+    for group in assistant_groups(lines):
         blocks = [block for line in group for block in line.content_blocks]
-        candidates: list[dict[str, Any]] = [
+        for candidate in (
             {"role": "assistant", "content": blocks},
             {"role": "assistant", "content": group[0].content_blocks},
-        ]
-        for message in candidates:
-            known.setdefault(message_hash(message), message)
+        ):
+            known.setdefault(message_hash(candidate), candidate)
+    for digest, message in alternates.items():
+        known.setdefault(digest, message)
     return known
 
 
-def _from_api_requests(transcript: _Transcript, path: Path, report: Problems) -> list[TraceRequest] | None:
-    """Bodies exactly as sent; None (after reporting why) when one cannot be rebuilt."""
-    known = _chain_messages(transcript)
-    outputs: dict[str, list[_Line]] = {}
+def _from_api_requests(transcript: Transcript, path: Path, report: Problems) -> list[TraceRequest]:
+    known = known_messages(transcript)
+    answers: dict[str, list[Any]] = {}
     for line in transcript.chain_lines:
         if line.type == "assistant" and line.request_ref:
-            outputs.setdefault(line.request_ref, []).append(line)
+            answers.setdefault(line.request_ref, []).append(line)
+    chain: dict[str, list[dict[str, Any]]] | None = None  # built on the first request that needs it
     sent: dict[str, list[dict[str, Any]]] = {}  # request id -> messages before cache_control marks
+    approximate: dict[str, str] = {}  # request id -> why
     requests = []
-    for number, obj in transcript.api_requests:
+    for index, (number, obj) in enumerate(transcript.api_requests):
+        answer = answers.get(obj["id"])
         try:
             messages = _request_messages(obj, sent, known)
+            why = _inherited(obj, approximate)
         except (KeyError, TypeError, ValueError) as exc:
-            report.report(
-                path, number, f"cannot rebuild api-request ({exc}); rebuilding from the parentUuid chain"
-            )
-            return None
+            if chain is None:
+                chain = {p.answer[0].uuid or "": p.messages for p in chain_prompts(transcript, path, report)}
+            found = chain.get(answer[0].uuid or "") if answer else None
+            why = f"api-request {index} (line {number}): {exc}"
+            if found is None:
+                log.warning("%s: %s; not on the chain either: left out", path, why)
+                continue
+            why += "; its messages rebuilt from the parentUuid chain"
+            messages = found
         sent[obj["id"]] = messages
-        answer = outputs.get(obj["id"])
+        if why:
+            approximate[obj["id"]] = why
         if not answer:
             continue  # a call that produced nothing (aborted or failed): nothing to replay
         body = _request_body(obj, messages, transcript.shapes.get(obj.get("shapeHash") or "", {}))
         output = output_of([block for line in answer for block in line.content_blocks])
         after_tool = is_tool_result_last("anthropic", body)
-        requests.append(
-            TraceRequest("anthropic", body, output, after_tool, parse_ts(obj.get("timestamp")), answer[-1].ts)
+        ts = parse_ts(obj.get("timestamp"))
+        fidelity = "approximate" if why else "identical"
+        requests.append(TraceRequest("anthropic", body, output, after_tool, ts, answer[-1].ts, fidelity, why))
+    if approximate:
+        first = next(iter(approximate.values()))
+        log.warning(
+            "%s: %d of %d requests rebuilt approximately; first: %s",
+            path,
+            len(approximate),
+            len(transcript.api_requests),
+            first,
         )
     return requests
+
+
+def _inherited(obj: dict[str, Any], approximate: dict[str, str]) -> str | None:
+    """Why a request is approximate when the messages it keeps come from an approximate one."""
+    base = obj.get("base")
+    if base in approximate and int(obj.get("keep") or 0) > 0:
+        return f"keeps messages of api-request {base}, rebuilt approximately"
+    return None
 
 
 def _request_messages(
@@ -241,91 +195,16 @@ def _collapse_system_text(message: dict[str, Any]) -> None:
 
 
 def _set_path(body: dict[str, Any], path: list[Any], value: Any) -> None:
-    """Set `cache_control` at a path like ["messages", 3, "content", 0]; paths that miss are ignored."""
+    """Set `cache_control` at a path like ["messages", 3, "content", 0]; string content on the
+    way becomes one text block (as Claude Code marks it); paths that miss are ignored."""
     node: Any = body
     try:
-        for step in path:
-            node = node[step]
+        for i, step in enumerate(path):
+            child = node[step]
+            if isinstance(child, str) and step == "content" and path[i + 1 : i + 2] == [0]:
+                child = node[step] = [{"type": "text", "text": child}]
+            node = child
     except (KeyError, IndexError, TypeError):
         return
     if isinstance(node, dict):
         node["cache_control"] = value
-
-
-# -- rebuild from the parentUuid chain alone ----------------------------------------------------
-
-
-def _leaf_chain(transcript: _Transcript) -> list[_Line]:
-    """The user/assistant lines from the root to the last chain line, following `parentUuid`."""
-    if not transcript.chain_lines:
-        return []
-    chain: list[_Line] = []
-    seen: set[str] = set()
-    node: _Line | None = transcript.chain_lines[-1]
-    while node is not None and node.uuid not in seen:
-        seen.add(node.uuid or "")
-        if node.type in CHAIN_TYPES:
-            chain.append(node)
-        node = transcript.nodes.get(node.parent) if node.parent else None
-    return chain[::-1]
-
-
-def _from_chain(transcript: _Transcript, path: Path, report: Problems) -> list[TraceRequest]:
-    messages: list[dict[str, Any]] = []
-    requests: list[TraceRequest] = []
-    model = transcript.meta.get("model") or "claude"
-    last_ts: float | None = None
-    chain = _leaf_chain(transcript)
-    for i, line in enumerate(chain):
-        try:
-            blocks = line.content_blocks
-        except TypeError as exc:
-            report.report(path, line.number, str(exc))
-            continue
-        if line.type == "user":
-            _append_user(messages, line.message.get("content"))
-            last_ts = line.ts
-            continue
-        if i > 0 and chain[i - 1].type == "assistant" and _same_message(chain[i - 1], line):
-            messages[-1]["content"].extend(blocks)
-            requests[-1] = _with_output(requests[-1], messages[-1]["content"], line.ts)
-            continue
-        body = {**_chain_body_defaults(transcript, model), "messages": copy.deepcopy(messages)}
-        after_tool = is_tool_result_last("anthropic", body)
-        requests.append(
-            TraceRequest("anthropic", body, output_of(blocks), after_tool, last_ts or line.ts, line.ts)
-        )
-        messages.append({"role": "assistant", "content": list(blocks)})
-    return requests
-
-
-def _chain_body_defaults(transcript: _Transcript, model: str) -> dict[str, Any]:
-    """Model, system, tools and parameters for chain-rebuilt bodies: the last logged shape and
-    request parameters where the transcript has them, else a plain Messages body."""
-    body: dict[str, Any] = {"model": model}
-    shape = list(transcript.shapes.values())[-1] if transcript.shapes else {}
-    body.update({key: copy.deepcopy(shape[key]) for key in ("system", "tools") if shape.get(key)})
-    params = dict(transcript.api_requests[-1][1].get("params") or {}) if transcript.api_requests else {}
-    params.pop("betas", None)
-    body.update(params or {"max_tokens": 32000})
-    body["stream"] = True
-    return body
-
-
-def _append_user(messages: list[dict[str, Any]], content: Any) -> None:
-    """Add a user message; consecutive user lines merge into one message, as Claude Code sends them."""
-    if messages and messages[-1]["role"] == "user":
-        previous = messages[-1]["content"]
-        as_blocks = [{"type": "text", "text": c} if isinstance(c, str) else c for c in (previous, content)]
-        merged: list[Any] = []
-        for part in as_blocks:
-            merged.extend(part if isinstance(part, list) else [part])
-        messages[-1]["content"] = merged
-    else:
-        messages.append({"role": "user", "content": content})
-
-
-def _with_output(request: TraceRequest, blocks: list[dict[str, Any]], ts: float | None) -> TraceRequest:
-    return TraceRequest(
-        request.protocol, request.body, output_of(blocks), request.after_tool_result, request.ts, ts
-    )

@@ -7,11 +7,16 @@ items. Codex 0.171 stamps each output item with `metadata.sampled_through_sequen
 last history item the call saw), which separates back-to-back calls exactly; without it a
 call is a maximal run of output items.
 
-What a rollout does not hold, so the rebuilt body differs from the wire: the tool schemas
-(taken from `session_meta.payload.ft_tools`, which our generator writes, or the `tools`
-argument), the `id` of the base-instructions message, and, when Codex trims its base
-instructions per turn, the exact text sent. Codex sends the base instructions as the first
-`developer` message (no `instructions` field); `instructions_field=True` uses the field.
+What a rollout does not hold comes from the profile of its CLI version
+(`codex_profiles.py`): the tool schemas, `tool_choice` / `parallel_tool_calls` / `reasoning`
+/ `store` / `include`, and the sections Codex cuts from its base instructions before sending
+them. A version without a profile is rebuilt with the nearest one, with a warning, and its
+requests are marked approximate. Rollouts our generator writes carry their tools in
+`session_meta.payload.ft_tools` (no profile needed); the `tools` argument overrides both.
+`client_metadata` gets the ids the rollout has (session, thread, turn, root turn), not the
+installation id or the turn-metadata header; the base-instructions item goes without its `id`.
+Codex sends the base instructions as the first `developer` message (no `instructions` field);
+`instructions_field=True` uses the field.
 """
 
 from __future__ import annotations
@@ -19,22 +24,40 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from adapters.readers.common import Problems, TraceError, iter_jsonl, join_texts, parse_arguments, parse_ts
+from adapters.readers.codex_profiles import CodexProfile, nearest_profile, profiles
+from adapters.readers.common import (
+    Problems,
+    TraceError,
+    iter_jsonl,
+    join_texts,
+    log,
+    parse_arguments,
+    parse_ts,
+)
 from adapters.trace import AssistantOutput, ToolCall, Trace, TraceRequest, is_tool_result_last
 
 OUTPUT_TYPES = {"reasoning", "function_call", "custom_tool_call", "local_shell_call", "web_search_call"}
 INPUT_TYPES = {"message", "function_call_output", "custom_tool_call_output"}
 PRIVATE_KEYS = ("internal_chat_message_metadata_passthrough",)
+DEFAULT_PARAMS = {
+    "reasoning": {"summary": "auto"},
+    "store": False,
+    "include": ["reasoning.encrypted_content"],
+}
 
 
 class _Call:
-    """One model call being assembled: its input snapshot and the output items it produced."""
+    """One model call being assembled: its input snapshot, the turn it belongs to and the
+    output items it produced."""
 
-    def __init__(self, items: list[dict[str, Any]], sampled: Any, ts: float | None) -> None:
+    def __init__(
+        self, items: list[dict[str, Any]], sampled: Any, ts: float | None, turn: dict[str, Any]
+    ) -> None:
         self.input = list(items)
         self.sampled = sampled
         self.ts = ts
         self.output_ts = ts
+        self.turn = turn
         self.outputs: list[dict[str, Any]] = []
 
 
@@ -78,9 +101,14 @@ def build_body(
     items: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     instructions_field: bool,
+    profile: CodexProfile | None = None,
+    turn: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The Responses API body Codex sends for one call whose history is `items`."""
+    """The Responses API body Codex sends for one call whose history is `items`; `profile`
+    trims the base instructions and gives the parameters, `turn` the ids of `client_metadata`."""
     base = meta.get("base_instructions")
+    if base and profile is not None:
+        base = profile.instructions(base)
     body: dict[str, Any] = {"model": meta.get("model") or "codex", "stream": True}
     if base and instructions_field:
         body["instructions"] = base
@@ -96,9 +124,12 @@ def build_body(
         body["input"] = items
     if tools:
         body.update(tools=tools, tool_choice="auto", parallel_tool_calls=True)
-    body.update(reasoning={"summary": "auto"}, store=False, include=["reasoning.encrypted_content"])
+    body.update(profile.params if profile is not None else DEFAULT_PARAMS)
     if meta.get("session_id"):
         body["prompt_cache_key"] = meta["session_id"]
+    if turn and meta.get("session_id"):
+        ids = {"session_id": meta["session_id"], "thread_id": meta.get("thread_id") or meta["session_id"]}
+        body["client_metadata"] = {**ids, **turn}
     return body
 
 
@@ -111,6 +142,7 @@ class _Rollout:
         self.calls: list[_Call] = []
         self.current: _Call | None = None  # the call still collecting output items
         self.last_ts: float | None = None
+        self.turn: dict[str, Any] = {}  # ids of the current turn (from turn_context)
 
     def add_line(self, line: dict[str, Any]) -> None:
         kind, payload = line["type"], line.get("payload")
@@ -120,6 +152,9 @@ class _Rollout:
             self._read_meta(payload)
         elif kind == "turn_context":
             self.meta["model"] = payload.get("model") or self.meta.get("model")
+            self.turn = {
+                k: payload[k] for k in ("turn_id", "root_turn_id") if isinstance(payload.get(k), str)
+            }
         elif kind == "compacted" and isinstance(payload.get("replacement_history"), list):
             self.items, self.current = [wire_item(i) for i in payload["replacement_history"]], None
         elif kind == "response_item":
@@ -129,6 +164,7 @@ class _Rollout:
         base = payload.get("base_instructions")
         self.meta["base_instructions"] = base.get("text") if isinstance(base, dict) else base
         self.meta["session_id"] = payload.get("session_id") or payload.get("id")
+        self.meta["thread_id"] = payload.get("id")
         for key in ("cli_version", "cwd", "originator", "model_provider", "ft_tools"):
             if payload.get(key) is not None:
                 self.meta[key] = payload[key]
@@ -146,7 +182,7 @@ class _Rollout:
         sampled = (line.get("metadata") or {}).get("sampled_through_sequence")
         if self.current is None or (sampled is not None and sampled != self.current.sampled):
             # the request left when its last input was logged
-            self.current = _Call(self.items, sampled, self.last_ts or ts)
+            self.current = _Call(self.items, sampled, self.last_ts or ts, self.turn)
             self.calls.append(self.current)
         self.current.outputs.append(item)
         self.current.output_ts = ts or self.current.output_ts
@@ -176,13 +212,39 @@ def read_codex(
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             report.report(path, number, f"malformed {line.get('type', 'line')} line: {exc!r}")
     meta = rollout.meta
-    tools = tools if tools is not None else meta.pop("ft_tools", None)
+    generated_tools = meta.pop("ft_tools", None)
+    profile, why = None, None
+    if generated_tools is None:
+        profile, why = _profile_for(meta, path)
+        generated_tools = profile.tools
+    tools = tools if tools is not None else generated_tools
     requests = []
     for call in rollout.calls:
-        body = build_body(meta, call.input, tools, instructions_field)
+        turn = call.turn if profile is not None else None  # generated rollouts: the generator's body
+        body = build_body(meta, call.input, tools, instructions_field, profile, turn)
         after_tool = is_tool_result_last("responses", body)
+        output = output_of(call.outputs)
+        fidelity = "approximate" if why else "identical"
         requests.append(
-            TraceRequest("responses", body, output_of(call.outputs), after_tool, call.ts, call.output_ts)
+            TraceRequest("responses", body, output, after_tool, call.ts, call.output_ts, fidelity, why)
         )
     meta.pop("base_instructions", None)
+    meta.pop("thread_id", None)
     return [Trace(meta.get("session_id") or path.stem, "codex", str(path), requests, meta)]
+
+
+def _profile_for(meta: dict[str, Any], path: Path) -> tuple[CodexProfile, str | None]:
+    """The profile of the rollout's CLI version, and why the rebuild is approximate (None if not)."""
+    version, originator = meta.get("cli_version"), meta.get("originator")
+    profile = nearest_profile(version)
+    if version not in profiles():
+        why = (
+            f"Codex {version or '(no cli_version)'} has no profile (known: {', '.join(profiles())}): "
+            f"tools, parameters and instruction trimming of {profile.version} used"
+        )
+        log.warning("%s: %s", path, why)
+        return profile, why
+    if originator and originator != profile.originator:
+        why = f"profile captured from {profile.originator}, rollout written by {originator}: tools may differ"
+        return profile, why
+    return profile, None

@@ -2,14 +2,44 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
+import lzma
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("ft.adapters.readers")
+COMPRESSED = {".xz": lzma.open, ".gz": gzip.open}
+
+
+def read_bytes(path: Path) -> bytes:
+    """The file's bytes; `.xz` and `.gz` files decompressed (committed test data is kept small so)."""
+    opener = COMPRESSED.get(path.suffix)
+    if opener is None:
+        return path.read_bytes()
+    try:
+        with opener(path, "rb") as handle:
+            return handle.read()
+    except (EOFError, lzma.LZMAError) as exc:
+        raise OSError(f"corrupt {path.suffix} file ({exc})") from None
+
+
+def head_lines(path: Path, count: int) -> list[str]:
+    """The first `count` lines of a (possibly compressed) text file, read lazily."""
+    opener = COMPRESSED.get(path.suffix, open)
+    try:
+        with opener(path, "rt", encoding="utf-8") as handle:
+            return [handle.readline() for _ in range(count)]
+    except (EOFError, lzma.LZMAError, UnicodeDecodeError) as exc:
+        raise OSError(f"unreadable {path.name} ({exc})") from None
+
+
+def inner_suffix(path: Path) -> str:
+    """The suffix that names the format: `.jsonl` for both `a.jsonl` and `a.jsonl.xz`."""
+    return Path(path.stem).suffix if path.suffix in COMPRESSED else path.suffix
 
 
 class TraceError(ValueError):
@@ -44,7 +74,7 @@ class Problems:
 def iter_jsonl(path: Path, problems: Problems) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line number, object) for each non-blank line that is a JSON object; others are reported."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_bytes(path).decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         problems.report(path, None, f"cannot read: {exc}")
         return

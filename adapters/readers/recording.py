@@ -6,7 +6,7 @@ from pathlib import Path
 
 import msgspec
 
-from adapters.readers.common import Problems, TraceError
+from adapters.readers.common import Problems, TraceError, read_bytes
 from adapters.trace import RecordLine, Trace, TraceRequest, is_tool_result_last
 
 _decoder = msgspec.json.Decoder(RecordLine)
@@ -23,7 +23,7 @@ def read_recording(
     path = Path(path)
     report = Problems(strict, problems)
     try:
-        text = path.read_bytes()
+        text = read_bytes(path)
     except OSError as exc:
         report.report(path, None, f"cannot read: {exc}")
         return []

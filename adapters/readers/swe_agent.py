@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from adapters.readers.common import Problems, TraceError, parse_arguments
+from adapters.readers.common import Problems, TraceError, parse_arguments, read_bytes
 from adapters.trace import AssistantOutput, ToolCall, Trace, TraceRequest, is_tool_result_last
 
 JSON_TYPES = {str: "string", bool: "boolean", int: "integer", float: "number", list: "array", dict: "object"}
@@ -84,7 +84,7 @@ def read_swe_agent(
     path = Path(path)
     report = Problems(strict, problems)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_bytes(path).decode("utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         report.report(path, getattr(exc, "lineno", None), f"not a readable JSON trajectory: {exc}")
         return []

@@ -30,10 +30,21 @@ def test_codex_rollout_rebuilds_the_input_codex_sent():
     assert [r.protocol for r in trace.requests] == ["responses", "responses"]
     for index, request in enumerate(trace.requests):
         sent = captured(CODEX, index)
-        # Item for item, except the base-instructions message, whose id and trimmed text the rollout lacks.
+        # Item for item; the base instructions trimmed as 0.171 sends them, without the item id.
         assert request.body["input"][1:] == sent["input"][1:]
-        assert request.body["input"][0]["role"] == "developer"
-        for key in ("model", "stream", "reasoning", "store", "include", "prompt_cache_key"):
+        assert request.body["input"][0] == {k: v for k, v in sent["input"][0].items() if k != "id"}
+        assert request.fidelity == "identical"
+        keys = (
+            "model",
+            "stream",
+            "tools",
+            "tool_choice",
+            "parallel_tool_calls",
+            "reasoning",
+            "store",
+            "include",
+        )
+        for key in (*keys, "prompt_cache_key"):
             assert request.body[key] == sent[key]
     first, second = trace.requests
     assert first.output == AssistantOutput(
@@ -69,9 +80,25 @@ def test_claude_transcript_without_api_request_lines_falls_back_to_the_chain(tmp
     [trace] = read_claude(path)
     assert trace.meta["rebuilt_from"] == "chain"
     first, second = trace.requests
-    assert first.body["messages"] == [{"role": "user", "content": "run echo"}]
-    assert [m["role"] for m in second.body["messages"]] == ["user", "assistant", "user"]
+    assert {first.fidelity, second.fidelity} == {"approximate"} and "no api-request lines" in first.why
+    # The reminders around the prompt are kept: the messages are what was sent, less the cache marks.
+    for request, index in ((first, 0), (second, 1)):
+        assert request.body["messages"] == uncached(captured(CLAUDE, index)["messages"])
+    assert [m["role"] for m in second.body["messages"]] == ["user", "system", "assistant", "user"]
     assert second.after_tool_result and second.output.content == "ok"
+
+
+def uncached(messages: list[dict]) -> list[dict]:
+    """Messages without cache_control marks, as Claude Code holds them before marking."""
+    out = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, list):
+            content = [{k: v for k, v in block.items() if k != "cache_control"} for block in content]
+            if message["role"] == "system" and len(content) == 1:
+                content = content[0]["text"]
+        out.append({**message, "content": content})
+    return out
 
 
 SWE_FILES = sorted(SWE.glob("*.traj")) if SWE.is_dir() else []
