@@ -3,6 +3,8 @@ tokens re-prefilled and the suffix floor for each capture policy.
 
 Each request is sent as recorded, streaming, with its recorded answer teacher-forced
 (`ft_forced_output`), so the server checkpoints the same decode-time states as in real use.
+Requests the reader could only rebuild approximately (see adapters/trace.py: fidelity) are
+replayed like the rest, counted apart in the report and listed with the reason.
 Client TTFT is the time to the first SSE event carrying model output. Before each request the
 replay waits until the server's worker is idle (the time a tool or the user would take), so
 background precompute finishes as it would between real turns.
@@ -56,6 +58,7 @@ class Row(msgspec.Struct):
     total_ms: float
     floor_ms: float | None = None
     server_timing: dict[str, float] | None = None  # the server's time to first token by phase (ms)
+    fidelity: str = "identical"  # of the rebuilt request body (adapters/trace.py)
 
 
 class PolicyRun(msgspec.Struct):
@@ -214,6 +217,7 @@ def replay_trace(
                 server_ttft_ms=m.server_ttft_ms,
                 total_ms=round(m.total_ms, 2),
                 server_timing=m.server_timing,
+                fidelity=req.fidelity,
             )
         )
         context = prompt + m.output_tokens
@@ -330,8 +334,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--limit", type=int, metavar="N", help="replay only the first N requests of each session"
     )
     parser.add_argument("--device", default="cpu", help="torch device for --preset (default cpu)")
-    parser.add_argument("--ram-cache", type=float, default=4.0, metavar="GiB",
-                        help="checkpoint RAM budget of each in-process server (default 4)")
+    parser.add_argument(
+        "--ram-cache",
+        type=float,
+        default=4.0,
+        metavar="GiB",
+        help="checkpoint RAM budget of each in-process server (default 4)",
+    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -394,6 +403,7 @@ def _run(args: argparse.Namespace) -> int:
     policies = ["server"] if args.server else parse_policies(args.compare)
     traces = load_traces(args.traces)
     console = Console() if sys.stdout.isatty() else Console(width=200)
+    report.print_fidelity(console, traces, args.limit)
     if args.threads is not None:
         import torch  # noqa: PLC0415
 
@@ -401,7 +411,8 @@ def _run(args: argparse.Namespace) -> int:
     total = sum(len(t.requests[: args.limit]) for t in traces) * len(policies)
     runs: list[PolicyRun] = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    engine = None if args.server else load_engine(_serve_config(args, policies[0]))  # one model for every policy
+    # one model for every policy
+    engine = None if args.server else load_engine(_serve_config(args, policies[0]))
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("replay", total=total)
         advance = lambda: progress.advance(task)  # noqa: E731
@@ -430,6 +441,7 @@ def _run(args: argparse.Namespace) -> int:
         "device": args.device,
         "limit": args.limit,
         "threads": args.threads,
+        "fidelity": report.fidelity_json(traces, args.limit),
     }
     if args.json:
         args.json.write_bytes(report.report_json(runs, summaries, meta))
@@ -446,4 +458,6 @@ def _run(args: argparse.Namespace) -> int:
 def _serve_config(args: argparse.Namespace, policy: str) -> Any:
     from gateway.runtime import ServeConfig  # noqa: PLC0415
 
-    return ServeConfig(preset=args.preset or "tiny", device=args.device, policy=policy, ram_cache_gib=args.ram_cache)
+    return ServeConfig(
+        preset=args.preset or "tiny", device=args.device, policy=policy, ram_cache_gib=args.ram_cache
+    )

@@ -1,5 +1,6 @@
 """What `ft replay` reports: a summary per policy (the Measures of DESIGN.md), rich tables,
-the JSON file and the TTFT plot."""
+the JSON file and the TTFT plot; and how faithful the replayed requests are to what the
+client sent (identical, or rebuilt approximately and why)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from adapters.replay import PolicyRun
+from adapters.trace import Trace
 
 
 class Summary(msgspec.Struct):
@@ -31,6 +33,8 @@ class Summary(msgspec.Struct):
     new_tokens: int
     server_prefilled_tokens: int | None
     seconds: float
+    identical: int = 0  # requests whose body is what the client sent (adapters/trace.py)
+    approximate: int = 0
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -65,6 +69,8 @@ def summarize(run: PolicyRun) -> Summary:
         new_tokens=new,
         server_prefilled_tokens=run.server_prefilled,
         seconds=run.seconds,
+        identical=sum(r.fidelity == "identical" for r in rows),
+        approximate=sum(r.fidelity != "identical" for r in rows),
     )
 
 
@@ -75,7 +81,7 @@ def _ms(value: float | None) -> str:
 def request_table(runs: list[PolicyRun]) -> Table:
     table = Table(title="Requests: client TTFT ms (tokens prefilled)")
     sessions = len({r.session for r in runs[0].rows}) > 1
-    for name in ("#", "session", "tool", "prompt", "new", "floor ms"):
+    for name in ("#", "session", "tool", "≈", "prompt", "new", "floor ms"):
         if name != "session" or sessions:
             table.add_column(name, justify="left" if name == "session" else "right")
     for run in runs:
@@ -85,6 +91,7 @@ def request_table(runs: list[PolicyRun]) -> Table:
             str(row.index),
             *([row.session[:12]] if sessions else []),
             "✓" if row.after_tool_result else "",
+            "" if row.fidelity == "identical" else "≈",
             f"{row.prompt_tokens:,}",
             f"{row.new_tokens:,}",
             _ms(row.floor_ms),
@@ -108,6 +115,7 @@ def summary_table(runs: list[PolicyRun], summaries: list[Summary]) -> Table:
         "re-prefill ratio",
         "prefilled",
         "new",
+        "identical",
         "time s",
     )
     for name in columns:
@@ -125,6 +133,7 @@ def summary_table(runs: list[PolicyRun], summaries: list[Summary]) -> Table:
             "–" if s.reprefill_ratio is None else f"{s.reprefill_ratio:.2f}",
             f"{s.prefilled_tokens:,}",
             f"{s.new_tokens:,}",
+            f"{s.identical}/{s.requests}",
             f"{s.seconds:.0f}",
         )
     return table
@@ -136,6 +145,42 @@ def print_report(
     if rows and runs and runs[0].rows:
         console.print(request_table(runs))
     console.print(summary_table(runs, summaries))
+
+
+def approximate_requests(traces: list[Trace], limit: int | None) -> list[tuple[str, int, str]]:
+    """(session, index, why) of every replayed request rebuilt approximately."""
+    return [
+        (trace.session_id, index, request.why or "")
+        for trace in traces
+        for index, request in enumerate(trace.requests[:limit])
+        if request.fidelity != "identical"
+    ]
+
+
+def print_fidelity(console: Console, traces: list[Trace], limit: int | None) -> None:
+    """One line per session with approximate requests: how many, and the first reason."""
+    approximate = approximate_requests(traces, limit)
+    for trace in traces:
+        mine = [(index, why) for session, index, why in approximate if session == trace.session_id]
+        if mine:
+            total = len(trace.requests[:limit])
+            index, why = mine[0]
+            console.print(
+                f"[yellow]{trace.session_id}: {len(mine)} of {total} requests rebuilt approximately "
+                f"(≈ in the table); request {index}: {why}[/yellow]",
+                highlight=False,
+                soft_wrap=True,
+            )
+
+
+def fidelity_json(traces: list[Trace], limit: int | None) -> dict[str, Any]:
+    approximate = approximate_requests(traces, limit)
+    total = sum(len(t.requests[:limit]) for t in traces)
+    return {
+        "identical": total - len(approximate),
+        "approximate": len(approximate),
+        "approximate_requests": [{"session": s, "index": i, "why": w} for s, i, w in approximate],
+    }
 
 
 def report_json(runs: list[PolicyRun], summaries: list[Summary], meta: dict[str, Any]) -> bytes:

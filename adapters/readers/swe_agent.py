@@ -20,6 +20,7 @@ from typing import Any
 from adapters.readers.common import Problems, TraceError, parse_arguments, read_bytes
 from adapters.trace import AssistantOutput, ToolCall, Trace, TraceRequest, is_tool_result_last
 
+INFERRED_TOOLS = "tool schemas inferred from the calls made (a trajectory does not record them)"
 JSON_TYPES = {str: "string", bool: "boolean", int: "integer", float: "number", list: "array", dict: "object"}
 
 
@@ -107,7 +108,9 @@ def read_swe_agent(
                     body["tools"] = tools
                 body["stream"] = True
                 after_tool = is_tool_result_last("chat", body) or _ends_in_observation(messages)
-                requests.append(TraceRequest("chat", body, output_of(entry), after_tool))
+                output = output_of(entry)
+                fidelity, why = ("approximate", INFERRED_TOOLS) if tools else ("identical", None)
+                requests.append(TraceRequest("chat", body, output, after_tool, None, None, fidelity, why))
             messages.append(chat_message(entry))
         except (KeyError, TypeError, IndexError, AttributeError) as exc:
             report.report(path, None, f"history[{index}] is malformed: {exc!r}")
