@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from adapters.launch import find_cli
 from adapters.readers import detect_format, read_claude, read_codex, read_trace
 from adapters.readers.claude import known_messages, message_hash
 from adapters.readers.claude_transcript import Transcript
@@ -23,7 +24,7 @@ from gateway.protocols import anthropic, responses
 from gateway.render import segment_ids
 from gateway.render.qwen import QwenRenderer
 from gateway.tokenizer import QwenTokenizer
-from traces.capture_clients import dropped_headings
+from traces.capture_clients import dropped_headings, run_session
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "clients"
 SESSIONS = sorted(p.parent for p in DATA.glob("*/*/requests.json.xz"))
@@ -183,3 +184,21 @@ def test_compressed_session_files_are_detected_and_folders_skip_the_captures():
     assert detect_format(session_file(CODEX[0])) == "codex"
     traces = read_trace(DATA, strict=True)
     assert sorted(t.source for t in traces) == ["claude"] * len(CLAUDE) + ["codex"] * len(CODEX)
+
+
+@pytest.mark.slow
+@pytest.mark.agents
+@pytest.mark.parametrize("kind", ["claude", "codex"])
+def test_readers_match_the_installed_cli_now(kind, tmp_path):
+    """Re-drive the installed CLI through a session with parallel tool calls; the readers must
+    still rebuild what it sends (a new CLI version: expect a Codex profile warning here)."""
+    cli = find_cli(kind)
+    if cli is None:
+        pytest.skip(f"{kind} CLI not installed (npm install --prefix .agents ...)")
+    folder = run_session(kind, cli, "echoes", tmp_path / "work", tmp_path / "out")
+    [trace] = read_trace(session_file(folder), strict=True)
+    bodies = sent(folder)
+    assert len(trace.requests) == len(bodies) >= 7
+    for request, body in zip(trace.requests, bodies, strict=True):
+        assert request.fidelity == "identical", request.why
+        assert ids(request.protocol, request.body) == ids(request.protocol, body)
