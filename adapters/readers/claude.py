@@ -20,6 +20,7 @@ from typing import Any
 
 from adapters.readers.claude_chain import chain_prompts, from_chain
 from adapters.readers.claude_transcript import (
+    Line,
     Transcript,
     assistant_groups,
     message_hash,
@@ -91,48 +92,73 @@ def known_messages(transcript: Transcript) -> dict[str, dict[str, Any]]:
     return known
 
 
-def _from_api_requests(transcript: Transcript, path: Path, report: Problems) -> list[TraceRequest]:
-    known = known_messages(transcript)
-    answers: dict[str, list[Any]] = {}
-    for line in transcript.chain_lines:
-        if line.type == "assistant" and line.request_ref:
-            answers.setdefault(line.request_ref, []).append(line)
-    chain: dict[str, list[dict[str, Any]]] | None = None  # built on the first request that needs it
-    sent: dict[str, list[dict[str, Any]]] = {}  # request id -> messages before cache_control marks
-    approximate: dict[str, str] = {}  # request id -> why
-    requests = []
-    for index, (number, obj) in enumerate(transcript.api_requests):
-        answer = answers.get(obj["id"])
+class _Rebuild:
+    """The api-request lines replayed in order: each request's messages from its base, the
+    messages it keeps and its tail, or from the chain when that fails."""
+
+    def __init__(self, transcript: Transcript, path: Path, report: Problems) -> None:
+        self.transcript, self.path, self.report = transcript, path, report
+        self.known = known_messages(transcript)
+        self.answers: dict[str, list[Line]] = {}
+        for line in transcript.chain_lines:
+            if line.type == "assistant" and line.request_ref:
+                self.answers.setdefault(line.request_ref, []).append(line)
+        self.sent: dict[str, list[dict[str, Any]]] = {}  # request id -> messages before cache_control marks
+        self.approximate: dict[str, str] = {}  # request id -> why
+        self._chain: dict[str, list[dict[str, Any]]] | None = None
+
+    def messages(self, index: int, number: int, obj: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """The request's messages (None when it cannot be rebuilt at all); notes why where approximate."""
         try:
-            messages = _request_messages(obj, sent, known)
-            why = _inherited(obj, approximate)
+            messages = _request_messages(obj, self.sent, self.known)
+            why = _inherited(obj, self.approximate)
         except (KeyError, TypeError, ValueError) as exc:
-            if chain is None:
-                chain = {p.answer[0].uuid or "": p.messages for p in chain_prompts(transcript, path, report)}
-            found = chain.get(answer[0].uuid or "") if answer else None
+            answer = self.answers.get(obj["id"])
+            found = self.chain().get(answer[0].uuid or "") if answer else None
             why = f"api-request {index} (line {number}): {exc}"
             if found is None:
-                log.warning("%s: %s; not on the chain either: left out", path, why)
-                continue
+                log.warning("%s: %s; not on the chain either: left out", self.path, why)
+                return None
             why += "; its messages rebuilt from the parentUuid chain"
             messages = found
-        sent[obj["id"]] = messages
+        self.sent[obj["id"]] = messages
         if why:
-            approximate[obj["id"]] = why
-        if not answer:
-            continue  # a call that produced nothing (aborted or failed): nothing to replay
-        body = _request_body(obj, messages, transcript.shapes.get(obj.get("shapeHash") or "", {}))
+            self.approximate[obj["id"]] = why
+        return messages
+
+    def chain(self) -> dict[str, list[dict[str, Any]]]:
+        """Messages before each answer on the chain, by the answer's first line (built once, on need)."""
+        if self._chain is None:
+            prompts = chain_prompts(self.transcript, self.path, self.report)
+            self._chain = {p.answer[0].uuid or "": p.messages for p in prompts}
+        return self._chain
+
+    def request(
+        self, obj: dict[str, Any], messages: list[dict[str, Any]], answer: list[Line]
+    ) -> TraceRequest:
+        body = _request_body(obj, messages, self.transcript.shapes.get(obj.get("shapeHash") or "", {}))
         output = output_of([block for line in answer for block in line.content_blocks])
         after_tool = is_tool_result_last("anthropic", body)
-        ts = parse_ts(obj.get("timestamp"))
+        why = self.approximate.get(obj["id"])
         fidelity = "approximate" if why else "identical"
-        requests.append(TraceRequest("anthropic", body, output, after_tool, ts, answer[-1].ts, fidelity, why))
-    if approximate:
-        first = next(iter(approximate.values()))
+        ts = parse_ts(obj.get("timestamp"))
+        return TraceRequest("anthropic", body, output, after_tool, ts, answer[-1].ts, fidelity, why)
+
+
+def _from_api_requests(transcript: Transcript, path: Path, report: Problems) -> list[TraceRequest]:
+    rebuild = _Rebuild(transcript, path, report)
+    requests = []
+    for index, (number, obj) in enumerate(transcript.api_requests):
+        messages = rebuild.messages(index, number, obj)
+        answer = rebuild.answers.get(obj["id"])
+        if messages is not None and answer:  # a call that produced nothing has nothing to replay
+            requests.append(rebuild.request(obj, messages, answer))
+    if rebuild.approximate:
+        count, first = len(rebuild.approximate), next(iter(rebuild.approximate.values()))
         log.warning(
             "%s: %d of %d requests rebuilt approximately; first: %s",
             path,
-            len(approximate),
+            count,
             len(transcript.api_requests),
             first,
         )

@@ -8,9 +8,6 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import lzma
-from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -20,41 +17,18 @@ from adapters.readers.claude import known_messages, message_hash
 from adapters.readers.claude_transcript import Transcript
 from adapters.readers.codex_profiles import drop_sections, nearest_profile
 from adapters.trace import is_tool_result_last
-from gateway.protocols import anthropic, responses
-from gateway.render import segment_ids
-from gateway.render.qwen import QwenRenderer
-from gateway.tokenizer import QwenTokenizer
+from tests.adapters.clients import (
+    CLAUDE,
+    CODEX,
+    DATA,
+    SESSIONS,
+    ids,
+    sent,
+    session_file,
+    transcript_lines,
+    write_lines,
+)
 from traces.capture_clients import dropped_headings, run_session
-
-DATA = Path(__file__).resolve().parents[1] / "data" / "clients"
-SESSIONS = sorted(p.parent for p in DATA.glob("*/*/requests.json.xz"))
-CLAUDE = sorted(p for p in SESSIONS if p.parent.name.startswith("claude"))
-CODEX = sorted(p for p in SESSIONS if p.parent.name.startswith("codex"))
-RENDERER = QwenRenderer(QwenTokenizer())
-PARSERS = {"anthropic": anthropic, "responses": responses}
-
-
-def ids(protocol: str, body: dict[str, Any]) -> list[int]:
-    return segment_ids(RENDERER.render(PARSERS[protocol].parse_request(body)))
-
-
-def sent(folder: Path) -> list[dict[str, Any]]:
-    """The model requests the CLI sent, in order."""
-    captured = json.loads(lzma.decompress((folder / "requests.json.xz").read_bytes()))
-    return [c["body"] for c in captured if c["method"] == "POST" and c["path"].split("?")[0].endswith(("/messages", "/responses"))]  # fmt: skip
-
-
-def session_file(folder: Path) -> Path:
-    return next(folder.glob("*.jsonl.xz"))
-
-
-def transcript_lines(folder: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in lzma.decompress(session_file(folder).read_bytes()).splitlines()]
-
-
-def write_lines(path: Path, lines: list[dict[str, Any]]) -> Path:
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return path
 
 
 def test_ground_truth_covers_both_clients_in_multi_turn_sessions():

@@ -11,11 +11,7 @@ import lzma
 from adapters.replay import PolicyRun, Row
 from adapters.replay_report import summarize
 from ft.cli import main
-from gateway.protocols import anthropic
-from gateway.render import segment_ids
-from gateway.render.qwen import QwenRenderer
-from gateway.tokenizer import QwenTokenizer
-from tests.adapters.test_readers_clients import DATA, sent, session_file, transcript_lines, write_lines
+from tests.adapters.clients import DATA, ids, sent, session_file, transcript_lines, write_lines
 
 FOLDER = DATA / "claude-2.1.332" / "files"
 
@@ -52,8 +48,7 @@ def test_replay_of_claude_sessions_reports_fidelity(tmp_path, capsys):
     rows = anchor["rows"]
     assert [r["fidelity"] for r in rows[6:]] == ["identical", *["approximate"] * 2, *["identical"] * 3]
     # The server saw prompts exactly as long as the bodies the CLI sent (the same renderer).
-    renderer = QwenRenderer(QwenTokenizer())
-    lengths = [len(segment_ids(renderer.render(anthropic.parse_request(b)))) for b in sent(FOLDER)]
+    lengths = [len(ids("anthropic", body)) for body in sent(FOLDER)]
     assert [r["prompt_tokens"] for r in rows] == lengths * 2
 
 
