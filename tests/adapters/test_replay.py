@@ -251,5 +251,9 @@ def test_server_timing_header_parses():
     from adapters.replay import parse_server_timing
 
     assert parse_server_timing("plan;dur=1.2, queue;dur=0.0,restore;dur=30.5, prefill;dur=120") == {
-        "plan": 1.2, "queue": 0.0, "restore": 30.5, "prefill": 120.0}
+        "plan": 1.2,
+        "queue": 0.0,
+        "restore": 30.5,
+        "prefill": 120.0,
+    }
     assert parse_server_timing("") == {} and parse_server_timing("cache;desc=hit") == {}
