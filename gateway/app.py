@@ -94,10 +94,13 @@ async def models(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
+    """`status` is "draining" (and the code 503) once the server is shutting down."""
     rt: Runtime = request.app.state.runtime
     scheduler = rt.scheduler
-    return JSONResponse({"status": "ok", "model": rt.model_id, "queue_depth": scheduler.queue_depth,
-                         "running": scheduler.running, "idle": rt.idle})
+    draining = request.app.state.drain.draining
+    return JSONResponse({"status": "draining" if draining else "ok", "model": rt.model_id,
+                         "queue_depth": scheduler.queue_depth, "running": scheduler.running, "idle": rt.idle},
+                        status_code=503 if draining else 200)
 
 
 async def metrics(request: Request) -> Response:

@@ -14,6 +14,7 @@ import uvicorn
 
 from engine import Engine
 from gateway.app import create_app
+from gateway.http_server import ServerLimits, make_server
 from gateway.runtime import Runtime, ServeConfig, build_runtime
 
 
@@ -52,12 +53,13 @@ class EmbeddedServer:
         self.stop()
 
 
-def serve_in_thread(config: ServeConfig, engine: Engine | None = None, startup_timeout: float = 300) -> EmbeddedServer:
+def serve_in_thread(config: ServeConfig, engine: Engine | None = None, startup_timeout: float = 300,
+                    limits: ServerLimits | None = None) -> EmbeddedServer:
     """Serve `config` (its host/port replaced by 127.0.0.1 and a free port) on a fresh store;
     `engine` reuses a loaded model. Returns once the server accepts connections."""
     config = dataclasses.replace(config, host="127.0.0.1", port=free_port())
     runtime = build_runtime(config, engine)
-    server = uvicorn.Server(uvicorn.Config(create_app(runtime), host=config.host, port=config.port, log_level="warning"))
+    server = make_server(create_app(runtime), config.host, config.port, limits, log_level="warning")
     thread = threading.Thread(target=server.run, name="ft-embedded-server", daemon=True)
     thread.start()
     deadline = time.monotonic() + startup_timeout

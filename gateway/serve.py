@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
 from pathlib import Path
 
+from gateway.http_server import ServerLimits
 from gateway.policy import POLICIES
 from gateway.runtime import ServeConfig, build_runtime
+
+KEY_ENV = "FT_API_KEY"
 
 
 def count(text: str) -> int:
@@ -39,7 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--disk-cache-size", type=float, default=64.0, metavar="GiB", help="disk cap (default 64)")
     parser.add_argument("--policy", choices=POLICIES, default="anchor",
                         help="where recurrent states are checkpointed (default anchor; see gateway/policy.py)")
-    parser.add_argument("--api-key", help="require this key (Authorization: Bearer or x-api-key)")
+    key = parser.add_mutually_exclusive_group()
+    key.add_argument("--api-key", help="require this key (Authorization: Bearer or x-api-key); visible in ps: "
+                                       f"prefer --api-key-file or ${KEY_ENV}")
+    key.add_argument("--api-key-file", type=Path, metavar="FILE", help="require the key on the first line of FILE")
     parser.add_argument("--record", type=Path, metavar="DIR", help="write every request and its timings as JSONL")
     parser.add_argument("--replay-outputs", type=Path, metavar="FILE",
                         help="JSONL of outputs to teacher-force for successive tool-carrying requests")
@@ -62,15 +69,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=count, default=64, metavar="N",
                         help="requests that may wait beyond --max-running; more are answered with the protocol's "
                              "overloaded error (default 64)")
+    parser.add_argument("--max-connections", type=positive, default=ServerLimits.max_connections, metavar="N",
+                        help="open connections at most (kept below the open-file limit); one more is answered 503 "
+                             f"(default {ServerLimits.max_connections})")
+    parser.add_argument("--shutdown-grace", type=float, default=ServerLimits.shutdown_grace_s, metavar="SECONDS",
+                        help="on SIGTERM/Ctrl-C, answers already running get this long to finish before they end with "
+                             "the protocol's error; queued ones get it at once (default "
+                             f"{ServerLimits.shutdown_grace_s:g})")
     parser.add_argument("--served-model-name", help="model id to report (default: folder or preset name)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key to require: --api-key, --api-key-file's first line, or $FT_API_KEY. An empty key
+    is an error (it would disable the check while looking like it set one)."""
+    if args.api_key is not None:
+        key, source = args.api_key, "--api-key"
+    elif args.api_key_file is not None:
+        lines = args.api_key_file.read_text(encoding="utf-8").splitlines()
+        key, source = (lines[0] if lines else ""), str(args.api_key_file)
+    elif KEY_ENV in os.environ:
+        key, source = os.environ[KEY_ENV], f"${KEY_ENV}"
+    else:
+        return None
+    if not key.strip():
+        raise ValueError(f"{source}: the API key is empty (leave it out to serve without a key)")
+    return key.strip()
+
+
+def limits_from_args(args: argparse.Namespace) -> ServerLimits:
+    if not args.shutdown_grace >= 0:
+        raise ValueError(f"--shutdown-grace: expected seconds >= 0, got {args.shutdown_grace}")
+    return ServerLimits(max_connections=args.max_connections, shutdown_grace_s=args.shutdown_grace)
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(
         model_dir=args.model, preset=args.preset or "tiny", device=args.device, host=args.host, port=args.port,
         ram_cache_gib=args.ram_cache, disk_cache=args.disk_cache, disk_cache_gib=args.disk_cache_size,
-        policy=args.policy, api_key=args.api_key, record_dir=args.record, replay_outputs=args.replay_outputs,
+        policy=args.policy, api_key=api_key(args), record_dir=args.record, replay_outputs=args.replay_outputs,
         keep_volatile=args.keep_volatile, default_max_tokens=args.max_tokens, max_tokens_cap=args.max_tokens_cap,
         forced_decode=args.forced_decode, model_name=args.served_model_name, live_sequences=args.live_sequences,
         max_running=args.max_running, max_queue=args.max_queue,
@@ -89,12 +126,15 @@ def port_problem(host: str, port: int) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn  # noqa: PLC0415
-
     from gateway.app import create_app  # noqa: PLC0415
+    from gateway.http_server import make_server, raise_open_file_limit  # noqa: PLC0415
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = config_from_args(args)
+    try:
+        config, limits = config_from_args(args), limits_from_args(args)
+    except (ValueError, OSError) as exc:
+        print(f"ft serve: {exc}", file=sys.stderr)
+        return 2
     if args.model is not None and not args.model.is_dir():
         print(f"ft serve: {args.model}: no such folder", file=sys.stderr)
         return 2
@@ -111,6 +151,6 @@ def run(args: argparse.Namespace) -> int:
           f"policy {config.policy}, listening on {url}", flush=True)
     print(f"  Claude Code:  ft launch claude --server {url}\n  Codex:        ft launch codex --server {url}\n"
           f"  OpenCode:     ft launch opencode --server {url}", flush=True)
-    uvicorn.run(create_app(runtime), host=config.host, port=config.port, log_level=args.log_level,
-                timeout_graceful_shutdown=5)
+    raise_open_file_limit()
+    make_server(create_app(runtime), config.host, config.port, limits, args.log_level).run()
     return 0

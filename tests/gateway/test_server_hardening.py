@@ -4,14 +4,25 @@ too many connections are cut, and SIGTERM ends every answer in its protocol's sh
 
 from __future__ import annotations
 
+import contextlib
 import os
+import resource
+import signal
+import socket
 import stat
+import subprocess
+import sys
+import threading
+import time
 
 import httpx
 import pytest
 
+from gateway.embedded import serve_in_thread
+from gateway.http_server import ServerLimits
 from gateway.recorder import Recorder
-from tests.conftest import start_server
+from gateway.runtime import ServeConfig
+from tests.conftest import free_port, start_server
 from tests.gateway.test_server_errors import ENDPOINTS, _generated, assert_error_shape
 
 CHAT = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
@@ -31,7 +42,11 @@ def field_of(response: httpx.Response) -> str:
 @pytest.mark.parametrize("depth", [1000, 5000, 150])
 def test_deeply_nested_json_is_a_400(live_server, path, depth):
     nested = b"[" * depth + b"]" * depth
-    payload = b'{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "metadata": ' + nested + b"}"
+    payload = (
+        b'{"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}], "metadata": '
+        + nested
+        + b"}"
+    )
     with live_server.client() as client:
         r = post_raw(client, path, payload)
         assert_error_shape(r, "anthropic" if path.startswith("/v1/messages") else "openai", 400)
@@ -39,16 +54,28 @@ def test_deeply_nested_json_is_a_400(live_server, path, depth):
         assert client.get("/health").json()["status"] == "ok"
 
 
-@pytest.mark.parametrize(("field", "raw"), [
-    ("temperature", b"1e-300"), ("temperature", b"-1"), ("temperature", b"9" * 400), ("top_p", b"-0.5"),
-    ("top_p", b"1" + b"0" * 400), ("max_tokens", b"1.5"),
-])
+@pytest.mark.parametrize(
+    ("field", "raw"),
+    [
+        ("temperature", b"1e-300"),
+        ("temperature", b"-1"),
+        ("temperature", b"9" * 400),
+        ("top_p", b"-0.5"),
+        ("top_p", b"1" + b"0" * 400),
+        ("max_tokens", b"1.5"),
+    ],
+)
 @pytest.mark.parametrize("path", ENDPOINTS)
 def test_numeric_extremes_are_400s_naming_the_field(live_server, path, field, raw):
     if path == "/v1/responses" and field == "max_tokens":
         field = "max_output_tokens"
-    payload = (b'{"model": "tiny", "max_tokens": 2, "input": "hi", "messages": [{"role": "user", "content": "hi"}], "'
-               + field.encode() + b'": ' + raw + b"}")
+    payload = (
+        b'{"model": "tiny", "max_tokens": 2, "input": "hi", "messages": [{"role": "user", "content": "hi"}], "'
+        + field.encode()
+        + b'": '
+        + raw
+        + b"}"
+    )
     with live_server.client() as client:
         r = post_raw(client, path, payload)
     assert_error_shape(r, ENDPOINTS[path], 400)
@@ -89,24 +116,38 @@ def test_the_key_is_checked_safely():
             bad = client.post("/v1/messages", json=CHAT, headers={"x-api-key": b"\xff\xfe sekret"})
             assert_error_shape(bad, "anthropic", 400)
             assert field_of(bad) == "headers.x-api-key"
-            bad = client.post("/v1/chat/completions", json=CHAT, headers={"authorization": b"Bearer \xc3\x28"})
+            bad = client.post(
+                "/v1/chat/completions", json=CHAT, headers={"authorization": b"Bearer \xc3\x28"}
+            )
             assert_error_shape(bad, "openai", 400)
             assert field_of(bad) == "headers.authorization"
-            other = client.post("/v1/chat/completions", json=CHAT,
-                                headers={"authorization": "bearer sekret", "x-trace": b"\xff"})
+            other = client.post(
+                "/v1/chat/completions",
+                json=CHAT,
+                headers={"authorization": "bearer sekret", "x-trace": b"\xff"},
+            )
             assert other.status_code == 200, other.text
-            assert_error_shape(client.post("/v1/messages", json=CHAT, headers={"x-api-key": "sekre"}),
-                               "anthropic", 401)
+            assert_error_shape(
+                client.post("/v1/messages", json=CHAT, headers={"x-api-key": "sekre"}), "anthropic", 401
+            )
     finally:
         server.stop()
 
 
 def test_a_non_streaming_client_that_leaves_frees_the_engine(live_server):
     """The client gives up after 1 s; its 5,000-token answer stops within a step or two."""
-    body = {**CHAT, "max_tokens": 5000, "temperature": 0, "messages": [{"role": "user", "content": "write forever"}]}
+    body = {
+        **CHAT,
+        "max_tokens": 5000,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "write forever"}],
+    }
     with live_server.client() as client:
         before = _generated(client)
-        with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=live_server.url, timeout=1.0) as impatient:
+        with (
+            pytest.raises(httpx.ReadTimeout),
+            httpx.Client(base_url=live_server.url, timeout=1.0) as impatient,
+        ):
             impatient.post("/v1/chat/completions", json=body)
         live_server.wait_idle(timeout=120)
         assert _generated(client) - before < 1000
@@ -127,3 +168,210 @@ def test_the_recording_is_private_and_never_follows_a_planted_link(tmp_path, mon
         assert victim.read_text() == "precious\n"
     finally:
         recorder.close()
+
+
+# -- connections: read deadlines and the connection cap (real sockets, short limits)
+
+LIMITS = ServerLimits(head_timeout_s=1.0, body_timeout_s=2.0, max_connections=12)
+GIVE_UP_S = 30  # a socket wait that long means the server never cut the connection
+
+
+@pytest.fixture(scope="module")
+def guarded_server():
+    server = serve_in_thread(ServeConfig(preset="tiny", default_max_tokens=4), limits=LIMITS)
+    yield server
+    server.stop()
+
+
+def connect(server) -> socket.socket:
+    host, port = server.url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=GIVE_UP_S)
+    return sock
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    data = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(4096):
+            data += chunk
+    return data
+
+
+def test_a_connection_that_says_nothing_gets_a_408_and_is_closed(guarded_server):
+    with connect(guarded_server) as sock:
+        assert read_until_closed(sock).startswith(b"HTTP/1.1 408 ")
+
+
+def test_a_head_sent_a_byte_at_a_time_is_cut(guarded_server):
+    """Slowloris: each byte comes well within any idle timeout, the head never completes."""
+    sent = 0
+    with connect(guarded_server) as sock, contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        sock.sendall(b"POST /v1/messages HTTP/1.1\r\nhost: x\r\n")
+        while sent < 10 * GIVE_UP_S:
+            sock.sendall(b"x")
+            sent += 1
+            time.sleep(0.1)
+    assert sent < 10 * GIVE_UP_S  # the server closed the connection first
+
+
+def test_a_body_that_never_completes_is_cut(guarded_server):
+    with connect(guarded_server) as sock:
+        sock.sendall(
+            b"POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 100\r\n\r\n{"
+        )
+        assert read_until_closed(sock) == b""  # closed; the app saw a disconnect
+
+
+def test_kept_alive_connections_serve_several_requests(guarded_server):
+    with guarded_server.client() as client:
+        for _ in range(3):
+            assert client.post("/v1/chat/completions", json=CHAT).status_code == 200
+            time.sleep(0.5)  # idle between requests is the keep-alive timeout's, not the head's
+
+
+def test_connections_beyond_the_cap_get_a_503_and_the_server_serves_on(guarded_server):
+    held = [connect(guarded_server) for _ in range(LIMITS.max_connections)]
+    try:
+        with connect(guarded_server) as extra:
+            assert read_until_closed(extra).startswith(b"HTTP/1.1 503 ")
+    finally:
+        for sock in held:
+            sock.close()
+    deadline = time.monotonic() + GIVE_UP_S
+    while True:  # the server notices the closed sockets on its next loop turns
+        try:
+            assert httpx.get(guarded_server.url + "/health").json()["status"] == "ok"
+            break
+        except httpx.HTTPError:
+            assert time.monotonic() < deadline
+
+
+# -- SIGTERM: a real `ft serve` process
+
+
+def wait_for(condition) -> None:
+    deadline = time.monotonic() + GIVE_UP_S
+    while not condition():
+        assert time.monotonic() < deadline, "condition never held"
+        time.sleep(0.05)
+
+
+def serve_process(*extra: str, preexec_fn=None) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ft", "serve", "--port", str(port), "--log-level", "warning", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=preexec_fn,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            httpx.get(url + "/health")
+            return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("ft serve did not start: " + proc.stdout.read())
+
+
+LONG = {
+    "model": "tiny",
+    "max_tokens": 5000,
+    "temperature": 0,
+    "messages": [{"role": "user", "content": "write forever"}],
+}
+
+
+def test_sigterm_ends_every_answer_in_its_protocols_shape(tmp_path):
+    """One request streams, two wait behind it (--max-running 1). On SIGTERM the waiting ones get
+    the protocol's 503 JSON at once, the stream ends with the protocol's error event after the
+    grace period, the process exits 0 and its checkpoints are on disk."""
+    proc, url = serve_process(
+        "--max-running",
+        "1",
+        "--shutdown-grace",
+        "2",
+        "--disk-cache",
+        str(tmp_path / "ckpt"),
+        "--disk-cache-size",
+        "1",
+    )
+    results: dict[str, object] = {}
+
+    def stream() -> None:
+        with httpx.stream("POST", url + "/v1/messages", json={**LONG, "stream": True}, timeout=120) as r:
+            results["stream"] = (r.status_code, list(r.iter_lines()))
+
+    def waiting(path: str) -> None:
+        body = (
+            LONG
+            if path != "/v1/responses"
+            else {"model": "tiny", "max_output_tokens": 5000, "input": "write"}
+        )
+        results[path] = httpx.post(url + path, json=body, timeout=120)
+
+    threads = [threading.Thread(target=stream)]
+    threads += [
+        threading.Thread(target=waiting, args=(p,)) for p in ("/v1/chat/completions", "/v1/responses")
+    ]
+    try:
+        threads[0].start()
+        wait_for(lambda: httpx.get(url + "/health").json()["running"] == 1)
+        for t in threads[1:]:
+            t.start()
+        wait_for(lambda: httpx.get(url + "/health").json()["queue_depth"] == 2)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(120)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = proc.stdout.read()
+    for path in ("/v1/chat/completions", "/v1/responses"):
+        assert_error_shape(results[path], "openai", 503)
+        assert results[path].json()["error"]["code"] == "server_shutting_down"
+    status, lines = results["stream"]
+    assert status == 200 and "event: error" in lines and "Traceback" not in output
+    assert any(line.startswith("data: ") and '"overloaded_error"' in line for line in lines)
+    assert any((tmp_path / "ckpt").iterdir())  # the store was opened and closed cleanly
+
+
+def test_at_the_open_file_limit_the_server_logs_once_and_recovers():
+    """1,500 connections at once against a 256-descriptor limit: the excess is refused or waits
+    in the backlog, a handful of warning lines (no tracebacks), and the server answers after."""
+
+    def low_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+    proc, url = serve_process(preexec_fn=low_limit)
+    socks = []
+    try:
+        host, port = url.removeprefix("http://").split(":")
+        for _ in range(1500):
+            sock = socket.socket()
+            sock.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                sock.connect((host, int(port)))
+            socks.append(sock)
+        time.sleep(3)
+        for sock in socks:
+            sock.close()
+        deadline = time.monotonic() + GIVE_UP_S
+        while True:
+            try:
+                assert httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=60).status_code == 200
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline
+        proc.terminate()
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    output = proc.stdout.read()
+    assert "Traceback" not in output and len(output.splitlines()) < 20, output[-3000:]

@@ -1,0 +1,230 @@
+"""The uvicorn server `ft serve` runs, with what plain uvicorn leaves open:
+
+- a request head must arrive within `head_timeout_s` of the connection (or of its first byte
+  on a kept-alive one) and its body within `body_timeout_s` after the head: a client that sends
+  a byte at a time (slowloris) is cut, as is one that connects and says nothing;
+- at most `max_connections` open connections, kept below the open-file limit (whose soft value
+  is raised to the hard one at start): one more is answered 503 and closed at once, so the
+  accept loop never meets EMFILE in normal operation;
+- if it does (other files use the descriptors), asyncio's per-failure traceback becomes one
+  warning a minute;
+- on SIGTERM or Ctrl-C the app's `Drain` (gateway/drain.py) begins before connections close,
+  and answers still running get `shutdown_grace_s` seconds.
+
+One warning a minute, with a count, for each kind of cut connection: a flood is never a flood
+of log lines."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import resource
+import time
+from dataclasses import dataclass
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger("gateway.http")
+
+ACCEPT_FAILED = "socket.accept() out of system resource"  # asyncio's message (selector_events)
+FD_RESERVE = 64  # descriptors kept free beyond those open at start (store, logs, model files)
+# connections waiting to be accepted, and (asyncio) accepted per loop turn: also how often one failing
+# turn retries accept() in vain (asyncio's loop goes on after EMFILE); uvicorn's default is 2048
+ACCEPT_BACKLOG = 128
+REJECT_503 = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nretry-after: 1\r\nconnection: close\r\n\r\n"
+)
+TIMEOUT_408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    head_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    keep_alive_s: int = 5
+    max_connections: int = 1024
+    shutdown_grace_s: float = 5.0
+
+
+class RateLimitedLog:
+    """`note()` counts an event; a warning goes out at the first one and then at most once per
+    `interval_s`, with how many happened since the last warning."""
+
+    def __init__(self, message: str, interval_s: float = 60.0):
+        self.message, self.interval_s = message, interval_s
+        self.count, self.total, self._last = 0, 0, -float("inf")
+
+    def note(self) -> None:
+        self.count += 1
+        self.total += 1
+        now = time.monotonic()
+        if now - self._last >= self.interval_s:
+            if self.total == 1:
+                log.warning("%s", self.message)
+            else:
+                log.warning("%s (%d times since the last such warning)", self.message, self.count)
+            self.count, self._last = 0, now
+
+
+def raise_open_file_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit; returns the soft limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    return soft
+
+
+def open_files() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return FD_RESERVE
+
+
+def connection_cap(wanted: int) -> int:
+    """`wanted`, or fewer: what the open-file limit leaves after the files open now and a reserve."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    return max(1, min(wanted, soft - open_files() - FD_RESERVE))
+
+
+class GuardedH11(H11Protocol):
+    """uvicorn's h11 protocol with read deadlines and a connection cap (set by `guarded_protocol`)."""
+
+    limits: ServerLimits = ServerLimits()
+    max_connections: int = ServerLimits.max_connections
+    logs: dict[str, RateLimitedLog] = {}
+
+    rejected = False
+    _deadline: asyncio.TimerHandle | None = None
+    _reading: str | None = None  # "head" | "body" while a deadline runs
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if len(self.connections) >= self.max_connections:
+            self.rejected, self.transport = True, transport
+            transport.write(REJECT_503)
+            transport.close()
+            self.logs["cap"].note()
+            return
+        super().connection_made(transport)
+        self._watch("head", self.limits.head_timeout_s)
+
+    def data_received(self, data: bytes) -> None:
+        if self.rejected:
+            return
+        super().data_received(data)
+        self._follow()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._follow()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._unwatch()
+        if not self.rejected:
+            super().connection_lost(exc)
+
+    def _follow(self) -> None:
+        """The deadline that applies to the request now being read, if any."""
+        state = self.conn.their_state
+        if state is h11.IDLE and self.conn.trailing_data[0]:  # part of a head has arrived
+            self._watch("head", self.limits.head_timeout_s)
+        elif state is h11.SEND_BODY:
+            self._watch("body", self.limits.body_timeout_s)
+        elif state is not h11.IDLE:
+            self._unwatch()
+
+    def _watch(self, reading: str, timeout_s: float) -> None:
+        if self._reading != reading:
+            self._unwatch()
+            self._reading = reading
+            self._deadline = self.loop.call_later(timeout_s, self._expired, reading)
+
+    def _unwatch(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self._deadline, self._reading = None, None
+
+    def _expired(self, reading: str) -> None:
+        self._deadline, self._reading = None, None
+        if self.transport.is_closing():
+            return
+        self.logs[reading].note()
+        if reading == "head" and self.conn.our_state is h11.IDLE:
+            self.transport.write(TIMEOUT_408)
+        self.transport.close()  # a body cut short reaches the app as a disconnect
+
+
+def guarded_protocol(limits: ServerLimits) -> type[GuardedH11]:
+    """A `GuardedH11` class bound to `limits` (uvicorn builds protocols with a fixed signature)."""
+    logs = {
+        "cap": RateLimitedLog("connection refused: already at the connection limit"),
+        "head": RateLimitedLog(
+            f"connection closed: no complete request head within {limits.head_timeout_s:g} s"
+        ),
+        "body": RateLimitedLog(
+            f"connection closed: request body not complete within {limits.body_timeout_s:g} s"
+        ),
+    }
+    cap = connection_cap(limits.max_connections)
+    return type("GuardedH11", (GuardedH11,), {"limits": limits, "max_connections": cap, "logs": logs})
+
+
+class GatewayServer(uvicorn.Server):
+    """Begins the app's drain when shutdown begins; one warning a minute when accept fails."""
+
+    def __init__(self, config: uvicorn.Config, limits: ServerLimits):
+        super().__init__(config)
+        self.limits = limits
+        self.accept_failures = RateLimitedLog("cannot accept connections: out of file descriptors")
+
+    async def startup(self, sockets=None) -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(self._loop_exception)
+        await super().startup(sockets)
+
+    def _loop_exception(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
+        if context.get("message") == ACCEPT_FAILED:
+            self.accept_failures.note()
+        else:
+            loop.default_exception_handler(context)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        """A stop by signal that completes gracefully exits with status 0 (uvicorn would raise the
+        signal again once shut down: status 130 for Ctrl-C, death by SIGTERM)."""
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
+
+    async def shutdown(self, sockets=None) -> None:
+        drain = getattr(getattr(self.config.app, "state", None), "drain", None)
+        if drain is not None:
+            drain.begin(self.limits.shutdown_grace_s)
+        await super().shutdown(sockets)
+
+
+def make_server(
+    app, host: str, port: int, limits: ServerLimits | None = None, log_level: str = "info"
+) -> GatewayServer:
+    """The server for `app` (the gateway's Starlette app; its `state.drain` begins at shutdown).
+    Answers still running at the end of the grace period are ended by the drain; uvicorn's own
+    graceful timeout, a little later, is the backstop."""
+    limits = limits or ServerLimits()
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        http=guarded_protocol(limits),
+        backlog=ACCEPT_BACKLOG,
+        timeout_keep_alive=limits.keep_alive_s,
+        timeout_graceful_shutdown=int(limits.shutdown_grace_s) + 3,
+    )
+    return GatewayServer(config, limits)
