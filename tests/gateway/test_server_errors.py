@@ -169,3 +169,39 @@ def test_a_failure_after_the_first_token_is_the_protocols_error(monkeypatch):
             assert client.post("/v1/chat/completions", json=body).status_code == 200
     finally:
         server.stop()
+
+
+numeric_extremes = (
+    st.integers(min_value=-(10**400), max_value=10**400)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.sampled_from([5e-324, 1e-300, 1e-3, 2.0, 1.7976931348623157e308, -0.0, 2**63, 2**64 - 1, 2**64, -(2**63) - 1])
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path=st.sampled_from(sorted(ENDPOINTS)), field=st.sampled_from(["temperature", "top_p", "top_k", "seed", "n"]),
+       value=numeric_extremes)
+def test_numeric_extremes_never_give_a_500(live_server, path, field, value):
+    body = {"model": "tiny", "max_tokens": 2, "max_output_tokens": 2, "input": "hi",
+            "messages": [{"role": "user", "content": "hi"}], field: value}
+    with live_server.client() as client:
+        r = client.post(path, json=body)
+    assert r.status_code in (200, 400), r.text
+    if r.status_code == 400:
+        assert_error_shape(r, ENDPOINTS[path], 400)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path=st.sampled_from([*sorted(ENDPOINTS), "/v1/messages/count_tokens"]),
+       field=st.sampled_from(["messages", "tools", "metadata", "input", "system"]),
+       depth=st.integers(min_value=1, max_value=5000), brackets=st.sampled_from([(b"[", b"]"), (b'{"a":', b"}")]))
+def test_nesting_at_any_depth_never_gives_a_500(live_server, path, field, depth, brackets):
+    """JSON built as bytes: Python's own encoder cannot write what the server must survive."""
+    opening, closing = brackets
+    nested = opening * depth + b"1" + closing * depth
+    payload = b'{"model": "tiny", "max_tokens": 2, "input": "hi", "messages": [{"role": "user", "content": "hi"}], "'
+    with live_server.client() as client:
+        r = client.post(path, content=payload.replace(b'"' + field.encode() + b'": ', b'"_": ') + field.encode()
+                        + b'": ' + nested + b"}", headers={"content-type": "application/json"})
+        assert r.status_code in (200, 400), r.text
+        assert client.get("/health").status_code == 200

@@ -4,6 +4,7 @@ too many connections are cut, and SIGTERM ends every answer in its protocol's sh
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import resource
@@ -22,6 +23,7 @@ from gateway.embedded import serve_in_thread
 from gateway.http_server import ServerLimits
 from gateway.recorder import Recorder
 from gateway.runtime import ServeConfig
+from gateway.serve import add_arguments, api_key
 from tests.conftest import free_port, start_server
 from tests.gateway.test_server_errors import ENDPOINTS, _generated, assert_error_shape
 
@@ -375,3 +377,35 @@ def test_at_the_open_file_limit_the_server_logs_once_and_recovers():
             proc.kill()
     output = proc.stdout.read()
     assert "Traceback" not in output and len(output.splitlines()) < 20, output[-3000:]
+
+
+# -- the key's sources
+
+
+def test_an_empty_api_key_is_refused_before_the_model_loads():
+    done = subprocess.run(
+        [sys.executable, "-m", "ft", "serve", "--api-key", "", "--port", str(free_port())],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "the API key is empty" in done.stderr
+
+
+def test_the_key_comes_from_the_flag_a_file_or_the_environment(tmp_path, monkeypatch):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    monkeypatch.setenv("FT_API_KEY", "from-env")
+    assert api_key(parser.parse_args(["--api-key-file", str(key_file)])) == "from-file"
+    assert api_key(parser.parse_args(["--api-key", "flag"])) == "flag"
+    assert api_key(parser.parse_args([])) == "from-env"
+    monkeypatch.setenv("FT_API_KEY", " ")
+    with pytest.raises(ValueError, match="empty"):
+        api_key(parser.parse_args([]))
+    key_file.write_text("")
+    with pytest.raises(ValueError, match="empty"):
+        api_key(parser.parse_args(["--api-key-file", str(key_file)]))
+    monkeypatch.delenv("FT_API_KEY")
+    assert api_key(parser.parse_args([])) is None
