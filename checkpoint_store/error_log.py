@@ -1,9 +1,10 @@
 """Failures of the cache's disk I/O, counted and logged without flooding the log.
 
 A full disk fails every write after the first, and a broken disk every read: a log line
-per failure would bury everything else. Each failure is counted; the first of each cause
-(the error message, so the store and the token memo failing for one reason log once) is a
-warning, later ones a summary line at most once per ``summary_seconds``.
+per failure would bury everything else. Each failure is counted; the first one is a
+warning, later ones a summary line at most once per ``summary_seconds`` (how many, and
+their causes: a write that crosses a file-size limit fails with EIO, the next one with
+EFBIG, and the token memo's writes fail with the checkpoints').
 """
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-
-MAX_CAUSES = 16  # distinct causes logged in full; beyond that only summaries
+from collections import Counter
 
 
 def cause(exc: BaseException | str) -> str:
@@ -24,8 +24,8 @@ def cause(exc: BaseException | str) -> str:
 
 
 class ErrorLog:
-    """A thread-safe counter of failures of one kind (``what``: "checkpoint write") that logs
-    on ``logger``; ``consequence`` says what happens instead (the answer is not affected)."""
+    """A thread-safe counter of failures of one kind (``what``: "checkpoint cache write") that
+    logs on ``logger``; ``consequence`` says what happens instead (the answer is not affected)."""
 
     def __init__(
         self, logger: logging.Logger, what: str, consequence: str, summary_seconds: float = 300.0
@@ -34,8 +34,7 @@ class ErrorLog:
         self.summary_seconds = summary_seconds
         self.count = 0
         self._lock = threading.Lock()
-        self._causes: set[str] = set()
-        self._unlogged = 0
+        self._unlogged: Counter[str] = Counter()
         self._last_line = 0.0
 
     def record(self, exc: BaseException | str, where: str = "", trace: bool = False) -> None:
@@ -43,12 +42,11 @@ class ErrorLog:
         log the first with its traceback, for failures that are not the disk's)."""
         with self._lock:
             self.count += 1
-            key, now = cause(exc), time.monotonic()
-            if key not in self._causes and len(self._causes) < MAX_CAUSES:
-                self._causes.add(key)
+            now = time.monotonic()
+            if self.count == 1:
                 self._last_line = now
                 self.logger.warning(
-                    "%s failed%s: %s; %s (further failures are counted and summarised at most every %.0f s)",
+                    "%s failed%s: %s; %s (further failures are counted, and summarised at most every %.0f s)",
                     self.what,
                     f" ({where})" if where else "",
                     exc,
@@ -57,13 +55,16 @@ class ErrorLog:
                     exc_info=exc if trace and isinstance(exc, BaseException) else None,
                 )
                 return
-            self._unlogged += 1
+            self._unlogged[cause(exc)] += 1
             if now - self._last_line >= self.summary_seconds:
+                causes = ", ".join(f"{c} ×{n}" for c, n in self._unlogged.most_common())
                 self.logger.warning(
-                    "%d more %s failures (%d in all; the latest: %s)",
-                    self._unlogged,
+                    "%d more %s failures in %.0f s (%d in all): %s",
+                    self._unlogged.total(),
                     self.what,
+                    now - self._last_line,
                     self.count,
-                    exc,
+                    causes,
                 )
-                self._unlogged, self._last_line = 0, now
+                self._unlogged.clear()
+                self._last_line = now

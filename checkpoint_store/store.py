@@ -75,6 +75,12 @@ class CheckpointStore:
         if self._disk is not None:
             self._writer = Writer(self._apply, config.max_batch_bytes, config.max_queue_bytes)
 
+    @property
+    def has_disk(self) -> bool:
+        """True while a disk tier is open (False: RAM only, by configuration or because the
+        disk cache could not be used)."""
+        return self._disk is not None
+
     def __enter__(self) -> CheckpointStore:
         return self
 

@@ -127,9 +127,10 @@ def build_runtime(config: ServeConfig, engine: Engine | None = None) -> Runtime:
     ))
     root = root_anchor(engine.fingerprint, renderer.template_id)
     # the memo's ids belong to this model and template, as the checkpoints do
-    # failed memo writes count and log with the store's (one disk, one line in the log)
+    # failed memo writes count and log with the store's (one disk, one line in the log); a cache
+    # folder the store could not use (already logged) keeps the memo in memory, as the checkpoints
     memo_file = (MemoFile(config.disk_cache / f"memo-{root.hex()[:16]}", errors=store.write_errors)
-                 if config.disk_cache else None)
+                 if config.disk_cache and store.has_disk else None)
     return Runtime(
         config=config,
         engine=engine,

@@ -16,6 +16,7 @@ import pytest
 
 from checkpoint_store import CheckpointStore, StoreConfig
 from checkpoint_store.environment import damage
+from checkpoint_store.error_log import ErrorLog
 
 from .synth import assert_same, expected_chain, linear_chain, make_snapshot, put_chain
 
@@ -102,7 +103,7 @@ def test_an_unusable_folder_leaves_the_store_in_ram(tmp_path: Path, caplog) -> N
             put_chain(store, ANCHORS, SNAPS)
             store.flush()
             assert_same(store.load_chain(ANCHORS), expected_chain(SNAPS))
-            assert store.stats().disk_records == 0
+            assert store.stats().disk_records == 0 and not store.has_disk
     (warning,) = warnings_of(caplog)
     assert "cannot use" in warning and "RAM only" in warning
 
@@ -153,3 +154,23 @@ def test_a_full_disk_drops_writes_counts_them_and_logs_once(tmp_path: Path) -> N
     assert stats["write_errors"] > 1 and stats["disk_records"] < stats["puts"]
     assert done.stderr.count("WARNING") == 1 and "checkpoint cache write failed" in done.stderr
     assert damage(tmp_path / "db") is None  # what was committed is intact
+
+
+def test_error_log_logs_the_first_failure_then_summaries(caplog) -> None:
+    logger = logging.getLogger("checkpoint_store.test")
+    quiet, chatty = (
+        ErrorLog(logger, "disk write", "none"),
+        ErrorLog(logger, "disk write", "none", summary_seconds=0),
+    )
+    with caplog.at_level(logging.WARNING, logger="checkpoint_store.test"):
+        for exc in (
+            OSError(5, "Input/output error"),
+            OSError(27, "File too large"),
+            OSError(27, "File too large"),
+        ):
+            quiet.record(exc)
+        assert quiet.count == 3 and len(caplog.records) == 1
+        for exc in ("map full", "disk gone", "disk gone"):
+            chatty.record(exc)
+    assert chatty.count == 3 and len(caplog.records) == 4
+    assert caplog.records[-1].getMessage() == "1 more disk write failures in 0 s (3 in all): disk gone ×1"
