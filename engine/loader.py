@@ -119,6 +119,11 @@ def fingerprint(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> str
 def load_folder(
     folder: str | Path, device: torch.device, dtype: torch.dtype | None = None
 ) -> tuple[HybridForCausalLM, str]:
+    """An HF folder, or a GGUF model (a `.gguf` file, a split, a folder of them: `engine.gguf_loader`)."""
+    from engine.gguf_loader import is_gguf, load_gguf  # noqa: PLC0415 (it builds on this module)
+
+    if is_gguf(folder):
+        return load_gguf(folder, device, dtype)
     folder = Path(folder)
     config = ModelConfig.from_folder(folder)
     state_dict = read_state_dict(folder, dtype)

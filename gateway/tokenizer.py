@@ -144,13 +144,17 @@ class HFTokenizer(_Cached):
         from tokenizers import Tokenizer as RawTokenizer
 
         folder = Path(folder)
-        self._tok = RawTokenizer.from_file(str(folder / "tokenizer.json"))
-        self.name = f"tokenizers:{folder.name}"
+        tok = RawTokenizer.from_file(str(folder / "tokenizer.json"))
+        self._adopt(tok, f"tokenizers:{folder.name}", _eos_ids(folder, tok), cache)
+
+    def _adopt(self, tok, name: str, eos_ids: tuple[int, ...], cache: EncodeCache | None) -> None:
+        self._tok = tok
+        self.name = name
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         added = self._tok.get_added_tokens_decoder()
         self._added = {i: t.content for i, t in added.items()}
         self.special_ids = {t.content: i for i, t in added.items() if t.special}
-        self.eos_ids = _eos_ids(folder, self._tok)
+        self.eos_ids = eos_ids
         self._bytes = _byte_decoder()
         self.cache = cache or EncodeCache()
 
@@ -190,11 +194,25 @@ def _eos_ids(folder: Path, tok) -> tuple[int, ...]:
     return tuple(dict.fromkeys(ids))
 
 
+class GGUFTokenizer(HFTokenizer):
+    """The tokenizer in a GGUF model's metadata (built by `engine.gguf_tokenizer`)."""
+
+    def __init__(self, path: str | Path, cache: EncodeCache | None = None):
+        from engine.gguf_tokenizer import gguf_vocab
+
+        vocab = gguf_vocab(path)
+        self._adopt(vocab.tokenizer, f"gguf:{Path(path).name}", vocab.eos_ids, cache)
+
+
 def load_tokenizer(source: str | Path | None = None) -> Tokenizer:
-    """A model folder with `tokenizer.json` → `HFTokenizer`; anything else (a preset
-    folder, a Qwen model name, None) → the Qwen3.6 tokenizer."""
+    """A model folder with `tokenizer.json` → `HFTokenizer`; a GGUF model → `GGUFTokenizer`;
+    anything else (a preset folder, a Qwen model name, None) → the Qwen3.6 tokenizer."""
+    from engine.gguf_loader import is_gguf
+
     if source is not None and (Path(source) / "tokenizer.json").is_file():
         return HFTokenizer(source)
+    if source is not None and is_gguf(source):
+        return GGUFTokenizer(source)
     name = str(source) if source is not None and str(source).lower().startswith("qwen") else QWEN36_MODEL
     return QwenTokenizer(name)
 

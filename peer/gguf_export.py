@@ -1,25 +1,14 @@
 """Export any model the engine loads (an HF folder or a preset) to GGUF for llama.cpp.
 
 Architectures: Qwen3.5/3.6-MoE → `qwen35moe`, Qwen3-Next → `qwen3next`. The tensor names,
-metadata keys and the transforms are the ones llama.cpp's loader expects (as its own HF
-converter writes them); the transforms, applied here from our loader's in-memory names:
-
-- zero-centred RMSNorm weights are folded: `w` → `1 + w` (llama.cpp multiplies by the weight);
-  the DeltaNet output norm (`linear_attn.norm`, a plain RMSNorm) is left as is;
-- `A_log` → `ssm_a = -exp(A_log)`; `dt_bias` → `ssm_dt.bias`;
-- `conv1d.weight` [C, 1, K] → `ssm_conv1d` [C, K];
-- experts are stacked per layer: `ffn_gate_exps`/`ffn_up_exps` [E, I, H], `ffn_down_exps` [E, H, I];
-- Qwen3-Next's fused `in_proj_qkvz` (per key head: q, k, v-group, z-group) is split into
-  `attn_qkv` (all q ‖ all k ‖ all v) and `attn_gate` (z); `in_proj_ba` is `ssm_ba` unchanged;
-- Qwen3.5: where there are more value heads than key heads, value heads are reordered from
-  grouped (by key head) to tiled order in every tensor that carries them (ggml broadcasts
-  key heads by tiling), and the rope sections key required by `qwen35moe` is written.
+metadata keys and transforms are the ones llama.cpp's loader expects; the name table and the
+transforms live in `engine.gguf_layout`, shared with the engine's GGUF loader (their inverse).
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
+import subprocess
 from pathlib import Path
 
 import gguf
@@ -27,124 +16,24 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
+from engine.gguf_layout import GGUF_ARCH, to_gguf
 from engine.loader import read_state_dict
 from peer.gguf_vocab import add_vocab, qwen_vocab
 
-GGUF_ARCH = {"qwen3_5_moe": "qwen35moe", "qwen3_next": "qwen3next"}
 ROPE_SECTIONS = [11, 11, 10, 0]  # Qwen3.5's interleaved MRoPE; text positions are equal in all sections
 TEMPLATE = Path(__file__).resolve().parent.parent / "gateway" / "render" / "templates" / "qwen3_6.jinja"
 FILE_TYPES = {
     "f32": gguf.LlamaFileType.ALL_F32,
     "f16": gguf.LlamaFileType.MOSTLY_F16,
     "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+    "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,  # gguf's quantizer (bit-exact with ggml's reference)
 }
-
-LAYER_NAMES = {  # our (HF) name inside `model.layers.N.` → GGUF name inside `blk.N.`
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "post_attention_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight",
-    "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight",
-    "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "linear_attn.in_proj_qkv.weight": "attn_qkv.weight",
-    "linear_attn.in_proj_z.weight": "attn_gate.weight",
-    "linear_attn.in_proj_b.weight": "ssm_beta.weight",
-    "linear_attn.in_proj_a.weight": "ssm_alpha.weight",
-    "linear_attn.in_proj_ba.weight": "ssm_ba.weight",
-    "linear_attn.conv1d.weight": "ssm_conv1d.weight",
-    "linear_attn.dt_bias": "ssm_dt.bias",
-    "linear_attn.A_log": "ssm_a",
-    "linear_attn.norm.weight": "ssm_norm.weight",
-    "linear_attn.out_proj.weight": "ssm_out.weight",
-    "mlp.gate.weight": "ffn_gate_inp.weight",
-    "mlp.experts.down_proj": "ffn_down_exps.weight",
-    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
-    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
-    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
-    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
-}
-GLOBAL_NAMES = {
-    "model.embed_tokens.weight": "token_embd.weight",
-    "model.norm.weight": "output_norm.weight",
-    "lm_head.weight": "output.weight",
-}
+# K-quant mixes: written as f32, then requantized by llama.cpp's own `llama-quantize`, which picks
+# each tensor's type (and falls back where a row is not a multiple of 256: Q5_0, Q5_1, Q8_0)
+LLAMA_QUANTIZE = {"q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "q6_k": "Q6_K"}
+DTYPES = sorted([*FILE_TYPES, *LLAMA_QUANTIZE])
 F32_SUFFIXES = ("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
-ZERO_CENTRED = ("layernorm.weight", "q_norm.weight", "k_norm.weight", "model.norm.weight")
-
-
-def gguf_tensors(c: ModelConfig, state_dict: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(GGUF name, fp32 tensor in PyTorch layout) for every weight of the model."""
-    for name, tensor in state_dict.items():
-        t = tensor.float()
-        if name.endswith(ZERO_CENTRED):
-            t = t + 1
-        if name in GLOBAL_NAMES:
-            yield GLOBAL_NAMES[name], t
-            continue
-        _, _, layer, key = name.split(".", 3)
-        blk = f"blk.{layer}."
-        if key == "linear_attn.in_proj_qkvz.weight":
-            qkv, z = split_qkvz(c, t)
-            yield blk + "attn_qkv.weight", qkv
-            yield blk + "attn_gate.weight", z
-            continue
-        if key == "mlp.experts.gate_up_proj":  # [E, 2I, H]
-            gate, up = t.chunk(2, dim=1)
-            yield blk + "ffn_gate_exps.weight", gate
-            yield blk + "ffn_up_exps.weight", up
-            continue
-        if key == "linear_attn.A_log":
-            t = -t.exp()
-        elif key == "linear_attn.conv1d.weight":
-            t = t.squeeze(1)  # [C, K]
-        elif key == "mlp.shared_expert_gate.weight":
-            t = t.reshape(-1)  # [1, H] → [H]
-        if c.arch == "qwen3_5_moe" and key.startswith("linear_attn."):
-            t = tile_value_heads(c, key, t)
-        if key not in LAYER_NAMES:
-            raise KeyError(f"no GGUF name for {name}")
-        yield blk + LAYER_NAMES[key], t
-
-
-def split_qkvz(c: ModelConfig, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen3-Next in_proj_qkvz [Hk*(2Dk + 2gDv), H] → qkv [2Hk*Dk + Hv*Dv, H], z [Hv*Dv, H]."""
-    group = c.linear_num_value_heads // c.linear_num_key_heads
-    dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
-    w = w.view(c.linear_num_key_heads, -1, w.shape[-1])  # [Hk, 2Dk + 2gDv, H]
-    q, k, v, z = w.split([dk, dk, group * dv, group * dv], dim=1)
-    flat = [x.reshape(-1, w.shape[-1]) for x in (q, k, v, z)]
-    return torch.cat(flat[:3]), flat[3]
-
-
-def tile_value_heads(c: ModelConfig, key: str, t: torch.Tensor) -> torch.Tensor:
-    """Value heads grouped by key head [k0v0, k0v1, k1v0, …] → tiled [k0v0, k1v0, k0v1, …]."""
-    hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
-    if hk == hv:
-        return t
-    group, dv = hv // hk, c.linear_value_head_dim
-
-    def tile(x: torch.Tensor, dim: int, head_dim: int) -> torch.Tensor:
-        shape = list(x.shape)
-        x = x.reshape(*shape[:dim], hk, group, head_dim, *shape[dim + 1 :])
-        return x.transpose(dim, dim + 1).reshape(shape)
-
-    if key in ("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight"):
-        qk = 2 * c.linear_key_dim
-        return torch.cat([t[:qk], tile(t[qk:], 0, dv)])
-    if key == "linear_attn.in_proj_z.weight":
-        return tile(t, 0, dv)
-    if key in (
-        "linear_attn.in_proj_b.weight",
-        "linear_attn.in_proj_a.weight",
-        "linear_attn.A_log",
-        "linear_attn.dt_bias",
-    ):
-        return tile(t, 0, 1)
-    if key == "linear_attn.out_proj.weight":
-        return tile(t, 1, dv)
-    return t
+gguf_tensors = to_gguf  # (GGUF name, fp32 tensor) for every weight: see engine.gguf_layout
 
 
 def add_hparams(w: gguf.GGUFWriter, c: ModelConfig, raw: dict, name: str) -> None:
@@ -191,6 +80,11 @@ def to_numpy(name: str, t: torch.Tensor, dtype: str) -> tuple[np.ndarray, gguf.G
         return t.float().contiguous().cpu().numpy(), gguf.GGMLQuantizationType.F32
     if dtype == "f16":
         return t.half().contiguous().cpu().numpy(), gguf.GGMLQuantizationType.F16
+    if dtype == "q8_0":
+        q8 = gguf.GGMLQuantizationType.Q8_0
+        if t.shape[-1] % 32:
+            return t.float().contiguous().cpu().numpy(), gguf.GGMLQuantizationType.F32
+        return gguf.quants.quantize(t.float().contiguous().cpu().numpy(), q8), q8
     return t.bfloat16().contiguous().view(torch.int16).cpu().numpy(), gguf.GGMLQuantizationType.BF16
 
 
@@ -201,10 +95,16 @@ def write_gguf(
     out: str | Path,
     dtype: str = "f32",
     chat_template: str | None = None,
+    split_tensors: int = 0,
 ) -> Path:
     """Write a model (its config, raw config.json dict and in-memory state dict) as one GGUF file,
-    atomically (a file at `out` is complete); returns `out`."""
+    atomically (a file at `out` is complete); returns `out`. `dtype`: one of `DTYPES`. With
+    `split_tensors`, as llama.cpp's split files of that many tensors each (`NAME-00001-of-0000N.gguf`,
+    not atomically); returns the first part."""
     out = Path(out)
+    if dtype in LLAMA_QUANTIZE:
+        source = write_gguf(c, raw, state_dict, out.with_name(out.name + ".f32.tmp"), "f32", chat_template)
+        return requantize(source, out, dtype)
     if c.arch not in GGUF_ARCH:
         raise ValueError(f"no GGUF architecture for {c.arch}")
     if c.linear_key_head_dim != c.linear_value_head_dim and c.arch == "qwen3_5_moe":
@@ -213,18 +113,42 @@ def write_gguf(
         chat_template if chat_template is not None else (TEMPLATE.read_text() if TEMPLATE.is_file() else None)
     )
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    w = gguf.GGUFWriter(str(tmp), GGUF_ARCH[c.arch])
+    tmp = out.with_name(out.name + ".tmp") if not split_tensors else out
+    w = gguf.GGUFWriter(str(tmp), GGUF_ARCH[c.arch], split_max_tensors=split_tensors)
     add_hparams(w, c, raw, raw.get("ft_preset") or out.stem)
     w.add_file_type(FILE_TYPES[dtype])
     add_vocab(w, qwen_vocab(c.vocab_size), template)
     for name, tensor in gguf_tensors(c, state_dict):
         array, qtype = to_numpy(name, tensor, dtype)
-        w.add_tensor(name, array, raw_dtype=qtype if qtype == gguf.GGMLQuantizationType.BF16 else None)
+        plain = qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+        w.add_tensor(name, array, raw_dtype=None if plain else qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file(progress=True)
     w.close()
+    if split_tensors:
+        return w.format_shard_names(out)[0]
+    tmp.rename(out)
+    return out
+
+
+def requantize(source: Path, out: Path, dtype: str) -> Path:
+    """`source` (f32) requantized to `dtype` by llama-quantize (built on first use) at `out`; `source`
+    is removed."""
+    from peer.llama_server import build  # noqa: PLC0415
+
+    binary = build(target="llama-quantize")
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        subprocess.run(
+            [str(binary), str(source), str(tmp), LLAMA_QUANTIZE[dtype]], check=True, capture_output=True
+        )
+    except subprocess.CalledProcessError as exc:
+        raise RuntimeError(
+            f"llama-quantize {LLAMA_QUANTIZE[dtype]} failed: {exc.stderr.decode()[-2000:]}"
+        ) from None
+    finally:
+        source.unlink(missing_ok=True)
     tmp.rename(out)
     return out
 
@@ -282,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="Export an engine model (HF folder or preset) to GGUF.")
     p.add_argument("model", help="an HF model folder, or a preset name (tiny, tiny-next, small, …)")
     p.add_argument("out", help="output .gguf path")
-    p.add_argument("--dtype", choices=sorted(FILE_TYPES), default="f32")
+    p.add_argument("--dtype", choices=DTYPES, default="f32")
     p.add_argument(
         "--materialise",
         metavar="DEVICE",

@@ -39,14 +39,25 @@ CMAKE_FLAGS = [
 CUDA_FLAGS = ["-DGGML_CUDA=ON", "-DCMAKE_CUDA_ARCHITECTURES=90"]
 
 
-def server_binary(home: Path = PEER_HOME, cuda: bool = False) -> Path:
-    return home / ("build-cuda" if cuda else "build") / "bin" / "llama-server"
+def server_binary(home: Path = PEER_HOME, cuda: bool = False, target: str = "llama-server") -> Path:
+    return home / ("build-cuda" if cuda else "build") / "bin" / target
 
 
-def build(home: Path = PEER_HOME, jobs: int | None = None, version: str = VERSION, cuda: bool = False) -> Path:
-    """Download the sdist (pip, no build), unpack it, configure and build `llama-server` (with
-    `jobs` parallel compiles, default all cores); returns the binary."""
-    binary = server_binary(home, cuda)
+def quantize_binary(home: Path = PEER_HOME) -> Path:
+    """llama.cpp's `llama-quantize` (CPU build): writes the K-quant GGUFs of the presets."""
+    return server_binary(home, target="llama-quantize")
+
+
+def build(
+    home: Path = PEER_HOME,
+    jobs: int | None = None,
+    version: str = VERSION,
+    cuda: bool = False,
+    target: str = "llama-server",
+) -> Path:
+    """Download the sdist (pip, no build), unpack it, configure and build `target` (`llama-server`
+    or `llama-quantize`, with `jobs` parallel compiles, default all cores); returns the binary."""
+    binary = server_binary(home, cuda, target)
     if binary.is_file():
         return binary
     dl = home / "dl"
@@ -78,7 +89,7 @@ def build(home: Path = PEER_HOME, jobs: int | None = None, version: str = VERSIO
     out.mkdir(parents=True, exist_ok=True)
     subprocess.run(["cmake", str(tree), *CMAKE_FLAGS, *(CUDA_FLAGS if cuda else [])], cwd=out, check=True)
     subprocess.run(
-        ["cmake", "--build", ".", "--config", "Release", "--target", "llama-server", f"-j{jobs or os.cpu_count()}"],
+        ["cmake", "--build", ".", "--config", "Release", "--target", target, f"-j{jobs or os.cpu_count()}"],
         cwd=out,
         check=True,
     )

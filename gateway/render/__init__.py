@@ -81,13 +81,18 @@ def segment_ids(segments: list[Segment]) -> list[int]:
 
 def load_renderer(model_dir: str | Path | None = None, tokenizer: Tokenizer | None = None) -> Renderer:
     """The renderer for a model folder: its own chat template when it has one
-    (`chat_template.jinja` or `tokenizer_config.json`), else Qwen3.6 (presets)."""
+    (`chat_template.jinja` or `tokenizer_config.json`, a GGUF's metadata), else Qwen3.6 (presets)."""
+    from engine.gguf_loader import is_gguf
+    from engine.gguf_tokenizer import gguf_chat_template
     from gateway.render.generic import JinjaRenderer, find_chat_template
-    from gateway.render.qwen import QwenRenderer
+    from gateway.render.qwen import QwenRenderer, template_source
     from gateway.tokenizer import load_tokenizer
 
     tokenizer = tokenizer or load_tokenizer(model_dir)
     source = find_chat_template(model_dir) if model_dir is not None else None
+    if model_dir is not None and is_gguf(model_dir):  # its metadata's template; Qwen3.6's → QwenRenderer
+        source = gguf_chat_template(model_dir)
+        source = None if source == template_source() else source
     if source is None:
         return QwenRenderer(tokenizer)
     return JinjaRenderer(source, tokenizer)

@@ -1,0 +1,242 @@
+"""Load a llama.cpp GGUF model (`qwen35moe`, `qwen3next`): one file, the parts of a split file,
+or a folder holding either.
+
+Files are memory-mapped (`engine.gguf_file`): tensors are read one at a time, never the whole
+file. Everything that can be wrong is checked before the first tensor is dequantized:
+the files open and hold every tensor's bytes (a truncated file is an error naming it), the
+architecture is one we run, every tensor has a name we know and a supported GGML type. The
+config comes from the metadata (`config_dict` builds an HF `config.json` dict from it), the
+tensors are dequantized once at load (`engine.quant.ggml`) and laid out as our own loader's
+(`engine.gguf_layout.from_gguf`). The tokenizer and chat template are in the same metadata
+(`engine.gguf_tokenizer`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import ModelConfig
+from engine.gguf_file import GGUFFile, GGUFFormatError, TensorInfo, read_gguf
+from engine.gguf_layout import (
+    FUSED,
+    GGUF_GLOBAL_NAMES,
+    GGUF_LAYER_NAMES,
+    HF_ARCH,
+    from_gguf,
+    from_gguf_global,
+)
+from engine.loader import CheckpointError, aligned, build_model, fingerprint
+from engine.model import HybridForCausalLM
+from engine.quant.ggml import SUPPORTED, dequantize
+
+SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
+BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+class GGUFError(CheckpointError):
+    """A GGUF file this engine cannot load (named in the message, with the tensor where one is at fault)."""
+
+
+def is_gguf(path: str | Path) -> bool:
+    """A `.gguf` file, or a folder of them with no `config.json`."""
+    path = Path(path)
+    if path.suffix == ".gguf":
+        return True
+    return path.is_dir() and not (path / "config.json").is_file() and any(path.glob("*.gguf"))
+
+
+def gguf_parts(path: str | Path) -> list[Path]:
+    """The files of one GGUF model: `path` itself, or every part of the split it belongs to
+    (`NAME-00001-of-00003.gguf`); a folder must hold exactly one model."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.glob("*.gguf"))
+        stems = {m["stem"] if (m := SPLIT_NAME.match(f.name)) else f.name for f in files}
+        if len(stems) != 1:
+            raise GGUFError(
+                f"{path}: expected the file(s) of one GGUF model, found {[f.name for f in files]}"
+            )
+        path = files[0]
+    if not path.is_file():
+        raise GGUFError(f"{path}: no such file")
+    match = SPLIT_NAME.match(path.name)
+    if match is None:
+        return [path]
+    count = int(match["count"])
+    parts = [path.with_name(f"{match['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise GGUFError(f"{path}: split GGUF is missing part(s) {missing}")
+    return parts
+
+
+@dataclass
+class GGUFModel:
+    """The opened, checked files of one model: metadata of the first part, tensors of all."""
+
+    paths: list[Path]
+    arch: str  # GGUF architecture: qwen35moe | qwen3next
+    meta: dict[str, Any]
+    files: dict[str, GGUFFile]  # tensor name → the part that holds it
+    tensors: dict[str, TensorInfo]
+
+    def get(self, key: str, default: Any = ...) -> Any:
+        if key in self.meta:
+            return self.meta[key]
+        if default is ...:
+            raise GGUFError(f"{self.paths[0]}: metadata key {key!r} is missing")
+        return default
+
+    def hp(self, key: str, default: Any = ...) -> Any:
+        """An architecture hyperparameter (`{arch}.{key}`)."""
+        return self.get(f"{self.arch}.{key}", default)
+
+
+def _open(path: Path) -> GGUFFile:
+    try:
+        return read_gguf(path)
+    except GGUFFormatError as exc:
+        raise GGUFError(f"{path}: not a readable GGUF file: {exc}") from None
+
+
+def open_gguf(path: str | Path) -> GGUFModel:
+    """Open and check every part; raise `GGUFError` before any tensor is read."""
+    parts = gguf_parts(path)
+    files = [_open(p) for p in parts]
+    meta = files[0].meta
+    arch = meta.get("general.architecture")
+    if arch not in HF_ARCH:
+        raise GGUFError(
+            f"{parts[0]}: architecture {arch!r} is not supported (supported: {', '.join(HF_ARCH)})"
+        )
+    count = int(meta.get("split.count", 1))
+    if count != len(parts):
+        raise GGUFError(f"{parts[0]}: metadata says {count} split part(s), found {len(parts)}")
+    owners: dict[str, GGUFFile] = {}
+    for f in files:
+        for name in f.tensors:
+            if name in owners:
+                raise GGUFError(f"{f.path}: tensor {name} appears twice")
+            owners[name] = f
+    model = GGUFModel(parts, arch, meta, owners, {name: f.tensors[name] for name, f in owners.items()})
+    check_tensors(model)
+    return model
+
+
+def num_layers(model: GGUFModel) -> int:
+    """Layers of the model proper: llama.cpp counts multi-token-prediction blocks in block_count."""
+    return int(model.hp("block_count")) - int(model.hp("nextn_predict_layers", 0))
+
+
+def check_tensors(model: GGUFModel) -> None:
+    layers = num_layers(model)
+    for name, t in model.tensors.items():
+        block = BLOCK_NAME.match(name)
+        if block is not None and int(block[1]) >= layers:
+            continue  # MTP blocks: ignored, as the safetensors loader ignores mtp.*
+        known = (
+            name in GGUF_GLOBAL_NAMES if block is None else block[2] in GGUF_LAYER_NAMES or block[2] in FUSED
+        )
+        if not known:
+            raise GGUFError(f"{model.paths[0]}: unexpected tensor {name}")
+        if t.tensor_type not in SUPPORTED:
+            supported = ", ".join(sorted(s.name for s in SUPPORTED))
+            kind = getattr(t.tensor_type, "name", f"#{t.tensor_type}")
+            raise GGUFError(
+                f"{model.files[name].path}: tensor {name} has GGML type {kind}, which this engine does not "
+                f"load (supported: {supported})"
+            )
+
+
+def config_dict(model: GGUFModel) -> dict:
+    """An HF `config.json` dict for the model, from its GGUF metadata."""
+    hp = model.hp
+    layers = num_layers(model)
+    recurrent = hp("attention.recurrent_layers", None)
+    if recurrent is not None:
+        layer_types = ["linear_attention" if r else "full_attention" for r in recurrent[:layers]]
+    else:
+        interval = int(hp("full_attention_interval", 4))
+        layer_types = [
+            "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)
+        ]
+    head_dim = int(hp("attention.key_length"))
+    value_heads = int(hp("ssm.time_step_rank"))
+    eos = [model.get("tokenizer.ggml.eos_token_id", None), model.get("tokenizer.ggml.eot_token_id", None)]
+    raw = {
+        "architectures": [HF_ARCH[model.arch]],
+        "vocab_size": int(model.tensors["token_embd.weight"].ne[1]),
+        "hidden_size": int(hp("embedding_length")),
+        "num_hidden_layers": layers,
+        "layer_types": layer_types,
+        "num_attention_heads": int(hp("attention.head_count")),
+        "num_key_value_heads": int(hp("attention.head_count_kv")),
+        "head_dim": head_dim,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": float(hp("rope.freq_base")),
+            "partial_rotary_factor": int(hp("rope.dimension_count")) / head_dim,
+        },
+        "linear_num_key_heads": int(hp("ssm.group_count")),
+        "linear_num_value_heads": value_heads,
+        "linear_key_head_dim": int(hp("ssm.state_size")),
+        "linear_value_head_dim": int(hp("ssm.inner_size")) // value_heads,
+        "linear_conv_kernel_dim": int(hp("ssm.conv_kernel")),
+        "num_experts": int(hp("expert_count")),
+        "num_experts_per_tok": int(hp("expert_used_count")),
+        "moe_intermediate_size": int(hp("expert_feed_forward_length")),
+        "shared_expert_intermediate_size": int(hp("expert_shared_feed_forward_length")),
+        "norm_topk_prob": bool(hp("expert_weights_norm", True)),
+        "rms_norm_eps": float(hp("attention.layer_norm_rms_epsilon")),
+        "max_position_embeddings": int(hp("context_length")),
+        "tie_word_embeddings": "output.weight" not in model.tensors,
+        "eos_token_id": list(dict.fromkeys(int(e) for e in eos if e is not None)),
+    }
+    if (ffn := hp("feed_forward_length", None)) is not None:
+        raw["intermediate_size"] = int(ffn)
+    if (name := model.get("general.name", None)) is not None:
+        raw["ft_gguf_name"] = name
+    return raw
+
+
+def tensor(model: GGUFModel, name: str) -> torch.Tensor:
+    """One tensor, dequantized to fp32 in PyTorch order (`ne` reversed)."""
+    t = model.tensors[name]
+    return dequantize(model.files[name].tensor_bytes(t), t.tensor_type, t.shape, torch.float32, name)
+
+
+def read_gguf_state_dict(
+    model: GGUFModel, config: ModelConfig, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Our in-memory state dict (stacked experts), one block at a time: fp32 while transformed,
+    then cast to `dtype`."""
+    blocks: dict[int, list[str]] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name in model.tensors:
+        if (block := BLOCK_NAME.match(name)) is None:
+            ours, t = from_gguf_global(name, tensor(model, name))
+            out[ours] = aligned(t.to(dtype))
+        elif int(block[1]) < config.num_hidden_layers:
+            blocks.setdefault(int(block[1]), []).append(name)
+    for layer, names in sorted(blocks.items()):
+        fp32 = {name.split(".", 2)[2]: tensor(model, name) for name in names}
+        out |= {k: aligned(v.to(dtype).contiguous()) for k, v in from_gguf(config, layer, fp32).items()}
+    return out
+
+
+def load_gguf(
+    path: str | Path, device: torch.device, dtype: torch.dtype | None = None
+) -> tuple[HybridForCausalLM, str]:
+    """The model of a GGUF file (or split, or folder) on `device`, dequantized to `dtype`
+    (default: fp32 on the CPU, bf16 on a GPU), and its fingerprint."""
+    model = open_gguf(path)
+    config = ModelConfig.from_dict(config_dict(model))
+    dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
+    state_dict = read_gguf_state_dict(model, config, dtype)
+    hybrid = build_model(config, state_dict)
+    return hybrid.to(device), fingerprint(config, state_dict)
