@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import struct
 import subprocess
@@ -44,7 +45,9 @@ META = struct.Struct("=16xIIQQI44x48xQQ")
 WALK_TIMEOUT_SECONDS = 300
 WALK = """
 import sys, lmdb
-env = lmdb.open(sys.argv[1], readonly=True, lock=False, subdir=True)
+# with a reader slot (lock) if the folder is writable, so that a server writing to it meanwhile
+# does not reuse the pages read here
+env = lmdb.open(sys.argv[1], readonly=True, lock=sys.argv[2] == "lock", subdir=True, mode=0o600)
 with env.begin(buffers=True) as txn:
     for _, value in txn.cursor():
         if len(value):
@@ -95,7 +98,14 @@ def walk_problem(folder: Path) -> str | None:
     process so that a crash is the child's."""
     try:
         done = subprocess.run(
-            [sys.executable, "-I", "-c", WALK, str(folder)],
+            [
+                sys.executable,
+                "-I",
+                "-c",
+                WALK,
+                str(folder),
+                "lock" if os.access(folder, os.W_OK) else "no-lock",
+            ],
             capture_output=True,
             text=True,
             timeout=WALK_TIMEOUT_SECONDS,
