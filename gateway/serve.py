@@ -33,7 +33,8 @@ def positive(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_mutually_exclusive_group()
-    model.add_argument("--model", type=Path, help="HF model folder (config.json + safetensors + tokenizer)")
+    model.add_argument("--model", type=Path, help="HF model folder (config.json + safetensors + tokenizer), "
+                       "or a GGUF model (a .gguf file, the first part of a split, a folder of parts)")
     model.add_argument("--preset", help="preset model, written on first use (default: tiny)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
     parser.add_argument("--port", type=int, default=1919, help="port (default 1919)")
@@ -135,8 +136,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"ft serve: {exc}", file=sys.stderr)
         return 2
-    if args.model is not None and not args.model.is_dir():
-        print(f"ft serve: {args.model}: no such folder", file=sys.stderr)
+    if args.model is not None and not (args.model.is_dir() or args.model.suffix == ".gguf" and args.model.is_file()):
+        print(f"ft serve: {args.model}: no such folder or .gguf file", file=sys.stderr)
         return 2
     if (problem := port_problem(config.host, config.port)) is not None:
         print(f"ft serve: cannot listen on {config.host}:{config.port}: {problem}", file=sys.stderr)

@@ -255,3 +255,18 @@ def test_not_a_gguf_file(tmp_path):
     path.write_bytes(b"GGML" + bytes(100))
     with pytest.raises(GGUFError, match="no GGUF magic"):
         Engine.load(path)
+
+
+def test_server_serves_a_gguf_file(gguf_files):
+    """`ft serve --model FILE.gguf`: the engine, tokenizer and template all come from the file."""
+    from gateway.tokenizer import GGUFTokenizer
+    from tests.conftest import start_server
+
+    path = gguf_files["tiny-next-q8_0"]
+    with start_server(model_dir=path, policy="anchor", default_max_tokens=6) as server:
+        assert isinstance(server.runtime.renderer.tokenizer, GGUFTokenizer)
+        with server.client() as client:
+            assert client.get("/v1/models").json()["data"][0]["id"] == path.name
+            body = {"model": path.name, "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+            answer = client.post("/v1/chat/completions", json=body).json()
+        assert 1 <= answer["usage"]["completion_tokens"] <= 6
