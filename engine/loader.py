@@ -3,7 +3,8 @@
 On disk, experts are stored one tensor per expert (`mlp.experts.E.gate_proj.weight`, as HF
 writes them); in memory they are stacked (`mlp.experts.gate_up_proj` [E, 2I, H],
 `mlp.experts.down_proj` [E, H, I]). Multimodal checkpoints keep the text model under
-`model.language_model.`; vision and MTP weights are ignored.
+`model.language_model.`; vision and MTP weights are ignored. FP8 checkpoints (Qwen's `-FP8`
+releases) are dequantized at load; a `.gguf` model goes to `engine.gguf_loader`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from safetensors import safe_open
 
 from engine.config import ModelConfig
 from engine.model import HybridForCausalLM
+from engine.quant import fp8 as fp8_quant
 
 IGNORED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
 EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -41,16 +43,43 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def read_state_dict(folder: Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Every tensor of the text model; FP8 checkpoints (`engine.quant.fp8`) are dequantized to
+    `dtype`, by default the checkpoint's own (`dtype` / `torch_dtype` in config.json)."""
+    fp8 = fp8_pairing(folder, dtype)
     raw: dict[str, torch.Tensor] = {}
     for path in safetensors_files(folder):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 name_out = name.replace("model.language_model.", "model.", 1)
-                if not name_out.startswith(IGNORED_PREFIXES):
-                    tensor = f.get_tensor(name)
-                    tensor = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
-                    raw[name_out] = aligned(tensor)
+                if name_out.startswith(IGNORED_PREFIXES):
+                    continue
+                tensor = f.get_tensor(name)
+                if fp8 is not None and fp8.holds(name_out, tensor):
+                    if (paired := fp8.take(name_out, tensor)) is None:
+                        continue
+                    name_out, tensor = paired
+                elif tensor.dtype == torch.float8_e4m3fn:
+                    raise CheckpointError(f"{name}: an fp8 tensor, but config.json has no fp8 quantization_config")
+                tensor = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+                raw[name_out] = aligned(tensor)
+    if fp8 is not None and fp8.unpaired():
+        raise CheckpointError(f"fp8 weights and scales without their other half: {', '.join(fp8.unpaired()[:8])}")
     return stack_experts(raw)
+
+
+def fp8_pairing(folder: Path, dtype: torch.dtype | None) -> fp8_quant.Pairing | None:
+    """The FP8 reader for a folder whose config.json says `quant_method: fp8`, else None."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    try:
+        block = fp8_quant.block_size(config)
+    except fp8_quant.FP8ConfigError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+    if block is None:
+        return None
+    text = config.get("text_config") or config
+    default = text.get("dtype") or text.get("torch_dtype") or config.get("torch_dtype") or "bfloat16"
+    return fp8_quant.Pairing(block, dtype or getattr(torch, default))
 
 
 def aligned(tensor: torch.Tensor, alignment: int = 64) -> torch.Tensor:

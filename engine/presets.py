@@ -14,11 +14,13 @@ import xxhash
 from safetensors.torch import save_file
 
 from engine.config import ModelConfig
+from engine.quant import fp8
 
 QWEN36_VOCAB = 248320
 QWEN36_EOS = [248046, 248044]  # <|im_end|>, <|endoftext|>
 SHARD_BYTES = 2 << 30
 PRESET_REVISION = 2  # bump when the initialisation changes
+FORMATS = ("hf", "fp8")  # HF folders; GGUF files of the presets are written by peer/gguf_export.py
 
 
 def _config(name: str, **shape) -> dict:
@@ -156,16 +158,21 @@ def unstack_experts(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return out
 
 
-def write_preset(name: str, out_dir: str | Path, seed: int = 0) -> Path:
+def write_preset(name: str, out_dir: str | Path, seed: int = 0, fmt: str = "hf") -> Path:
     """Write preset `name` as an HF folder (config.json + safetensors, sharded with an index when
-    large). Written atomically: a folder that exists is complete."""
+    large); `fmt="fp8"` quantizes it as Qwen's `-FP8` releases are (`fp8_checkpoint`). Written
+    atomically: a folder that exists is complete."""
     out_dir = Path(out_dir)
     if (out_dir / "config.json").is_file():
         return out_dir
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown preset format {fmt!r}; formats: {', '.join(FORMATS)}")
     _, raw, state_dict = materialise(name, "cpu", seed=seed)
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     tensors = {n: t.contiguous() for n, t in unstack_experts(state_dict).items()}
+    if fmt == "fp8":
+        tensors, raw["quantization_config"] = fp8_checkpoint(tensors)
     _save_sharded(tensors, tmp)
     (tmp / "config.json").write_text(json.dumps({**raw, "ft_seed": seed, "ft_preset_revision": PRESET_REVISION}, indent=2))
     (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": QWEN36_EOS}, indent=2))
@@ -176,6 +183,28 @@ def write_preset(name: str, out_dir: str | Path, seed: int = 0) -> Path:
         if not (out_dir / "config.json").is_file():
             raise
     return out_dir
+
+
+def fp8_checkpoint(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+    """On-disk tensors → Qwen's FP8 layout: each linear weight Qwen quantizes becomes e4m3 with
+    a `weight_scale_inv` per 128x128 block (bf16); the rest is kept as is and named, module by
+    module, in `modules_to_not_convert`."""
+    out, kept = {}, []
+    for name, t in tensors.items():
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and t.ndim == 2 and fp8.is_converted(module):
+            out[name], out[name + fp8.SCALE_SUFFIX] = fp8.quantize(t)
+        else:
+            out[name] = t
+            kept.append(module)
+    config = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": list(fp8.BLOCK),
+        "modules_to_not_convert": kept,
+    }
+    return out, config
 
 
 def _save_sharded(tensors: dict[str, torch.Tensor], folder: Path) -> None:
@@ -199,8 +228,8 @@ def _save_sharded(tensors: dict[str, torch.Tensor], folder: Path) -> None:
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-def default_model_dir(name: str) -> Path:
+def default_model_dir(name: str, fmt: str = "hf") -> Path:
     """Where a preset is written on first use; the revision in the name keeps folders written
     by an older initialisation from being mistaken for the current one."""
     root = Path(os.environ.get("FT_HOME", Path.home() / ".cache" / "ft"))
-    return root / "models" / f"{name}-r{PRESET_REVISION}"
+    return root / "models" / (f"{name}-r{PRESET_REVISION}" + ("" if fmt == "hf" else f"-{fmt}"))
