@@ -1,7 +1,9 @@
 """Identity check: the same prompt ids through our engine and llama-server (same weights, GGUF
-f32), greedy tokens and top-k log-probabilities compared step by step.
+f32), greedy tokens and top-k log-probabilities compared step by step. With a quantized GGUF
+(`--dtype q8_0`, `q4_k_m`, …) both sides load that same file: ours dequantizes it at load.
 
     python -m peer.identity --preset tiny [--tokens 16] [--dtype f32]
+    python -m peer.identity --preset small --dtype q4_k_m
     FT_MATERIALISE=1 python -m peer.identity --preset qwen3.6-35b-a3b-e64 --device cuda --dtype bf16
     FT_MATERIALISE=1 python -m peer.identity --preset qwen3.6-35b-a3b-e64 --device cuda --dtype f32 --engine-dtype float32
 
@@ -20,9 +22,10 @@ import torch
 
 from engine import Engine
 from gateway.tokenizer import QwenTokenizer
-from peer.gguf_export import preset_gguf
+from peer.gguf_export import LLAMA_QUANTIZE, preset_gguf
 from peer.llama_server import PEER_HOME, LlamaServer, build
 
+QUANTIZED = ("q8_0", *LLAMA_QUANTIZE)
 PROMPT = "<|im_start|>user\nWrite a short poem about the sea.<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -94,7 +97,11 @@ def run(preset: str, n: int, k: int, dtype: str, device: str = "cpu", engine_dty
     # our engine: fp32 on the CPU; on a GPU the preset's dtype unless asked (a f32 GGUF of a bf16
     # preset holds the bf16 values exactly, so --engine-dtype float32 compares like with like)
     engine_dtype = engine_dtype or (None if cuda else "float32")
-    engine = Engine.from_preset(preset, device, dtype=getattr(torch, engine_dtype) if engine_dtype else None)
+    torch_dtype = getattr(torch, engine_dtype) if engine_dtype else None
+    if dtype in QUANTIZED:  # the same quantized file on both sides
+        engine = Engine.load(gguf_path, device, dtype=torch_dtype)
+    else:
+        engine = Engine.from_preset(preset, device, dtype=torch_dtype)
     server = LlamaServer(
         gguf_path,
         ctx_size=4096,
@@ -111,6 +118,7 @@ def run(preset: str, n: int, k: int, dtype: str, device: str = "cpu", engine_dty
         "device": device,
         "engine_dtype": str(engine.dtype),
         "gguf_dtype": dtype,
+        "gguf_bytes": gguf_path.stat().st_size,
         "prompt_tokens": len(ids),
         **compare(a, b),
         "ours": [s["id"] for s in a],
@@ -124,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--preset", default="tiny")
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--top", type=int, default=5)
-    p.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"])
+    p.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16", *QUANTIZED])
     p.add_argument("--device", default="cpu", help="our engine's device; cuda also runs a CUDA llama-server")
     p.add_argument("--engine-dtype", choices=["float32", "bfloat16"], help="our engine's dtype (default: fp32 on "
                    "the CPU, the preset's on a GPU)")

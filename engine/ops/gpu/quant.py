@@ -1,0 +1,241 @@
+"""Matmuls over weights kept quantized in memory: GGML Q8_0, Q4_K, Q6_K and Qwen's block FP8.
+
+A `QuantWeight` holds one linear weight [N, K] (or a stack of experts [E, N, K]) repacked from the
+file's blocks into separate arrays per field (quants, sub-block scales, super-block scales), the
+same bytes as the file (Q4_K's 6-bit scales unpacked to bytes: 0.58 instead of 0.5625 bytes a
+weight). The Triton kernels dequantize a tile of it in registers, in fp32 with the operations of
+the reference (`engine.quant.ggml`, `engine.quant.fp8`), and multiply it with the activations:
+
+- `linear(x, w)`: x [M, K] @ w.T; a GEMV kernel for a few rows (decode), a tiled GEMM otherwise;
+- `grouped(x, w, order, offs)`: rows grouped by expert (`moe.group_by_expert`) times each row's
+  expert's weight, tiles never straddling two experts (MoE prefill); no host sync.
+
+On a GPU the dequantized tile is cast to the activations' dtype (bf16) before `tl.dot`, so results
+are within bf16 rounding of `x @ w.dequantize().T`; in fp32 (the CPU tests, TRITON_INTERPRET=1)
+they equal it to fp32 summation order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.quant.ggml import T, k_scale_min
+
+Q8_0, Q4_K, Q6_K, FP8 = 0, 1, 2, 3
+FORMATS = {T.Q8_0: Q8_0, T.Q4_K: Q4_K, T.Q6_K: Q6_K}
+BLOCK_K = {Q8_0: 32, Q4_K: 256, Q6_K: 256, FP8: 128}  # K must be a multiple of the format's block
+GEMV_ROWS = 4  # up to this many rows of x, the GEMV kernel
+
+
+@dataclass
+class QuantWeight:
+    """Packed weight [.., N, K]: `parts` are the format's field arrays (see `pack_ggml`, `pack_fp8`)."""
+
+    fmt: int
+    shape: tuple[int, ...]
+    parts: tuple[torch.Tensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parts)
+
+    def to(self, device: torch.device | str) -> QuantWeight:
+        return QuantWeight(self.fmt, self.shape, tuple(p.to(device) for p in self.parts))
+
+    def dequantize(self) -> torch.Tensor:
+        """fp32 [.., N, K]: the reference the kernels are tested against (plain torch)."""
+        n, k = self.shape[-2:]
+        if self.fmt == Q8_0:
+            qs, d = self.parts
+            return (qs.float().unflatten(-1, (-1, 32)) * d.float()[..., None]).flatten(-2)
+        if self.fmt == Q4_K:
+            qs, sc, mn, dd = self.parts
+            q = qs.unflatten(-1, (-1, 32)).unsqueeze(-2)
+            q = torch.cat([q & 0x0F, q >> 4], dim=-2).flatten(-3, -2).float()  # [.., N, K/32, 32]
+            d, dmin = dd.float().repeat_interleave(8, dim=-2).unbind(-1)  # [.., N, K/32]
+            return ((d * sc.float())[..., None] * q - (dmin * mn.float())[..., None]).flatten(-2)
+        if self.fmt == Q6_K:
+            ql, qh, sc, d = self.parts
+            low = ql.unflatten(-1, (-1, 64)).unsqueeze(-2)
+            low = torch.cat([low & 0x0F, low >> 4], dim=-2).flatten(-2)  # [.., N, K/128, 128]
+            high = qh.unflatten(-1, (-1, 32)).unsqueeze(-2)
+            high = torch.cat([(high >> s) & 3 for s in (0, 2, 4, 6)], dim=-2).flatten(
+                -2
+            )  # [.., N, K/128, 128]
+            q = ((low | (high << 4)).view(torch.int8) - 32).flatten(-2).unflatten(-1, (-1, 16)).float()
+            scale = d.float().repeat_interleave(16, dim=-1) * sc.float()  # [.., N, K/16]
+            return (scale[..., None] * q).flatten(-2)
+        w, scale = self.parts
+        s = scale.float().repeat_interleave(128, dim=-2).repeat_interleave(128, dim=-1)
+        return w.float() * s[..., :n, :k]
+
+
+def pack_ggml(raw: torch.Tensor, qtype, shape: tuple[int, ...]) -> QuantWeight:
+    """GGML rows (uint8 [.., N, row bytes], as in the file) → a `QuantWeight`."""
+    fmt = FORMATS[qtype]
+    n, k = shape[-2:]
+    if k % BLOCK_K[fmt]:
+        raise ValueError(f"{qtype.name}: rows of {k} are not whole {BLOCK_K[fmt]}-weight blocks")
+    lead = tuple(shape[:-1])
+    if fmt == Q8_0:
+        b = raw.reshape(*lead, k // 32, 34)
+        return QuantWeight(fmt, shape, (b[..., 2:].contiguous().view(torch.int8).reshape(*lead, k),
+                                        b[..., :2].contiguous().view(torch.float16).reshape(*lead, k // 32)))  # fmt: skip
+    if fmt == Q4_K:
+        b = raw.reshape(-1, 144)
+        sc, mn = k_scale_min(b[:, 4:16])
+        dd = b[:, :4].contiguous().view(torch.float16)  # [.., 2]: d, dmin
+        return QuantWeight(fmt, shape, (b[:, 16:].reshape(*lead, k // 2).contiguous(), sc.reshape(*lead, k // 32),
+                                        mn.reshape(*lead, k // 32), dd.reshape(*lead, k // 256, 2)))  # fmt: skip
+    b = raw.reshape(-1, 210)
+    return QuantWeight(fmt, shape, (b[:, :128].reshape(*lead, k // 2).contiguous(),
+                                    b[:, 128:192].reshape(*lead, k // 4).contiguous(),
+                                    b[:, 192:208].contiguous().view(torch.int8).reshape(*lead, k // 16),
+                                    b[:, 208:].contiguous().view(torch.float16).reshape(*lead, k // 256)))  # fmt: skip
+
+
+def pack_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> QuantWeight:
+    """Qwen FP8: e4m3 [.., N, K] with [128, 128]-block scales (kept as fp32)."""
+    return QuantWeight(FP8, tuple(weight.shape), (weight.contiguous(), scale_inv.float().contiguous()))
+
+
+@triton.jit
+def _f16(x):
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _dequant(P0, P1, P2, P3, e, n, k, N, K, FMT: tl.constexpr):
+    """fp32 weights at rows n [BN, 1] and columns k [1, BK] of expert e (the reference's operations)."""
+    row = e * N + n  # [BN, 1] int64
+    if FMT == 0:  # Q8_0
+        q = tl.load(P0 + row * K + k).to(tl.float32)
+        d = _f16(tl.load(P1 + row * (K // 32) + k // 32))
+        w = q * d
+    elif FMT == 1:  # Q4_K: byte s*128 + g*32 + l holds elements g*64 + l (low) and g*64 + 32 + l (high)
+        kk = k % 256
+        byte = tl.load(P0 + row * (K // 2) + (k // 256) * 128 + (kk // 64) * 32 + kk % 32)
+        q = ((byte >> (((kk // 32) % 2) * 4).to(tl.uint8)) & 0x0F).to(tl.float32)
+        sc = tl.load(P1 + row * (K // 32) + k // 32).to(tl.float32)
+        mn = tl.load(P2 + row * (K // 32) + k // 32).to(tl.float32)
+        d = _f16(tl.load(P3 + (row * (K // 256) + k // 256) * 2))
+        dmin = _f16(tl.load(P3 + (row * (K // 256) + k // 256) * 2 + 1))
+        w = (d * sc) * q - dmin * mn
+    elif FMT == 2:  # Q6_K: low nibbles in ql (64 bytes per half), 2 high bits in qh (32 bytes per half)
+        half, e128 = k // 128, k % 128
+        low = tl.load(P0 + row * (K // 2) + half * 64 + e128 % 64)
+        low = (low >> ((e128 // 64) * 4).to(tl.uint8)) & 0x0F
+        high = tl.load(P1 + row * (K // 4) + half * 32 + e128 % 32)
+        high = (high >> ((e128 // 32) * 2).to(tl.uint8)) & 3
+        q = ((low | (high << 4)).to(tl.int32) - 32).to(tl.float32)
+        sc = tl.load(P2 + row * (K // 16) + k // 16).to(tl.float32)
+        d = _f16(tl.load(P3 + row * (K // 256) + k // 256))
+        w = (d * sc) * q
+    else:  # FP8 with [128, 128] block scales
+        w = tl.load(P0 + row * K + k).to(tl.float32)
+        s = tl.load(P1 + (e * ((N + 127) // 128) + n // 128) * ((K + 127) // 128) + k // 128)
+        w = w * s
+    return w
+
+
+@triton.jit
+def _gemv_kernel(X, P0, P1, P2, P3, Y, N, K, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """One row of x per program: y[m, n-block] = sum_k w[n, k] * x[m, k]."""
+    m = tl.program_id(0)
+    n = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)[:, None]
+    acc = tl.zeros([BN], tl.float32)
+    for k0 in range(0, K, BK):
+        k = (k0 + tl.arange(0, BK)).to(tl.int64)[None, :]
+        w = _dequant(P0, P1, P2, P3, 0, tl.minimum(n, N - 1), k, N, K, FMT)
+        x = tl.load(X + m * K + k).to(tl.float32)
+        acc += tl.sum(w * x, 1)
+    nn = tl.program_id(1) * BN + tl.arange(0, BN)
+    tl.store(Y + m * N + nn, acc.to(Y.dtype.element_ty), mask=nn < N)
+
+
+@triton.jit
+def _gemm_kernel(
+    X, P0, P1, P2, P3, Y, ROWS, TILE_EXPERT, TILE_START, TILE_END, N, K,
+    FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+):  # fmt: skip
+    """Tile t covers output rows [TILE_START[t], TILE_END[t]) (gathered from x through ROWS) with
+    expert TILE_EXPERT[t]'s weight; a plain linear is one expert and contiguous row tiles."""
+    t = tl.program_id(0)
+    start, end = tl.load(TILE_START + t), tl.load(TILE_END + t)
+    if start >= end:
+        return
+    e = tl.load(TILE_EXPERT + t).to(tl.int64)
+    r = start + tl.arange(0, BM)
+    valid = r < end
+    src = tl.load(ROWS + r, mask=valid, other=0).to(tl.int64)
+    n = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
+    acc = tl.zeros([BM, BN], tl.float32)
+    for k0 in range(0, K, BK):
+        k = (k0 + tl.arange(0, BK)).to(tl.int64)
+        x = tl.load(X + src[:, None] * K + k[None, :], mask=valid[:, None], other=0.0)
+        w = _dequant(P0, P1, P2, P3, e, tl.minimum(n, N - 1)[:, None], k[None, :], N, K, FMT)  # [BN, BK]
+        if IEEE:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    tl.store(
+        Y + r[:, None] * N + n[None, :], acc.to(Y.dtype.element_ty), mask=valid[:, None] & (n < N)[None, :]
+    )
+
+
+def _launch_gemm(x, w, rows, tile_expert, tile_start, tile_end, n, k, out, bm):
+    bn, bk = 64, 64
+    parts = (*w.parts, *([w.parts[0]] * (4 - len(w.parts))))
+    grid = (tile_start.numel(), triton.cdiv(n, bn))
+    ieee = x.dtype == torch.float32
+    _gemm_kernel[grid](x, *parts, out, rows, tile_expert, tile_start, tile_end, n, k,
+                       FMT=w.fmt, BM=bm, BN=bn, BK=bk, IEEE=ieee)  # fmt: skip
+    return out
+
+
+def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """x [M, K] @ w.T → [M, N] in x's dtype (w: one weight [N, K])."""
+    n, k = w.shape
+    if k % 64:
+        raise ValueError(f"quantized linear: K={k} is not a multiple of 64")
+    x = x.contiguous()
+    m = x.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m <= GEMV_ROWS:
+        parts = (*w.parts, *([w.parts[0]] * (4 - len(w.parts))))
+        _gemv_kernel[(m, triton.cdiv(n, 32))](x, *parts, out, n, k, FMT=w.fmt, BN=32, BK=64)
+        return out
+    bm = 32
+    tiles = torch.arange(0, m, bm, device=x.device, dtype=torch.int32)
+    rows = torch.arange(m, device=x.device, dtype=torch.int32)
+    zero = torch.zeros_like(tiles)
+    return _launch_gemm(x, w, rows, zero, tiles, (tiles + bm).clamp(max=m), n, k, out, bm)
+
+
+def grouped(
+    x: torch.Tensor, w: QuantWeight, order: torch.Tensor, offs: torch.Tensor, top_k: int = 1
+) -> torch.Tensor:
+    """MoE prefill: y[j] = x[order[j] // top_k] @ w[e(j)].T for the j-th assignment in expert order
+    (`order`, `offs` [E] int32 ends of each expert's rows, from `moe.group_by_expert`). Returns
+    [len(order), N] in expert order. Tiles are laid out on the device: an upper bound of
+    len(order) / BM + E tiles, the empty ones return at once (no host sync)."""
+    num_experts, n, k = w.shape
+    bm = 32
+    ends = offs.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    tiles_per = (ends - starts + bm - 1) // bm  # [E]
+    max_tiles = triton.cdiv(order.numel(), bm) + num_experts
+    last = torch.cumsum(tiles_per, 0)  # one past each expert's last tile
+    t = torch.arange(max_tiles, device=x.device)
+    expert = torch.searchsorted(last, t, right=True).clamp(max=num_experts - 1)
+    tile_start = starts[expert] + (t - (last - tiles_per)[expert]) * bm
+    tile_end = torch.minimum(tile_start + bm, ends[expert])
+    tile_end = torch.where(t < last[-1], tile_end, tile_start)  # past the last tile: empty
+    expert, tile_start, tile_end = (v.to(torch.int32) for v in (expert, tile_start, tile_end))
+    rows = (order // top_k).to(torch.int32)
+    out = torch.empty(order.numel(), n, dtype=x.dtype, device=x.device)
+    return _launch_gemm(x.contiguous(), w, rows, expert, tile_start, tile_end, n, k, out, bm)

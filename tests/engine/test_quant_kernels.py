@@ -1,0 +1,128 @@
+"""The quantized-weight Triton kernels (engine/ops/gpu/quant.py) against plain torch: the packed
+weight's reference dequantization equals `gguf`'s / the FP8 reference bit for bit, and the GEMV,
+GEMM and expert-grouped kernels equal `x @ dequantized.T`. Without a GPU they run in Triton's
+interpreter (TRITON_INTERPRET=1, numpy; slow, so the shapes are small); on a GPU natively."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+gguf = pytest.importorskip("gguf")
+
+CUDA = torch.cuda.is_available()
+# Triton picks its interpreter when a function is decorated, its own library's at `import triton`:
+# without a GPU this file's tests run in a fresh process started with TRITON_INTERPRET=1.
+RUNNABLE = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+in_this_process = pytest.mark.skipif(not RUNNABLE, reason="run in a fresh TRITON_INTERPRET=1 process")
+
+
+@pytest.mark.skipif(RUNNABLE, reason="this process runs the kernels itself")
+def test_kernels_in_triton_interpreter_process():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "600", __file__]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and " passed, 1 skipped in" in done.stdout, done.stdout[
+        -4000:
+    ]  # the skip: this test
+
+
+from engine.ops.gpu import quant  # noqa: E402
+from engine.quant import fp8  # noqa: E402
+from engine.quant.ggml import T  # noqa: E402
+from tests.engine.test_quant_gguf import random_blocks  # noqa: E402
+
+DEVICE = "cuda" if CUDA else "cpu"
+GGML = [T.Q8_0, T.Q4_K, T.Q6_K]
+
+
+def ggml_weight(qtype, shape, seed=0) -> tuple[quant.QuantWeight, torch.Tensor]:
+    """Random blocks (every bit pattern, finite scales) packed, and `gguf`'s dequantization."""
+    rows = int(np.prod(shape[:-1]))
+    raw = random_blocks(qtype, rows, shape[-1], np.random.default_rng(seed))
+    reference = torch.from_numpy(gguf.quants.dequantize(raw, qtype)).reshape(shape)
+    return quant.pack_ggml(torch.from_numpy(raw).reshape(*shape[:-1], -1), qtype, shape), reference
+
+
+def fp8_weight(shape, seed=0) -> tuple[quant.QuantWeight, torch.Tensor]:
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    q, scale = fp8.quantize(w)
+    return quant.pack_fp8(q, scale), fp8.dequantize(q, scale)
+
+
+def weights(fmt, shape):
+    return fp8_weight(shape) if fmt == "fp8" else ggml_weight(fmt, shape)
+
+
+FMTS = [*GGML, "fp8"]
+IDS = [getattr(f, "name", f) for f in FMTS]
+
+
+@in_this_process
+@pytest.mark.parametrize("fmt", FMTS, ids=IDS)
+def test_packed_reference_equals_the_files_dequantization(fmt):
+    w, reference = weights(fmt, (3, 40, 512))
+    assert torch.equal(w.dequantize(), reference)
+    if fmt != "fp8":  # the packed arrays hold the file's bytes (Q4_K: 6-bit scales as bytes)
+        file_bytes = (
+            3 * 40 * 512 // 256 * gguf.GGML_QUANT_SIZES[fmt][1] * (256 // gguf.GGML_QUANT_SIZES[fmt][0])
+        )
+        assert w.nbytes <= file_bytes * 1.03
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    scale = want.abs().max().item()
+    assert (got.float() - want).abs().max().item() <= tol * scale, (
+        got.float() - want
+    ).abs().max().item() / scale
+
+
+@in_this_process
+@pytest.mark.parametrize("fmt", FMTS, ids=IDS)
+@pytest.mark.parametrize("rows", [1, 3, 37])  # GEMV, GEMV, GEMM with a partial tile
+def test_linear_equals_dequantized_matmul(fmt, rows):
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    w, reference = weights(fmt, (72, 512))
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    got = quant.linear(x.to(DEVICE), w.to(DEVICE)).cpu()
+    close(got, x.float() @ reference.T, dtype)
+
+
+@in_this_process
+def test_gemm_with_identity_returns_the_weights_exactly():
+    """fp32 in the interpreter: the kernel's in-register dequantization is the reference's, bit for bit."""
+    if CUDA:
+        pytest.skip("fp32 dot products on a GPU may use TF32")
+    for fmt in FMTS:
+        w, reference = weights(fmt, (64, 256))
+        got = quant.linear(torch.eye(256), w)  # [K, N] = w.T
+        assert torch.equal(got.T, reference), fmt
+
+
+@in_this_process
+@pytest.mark.parametrize("fmt", [T.Q4_K, "fp8"], ids=["Q4_K", "fp8"])
+def test_grouped_experts_equal_per_expert_matmuls(fmt):
+    from engine.ops.gpu.moe import group_by_expert
+
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    num_experts, top_k, tokens = 6, 2, 23
+    w, reference = weights(fmt, (num_experts, 64, 256))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(tokens, 256, generator=gen).to(dtype)
+    ids = torch.stack(
+        [torch.randperm(num_experts - 1, generator=gen)[:top_k] for _ in range(tokens)]
+    )  # expert 5 unused
+    order, offs = group_by_expert(ids, num_experts)
+    got = quant.grouped(x.to(DEVICE), w.to(DEVICE), order.to(DEVICE), offs.to(DEVICE), top_k).cpu()
+    flat = ids.flatten()[order]
+    want = torch.stack(
+        [x[j // top_k].float() @ reference[e].T for j, e in zip(order.tolist(), flat.tolist(), strict=True)]
+    )
+    close(got, want, dtype)

@@ -1,0 +1,37 @@
+"""Identity with llama.cpp on the same quantized GGUF: our engine dequantizes the file at load,
+llama-server computes with it quantized (its CPU dot products also quantize the activations, to
+8 bits), so the log-probabilities differ by more than in f32; the greedy tokens must agree
+wherever our top-2 margin is clear of that difference. Slow: skipped unless llama-server and
+llama-quantize have been built into .peer/ (`python -c "from peer.llama_server import build;
+build(); build(target='llama-quantize')"`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("gguf")
+
+from peer.llama_server import quantize_binary, server_binary  # noqa: E402
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not (server_binary().is_file() and quantize_binary().is_file()),
+        reason="llama-server / llama-quantize not built (.peer/build)",
+    ),
+]
+MARGIN = 0.1  # top-2 logprob margin under which the two sides may pick different tokens
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_k_m"])
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_same_greedy_tokens_as_llama_cpp_on_the_same_file(preset, dtype):
+    from peer.identity import run
+
+    result = run(preset, 8, 5, dtype)
+    print(json.dumps({k: v for k, v in result.items() if k not in ("ours", "theirs")}))
+    diff = result["first_difference"]
+    assert diff is None or diff["our_margin"] < MARGIN, result
+    assert result["max_abs_logprob_diff"] < MARGIN, result
