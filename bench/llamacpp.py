@@ -24,6 +24,7 @@ from pathlib import Path
 import msgspec
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -41,6 +42,7 @@ from peer.compare import (  # noqa: E402
 from peer.ft_server import FtServer  # noqa: E402
 from peer.gguf_export import preset_gguf  # noqa: E402
 from peer.llama_server import PEER_HOME, VERSION, LlamaServer, build  # noqa: E402
+from peer.sessions import Turn, ft_send, llama_send, plan_sessions, run_sessions, summarise_run  # noqa: E402
 
 
 def per_request_table(name: str, sides: dict[str, list[Sample]]) -> Table:
@@ -96,7 +98,118 @@ def summary_table(results: dict[str, dict[str, dict]]) -> Table:
     return table
 
 
-def main(argv: list[str] | None = None) -> int:
+def turns_table(title: str, turns: list[Turn]) -> Table:
+    table = Table(title=title)
+    for col in (
+        "session",
+        "#",
+        "tool",
+        "sent s",
+        "TTFT ms",
+        "server ms",
+        "phases ms",
+        "prompt",
+        "proc",
+        "reused",
+        "out",
+        "total ms",
+    ):
+        table.add_column(col, justify="center" if col == "tool" else "right")
+    for t in turns:
+        phases = " ".join(f"{k} {v:.0f}" for k, v in (t.phases or {}).items())
+        table.add_row(
+            str(t.session),
+            str(t.index),
+            "✓" if t.after_tool_result else "",
+            f"{t.start_ms / 1000:.1f}",
+            f"{t.ttft_ms:.0f}",
+            f"{t.server_ms:.0f}",
+            phases,
+            str(t.prompt_tokens),
+            str(t.processed),
+            str(t.reused),
+            f"{t.output_tokens}/{t.answer_tokens}",
+            f"{t.total_ms:.0f}",
+        )
+    return table
+
+
+def sessions_summary_table(runs: list[dict]) -> Table:
+    table = Table(title="K sessions at once: summary")
+    for col in (
+        "K",
+        "server",
+        "requests",
+        "p50 TTFT ms",
+        "p95 TTFT ms",
+        "worst TTFT after tool ms",
+        "wall s",
+        "output tok",
+        "output tok/s",
+        "processed",
+        "reused",
+    ):
+        table.add_column(col, justify="left" if col == "server" else "right")
+    for run in runs:
+        s = run["summary"]
+        table.add_row(
+            str(run["k"]),
+            run["server"],
+            str(s["requests"]),
+            f"{s['p50_ttft_ms']:.0f}",
+            f"{s['p95_ttft_ms']:.0f}",
+            f"{s['worst_ttft_after_tool_ms']:.0f}",
+            f"{s['wall_s']:.1f}",
+            str(s["output_tokens"]),
+            f"{s['output_tokens_per_s']:.1f}",
+            str(s["processed"]),
+            str(s["reused"]),
+        )
+    return table
+
+
+def run_k_sessions(args, traces, sides: dict[str, tuple], console: Console) -> list[dict]:
+    """Each K of `--sessions` on each side, a fresh server per (side, K)."""
+    from gateway.render import load_renderer
+
+    renderer = load_renderer(None)  # presets: Qwen3.6's template and tokenizer, as `ft serve` renders them
+    runs = []
+    for k in args.sessions:
+        sessions = plan_sessions(traces, k, renderer)
+        reused = [escape(f"{s.number} ({s.trace}, nonce {s.nonce!r})") for s in sessions if s.nonce]
+        if reused:
+            console.print(
+                f"K={k}: {len(traces)} distinct traces; sessions reusing a trace: {', '.join(reused)}"
+            )
+        for side, (make, send) in sides.items():
+            with make() as server:
+                console.print(f"[bold]{side}[/] K={k}: {sum(len(s.requests) for s in sessions)} requests")
+                turns, wall = run_sessions(server.url, sessions, send, args.tool_gap)
+            summary = summarise_run(turns, wall)
+            console.print(turns_table(f"K={k}, {side}: per request", turns))
+            sessions_meta = [{"number": s.number, "trace": s.trace, "nonce": s.nonce} for s in sessions]
+            runs.append(
+                {
+                    "k": k,
+                    "server": side,
+                    "sessions": sessions_meta,
+                    "turns": msgspec.to_builtins(turns),
+                    "summary": msgspec.to_builtins(summary),
+                }
+            )
+    console.print(sessions_summary_table(runs))
+    return runs
+
+
+def ks(text: str) -> list[int]:
+    """argparse type: `1,4` -> [1, 4]."""
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected session counts >= 1 such as 1,4, got {text!r}")
+    return values
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("traces", nargs="+", type=Path, help="trace files or folders (chat-completions sessions)")
     p.add_argument("--preset", default="small")
@@ -107,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"], help="GGUF tensor type")
     p.add_argument("--policy", default="anchor", help="our capture policy (anchor, prefix, user, none)")
-    p.add_argument("--ctx", type=int, default=32768, help="llama-server context size")
+    p.add_argument("--ctx", type=int, default=32768, help="llama-server context size (per session)")
     p.add_argument("--threads", type=int, default=2, help="llama-server CPU threads")
     p.add_argument(
         "--llama-arg",
@@ -130,62 +243,73 @@ def main(argv: list[str] | None = None) -> int:
         help="one more side for ours: each request streamed with its recorded answer teacher-forced "
         "(ft_forced_output), waiting for background precompute between requests, as in a real session",
     )
-    p.add_argument("--ft-arg", action="append", default=[], metavar="ARG", help="extra `ft serve` argument (repeat)")
+    p.add_argument(
+        "--ft-arg", action="append", default=[], metavar="ARG", help="extra `ft serve` argument (repeat)"
+    )
     p.add_argument("--only", choices=["llama.cpp", "ft"], help="run one side only")
+    p.add_argument(
+        "--max-requests", type=int, metavar="N", help="replay only the first N requests of each session"
+    )
+    p.add_argument(
+        "--sessions",
+        type=ks,
+        metavar="K[,K...]",
+        help="K recorded sessions at once, answers decoded at their recorded lengths (see peer/sessions.py); "
+        "each K in turn on fresh servers",
+    )
+    p.add_argument(
+        "--tool-gap", type=float, default=0.5, metavar="SECONDS", help="--sessions: pause after an answer"
+    )
+    p.add_argument(
+        "--parallel",
+        type=int,
+        metavar="N",
+        help="--sessions: llama-server slots (-np, with --kv-unified and N x --ctx) and our --max-running "
+        "(default: the largest K)",
+    )
     p.add_argument("--out", type=Path, default=Path(__file__).with_suffix(".json"))
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     console = Console(width=max(Console().width, 170))
     cuda = args.device != "cpu"
+    parallel = args.parallel or max(args.sessions or [1])
 
     traces = [t for path in args.traces for t in read_trace(path) if t.protocol == "chat" and t.requests]
-    results: dict[str, dict[str, dict]] = {t.session_id: {} for t in traces}
+    if args.max_requests:
+        traces = [msgspec.structs.replace(t, requests=t.requests[: args.max_requests]) for t in traces]
     if args.only != "ft":  # the GGUF and llama-server only where a llama.cpp side runs
         materialise = os.environ.get("FT_MATERIALISE") == "1"
-        gguf_path = preset_gguf(args.preset, PEER_HOME / "models", args.dtype, args.device if materialise else None)
+        gguf_path = preset_gguf(
+            args.preset, PEER_HOME / "models", args.dtype, args.device if materialise else None
+        )
         binary = build(cuda=cuda)
 
     def llama(extra: list[str]):
+        if args.sessions:  # one shared KV pool: any slot may hold a whole session (-np alone splits -c)
+            extra = ["--kv-unified", *extra]
         return lambda: LlamaServer(
             gguf_path,
-            ctx_size=args.ctx,
+            ctx_size=args.ctx * (parallel if args.sessions else 1),
             threads=args.threads,
+            parallel=parallel if args.sessions else 1,
             gpu_layers=999 if cuda else None,
             binary=binary,
             extra=extra,
             log_path=PEER_HOME / "llama-server.log",
         )
 
-    def ours():
-        return FtServer(
+    def ours(extra: tuple[str, ...] = ()):
+        return lambda: FtServer(
             preset=args.preset,
             policy=args.policy,
-            extra=["--device", args.device, *args.ft_arg],
+            extra=["--device", args.device, *extra, *args.ft_arg],
             log_path=PEER_HOME / "ft-serve.log",
         )
 
-    sides: dict[str, tuple] = {}  # name -> (server factory, prober, between requests)
-    sides[f"ft/{args.policy}"] = (ours, gateway_sample, False)
-    if args.forced:
-        sides[f"ft/{args.policy} forced"] = (ours, gateway_forced_sample, True)
-    if args.only != "ft":
-        for extra in [args.llama_arg, *([*args.llama_arg, *more.split()] for more in args.also_llama)]:
-            sides[" ".join(["llama.cpp", *extra])] = (llama(extra), llama_sample, False)
-    if args.only:
-        sides = {name: side for name, side in sides.items() if name.startswith(args.only)}
-    for side, (make, probe, wait) in sides.items():  # one server at a time
-        for trace in traces:  # a fresh server per session: no cache carried across sessions
-            with make() as server:
-                console.print(f"[bold]{side}[/] {trace.session_id}: {len(trace.requests)} requests")
-                samples = replay(server.url, trace, probe, between=http_wait_idle(server.url) if wait else None)
-            results[trace.session_id][side] = {
-                "samples": msgspec.to_builtins(samples),
-                "summary": msgspec.to_builtins(summarise(samples)),
-            }
-    for session, by_side in results.items():
-        console.print(
-            per_request_table(session, {s: [Sample(**x) for x in r["samples"]] for s, r in by_side.items()})
-        )
-    console.print(summary_table(results))
+    llama_extras = [args.llama_arg, *([*args.llama_arg, *more.split()] for more in args.also_llama)]
     meta = {
         "llama_args": args.llama_arg,
         "also_llama": args.also_llama,
@@ -199,7 +323,48 @@ def main(argv: list[str] | None = None) -> int:
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "ctx": args.ctx,
+        "max_requests": args.max_requests,
     }
+    if args.sessions:
+        sides: dict[str, tuple] = {}  # name -> (server factory, sender)
+        if args.only != "llama.cpp":
+            steps = ("--forced-decode", "steps", "--max-running", str(parallel))
+            sides[f"ft/{args.policy} steps"] = (ours(steps), ft_send)
+        if args.only != "ft":
+            for extra in llama_extras:
+                sides[" ".join(["llama.cpp", *extra])] = (llama(extra), llama_send)
+        runs = run_k_sessions(args, traces, sides, console)
+        meta |= {"sessions": args.sessions, "tool_gap_s": args.tool_gap, "parallel": parallel}
+        args.out.write_text(json.dumps({"meta": meta, "runs": runs}, indent=2))
+        console.print(f"wrote {args.out}")
+        return 0
+
+    results: dict[str, dict[str, dict]] = {t.session_id: {} for t in traces}
+    sides = {}  # name -> (server factory, prober, between requests)
+    sides[f"ft/{args.policy}"] = (ours(), gateway_sample, False)
+    if args.forced:
+        sides[f"ft/{args.policy} forced"] = (ours(), gateway_forced_sample, True)
+    if args.only != "ft":
+        for extra in llama_extras:
+            sides[" ".join(["llama.cpp", *extra])] = (llama(extra), llama_sample, False)
+    if args.only:
+        sides = {name: side for name, side in sides.items() if name.startswith(args.only)}
+    for side, (make, probe, wait) in sides.items():  # one server at a time
+        for trace in traces:  # a fresh server per session: no cache carried across sessions
+            with make() as server:
+                console.print(f"[bold]{side}[/] {trace.session_id}: {len(trace.requests)} requests")
+                samples = replay(
+                    server.url, trace, probe, between=http_wait_idle(server.url) if wait else None
+                )
+            results[trace.session_id][side] = {
+                "samples": msgspec.to_builtins(samples),
+                "summary": msgspec.to_builtins(summarise(samples)),
+            }
+    for session, by_side in results.items():
+        console.print(
+            per_request_table(session, {s: [Sample(**x) for x in r["samples"]] for s, r in by_side.items()})
+        )
+    console.print(summary_table(results))
     args.out.write_text(json.dumps({"meta": meta, "sessions": results}, indent=2))
     console.print(f"wrote {args.out}")
     return 0
