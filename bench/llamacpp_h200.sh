@@ -6,12 +6,14 @@
 #
 #   bash bench/llamacpp_h200.sh build LOGDIR          # CUDA llama-server (~8 min on 16 cores) while the GGUF is written
 #   bash bench/llamacpp_h200.sh run JSON TRACE...     # both servers, the same requests (bench/llamacpp.py)
+#   bash bench/llamacpp_h200.sh sessions JSON TRACE...  # K = 1 and K = 4 sessions at once, answers decoded at
+#                                                     # their recorded lengths (llama-server -np 4, --max-running 4)
 #   bash bench/llamacpp_h200.sh identity JSON [ARGS]  # greedy tokens and log-probs, ours vs llama-server (bf16;
 #                                                     # --dtype f32 --engine-dtype float32: both in fp32)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PRESET=qwen3.6-35b-a3b-e64
-case "${1:-}" in build | run | identity) ;; *) sed -n 2,10p "$0" && exit 2 ;; esac
+case "${1:-}" in build | run | sessions | identity) ;; *) sed -n 2,12p "$0" && exit 2 ;; esac
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
@@ -32,6 +34,12 @@ run)
   shift 2
   python3 bench/llamacpp.py --preset $PRESET --device cuda --dtype bf16 --threads 8 --ft-arg=--ram-cache=48 \
     --also-llama=--no-reasoning-preserve --forced --out "$json" "$@"
+  ;;
+sessions)
+  json=$2
+  shift 2
+  python3 bench/llamacpp.py --preset $PRESET --device cuda --dtype bf16 --threads 8 --ft-arg=--ram-cache=48 \
+    --sessions 1,4 --parallel 4 --out "$json" "$@"
   ;;
 identity)
   json=$2
