@@ -186,8 +186,8 @@ def bench_decode(eng: Engine, ctx: int, steps: int, ceil: dict) -> dict:
 
 
 def bench_batched_decode(eng: Engine, ctx: int, batches: list[int], steps: int) -> list[dict]:
-    """B sequences at `ctx` tokens decoded together, one engine step (one forward) per token of
-    each: tokens/s per sequence and in aggregate (batch 1 is the CUDA-graph step)."""
+    """B sequences at `ctx` tokens decoded together, one engine step (one graph replay of the
+    batch bucket) per token of each: tokens/s per sequence and in aggregate."""
     rows = []
     for batch in batches:
         states = [eng.new_state() for _ in range(batch)]
@@ -249,15 +249,15 @@ def profile_prefill(eng: Engine, ctx: int, top: int = 18) -> list[dict]:
 def profile_decode(eng: Engine, ctx: int, top: int = 12) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
-    from engine.ops.gpu.decode import GraphDecoder  # noqa: PLC0415
+    from engine.runner import Runner  # noqa: PLC0415
 
-    eager = GraphDecoder(eng.model, eng.kernels, use_graph=False)
+    eager = Runner(eng.model, eng.kernels, use_graph=False)  # the graph's kernels, launched one by one
     state = eng.new_state()
     eng.prefill(state, ids_for(ctx, 8))
-    eager.step(state, 5)
+    eager.decode([state], [5])
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for t in range(4):
-            eager.step(state, t)
+            eager.decode([state], [t])
         torch.cuda.synchronize()
     events = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)
     total = sum(e.self_device_time_total for e in events)

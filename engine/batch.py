@@ -1,8 +1,14 @@
 """What one forward runs: a few tokens of each of several sequences, concatenated.
 
 Every op that treats tokens independently (projections, norms, MoE, lm_head) runs once over all
-of a batch's tokens; attention, the causal conv and the Gated DeltaNet scan run per sequence on
-that sequence's own state (`Span`), with the decode spans' scans batched into one call."""
+of a batch's tokens. Where a sequence's own state is read and written (attention's KV, the causal
+conv and the Gated DeltaNet state) the batch says how:
+
+- `Spans`: any number of tokens per sequence, each sequence on its own `SequenceState` (prefill,
+  chunked prefill with captures). Attention, the conv and the chunked scan run per sequence.
+- `SlotBatch`: one token per sequence, every state in one slot of stacked buffers (`SlotBuffers`)
+  and every index on the device, so the whole step is free of host syncs and Python-side shapes and
+  one CUDA graph per batch size replays it (`engine.runner.Runner`)."""
 
 from __future__ import annotations
 
@@ -22,21 +28,68 @@ class Span:
     length: int
     capture_at: list[int] = field(default_factory=list)
 
+
+@dataclass
+class Spans:
+    """Tokens of several sequences, each on its own state, which the forward extends in place."""
+
+    spans: list[Span]
+
+    def bounds(self) -> list[tuple[int, int]]:
+        """[lo, hi) rows of each span in the concatenated tokens."""
+        out, lo = [], 0
+        for span in self.spans:
+            out.append((lo, lo + span.length))
+            lo += span.length
+        return out
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        """Absolute positions of every token [T], span after span."""
+        return torch.cat([torch.arange(s.state.length, s.state.length + s.length, device=device) for s in self.spans])
+
+    def wait_for(self, layer: int) -> None:
+        for span in self.spans:
+            span.state.wait_for(layer)  # a restore may still be copying this layer's state in
+
+    def advance(self) -> None:
+        for span in self.spans:
+            span.state.length += span.length
+
+
+@dataclass
+class SlotBuffers:
+    """Per-sequence state of `slots` sequences, stacked: KV [slots, capacity, Hkv, D] per attention
+    layer, conv [slots, C, K-1] (model dtype) and recurrent [slots, Hv, Dk, Dv] (fp32) per DeltaNet
+    layer."""
+
+    k: dict[int, torch.Tensor]
+    v: dict[int, torch.Tensor]
+    conv: dict[int, torch.Tensor]
+    rec: dict[int, torch.Tensor]
+
     @property
-    def is_decode(self) -> bool:
-        """One token with no capture: its scan is one recurrent step, batched with the others."""
-        return self.length == 1 and not self.capture_at
+    def capacity(self) -> int:
+        return next(iter(self.k.values())).shape[1] if self.k else 1 << 30
 
 
-def bounds(spans: list[Span]) -> list[tuple[int, int]]:
-    """[lo, hi) rows of each span in the concatenated tokens."""
-    out, lo = [], 0
-    for span in spans:
-        out.append((lo, lo + span.length))
-        lo += span.length
-    return out
+@dataclass
+class SlotBatch:
+    """One decode token per row: row b is the sequence in slot `index[b]`, its token at `pos[b]`
+    (its length before the step). The forward writes the new KV row and states into the slots;
+    lengths move when the runner commits the step (a replayed graph runs no Python)."""
+
+    buffers: SlotBuffers
+    index: torch.Tensor  # [B] long
+    pos: torch.Tensor  # [B] long
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        return self.pos
+
+    def wait_for(self, layer: int) -> None:
+        return None  # the runner waits for restores when it binds a state to a slot
+
+    def advance(self) -> None:
+        return None
 
 
-def positions(spans: list[Span], device: torch.device) -> torch.Tensor:
-    """Absolute positions of every token [T], span after span."""
-    return torch.cat([torch.arange(s.state.length, s.state.length + s.length, device=device) for s in spans])
+Batch = Spans | SlotBatch

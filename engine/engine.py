@@ -15,6 +15,7 @@ from engine.feed import Feed, PrefillResult
 from engine.loader import build_model, fingerprint, load_folder
 from engine.model import HybridForCausalLM
 from engine.ops import Kernels, kernels_for
+from engine.runner import Runner
 from engine.sampling import Decoding, SamplingParams, TokenEvent
 from engine.snapshot import Snapshot
 from engine.state import KVCache, SequenceState
@@ -34,8 +35,12 @@ class Engine:
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
         self.kernels: Kernels = kernels_for(self.device)
-        make_runtime = getattr(self.kernels, "runtime", None)  # device extras: host copies, graph decode
+        make_runtime = getattr(self.kernels, "runtime", None)  # device extras: host copies
         self.runtime = make_runtime(model) if make_runtime is not None else None
+        self.runner = Runner(
+            model, self.kernels, use_graph=self.device.type == "cuda" and os.environ.get("FT_CUDA_GRAPHS", "1") != "0",
+            before_overwrite=self.runtime.wait_copies if self.runtime is not None else None,
+        )
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None) -> Engine:
@@ -84,17 +89,15 @@ class Engine:
 
     @torch.no_grad()
     def step(self, parts: Sequence[tuple[Feed, int]]) -> None:
-        """One forward over the next `count` tokens of each feed (one part per sequence). A feed
-        whose last token ran gets its `result`; its snapshots' host copies may still be running
-        on a GPU until `result.ready()` returns."""
-        if self.runtime is not None:
-            # On a GPU each decode token is one CUDA-graph replay until the batched forward is
-            # captured too: eager, its host time exceeds the graph's (bench/RESULTS.md: 4 sequences
-            # in one eager step 72 ms, one graph step 5.5 ms each)
-            for feed, _ in parts:
-                if not feed.is_prefill:
-                    feed.done = 1
-                    feed.result = PrefillResult(self.runtime.step(feed.state, feed.token_ids[0]), [])
+        """One step over the next `count` tokens of each feed (one part per sequence): the decode
+        tokens (one token, nothing captured) in one runner step on their slots, the rest in one
+        forward over their own states. A feed whose last token ran gets its `result`; its
+        snapshots' host copies may still be running on a GPU until `result.ready()` returns."""
+        decodes = [feed for feed, _ in parts if not feed.is_prefill]
+        if decodes:
+            logits = self.runner.decode([f.state for f in decodes], [f.token_ids[0] for f in decodes])
+            for feed, row in zip(decodes, logits, strict=True):
+                feed.done, feed.result = 1, PrefillResult(row, [])
             parts = [(feed, count) for feed, count in parts if feed.is_prefill]
             if not parts:
                 return
@@ -207,9 +210,10 @@ class Engine:
                 return
             logits = self.decode(state, event.token_id)
 
-    def warmup(self) -> None:
-        """Run every path once (kernel compilation and checks, CUDA graph capture, capture and
-        restore copies) so that the first request does not pay for it."""
+    def warmup(self, max_batch: int = 1) -> None:
+        """Run every path once (kernel compilation and checks, the CUDA graphs of decode batches up
+        to `max_batch`, capture and restore copies) so that the first request does not pay for it."""
+        self.runner.warmup(max_batch)
         if self.device.type == "cuda":  # kernels tuned per shape: one full prefill chunk as well
             self.prefill(self.new_state(), [1000 + i % 50_000 for i in range(DEFAULT_CHUNK["cuda"])])
         state = self.new_state()

@@ -57,7 +57,8 @@ class Feed:
 
     @property
     def is_prefill(self) -> bool:
-        return len(self.token_ids) > 1 or bool(self.capture_at)
+        """False for one decode token: no capture, only its logits (a runner step on its slot)."""
+        return len(self.token_ids) > 1 or bool(self.capture_at) or self.all_logits
 
     def span(self, count: int) -> Span:
         """The next `count` tokens as a span of the coming forward."""

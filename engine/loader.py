@@ -131,7 +131,8 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> Hyb
         if tuple(state_dict[name].shape) != tuple(shape):
             raise CheckpointError(f"{name}: shape {tuple(state_dict[name].shape)}, expected {tuple(shape)}")
     model.load_state_dict(state_dict, assign=True, strict=True)
-    return model.eval().requires_grad_(False)
+    model.requires_grad_(False).fuse_projections()
+    return model.eval()
 
 
 def fingerprint(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> str:

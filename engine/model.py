@@ -9,12 +9,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.batch import Span, bounds, positions
+from engine.batch import Batch, SlotBatch, Span, Spans
 from engine.config import ModelConfig
 from engine.ops import Kernels
 from engine.ops.moe import route
-from engine.ops.norm import gated_rms_norm, rms_norm
 from engine.ops.rope import apply_rope, rope_cos_sin
+
+
+def fuse(module: nn.Module, name: str, parts: list[nn.Module]) -> None:
+    """Register `name` as the row-wise concatenation of the parts' weights and make each part's
+    weight a view of it: projections that read the same input run as one GEMM (one GEMV in decode),
+    with no second copy of the weights and the HF parameter names unchanged."""
+    fused = torch.cat([m.weight for m in parts])
+    lo = 0
+    for m in parts:
+        rows = m.weight.shape[0]
+        m.weight = nn.Parameter(fused[lo : lo + rows], requires_grad=False)
+        lo += rows
+    module.register_buffer(name, fused, persistent=False)
 
 
 class Weight(nn.Module):
@@ -40,13 +52,16 @@ class Experts(nn.Module):
 
 
 class RMSNorm(nn.Module):
+    """A zero-centred RMSNorm's weight; applied through `Kernels.add_rms_norm` (residual add fused)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, kernels: Kernels) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, the norm of it)."""
+        return kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -61,18 +76,29 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.splits = [c.num_attention_heads * c.head_dim * 2, c.num_key_value_heads * c.head_dim, c.num_key_value_heads * c.head_dim]
 
-    def forward(self, x, rope, spans: list[Span], layer: int, kernels: Kernels) -> torch.Tensor:
+    def fuse(self) -> None:
+        fuse(self, "qkv", [self.q_proj, self.k_proj, self.v_proj])
+
+    def forward(self, x, rope, batch: Batch, layer: int, kernels: Kernels) -> torch.Tensor:
         length = x.shape[0]
-        q, gate = self.q_proj(x).view(length, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = apply_rope(self.q_norm(q), *rope)  # [T, Hq, D]
-        k = apply_rope(self.k_norm(self.k_proj(x).view(length, -1, self.head_dim)), *rope)  # [T, Hkv, D]
-        v = self.v_proj(x).view(length, -1, self.head_dim)
-        outs = []
-        for span, (lo, hi) in zip(spans, bounds(spans), strict=True):
-            keys, values = span.state.kv[layer].append(k[lo:hi], v[lo:hi])  # [S, Hkv, D]
-            outs.append(kernels.causal_attention(q[lo:hi], keys, values))
-        out = (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(length, -1)
+        q, k, v = F.linear(x, self.qkv).split(self.splits, dim=-1)
+        q, gate = q.view(length, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = apply_rope(self.q_norm(q, None, kernels)[1], *rope)  # [T, Hq, D]
+        k = apply_rope(self.k_norm(k.view(length, -1, self.head_dim), None, kernels)[1], *rope)  # [T, Hkv, D]
+        v = v.view(length, -1, self.head_dim)
+        if isinstance(batch, SlotBatch):  # one query per slot, the new KV row written in place
+            keys, values = batch.buffers.k[layer], batch.buffers.v[layer]
+            keys[batch.index, batch.pos], values[batch.index, batch.pos] = k, v
+            out = kernels.decode_attention(q, keys, values, batch.index, batch.pos + 1)
+        else:
+            outs = []
+            for span, (lo, hi) in zip(batch.spans, batch.bounds(), strict=True):
+                keys, values = span.state.kv[layer].append(k[lo:hi], v[lo:hi])  # [S, Hkv, D]
+                outs.append(kernels.causal_attention(q[lo:hi], keys, values))
+            out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        out = out.reshape(length, -1)
         return self.o_proj(out * torch.sigmoid(gate.reshape(length, -1)))
 
 
@@ -95,27 +121,29 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_b = nn.Linear(c.hidden_size, c.linear_num_value_heads, bias=False)
         self.in_proj_a = nn.Linear(c.hidden_size, c.linear_num_value_heads, bias=False)
 
+    def fuse(self) -> None:
+        fuse(self, "in_proj", [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+        self.register_buffer("neg_a", -self.A_log.float().exp(), persistent=False)
+
     def project(self, x: torch.Tensor):
         """x [T, H] -> mixed qkv [T, conv_dim] (q ‖ k ‖ v), z [T, Hv*Dv], b [T, Hv], a [T, Hv]."""
-        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        c = self.c
+        return F.linear(x, self.in_proj).split([c.conv_dim, c.linear_value_dim, c.linear_num_value_heads, c.linear_num_value_heads], dim=-1)
 
-    def forward(self, x, spans: list[Span], layer: int, kernels: Kernels):
-        """x [T, H] of all spans -> out [T, H] and, per span, its captures [(conv, rec)]."""
+    def forward(self, x, batch: Batch, layer: int, kernels: Kernels):
+        """x [T, H] of all sequences -> out [T, H] and, per span, its captures [(conv, rec)]."""
         c, length = self.c, x.shape[0]
         mixed, z, b, a = self.project(x)
         beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv]
-        out = torch.empty(length, c.linear_num_value_heads, c.linear_value_head_dim, dtype=x.dtype, device=x.device)
-        captures: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in spans]
-        decode = [i for i, s in enumerate(spans) if s.is_decode]
-        rows = bounds(spans)
-        if decode:
-            idx = torch.tensor([rows[i][0] for i in decode], device=x.device)
-            out[idx] = self._decode([spans[i] for i in decode], layer, mixed[idx], g[idx], beta[idx], kernels)
-        for i, (span, (lo, hi)) in enumerate(zip(spans, rows, strict=True)):
-            if not span.is_decode:
-                out[lo:hi], captures[i] = self._scan(span, layer, mixed[lo:hi], g[lo:hi], beta[lo:hi], kernels)
-        out = gated_rms_norm(out, z.view(length, -1, c.linear_value_head_dim), self.norm.weight, c.rms_norm_eps)
+        g = self.neg_a * F.softplus(a.float() + self.dt_bias)  # [T, Hv]
+        if isinstance(batch, SlotBatch):
+            out, captures = self._decode(batch, layer, mixed, g, beta, kernels), []
+        else:
+            parts = [self._scan(span, layer, mixed[lo:hi], g[lo:hi], beta[lo:hi], kernels)
+                     for span, (lo, hi) in zip(batch.spans, batch.bounds(), strict=True)]
+            out = parts[0][0] if len(parts) == 1 else torch.cat([o for o, _ in parts])
+            captures = [caps for _, caps in parts]
+        out = kernels.gated_rms_norm(out, z.view(length, -1, c.linear_value_head_dim), self.norm.weight, c.rms_norm_eps)
         return self.out_proj(out.reshape(length, -1)), captures
 
     def _split(self, mixed: torch.Tensor):
@@ -139,18 +167,15 @@ class GatedDeltaNet(nn.Module):
         out, state.rec[layer], rec_caps = kernels.chunk_gated_delta_rule(q, k, v, g, beta, rec, span.capture_at)
         return out, list(zip(conv_caps, rec_caps, strict=True))
 
-    def _decode(self, spans: list[Span], layer: int, mixed, g, beta, kernels: Kernels) -> torch.Tensor:
-        """One token of each of B sequences: one batched conv step and one batched recurrent step."""
-        c, device = self.c, mixed.device
-        conv = torch.stack([s.state.conv[layer] if layer in s.state.conv else
-                            mixed.new_zeros(c.conv_dim, c.linear_conv_kernel_dim - 1) for s in spans])  # [B, C, K-1]
-        rec = torch.stack([s.state.rec[layer] if layer in s.state.rec else torch.zeros(
-            c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim, device=device) for s in spans])
-        mixed, conv = kernels.decode_conv(mixed, conv, self.conv1d.weight[:, 0])
+    def _decode(self, batch: SlotBatch, layer: int, mixed, g, beta, kernels: Kernels) -> torch.Tensor:
+        """One token of each slot's sequence: one batched conv step and one batched recurrent step,
+        the states gathered from their slots and written back."""
+        conv_slots, rec_slots = batch.buffers.conv[layer], batch.buffers.rec[layer]
+        mixed, conv = kernels.decode_conv(mixed, conv_slots[batch.index], self.conv1d.weight[:, 0])
         q, k, v = self._split(mixed)
-        out, rec = kernels.decode_gated_delta_rule(q, k, v, g, beta, rec)  # [B, Hv, Dv], [B, Hv, Dk, Dv]
-        for i, span in enumerate(spans):
-            span.state.conv[layer], span.state.rec[layer] = conv[i], rec[i]
+        out, rec = kernels.decode_gated_delta_rule(q, k, v, g, beta, rec_slots[batch.index])  # [B, Hv, Dv], [B, Hv, Dk, Dv]
+        conv_slots.index_copy_(0, batch.index, conv)
+        rec_slots.index_copy_(0, batch.index, rec)
         return out
 
 
@@ -161,26 +186,29 @@ class NextGatedDeltaNet(GatedDeltaNet):
         self.in_proj_qkvz = nn.Linear(c.hidden_size, 2 * c.linear_key_dim + 2 * c.linear_value_dim, bias=False)
         self.in_proj_ba = nn.Linear(c.hidden_size, 2 * c.linear_num_value_heads, bias=False)
 
+    def fuse(self) -> None:
+        fuse(self, "in_proj", [self.in_proj_qkvz, self.in_proj_ba])
+        self.register_buffer("neg_a", -self.A_log.float().exp(), persistent=False)
+
     def project(self, x: torch.Tensor):
         c, length = self.c, x.shape[0]
         group = c.linear_num_value_heads // c.linear_num_key_heads
         dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
-        qkvz = self.in_proj_qkvz(x).view(length, c.linear_num_key_heads, -1)  # [T, Hk, 2Dk + 2*group*Dv]
-        q, k, v, z = qkvz.split([dk, dk, group * dv, group * dv], dim=-1)
-        b, a = self.in_proj_ba(x).view(length, c.linear_num_key_heads, -1).split([group, group], dim=-1)
+        qkvz, ba = F.linear(x, self.in_proj).split([self.in_proj_qkvz.weight.shape[0], self.in_proj_ba.weight.shape[0]], dim=-1)
+        q, k, v, z = qkvz.reshape(length, c.linear_num_key_heads, -1).split([dk, dk, group * dv, group * dv], dim=-1)  # [T, Hk, ...]
+        b, a = ba.reshape(length, c.linear_num_key_heads, -1).split([group, group], dim=-1)
         mixed = torch.cat([q.reshape(length, -1), k.reshape(length, -1), v.reshape(length, -1)], dim=-1)
         return mixed, z.reshape(length, -1), b.reshape(length, -1), a.reshape(length, -1)
 
 
 class MLP(nn.Module):
+    """The shared expert's weights (run by `SparseMoe.forward`, its gate and up fused with the router)."""
+
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class SparseMoe(nn.Module):
@@ -192,10 +220,18 @@ class SparseMoe(nn.Module):
         self.shared_expert = MLP(c.hidden_size, c.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
 
+    def fuse(self) -> None:
+        """The router, the shared expert's gate and up projections and its output gate: one GEMM."""
+        shared = self.shared_expert
+        fuse(self, "in_proj", [self.gate, shared.gate_proj, shared.up_proj, self.shared_expert_gate])
+
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
-        weights, ids = route(x, self.gate.weight, self.c.num_experts_per_tok, self.c.norm_topk_prob)
+        c = self.c
+        splits = [c.num_experts, c.shared_expert_intermediate_size, c.shared_expert_intermediate_size, 1]
+        router, gate, up, shared_gate = F.linear(x, self.in_proj).split(splits, dim=-1)
+        weights, ids = route(router, c.num_experts_per_tok, c.norm_topk_prob, x.dtype)
         routed = kernels.moe_experts(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
-        return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return routed + torch.sigmoid(shared_gate) * self.shared_expert.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -210,15 +246,17 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, rope, spans: list[Span], kernels: Kernels):
-        h = self.input_layernorm(x)
-        captured: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in spans]
+    def forward(self, x, h, rope, batch: Batch, kernels: Kernels):
+        """The residual stream x and the previous layer's output h (added here, fused into the
+        norm) -> the new residual stream, this layer's MLP output and the DeltaNet captures."""
+        x, normed = self.input_layernorm(x, h, kernels)
+        captured: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
         if self.is_attention:
-            h = self.self_attn(h, rope, spans, self.layer, kernels)
+            h = self.self_attn(normed, rope, batch, self.layer, kernels)
         else:
-            h, captured = self.linear_attn(h, spans, self.layer, kernels)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x), kernels), captured
+            h, captured = self.linear_attn(normed, batch, self.layer, kernels)
+        x, normed = self.post_attention_layernorm(x, h, kernels)
+        return x, self.mlp(normed, kernels), captured
 
 
 class Backbone(nn.Module):
@@ -238,24 +276,32 @@ class HybridForCausalLM(nn.Module):
         self.model = Backbone(c)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
 
-    def forward(self, ids: torch.Tensor, spans: list[Span], kernels: Kernels) -> tuple[torch.Tensor, list[list[dict]]]:
-        """ids [T] (the spans' tokens, span after span) -> final hidden states [T, H] and, per span
-        and per offset in its `capture_at`, the DeltaNet states after that many of its tokens:
-        {"conv.L": [C, K-1], "rec.L": [Hv, Dk, Dv]}. Every span's state is extended in place."""
+    def forward(self, ids: torch.Tensor, batch: Batch | list[Span], kernels: Kernels) -> tuple[torch.Tensor, list[list[dict]]]:
+        """ids [T] (the batch's tokens, sequence after sequence) -> final hidden states [T, H] and,
+        for `Spans`, per span and per offset in its `capture_at`, the DeltaNet states after that
+        many of its tokens: {"conv.L": [C, K-1], "rec.L": [Hv, Dk, Dv]}. Every sequence's state is
+        extended in place (a `SlotBatch`'s lengths are committed by its runner)."""
         c = self.config
-        rope = rope_cos_sin(positions(spans, ids.device), c.rotary_dim, c.rope_theta, self.lm_head.weight.dtype)
-        x = self.model.embed_tokens(ids)  # [T, H]
+        batch = Spans(batch) if isinstance(batch, list) else batch
+        rope = rope_cos_sin(batch.positions(ids.device), c.rotary_dim, c.rope_theta, self.lm_head.weight.dtype)
+        x, h = self.model.embed_tokens(ids), None  # [T, H]: the residual stream, the last layer's output
+        spans = batch.spans if isinstance(batch, Spans) else []
         captures: list[list[dict[str, torch.Tensor]]] = [[{} for _ in s.capture_at] for s in spans]
         for layer in cast(list[DecoderLayer], self.model.layers):
-            for span in spans:
-                span.state.wait_for(layer.layer)  # a restore may still be copying this layer's state in
-            x, captured = layer(x, rope, spans, kernels)
-            for per_span, caps in zip(captures, captured, strict=True):
+            batch.wait_for(layer.layer)
+            x, h, captured = layer(x, h, rope, batch, kernels)
+            for per_span, caps in zip(captures, captured, strict=False):
                 for snapshot, (conv, rec) in zip(per_span, caps, strict=False):
                     snapshot[f"conv.{layer.layer}"], snapshot[f"rec.{layer.layer}"] = conv, rec
-        for span in spans:
-            span.state.length += span.length
-        return self.model.norm(x), captures
+        batch.advance()
+        return self.model.norm(x, h, kernels)[1], captures
+
+    def fuse_projections(self) -> None:
+        """Per layer, the projections that read the same input become one weight (`fuse`); done
+        once after the weights are loaded."""
+        for layer in cast(list[DecoderLayer], self.model.layers):
+            (layer.self_attn if layer.is_attention else layer.linear_attn).fuse()
+            layer.mlp.fuse()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -99,7 +99,7 @@ def load_engine(config: ServeConfig) -> Engine:
         engine = Engine.load(config.model_dir, device=config.device)
     else:
         engine = Engine.from_preset(config.preset, device=config.device)
-    engine.warmup()
+    engine.warmup(max_batch=config.max_running)
     return engine
 
 

@@ -9,19 +9,22 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.ops import attention, conv, deltanet, moe
+from engine.ops import attention, conv, deltanet, moe, norm
 
 
 @dataclass(frozen=True)
 class Kernels:
     name: str
     causal_attention: Callable = attention.causal_attention
+    decode_attention: Callable = attention.decode_attention  # one query per slot of stacked caches
     causal_conv: Callable = conv.causal_conv
     chunk_gated_delta_rule: Callable = deltanet.chunk_gated_delta_rule
     recurrent_gated_delta_rule: Callable = deltanet.recurrent_gated_delta_rule
     decode_conv: Callable = conv.decode_conv  # one token of each of B sequences
     decode_gated_delta_rule: Callable = deltanet.decode_gated_delta_rule
     moe_experts: Callable = moe.experts_loop
+    add_rms_norm: Callable = norm.add_rms_norm  # (x + residual, its norm): the residual add fused in
+    gated_rms_norm: Callable = norm.gated_rms_norm
 
 
 REFERENCE = Kernels(name="reference")

@@ -30,3 +30,19 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
             qh[:, :, lo:hi], kh[:, :, :visible], vh[:, :, :visible], attn_mask=mask
         )
     return out[0].transpose(0, 1)
+
+
+def decode_attention(
+    q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, index: torch.Tensor, lengths: torch.Tensor
+) -> torch.Tensor:
+    """One query per row against slotted caches: q [B, Hq, D]; k_slots, v_slots [S, capacity, Hkv, D];
+    row b reads slot index[b], of which the first lengths[b] positions are valid. Returns [B, Hq, D].
+    Shapes never depend on the lengths (a masked read of the whole capacity), so it runs in a graph."""
+    num_heads = q.shape[1]
+    keys, values = k_slots[index], v_slots[index]  # [B, capacity, Hkv, D]
+    group = num_heads // keys.shape[2]
+    kh = keys.transpose(1, 2).repeat_interleave(group, dim=1)  # [B, Hq, capacity, D]
+    vh = values.transpose(1, 2).repeat_interleave(group, dim=1)
+    visible = torch.arange(keys.shape[1], device=q.device)[None, :] < lengths[:, None]  # [B, capacity]
+    out = F.scaled_dot_product_attention(q[:, :, None], kh, vh, attn_mask=visible[:, None, None, :])  # [B, Hq, 1, D]
+    return out[:, :, 0]

@@ -6,13 +6,13 @@ import torch
 import torch.nn.functional as F
 
 
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """x: [T, H]; router: [E, H]. Returns weights [T, k] (x's dtype) and expert ids [T, k]."""
-    probs = F.softmax(F.linear(x, router), dim=-1, dtype=torch.float)
+def route(logits: torch.Tensor, top_k: int, renormalise: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> weights [T, k] (in `dtype`) and expert ids [T, k]."""
+    probs = F.softmax(logits, dim=-1, dtype=torch.float)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalise:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(x.dtype), ids
+    return weights.to(dtype), ids
 
 
 def experts_loop(

@@ -13,6 +13,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * (1.0 + weight.float())).type_as(x)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    """(x + residual, zero-centred rms_norm of it), the sum rounded to x's dtype as the model adds;
+    without a residual, (x, rms_norm(x))."""
+    s = x if residual is None else x + residual
+    return s, rms_norm(s, weight, eps)
+
+
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of `x` (plain `weight`), then multiplied by SiLU(gate); computed as HF/fla do."""
     dtype = x.dtype

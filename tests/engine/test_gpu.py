@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytestmark = [
     pytest.mark.gpu,
@@ -111,19 +112,25 @@ def test_causal_attention_matches_reference(dtype, shape, rng):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_decode_attention_reads_only_the_valid_length(dtype, rng):
+def test_decode_attention_reads_only_each_rows_slot_and_valid_length(dtype, rng):
     from engine.ops.attention import causal_attention as ref
     from engine.ops.gpu.attention import decode_attention
 
-    for length in (1, 63, rng.randrange(2, 5000), 4096):
-        g = gen(rng.randrange(1 << 30))
-        q = torch.randn(1, 16, 256, generator=g).to(dtype)
+    lengths = [1, 63, rng.randrange(2, 5000), 4096]
+    slots = [2, 0, 4, 1]  # rows read slots out of order; slot 3 is never read
+    g = gen(rng.randrange(1 << 30))
+    q = torch.randn(len(lengths), 16, 256, generator=g).to(dtype)
+    k_slots = torch.full((5, 8192, 2, 256), float("nan"), dtype=dtype, device="cuda")  # poison past each end
+    v_slots = k_slots.clone()
+    expected = []
+    for row, (slot, length) in enumerate(zip(slots, lengths, strict=True)):
         k, v = (torch.randn(length, 2, 256, generator=g).to(dtype) for _ in range(2))
-        k_cache = torch.full((8192, 2, 256), float("nan"), dtype=dtype, device="cuda")  # poison past the end
-        v_cache = k_cache.clone()
-        k_cache[:length], v_cache[:length] = k.cuda(), v.cuda()
-        out = decode_attention(q[0].cuda(), k_cache, v_cache, torch.tensor([length], device="cuda"))
-        err = rel(out, ref(q.float(), k.float(), v.float())[0])
+        k_slots[slot, :length], v_slots[slot, :length] = k.cuda(), v.cuda()
+        expected.append(ref(q[row : row + 1].float(), k.float(), v.float())[0])
+    index, valid = (torch.tensor(x, device="cuda") for x in (slots, lengths))
+    out = decode_attention(q.cuda(), k_slots, v_slots, index, valid)
+    for row, length in enumerate(lengths):
+        err = rel(out[row], expected[row])
         metric(f"decode_attention_{length}_{dtype}", err)
         assert err <= KERNEL_TOL[dtype], (length, err, SEED)
 
@@ -138,7 +145,7 @@ def test_grouped_experts_match_the_loop(rng):
     router = torch.randn(experts, hidden, generator=g) / hidden**0.5
     gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) / hidden**0.5
     down = torch.randn(experts, hidden, inter, generator=g) / inter**0.5
-    weights, ids = route(x, router, 4, True)
+    weights, ids = route(F.linear(x, router), 4, True, x.dtype)
     want = experts_loop(x, weights, ids, gate_up, down)
     for dtype in (torch.bfloat16, torch.float32):
         dev = [t.to("cuda", dtype) for t in (x, weights)]
@@ -301,3 +308,28 @@ def test_batched_decode_with_a_prefill_matches_each_sequence_alone(gpu_engine, g
     exact = torch.stack([gpu32.prefill(gpu32.new_state(), p + [t]).logits for p, t in zip(prompts, tokens, strict=False)]
                         + [gpu32.prefill(gpu32.new_state(), prompts[4]).logits])
     _within_bf16_noise(got, one_pass, exact, "batched_step_bf16", factor=4)
+
+
+def test_graph_steps_of_a_padded_batch_follow_each_sequence(gpu_engine, gpu32, rng):
+    """Three sequences decoded together for six steps (the batch-4 graph, one padding row), then
+    one leaves and the other two go on: every step's logits are each sequence's own."""
+    eng = gpu_engine
+    prompts = [[rng.randrange(248_000) for _ in range(rng.randrange(20, 200))] for _ in range(3)]
+    forced = [[rng.randrange(248_000) for _ in range(8)] for _ in range(3)]
+    states = [eng.new_state() for _ in prompts]
+    for state, prompt in zip(states, prompts, strict=True):
+        eng.prefill(state, prompt)
+    got: list[list[torch.Tensor]] = [[] for _ in prompts]
+    for step in range(8):
+        members = range(3) if step < 6 else range(2)
+        rows = eng.runner.decode([states[i] for i in members], [forced[i][step] for i in members])
+        for i, row in zip(members, rows, strict=True):
+            got[i].append(row)
+    for i, prompt in enumerate(prompts):
+        steps = len(got[i])
+        full = eng.prefill(eng.new_state(), prompt + forced[i][:steps], all_logits=True).logits[len(prompt):]
+        if eng.dtype == torch.float32:
+            assert rel(torch.stack(got[i]), full) <= FP32_TOL, SEED
+        else:
+            exact = gpu32.prefill(gpu32.new_state(), prompt + forced[i][:steps], all_logits=True).logits[len(prompt):]
+            _within_bf16_noise(torch.stack(got[i]), full, exact, f"padded_batch_bf16_{i}", factor=4)

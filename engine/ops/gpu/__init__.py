@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from engine.ops import Kernels
 from engine.ops import deltanet as reference_deltanet
-from engine.ops.gpu import attention, conv, moe
+from engine.ops.gpu import attention, conv, moe, norm
 
 log = logging.getLogger(__name__)
 
@@ -34,9 +34,12 @@ class GpuKernels(Kernels):
 KERNELS = GpuKernels(
     name="gpu" if deltanet is not reference_deltanet else "gpu-no-fla",
     causal_attention=attention.causal_attention,
+    decode_attention=attention.decode_attention,
     causal_conv=conv.causal_conv,
     chunk_gated_delta_rule=deltanet.chunk_gated_delta_rule,
     recurrent_gated_delta_rule=deltanet.recurrent_gated_delta_rule,
     decode_gated_delta_rule=deltanet.decode_gated_delta_rule,
     moe_experts=moe.experts_grouped,
+    add_rms_norm=norm.add_rms_norm,
+    gated_rms_norm=norm.gated_rms_norm,
 )

@@ -1,15 +1,13 @@
-"""What the engine asks of a CUDA device beyond kernels: snapshot copies to pinned host memory,
-restores from host memory, and decode steps through a CUDA graph."""
+"""What the engine asks of a CUDA device beyond kernels: snapshot copies to pinned host memory
+and restores from host memory, on a copy stream of their own."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
 
 from engine.model import HybridForCausalLM
-from engine.ops.gpu.decode import GraphDecoder
 from engine.ops.gpu.transfer import Transfers
 from engine.snapshot import Snapshot
 from engine.state import SequenceState
@@ -21,7 +19,6 @@ class GpuRuntime:
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
         self.transfers = Transfers(self.device)
-        self.decoder = GraphDecoder(model, kernels, use_graph=os.environ.get("FT_CUDA_GRAPHS", "1") != "0")
 
     def to_host(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return self.transfers.to_host(tensors)
@@ -36,5 +33,6 @@ class GpuRuntime:
         self.transfers.restore(state, chain, self.model.config, self.dtype)
         return state
 
-    def step(self, state: SequenceState, token: int) -> torch.Tensor:
-        return self.decoder.step(state, token)
+    def wait_copies(self) -> None:
+        """The compute stream waits for every host copy issued so far (before memory they read is overwritten)."""
+        torch.cuda.current_stream(self.device).wait_stream(self.transfers.stream)

@@ -1,0 +1,194 @@
+"""Decode steps of several sequences at once, on slotted state buffers, graph-captured on a GPU.
+
+The runner owns `SlotBuffers`: every sequence it decodes is bound to a slot, its KV caches and
+DeltaNet states become views of that slot (`SequenceState` keeps working as before: a later
+prefill appends to the same KV view, snapshots read it), so consecutive steps copy nothing. A state
+that comes without a slot takes a free one or the least recently used one of a sequence outside
+the step, whose owner first gets private copies of what it still shares.
+
+A step is the model's own forward over a `SlotBatch`. On a GPU it is captured once per batch-size
+bucket (1, 2, 4, ...; a smaller batch is padded with rows that read and write a scratch slot), so
+a step is one graph replay whatever the lengths: attention reads each row's valid length from the
+device. When the slots or their capacity run out, the buffers grow (slots to the next power of two,
+capacity doubling) and the graphs are captured again.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+
+from engine.batch import SlotBatch, SlotBuffers
+from engine.model import HybridForCausalLM
+from engine.ops import Kernels
+from engine.state import SequenceState
+
+MIN_CAPACITY = {"cuda": 4096, "cpu": 256}  # tokens per slot at first; doubles as sequences grow
+
+
+def _bucket(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+class Runner:
+    def __init__(self, model: HybridForCausalLM, kernels: Kernels, use_graph: bool = False,
+                 before_overwrite: Callable[[], None] | None = None):
+        """`before_overwrite` runs before a slot's contents are replaced (on a GPU: wait for the
+        host copies that may still read the previous owner's KV)."""
+        self.model, self.kernels = model, kernels
+        self.c = model.config
+        self.device = model.lm_head.weight.device
+        self.dtype = model.lm_head.weight.dtype
+        self.use_graph = use_graph
+        self.before_overwrite = before_overwrite or (lambda: None)
+        self.slots = 0  # sequence slots; slot `self.slots` is the scratch slot padding rows use
+        self.capacity = 0
+        self.buffers: SlotBuffers | None = None
+        self.views: list[dict[str, dict[int, torch.Tensor]]] = []
+        self.owners: list[weakref.ref | None] = []
+        self.used: list[int] = []  # step count of each slot's last use (least recently used is evicted)
+        self.steps = 0
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    @torch.no_grad()
+    def decode(self, states: Sequence[SequenceState], tokens: Sequence[int]) -> torch.Tensor:
+        """Feed tokens[b] to states[b] (distinct states); the next logits [B, V] fp32."""
+        count = len(states)
+        need = max(s.length for s in states) + 1
+        if count > self.slots or need > self.capacity:
+            self._allocate(max(self.slots, _bucket(count)), max(self.capacity, MIN_CAPACITY.get(self.device.type, 256), _bucket(need)))
+        slots = self._assign(states)
+        rows = _bucket(count) if self.use_graph else count
+        pad = rows - count  # padding rows: token 0 at position 0 of the scratch slot
+        host = torch.tensor([[*tokens, *[0] * pad], [s.length for s in states] + [0] * pad, slots + [self.slots] * pad])
+        if self.use_graph:
+            graph, out = self._graph(rows)  # captured at first use, on the scratch slot's inputs
+            self.inputs[:, :rows].copy_(host)  # one small pageable copy: done before the host writes the next step's
+            graph.replay()
+            logits = out[:count].clone()
+        else:
+            self.inputs[:, :rows].copy_(host)
+            logits = self._forward(rows)[:count]
+        for state in states:
+            for cache in state.kv.values():
+                cache.length += 1
+            state.length += 1
+        return logits
+
+    def warmup(self, max_batch: int) -> None:
+        """Slots for `max_batch` sequences and the graphs of every batch bucket up to it, now
+        (each capture is a few forwards) rather than at first use."""
+        if max_batch > self.slots or self.capacity == 0:
+            self._allocate(max(self.slots, _bucket(max_batch)), max(self.capacity, MIN_CAPACITY.get(self.device.type, 256)))
+        if self.use_graph:
+            for rows in sorted({_bucket(n) for n in range(1, max_batch + 1)}):
+                self._graph(rows)
+
+    # -- the step
+
+    def _forward(self, rows: int) -> torch.Tensor:
+        """The model's forward over the first `rows` rows of the static inputs."""
+        assert self.buffers is not None
+        ids, pos, index = self.inputs[:, :rows]
+        hidden, _ = self.model(ids, SlotBatch(self.buffers, index, pos), self.kernels)
+        return self.model.logits(hidden)
+
+    def _graph(self, rows: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        if rows not in self.graphs:
+            self.inputs[:2, :rows] = 0
+            self.inputs[2, :rows] = self.slots  # captured on the scratch slot
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up: Triton compiles and autotunes outside the capture
+                for _ in range(2):
+                    self._forward(rows)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = self._forward(rows)
+            self.pool = graph.pool()
+            self.graphs[rows] = (graph, logits)
+        return self.graphs[rows]
+
+    # -- slots
+
+    def _allocate(self, slots: int, capacity: int) -> None:
+        """Buffers for `slots` sequences (+ the scratch slot) of `capacity` tokens; every owner
+        first gets private copies, and is bound again at its next step."""
+        for slot in range(self.slots):
+            self._release(slot)
+        c, dev, n = self.c, self.device, slots + 1
+        kv_shape = (n, capacity, c.num_key_value_heads, c.head_dim)
+        self.buffers = SlotBuffers(
+            k={i: torch.zeros(kv_shape, dtype=self.dtype, device=dev) for i in c.attention_layers},
+            v={i: torch.zeros(kv_shape, dtype=self.dtype, device=dev) for i in c.attention_layers},
+            conv={i: torch.zeros(n, c.conv_dim, c.linear_conv_kernel_dim - 1, dtype=self.dtype, device=dev) for i in c.deltanet_layers},
+            rec={i: torch.zeros(n, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+                                dtype=torch.float32, device=dev) for i in c.deltanet_layers},
+        )
+        b = self.buffers
+        self.views = [{name: {i: t[s] for i, t in getattr(b, name).items()} for name in ("k", "v", "conv", "rec")} for s in range(slots)]
+        self.owners, self.used = [None] * slots, [0] * slots
+        self.slots, self.capacity = slots, capacity
+        self.inputs = torch.zeros(3, _bucket(slots), dtype=torch.long, device=dev)  # token ids, positions, slots per row
+        self.graphs, self.pool = {}, None
+
+    def _owner(self, slot: int) -> SequenceState | None:
+        ref = self.owners[slot]
+        return ref() if ref is not None else None
+
+    def _assign(self, states: Sequence[SequenceState]) -> list[int]:
+        self.steps += 1
+        owned = {id(owner): s for s in range(self.slots) if (owner := self._owner(s)) is not None}
+        chosen = [owned.get(id(state)) for state in states]
+        taken = {s for s in chosen if s is not None}
+        for b, state in enumerate(states):
+            if chosen[b] is None:  # a free slot, else the least recently used one outside this step
+                free = [s for s in range(self.slots) if s not in taken]
+                slot = min(free, key=lambda s: (self._owner(s) is not None, self.used[s]))
+                self._release(slot)
+                chosen[b] = slot
+                taken.add(slot)
+            self._bind(chosen[b], state)
+            self.used[chosen[b]] = self.steps
+        return chosen
+
+    def _release(self, slot: int) -> None:
+        """Give the slot's owner private copies of whatever it still shares with the slot."""
+        prev = self._owner(slot)
+        self.owners[slot] = None
+        if prev is None:
+            return
+        views = self.views[slot]
+        for i, cache in prev.kv.items():
+            if cache.k is views["k"][i]:
+                cache.k, cache.v = cache.k[: cache.length].clone(), cache.v[: cache.length].clone()
+        for name, tensors in (("conv", prev.conv), ("rec", prev.rec)):
+            for i, view in views[name].items():
+                if tensors.get(i) is view:
+                    tensors[i] = view.clone()
+
+    def _bind(self, slot: int, state: SequenceState) -> None:
+        """Make `state` use the slot's views, copying in whatever it does not already share."""
+        views = self.views[slot]
+        state.wait_all()
+        if self._owner(slot) is not state:
+            self.before_overwrite()
+        for i, cache in state.kv.items():
+            if cache.k is not views["k"][i]:
+                n = cache.length
+                views["k"][i][:n].copy_(cache.k[:n])
+                views["v"][i][:n].copy_(cache.v[:n])
+                cache.k, cache.v = views["k"][i], views["v"][i]
+        for name, tensors in (("conv", state.conv), ("rec", state.rec)):
+            for i, view in views[name].items():
+                if tensors.get(i) is not view:
+                    if i in tensors:
+                        view.copy_(tensors[i])
+                    else:
+                        view.zero_()
+                    tensors[i] = view
+        self.owners[slot] = weakref.ref(state)
