@@ -5,15 +5,21 @@ from __future__ import annotations
 import anthropic
 import openai
 import pytest
+from starlette.applications import Starlette
+from starlette.routing import Route
+from starlette.testclient import TestClient
 
 from gateway.errors import (
+    EXCEPTION_HANDLERS,
     ContextLengthExceeded,
     NotFound,
     Overloaded,
     PayloadTooLarge,
+    ShuttingDown,
     Unauthorized,
     error_body,
     error_event,
+    status_of,
 )
 from gateway.protocols import BadRequest
 from tests.gateway.test_out_support import LoopbackServer, Script, make_app
@@ -82,3 +88,34 @@ def test_subclass_maps_like_its_base():
         pass
 
     assert error_body("anthropic", ModelNotFound("x"))["error"]["type"] == "not_found_error"
+
+
+@pytest.mark.parametrize(
+    ("exc", "status"),
+    [
+        (ContextLengthExceeded(9000, 8192), 400),
+        (Overloaded(), None),
+        (ShuttingDown(), 503),
+        (RuntimeError("x"), 500),
+    ],
+)
+def test_raised_errors_are_answered_in_the_paths_protocol(exc, status):
+    """The handlers registered on an app turn what a route raises into the JSON of the protocol its
+    path belongs to; an unknown route is a 404 in the same shape."""
+
+    async def fail(request):
+        raise exc
+
+    app = Starlette(
+        routes=[Route(path, fail, methods=["POST"]) for path in ("/v1/messages", "/v1/chat/completions")],
+        exception_handlers=EXCEPTION_HANDLERS,
+    )
+    with TestClient(app, raise_server_exceptions=False) as client:
+        anthropic_style = client.post("/v1/messages")
+        openai_style = client.post("/v1/chat/completions")
+        missing = client.get("/v1/messages/nothing")
+    assert anthropic_style.status_code == status_of("anthropic", exc) == (status or 529)
+    assert anthropic_style.json() == error_body("anthropic", exc)
+    assert openai_style.status_code == status_of("openai", exc) == (status or 429)
+    assert openai_style.json() == error_body("openai", exc)
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
