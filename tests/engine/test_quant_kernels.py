@@ -104,6 +104,7 @@ def test_gemm_with_identity_returns_the_weights_exactly():
         w, reference = weights(fmt, (64, 256))
         got = quant.linear(torch.eye(256), w)  # [K, N] = w.T
         assert torch.equal(got.T, reference), fmt
+        assert torch.equal(quant.dequantize_to(w, torch.float32), reference), fmt  # prefill's transient copy
 
 
 @in_this_process

@@ -6,9 +6,11 @@ same bytes as the file (Q4_K's 6-bit scales unpacked to bytes: 0.58 instead of 0
 weight). The Triton kernels dequantize a tile of it in registers, in fp32 with the operations of
 the reference (`engine.quant.ggml`, `engine.quant.fp8`), and multiply it with the activations:
 
-- `linear(x, w)`: x [M, K] @ w.T; a GEMV kernel for a few rows (decode), a tiled GEMM otherwise;
+- `linear(x, w)`: x [M, K] @ w.T; a split-K GEMV kernel for a few rows (decode), a tiled GEMM
+  for some more, and for prefill a transient bf16 copy (`dequantize_to`) and cuBLAS;
 - `grouped(x, w, order, offs)`: rows grouped by expert (`moe.group_by_expert`) times each row's
-  expert's weight, tiles never straddling two experts (MoE prefill); no host sync.
+  expert's weight, tiles never straddling two experts, or for many rows a transient copy and
+  torch's grouped GEMM (MoE prefill); no host sync.
 
 On a GPU the dequantized tile is cast to the activations' dtype (bf16) before `tl.dot`, so results
 are within bf16 rounding of `x @ w.dequantize().T`; in fp32 (the CPU tests, TRITON_INTERPRET=1)
@@ -29,6 +31,7 @@ Q8_0, Q4_K, Q6_K, FP8 = 0, 1, 2, 3
 FORMATS = {T.Q8_0: Q8_0, T.Q4_K: Q4_K, T.Q6_K: Q6_K}
 BLOCK_K = {Q8_0: 32, Q4_K: 256, Q6_K: 256, FP8: 128}  # K must be a multiple of the format's block
 GEMV_ROWS = 4  # up to this many rows of x, the GEMV kernel
+DEQUANT_ROWS = 64  # above this many rows (bf16), dequantize once and use cuBLAS
 
 
 @dataclass
@@ -143,18 +146,31 @@ def _dequant(P0, P1, P2, P3, e, n, k, N, K, FMT: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(X, P0, P1, P2, P3, Y, N, K, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """One row of x per program: y[m, n-block] = sum_k w[n, k] * x[m, k]."""
-    m = tl.program_id(0)
-    n = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)[:, None]
+def _gemv_kernel(
+    X, P0, P1, P2, P3, PART, M, N, K, K_SPLIT, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr
+):  # fmt: skip
+    """Program (n-block, split, row): one row of x against the weight tile over columns
+    [split * K_SPLIT, (split + 1) * K_SPLIT); fp32 partial sums into PART [S, M, N]."""
+    n = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
+    split, m = tl.program_id(1), tl.program_id(2)
     acc = tl.zeros([BN], tl.float32)
-    for k0 in range(0, K, BK):
-        k = (k0 + tl.arange(0, BK)).to(tl.int64)[None, :]
-        w = _dequant(P0, P1, P2, P3, 0, tl.minimum(n, N - 1), k, N, K, FMT)
+    for k0 in range(split * K_SPLIT, (split + 1) * K_SPLIT, BK):
+        k = (k0 + tl.arange(0, BK)).to(tl.int64)
+        w = _dequant(P0, P1, P2, P3, 0, tl.minimum(n, N - 1)[:, None], k[None, :], N, K, FMT)  # [BN, BK]
         x = tl.load(X + m * K + k).to(tl.float32)
-        acc += tl.sum(w * x, 1)
-    nn = tl.program_id(1) * BN + tl.arange(0, BN)
-    tl.store(Y + m * N + nn, acc.to(Y.dtype.element_ty), mask=nn < N)
+        acc += tl.sum(w * x[None, :], 1)
+    tl.store(PART + (split * M + m) * N + n, acc, mask=n < N)
+
+
+@triton.jit
+def _dequant_kernel(P0, P1, P2, P3, OUT, N, K, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """OUT [E, N, K] = the weight, dequantized (for prefill: one bf16 copy, then cuBLAS)."""
+    tiles = tl.cdiv(N, BN)
+    e = (tl.program_id(0) // tiles).to(tl.int64)
+    n = ((tl.program_id(0) % tiles) * BN + tl.arange(0, BN)).to(tl.int64)[:, None]
+    k = (tl.program_id(1) * BK + tl.arange(0, BK)).to(tl.int64)[None, :]
+    w = _dequant(P0, P1, P2, P3, e, tl.minimum(n, N - 1), k, N, K, FMT)
+    tl.store(OUT + (e * N + n) * K + k, w.to(OUT.dtype.element_ty), mask=n < N)
 
 
 @triton.jit
@@ -189,7 +205,7 @@ def _gemm_kernel(
 
 def _launch_gemm(x, w, rows, tile_expert, tile_start, tile_end, n, k, out, bm):
     bn, bk = 64, 64
-    parts = (*w.parts, *([w.parts[0]] * (4 - len(w.parts))))
+    parts = _padded(w)
     grid = (tile_start.numel(), triton.cdiv(n, bn))
     ieee = x.dtype == torch.float32
     _gemm_kernel[grid](x, *parts, out, rows, tile_expert, tile_start, tile_end, n, k,
@@ -197,18 +213,47 @@ def _launch_gemm(x, w, rows, tile_expert, tile_start, tile_end, n, k, out, bm):
     return out
 
 
+def _padded(w: QuantWeight) -> tuple[torch.Tensor, ...]:
+    return (*w.parts, *([w.parts[0]] * (4 - len(w.parts))))
+
+
+def dequantize_to(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The whole weight [.., N, K] in `dtype`, by the kernels' own dequantization (a transient copy)."""
+    n, k = w.shape[-2:]
+    experts = int(torch.tensor(w.shape[:-2]).prod()) if len(w.shape) > 2 else 1
+    out = torch.empty(w.shape, dtype=dtype, device=w.parts[0].device)
+    _dequant_kernel[(experts * triton.cdiv(n, 64), k // 64)](*_padded(w), out, n, k, FMT=w.fmt, BN=64, BK=64)
+    return out
+
+
+def _gemv(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """Few rows: split K so that the grid fills the GPU even for a narrow weight."""
+    m, k = x.shape
+    n = w.shape[0]
+    bn, bk = 32, 64
+    blocks = triton.cdiv(n, bn)
+    split = 1
+    while blocks * split < 1024 and k % (2 * split * bk) == 0:
+        split *= 2
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    _gemv_kernel[(blocks, split, m)](x, *_padded(w), part, m, n, k, k // split, FMT=w.fmt, BN=bn, BK=bk)
+    return part.sum(0).to(x.dtype)
+
+
 def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
-    """x [M, K] @ w.T → [M, N] in x's dtype (w: one weight [N, K])."""
+    """x [M, K] @ w.T → [M, N] in x's dtype (w: one weight [N, K]): a split-K GEMV for up to
+    `GEMV_ROWS` rows (decode), the tiled kernel up to `DEQUANT_ROWS`, above that one transient
+    dequantized copy and a cuBLAS GEMM (prefill: the copy costs far less than the GEMM)."""
     n, k = w.shape
     if k % 64:
         raise ValueError(f"quantized linear: K={k} is not a multiple of 64")
     x = x.contiguous()
     m = x.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m <= GEMV_ROWS:
-        parts = (*w.parts, *([w.parts[0]] * (4 - len(w.parts))))
-        _gemv_kernel[(m, triton.cdiv(n, 32))](x, *parts, out, n, k, FMT=w.fmt, BN=32, BK=64)
-        return out
+        return _gemv(x, w)
+    if m > DEQUANT_ROWS and x.dtype != torch.float32:
+        return x @ dequantize_to(w, x.dtype).T
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     bm = 32
     tiles = torch.arange(0, m, bm, device=x.device, dtype=torch.int32)
     rows = torch.arange(m, device=x.device, dtype=torch.int32)
@@ -236,6 +281,9 @@ def grouped(
     tile_end = torch.minimum(tile_start + bm, ends[expert])
     tile_end = torch.where(t < last[-1], tile_end, tile_start)  # past the last tile: empty
     expert, tile_start, tile_end = (v.to(torch.int32) for v in (expert, tile_start, tile_end))
+    if order.numel() > DEQUANT_ROWS and x.dtype == torch.bfloat16:
+        grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+        return grouped_mm(x[order // top_k], dequantize_to(w, x.dtype).transpose(1, 2), offs=offs)
     rows = (order // top_k).to(torch.int32)
     out = torch.empty(order.numel(), n, dtype=x.dtype, device=x.device)
     return _launch_gemm(x.contiguous(), w, rows, expert, tile_start, tile_end, n, k, out, bm)
