@@ -224,7 +224,7 @@ def run_sessions(
 ) -> tuple[list[Turn], float]:
     """Run every session in a thread of its own, all started together; returns the turns (in
     session, then request order) and the wall time in seconds."""
-    start = threading.Barrier(len(sessions) + 1)
+    start = threading.Barrier(len(sessions) + 1, timeout=600)  # a session that cannot start breaks it
     t0 = 0.0
 
     def one(session: Session) -> list[Turn]:
