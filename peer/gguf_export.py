@@ -166,6 +166,20 @@ def export_gguf(
     return write_gguf(c, raw, read_state_dict(model_dir, None), out, dtype, chat_template)
 
 
+def export_dequantized(path: str | Path, out: str | Path) -> Path:
+    """A quantized GGUF model's weights, as our loader dequantizes them, written as an f32 GGUF
+    (llama.cpp then computes with exactly those values); `out` if it exists."""
+    from engine.gguf_loader import config_dict, open_gguf, read_gguf_state_dict  # noqa: PLC0415
+
+    out = Path(out)
+    if out.is_file():
+        return out
+    model = open_gguf(path)
+    raw = {**config_dict(model), "ft_preset": Path(path).stem}
+    c = ModelConfig.from_dict(raw)
+    return write_gguf(c, raw, read_gguf_state_dict(model, c, torch.float32), out, "f32")
+
+
 def export_preset_gguf(preset: str, out: str | Path, dtype: str = "bf16", device: str = "cpu") -> Path:
     """Write preset `preset` as GGUF from weights built in memory on `device` (the same values
     `Engine.from_preset` builds with FT_MATERIALISE=1), with no HF folder on disk."""

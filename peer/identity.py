@@ -1,6 +1,8 @@
 """Identity check: the same prompt ids through our engine and llama-server (same weights, GGUF
 f32), greedy tokens and top-k log-probabilities compared step by step. With a quantized GGUF
-(`--dtype q8_0`, `q4_k_m`, …) both sides load that same file: ours dequantizes it at load.
+(`--dtype q8_0`, `q4_k_m`, …) both sides load that same file: ours dequantizes it at load; and
+llama.cpp also runs an f32 file of the weights as we dequantized them (`dequantized_f32`), which
+tells its own quantized arithmetic apart from what the file says.
 
     python -m peer.identity --preset tiny [--tokens 16] [--dtype f32]
     python -m peer.identity --preset small --dtype q4_k_m
@@ -22,7 +24,7 @@ import torch
 
 from engine import Engine
 from gateway.tokenizer import QwenTokenizer
-from peer.gguf_export import LLAMA_QUANTIZE, preset_gguf
+from peer.gguf_export import LLAMA_QUANTIZE, export_dequantized, preset_gguf
 from peer.llama_server import PEER_HOME, LlamaServer, build
 
 QUANTIZED = ("q8_0", *LLAMA_QUANTIZE)
@@ -88,7 +90,9 @@ def compare(a: list[dict], b: list[dict]) -> dict:
     }
 
 
-def run(preset: str, n: int, k: int, dtype: str, device: str = "cpu", engine_dtype: str | None = None) -> dict:
+def run(
+    preset: str, n: int, k: int, dtype: str, device: str = "cpu", engine_dtype: str | None = None
+) -> dict:
     cuda = device != "cpu"
     materialise = os.environ.get("FT_MATERIALISE") == "1"
     gguf_path = preset_gguf(preset, PEER_HOME / "models", dtype, device if materialise else None)
@@ -102,16 +106,23 @@ def run(preset: str, n: int, k: int, dtype: str, device: str = "cpu", engine_dty
         engine = Engine.load(gguf_path, device, dtype=torch_dtype)
     else:
         engine = Engine.from_preset(preset, device, dtype=torch_dtype)
-    server = LlamaServer(
-        gguf_path,
-        ctx_size=4096,
-        gpu_layers=999 if cuda else None,
-        binary=binary,
-        log_path=PEER_HOME / f"identity-{preset}.log",
-    )
-    with server:
-        assert server.tokenize(PROMPT) == ids, "llama.cpp tokenizes the prompt differently"
-        b = theirs(server, ids, n, k)
+
+    def llama(path: Path) -> list[dict]:
+        server = LlamaServer(
+            path,
+            ctx_size=4096,
+            gpu_layers=999 if cuda else None,
+            binary=binary,
+            log_path=PEER_HOME / f"identity-{preset}.log",
+            # the CPU backend's repacking of quantized weights (interleaved layouts for its own kernels)
+            # crashed llama-server 11434 at start on this project's CPU machine; values are unaffected
+            extra=("--no-repack",) if dtype in QUANTIZED and not cuda else (),
+        )
+        with server:
+            assert server.tokenize(PROMPT) == ids, "llama.cpp tokenizes the prompt differently"
+            return theirs(server, ids, n, k)
+
+    b = llama(gguf_path)
     a = ours(engine, ids, n, k)
     result = {
         "preset": preset,
@@ -124,6 +135,12 @@ def run(preset: str, n: int, k: int, dtype: str, device: str = "cpu", engine_dty
         "ours": [s["id"] for s in a],
         "theirs": [s["id"] for s in b],
     }
+    if dtype in QUANTIZED:
+        # llama.cpp's quantized dot products also round the activations (to 8 bits on the CPU), so
+        # the comparison above carries that noise; llama.cpp on an f32 file of the dequantized
+        # weights separates it from what the file says
+        plain = export_dequantized(gguf_path, gguf_path.with_name(gguf_path.stem + "-dequantized-f32.gguf"))
+        result["dequantized_f32"] = compare(a, llama(plain))
     return result
 
 
@@ -134,8 +151,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16", *QUANTIZED])
     p.add_argument("--device", default="cpu", help="our engine's device; cuda also runs a CUDA llama-server")
-    p.add_argument("--engine-dtype", choices=["float32", "bfloat16"], help="our engine's dtype (default: fp32 on "
-                   "the CPU, the preset's on a GPU)")
+    p.add_argument(
+        "--engine-dtype",
+        choices=["float32", "bfloat16"],
+        help="our engine's dtype (default: fp32 on the CPU, the preset's on a GPU)",
+    )
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     result = run(args.preset, args.tokens, args.top, args.dtype, args.device, args.engine_dtype)

@@ -1,7 +1,9 @@
 """Identity with llama.cpp on the same quantized GGUF: our engine dequantizes the file at load,
 llama-server computes with it quantized (its CPU dot products also quantize the activations, to
-8 bits), so the log-probabilities differ by more than in f32; the greedy tokens must agree
-wherever our top-2 margin is clear of that difference. Slow: skipped unless llama-server and
+8 bits), so the log-probabilities differ by more than in f32 (measured: 0.10-0.25 on tiny/small,
+the same as between llama.cpp's runs of the quantized file and of an f32 file of our dequantized
+weights); the greedy tokens must agree wherever our top-2 margin is clear of that. Against the
+f32 file of the dequantized weights the f32 bound holds. Slow: skipped unless llama-server and
 llama-quantize have been built into .peer/ (`python -c "from peer.llama_server import build;
 build(); build(target='llama-quantize')"`)."""
 
@@ -22,7 +24,8 @@ pytestmark = [
         reason="llama-server / llama-quantize not built (.peer/build)",
     ),
 ]
-MARGIN = 0.1  # top-2 logprob margin under which the two sides may pick different tokens
+STRICT = 1e-2  # ours vs llama.cpp on the f32 file of the same dequantized weights (as in f32 identity)
+NOISE = 0.5  # ours vs llama.cpp on the quantized file: top-2 margins under which tokens may differ
 
 
 @pytest.mark.parametrize("dtype", ["q8_0", "q4_k_m"])
@@ -32,6 +35,9 @@ def test_same_greedy_tokens_as_llama_cpp_on_the_same_file(preset, dtype):
 
     result = run(preset, 8, 5, dtype)
     print(json.dumps({k: v for k, v in result.items() if k not in ("ours", "theirs")}))
+    exact = result["dequantized_f32"]
+    assert exact["first_difference"] is None or exact["first_difference"]["our_margin"] < STRICT, result
+    assert exact["max_abs_logprob_diff"] < STRICT, result
     diff = result["first_difference"]
-    assert diff is None or diff["our_margin"] < MARGIN, result
-    assert result["max_abs_logprob_diff"] < MARGIN, result
+    assert diff is None or diff["our_margin"] < NOISE, result
+    assert result["max_abs_logprob_diff"] < NOISE, result
