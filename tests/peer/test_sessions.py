@@ -4,6 +4,9 @@ the summary's arithmetic over the rows."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -16,6 +19,7 @@ from peer.sessions import ft_send, percentile, plan_sessions, run_sessions, summ
 from tests.conftest import start_server
 
 TRACE = Path(__file__).resolve().parents[2] / "traces" / "sessions" / "small-bugfix.recording.jsonl"
+BENCH = TRACE.parents[2] / "bench" / "llamacpp.py"
 GAP = 0.2
 
 
@@ -91,3 +95,20 @@ def test_two_sessions_at_once(server, trace):
     assert s.output_tokens == sum(t.answer_tokens for t in turns)
     assert s.output_tokens_per_s == pytest.approx(s.output_tokens / wall)
     assert (s.processed, s.reused) == (sum(t.processed for t in turns), sum(t.reused for t in turns))
+
+
+@pytest.mark.slow
+def test_bench_sessions_cli_writes_a_run_per_k(tmp_path):
+    """`bench/llamacpp.py --only ft --sessions 1,2`: a fresh `ft serve --forced-decode steps` per K."""
+    out = tmp_path / "sessions.json"
+    args = ["--preset", "tiny", "--only", "ft", "--sessions", "1,2", "--max-requests", "2", "--tool-gap", "0"]
+    subprocess.run(
+        [sys.executable, str(BENCH), *args, "--out", str(out), str(TRACE)], check=True, timeout=600
+    )
+    result = json.loads(out.read_text())
+    assert [(r["k"], r["server"]) for r in result["runs"]] == [(1, "ft/anchor steps"), (2, "ft/anchor steps")]
+    assert [s["nonce"] for s in result["runs"][1]["sessions"]] == [None, "[session 1] "]
+    for run in result["runs"]:
+        assert run["summary"]["requests"] == 2 * run["k"]
+        assert all(t["output_tokens"] == t["answer_tokens"] for t in run["turns"])
+    assert result["meta"]["parallel"] == 2 and result["meta"]["tool_gap_s"] == 0
