@@ -31,6 +31,7 @@ Q8_0, Q4_K, Q6_K, FP8 = 0, 1, 2, 3
 FORMATS = {T.Q8_0: Q8_0, T.Q4_K: Q4_K, T.Q6_K: Q6_K}
 BLOCK_K = {Q8_0: 32, Q4_K: 256, Q6_K: 256, FP8: 128}  # K must be a multiple of the format's block
 GEMV_ROWS = 4  # up to this many rows of x, the GEMV kernel
+GEMV_CHUNK = {Q8_0: 32, Q4_K: 64, Q6_K: 128, FP8: 128}  # columns per GEMV step: one group of scales
 DEQUANT_ROWS = 64  # above this many rows (bf16), dequantize once and use cuBLAS
 
 
@@ -146,19 +147,85 @@ def _dequant(P0, P1, P2, P3, e, n, k, N, K, FMT: tl.constexpr):
 
 
 @triton.jit
+def _dot_q4_k(X, P0, P1, P2, P3, row, m, k0, K):
+    """Q4_K, 64 columns from k0 (a 32-byte group of one super-block: two sub-blocks, low and high
+    nibbles): each field is loaded once per row, not once per weight."""
+    col = tl.arange(0, 32)
+    byte = tl.load(P0 + row[:, None] * (K // 2) + (k0 // 256) * 128 + ((k0 % 256) // 64) * 32 + col[None, :])
+    sub = row * (K // 32) + k0 // 32
+    sc0, sc1 = tl.load(P1 + sub).to(tl.float32), tl.load(P1 + sub + 1).to(tl.float32)
+    mn0, mn1 = tl.load(P2 + sub).to(tl.float32), tl.load(P2 + sub + 1).to(tl.float32)
+    d = tl.load(P3 + (row * (K // 256) + k0 // 256) * 2).to(tl.float32)
+    dmin = tl.load(P3 + (row * (K // 256) + k0 // 256) * 2 + 1).to(tl.float32)
+    lo = (d * sc0)[:, None] * (byte & 0x0F).to(tl.float32) - (dmin * mn0)[:, None]
+    hi = (d * sc1)[:, None] * (byte >> 4).to(tl.float32) - (dmin * mn1)[:, None]
+    x_lo = tl.load(X + m * K + k0 + col).to(tl.float32)
+    x_hi = tl.load(X + m * K + k0 + 32 + col).to(tl.float32)
+    return tl.sum(lo * x_lo[None, :], 1) + tl.sum(hi * x_hi[None, :], 1)
+
+
+@triton.jit
+def _dot_q6_k(X, P0, P1, P2, P3, row, m, k0, K):
+    """Q6_K, 128 columns from k0 (half a super-block): 64 bytes of low nibbles, 32 of high bits,
+    8 scales of 16 columns; quarter j holds columns j*32 .. j*32+31."""
+    col = tl.arange(0, 32)
+    half = k0 // 128
+    ql = P0 + row[:, None] * (K // 2) + half * 64 + col[None, :]
+    ql_a, ql_b = tl.load(ql), tl.load(ql + 32)
+    qh = tl.load(P1 + row[:, None] * (K // 4) + half * 32 + col[None, :])
+    d = tl.load(P3 + row * (K // 256) + k0 // 256).to(tl.float32)[:, None]
+    second = (col >= 16)[None, :]
+    acc = tl.zeros([ql_a.shape[0]], tl.float32)
+    for j in tl.static_range(4):
+        low = (ql_a if j % 2 == 0 else ql_b) >> (4 * (j // 2))
+        q = (((low & 0x0F) | (((qh >> (2 * j)) & 3) << 4)).to(tl.int32) - 32).to(tl.float32)
+        sc_idx = row * (K // 16) + k0 // 16 + 2 * j
+        sc = tl.where(second, tl.load(P2 + sc_idx + 1)[:, None], tl.load(P2 + sc_idx)[:, None]).to(tl.float32)
+        x = tl.load(X + m * K + k0 + j * 32 + col).to(tl.float32)
+        acc += tl.sum(((d * sc) * q) * x[None, :], 1)
+    return acc
+
+
+@triton.jit
+def _dot_q8_0(X, P0, P1, row, m, k0, K):
+    """Q8_0, 32 columns from k0 (one block: one scale per row)."""
+    col = tl.arange(0, 32)
+    q = tl.load(P0 + row[:, None] * K + k0 + col[None, :]).to(tl.float32)
+    d = tl.load(P1 + row * (K // 32) + k0 // 32).to(tl.float32)
+    x = tl.load(X + m * K + k0 + col).to(tl.float32)
+    return tl.sum((q * d[:, None]) * x[None, :], 1)
+
+
+@triton.jit
+def _dot_fp8(X, P0, P1, row, m, k0, N, K):
+    """FP8, 128 columns from k0 (one block column: one scale per row)."""
+    col = tl.arange(0, 128)
+    w = tl.load(P0 + row[:, None] * K + k0 + col[None, :]).to(tl.float32)
+    s = tl.load(P1 + (row // 128) * ((K + 127) // 128) + k0 // 128)
+    x = tl.load(X + m * K + k0 + col).to(tl.float32)
+    return tl.sum((w * s[:, None]) * x[None, :], 1)
+
+
+@triton.jit
 def _gemv_kernel(
-    X, P0, P1, P2, P3, PART, M, N, K, K_SPLIT, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr
+    X, P0, P1, P2, P3, PART, M, N, K, K_SPLIT, FMT: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr
 ):  # fmt: skip
-    """Program (n-block, split, row): one row of x against the weight tile over columns
-    [split * K_SPLIT, (split + 1) * K_SPLIT); fp32 partial sums into PART [S, M, N]."""
-    n = (tl.program_id(0) * BN + tl.arange(0, BN)).to(tl.int64)
+    """Program (n-block, split, row): one row of x against BN weight rows over the columns
+    [split * K_SPLIT, (split + 1) * K_SPLIT), a format-sized chunk at a time (each block's scales
+    loaded once); fp32 partial sums into PART [S, M, N]."""
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    row = tl.minimum(n, N - 1).to(tl.int64)
     split, m = tl.program_id(1), tl.program_id(2)
     acc = tl.zeros([BN], tl.float32)
-    for k0 in range(split * K_SPLIT, (split + 1) * K_SPLIT, BK):
-        k = (k0 + tl.arange(0, BK)).to(tl.int64)
-        w = _dequant(P0, P1, P2, P3, 0, tl.minimum(n, N - 1)[:, None], k[None, :], N, K, FMT)  # [BN, BK]
-        x = tl.load(X + m * K + k).to(tl.float32)
-        acc += tl.sum(w * x[None, :], 1)
+    for k0 in range(split * K_SPLIT, (split + 1) * K_SPLIT, CHUNK):
+        if FMT == 0:
+            acc += _dot_q8_0(X, P0, P1, row, m, k0, K)
+        elif FMT == 1:
+            acc += _dot_q4_k(X, P0, P1, P2, P3, row, m, k0, K)
+        elif FMT == 2:
+            acc += _dot_q6_k(X, P0, P1, P2, P3, row, m, k0, K)
+        else:
+            acc += _dot_fp8(X, P0, P1, row, m, k0, N, K)
     tl.store(PART + (split * M + m) * N + n, acc, mask=n < N)
 
 
@@ -230,13 +297,13 @@ def _gemv(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """Few rows: split K so that the grid fills the GPU even for a narrow weight."""
     m, k = x.shape
     n = w.shape[0]
-    bn, bk = 32, 64
+    bn, chunk = 32, GEMV_CHUNK[w.fmt]
     blocks = triton.cdiv(n, bn)
     split = 1
-    while blocks * split < 1024 and k % (2 * split * bk) == 0:
+    while blocks * split < 1024 and k % (2 * split * chunk) == 0:
         split *= 2
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    _gemv_kernel[(blocks, split, m)](x, *_padded(w), part, m, n, k, k // split, FMT=w.fmt, BN=bn, BK=bk)
+    _gemv_kernel[(blocks, split, m)](x, *_padded(w), part, m, n, k, k // split, FMT=w.fmt, BN=bn, CHUNK=chunk)
     return part.sum(0).to(x.dtype)
 
 
@@ -249,7 +316,7 @@ def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         raise ValueError(f"quantized linear: K={k} is not a multiple of 64")
     x = x.contiguous()
     m = x.shape[0]
-    if m <= GEMV_ROWS:
+    if m <= GEMV_ROWS and k % GEMV_CHUNK[w.fmt] == 0:
         return _gemv(x, w)
     if m > DEQUANT_ROWS and x.dtype != torch.float32:
         return x @ dequantize_to(w, x.dtype).T
