@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.drain import Drain
-from gateway.errors import ClientGone, PayloadTooLarge, error_event
+from gateway.errors import ClientGone, PayloadTooLarge, error_event, typed
 from gateway.events import Event, collect
 from gateway.generation import Answered, Generation, Started
 from gateway.plan import make_plan
@@ -141,7 +141,7 @@ class _Run:
         self.generation = Generation(rt, plan, emit, self.cancel, received, planned, call_ids(protocol))
         drain.check()
         future = rt.scheduler.start(self.generation.steps(), self.cancel, lambda: self.generation.answered)
-        future.add_done_callback(lambda f: emit(_Done(f.exception())))
+        future.add_done_callback(lambda f: emit(_Done(None if (e := f.exception()) is None else typed(e))))
         drain.add(self)
         self._watch = asyncio.create_task(self._watch_disconnect(request))
 

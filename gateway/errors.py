@@ -73,6 +73,23 @@ class ClientGone(GatewayError):
         super().__init__(message)
 
 
+class InternalError(GatewayError):
+    """A failure inside the server (the engine, a bug), already logged with its traceback where it
+    happened; the client sees only its type."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(f"internal error ({type(cause).__name__})")
+
+
+def typed(exc: BaseException) -> BaseException:
+    """`exc` as one of the gateway's typed errors (answered by the handlers, never re-raised)."""
+    if isinstance(exc, GatewayError | BadRequest):
+        return exc
+    error = InternalError(exc)
+    error.__cause__ = exc
+    return error
+
+
 class Spec(msgspec.Struct, frozen=True):
     """How one exception type looks on the wire."""
 

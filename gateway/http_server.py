@@ -194,6 +194,8 @@ class GatewayServer(uvicorn.Server):
     def _loop_exception(self, loop: asyncio.AbstractEventLoop, context: dict) -> None:
         if context.get("message") == ACCEPT_FAILED:
             self.accept_failures.note()
+        elif self.should_exit and _is_stale_accept_retry(context):
+            pass  # asyncio re-arms accept 1 s after EMFILE; once the socket closed at shutdown that is moot
         else:
             loop.default_exception_handler(context)
 
@@ -208,6 +210,12 @@ class GatewayServer(uvicorn.Server):
         if drain is not None:
             drain.begin(self.limits.shutdown_grace_s)
         await super().shutdown(sockets)
+
+
+def _is_stale_accept_retry(context: dict) -> bool:
+    """The accept retry asyncio scheduled after EMFILE, firing on a listening socket since closed."""
+    handle, exc = context.get("handle"), context.get("exception")
+    return isinstance(exc, ValueError) and "_start_serving" in repr(handle)
 
 
 def make_server(

@@ -174,6 +174,7 @@ def test_qwen3next_qkvz_split_matches_engine(exported):
     net.load_state_dict(
         {k.removeprefix(prefix): v for k, v in sd.items() if k.startswith(prefix)}, strict=False
     )
+    net.fuse()  # as the loader does: the projections as one weight
     x = torch.randn(3, c.hidden_size)
     mixed, z, _, _ = net.project(x)
     assert torch.allclose(x @ as_torch(ts[f"blk.{layer}.attn_qkv.weight"]).T, mixed, atol=1e-5)
