@@ -107,7 +107,9 @@ class Runner:
                     self._forward(rows)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: a capture while serving (the slots grew) must not be invalidated by the
+            # store thread's event waits and pinned allocations, which touch no captured memory
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 logits = self._forward(rows)
             self.pool = graph.pool()
             self.graphs[rows] = (graph, logits)

@@ -25,6 +25,7 @@ from engine import Engine, Feed
 from gateway.errors import ClientGone, Overloaded
 
 log = logging.getLogger("gateway.scheduler")
+BACKGROUND_STEP_TOKENS = 1024  # tokens per step of background work (precompute): bounds the wait of a new request
 
 Steps = Generator[Feed, None, Any]
 
@@ -212,6 +213,8 @@ class Scheduler:
         """Every decode token, then prefill chunks in admission order within the token budget."""
         parts = [(t.feed, 1) for t in tasks if t.feed is not None and not t.feed.is_prefill]
         budget = self.engine.step_tokens - len(parts)
+        if not self._running:  # background work: short steps, so a request that arrives waits little
+            budget = min(budget, BACKGROUND_STEP_TOKENS)
         for task in tasks:
             if budget <= 0:
                 break
