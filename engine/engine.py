@@ -57,6 +57,13 @@ class Engine:
             return cls(model, fingerprint(config, state_dict))
         return cls.load(ensure_preset(name), device, dtype)
 
+    def memory(self) -> dict[str, int]:
+        """Resident bytes on the engine's device: the weights (each storage once: fused projections
+        are views) and the decode slots (KV and states of the sequences being decoded)."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in [*self.model.parameters(), *self.model.buffers()]}
+        return {"weights": sum(storages.values()), "decode_slots": self.runner.nbytes}
+
     @property
     def max_context(self) -> int:
         return self.config.max_position_embeddings

@@ -87,6 +87,14 @@ class Runner:
             for rows in sorted({_bucket(n) for n in range(1, max_batch + 1)}):
                 self._graph(rows)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the slot buffers (KV, conv and recurrent state of every slot)."""
+        if self.buffers is None:
+            return 0
+        b = self.buffers
+        return sum(t.nbytes for part in (b.k, b.v, b.conv, b.rec) for t in part.values())
+
     # -- the step
 
     def _forward(self, rows: int) -> torch.Tensor:

@@ -32,7 +32,7 @@ class Metrics:
             self._ttft_counts[index] += 1
             self._ttft_sum += seconds
 
-    def render(self, store_stats: msgspec.Struct, scheduler_stats: dict[str, int]) -> str:
+    def render(self, store_stats: msgspec.Struct, scheduler_stats: dict[str, int], memory: dict[str, int]) -> str:
         with self._lock:
             lines = ["# TYPE ft_requests_total counter"]
             lines += [f'ft_requests_total{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())]
@@ -45,6 +45,8 @@ class Metrics:
                 lines.append(f'ft_ttft_seconds_bucket{{le="{bound}"}} {cumulative}')
             lines += [f"ft_ttft_seconds_sum {self._ttft_sum:.6f}", f"ft_ttft_seconds_count {cumulative}"]
         lines += [f"ft_scheduler_{name} {value}" for name, value in scheduler_stats.items()]
+        lines.append("# TYPE ft_memory_bytes gauge")
+        lines += [f'ft_memory_bytes{{part="{part}"}} {n}' for part, n in memory.items()]
         for name, value in msgspec.structs.asdict(store_stats).items():
             if isinstance(value, int | float):
                 lines.append(f"ft_store_{name} {value}")

@@ -79,6 +79,12 @@ class Runtime:
         """No request, background work or checkpoint write queued or running."""
         return self.scheduler.idle and self.store_queue.idle
 
+    def memory(self) -> dict[str, int]:
+        """Resident bytes by part: the engine's (weights, decode slots on its device) and the
+        checkpoint RAM cache's budget and use (host memory)."""
+        return {**self.engine.memory(), "ram_cache_budget": int(self.config.ram_cache_gib * GiB),
+                "ram_cache_used": self.store.stats().ram_bytes}
+
     @property
     def volatile_rules(self) -> VolatileRules:
         return VolatileRules(billing_header="keep" if self.config.keep_volatile else "drop")

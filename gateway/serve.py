@@ -12,7 +12,7 @@ from pathlib import Path
 
 from gateway.http_server import ServerLimits
 from gateway.policy import POLICIES
-from gateway.runtime import ServeConfig, build_runtime
+from gateway.runtime import GiB, ServeConfig, build_runtime
 
 KEY_ENV = "FT_API_KEY"
 
@@ -150,6 +150,10 @@ def run(args: argparse.Namespace) -> int:
     url = f"http://{config.host}:{config.port}"
     print(f"ft serve: model {runtime.model_id!r} ({runtime.engine.config.arch}, {runtime.engine.device}), "
           f"policy {config.policy}, listening on {url}", flush=True)
+    memory = runtime.memory()
+    print(f"  memory: weights {memory['weights'] / GiB:.2f} GiB and decode slots {memory['decode_slots'] / GiB:.2f} GiB "
+          f"({runtime.engine.runner.slots} sequences x {runtime.engine.runner.capacity} tokens, growing) on "
+          f"{runtime.engine.device}; checkpoint RAM cache up to {memory['ram_cache_budget'] / GiB:.1f} GiB", flush=True)
     print(f"  Claude Code:  ft launch claude --server {url}\n  Codex:        ft launch codex --server {url}\n"
           f"  OpenCode:     ft launch opencode --server {url}", flush=True)
     raise_open_file_limit()

@@ -125,3 +125,14 @@ def test_a_request_does_not_wait_for_the_previous_answers_checkpoint_writes(serv
     assert float(phases["queue"]) < 1000  # waiting for a write would be >= 2,000 ms
     assert float(phases["restore"]) < 1000
     server.wait_idle()
+
+
+def test_metrics_report_resident_memory(server):
+    """Weights counted once (fused projections are views of one storage), decode slots sized by
+    --max-running (the warm-up binds them), the RAM cache's budget."""
+    engine = server.runtime.engine
+    params = sum(p.nbytes for p in engine.model.parameters())
+    assert _metric(server, 'ft_memory_bytes{part="weights"}') == pytest.approx(params, rel=0.01)
+    assert _metric(server, 'ft_memory_bytes{part="decode_slots"}') == engine.runner.nbytes > 0
+    assert engine.runner.slots >= server.runtime.config.max_running
+    assert _metric(server, 'ft_memory_bytes{part="ram_cache_budget"}') == int(server.runtime.config.ram_cache_gib * (1 << 30))
