@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -9,13 +10,14 @@ from typing import Any
 
 import torch
 
+from engine import offload as expert_offload
 from engine import presets
 from engine.config import ModelConfig
 from engine.feed import Feed, PrefillResult
 from engine.loader import build_model, fingerprint, load_folder
 from engine.model import HybridForCausalLM
 from engine.ops import Kernels, kernels_for
-from engine.runner import Runner
+from engine.runner import MIN_CAPACITY, Runner, _bucket
 from engine.sampling import Decoding, SamplingParams, TokenEvent
 from engine.snapshot import Snapshot
 from engine.state import KVCache, SequenceState
@@ -27,8 +29,12 @@ DEFAULT_CHUNK = {"cuda": 8192, "cpu": 4096}  # tokens per forward: bigger GEMMs 
 class Engine:
     """One model on one device. Not thread-safe: the scheduler runs one call at a time."""
 
-    def __init__(self, model: HybridForCausalLM, fingerprint: str, model_dir: Path | None = None):
+    def __init__(self, model: HybridForCausalLM, fingerprint: str, model_dir: Path | None = None,
+                 offload: expert_offload.ExpertOffload | None = None):
+        """`offload`: the routed experts' host copies and device slots (`offload.install`); a
+        decode step then fetches experts between layers, so it runs without a CUDA graph."""
         self.model = model
+        self.offload = offload
         self.config: ModelConfig = model.config
         self.fingerprint = fingerprint
         self.model_dir = model_dir
@@ -38,31 +44,71 @@ class Engine:
         make_runtime = getattr(self.kernels, "runtime", None)  # device extras: host copies
         self.runtime = make_runtime(model) if make_runtime is not None else None
         self.runner = Runner(
-            model, self.kernels, use_graph=self.device.type == "cuda" and os.environ.get("FT_CUDA_GRAPHS", "1") != "0",
+            model, self.kernels,
+            use_graph=self.device.type == "cuda" and offload is None and os.environ.get("FT_CUDA_GRAPHS", "1") != "0",
             before_overwrite=self.runtime.wait_copies if self.runtime is not None else None,
         )
 
     @classmethod
-    def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None) -> Engine:
-        model, fp = load_folder(model_dir, torch.device(device), dtype)
-        return cls(model, fp, Path(model_dir))
+    def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
+             gpu_memory_gib: float | None = None, max_running: int = 4) -> Engine:
+        """With `gpu_memory_gib`, the routed experts stay in host memory and the device holds the
+        dense parts, the decode slots of `max_running` sequences and an expert cache within that
+        budget (`engine.offload`); a budget that cannot is a `BudgetError`."""
+        target = torch.device(device)
+        if gpu_memory_gib is None:
+            model, fp = load_folder(model_dir, target, dtype)
+            return cls(model, fp, Path(model_dir))
+        from engine.gguf_loader import is_gguf  # noqa: PLC0415 (it imports the loader)
+
+        if dtype is None and target.type != "cpu" and is_gguf(model_dir):
+            dtype = torch.bfloat16  # what a GGUF dequantizes to on a GPU (load_gguf's default there)
+        model, fp = load_folder(model_dir, torch.device("cpu"), dtype)
+        return cls.offloaded(model, fp, target, gpu_memory_gib, max_running, Path(model_dir))
 
     @classmethod
-    def from_preset(cls, name: str, device: str = "cpu", dtype: torch.dtype | None = None) -> Engine:
+    def offloaded(cls, model: HybridForCausalLM, fp: str, device: torch.device, gpu_memory_gib: float,
+                  max_running: int, model_dir: Path | None = None) -> Engine:
+        """An engine for `model` (on the host) with its routed experts offloaded within the budget."""
+        dtype = model.lm_head.weight.dtype
+        plan = expert_offload.plan(
+            model.config, expert_offload.dense_bytes(model), int(gpu_memory_gib * expert_offload.GiB), dtype,
+            sequences=_bucket(max_running), capacity=MIN_CAPACITY.get(device.type, 256), tokens=chunk_tokens(device))
+        offload = expert_offload.install(model, device, plan)
+        return cls(model.to(device), fp, model_dir, offload)
+
+    @classmethod
+    def from_preset(cls, name: str, device: str = "cpu", dtype: torch.dtype | None = None,
+                    gpu_memory_gib: float | None = None, max_running: int = 4) -> Engine:
         """Load preset `name`, writing it under FT_HOME first if needed; on a GPU the weights may be
-        built in device memory instead (`FT_MATERIALISE=1`, used for the 35B shape)."""
+        built in device memory instead (`FT_MATERIALISE=1`, used for the 35B shape; in host memory
+        with `gpu_memory_gib`)."""
         if os.environ.get("FT_MATERIALISE") == "1":
-            config, _, state_dict = presets.materialise(name, device, dtype)
+            build_on = device if gpu_memory_gib is None else "cpu"
+            config, _, state_dict = presets.materialise(name, build_on, dtype)
             model = build_model(config, state_dict)
+            if gpu_memory_gib is not None:
+                return cls.offloaded(model, fingerprint(config, state_dict), torch.device(device), gpu_memory_gib,
+                                     max_running)
             return cls(model, fingerprint(config, state_dict))
-        return cls.load(ensure_preset(name), device, dtype)
+        return cls.load(ensure_preset(name), device, dtype, gpu_memory_gib, max_running)
 
     def memory(self) -> dict[str, int]:
         """Resident bytes on the engine's device: the weights (each storage once: fused projections
         are views) and the decode slots (KV and states of the sequences being decoded)."""
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in [*self.model.parameters(), *self.model.buffers()]}
-        return {"weights": sum(storages.values()), "decode_slots": self.runner.nbytes}
+        memory = {"weights": sum(storages.values()), "decode_slots": self.runner.nbytes}
+        if self.offload is not None:  # the routed experts: slots on the device, all of them on the host
+            memory.update(expert_cache=self.offload.nbytes, experts_host=self.offload.host_bytes)
+        return memory
+
+    def offload_stats(self) -> dict[str, int] | None:
+        """The expert cache's counters (`OffloadStats.as_dict`), None without offload."""
+        return None if self.offload is None else self.offload.stats.as_dict()
+
+    def _phase(self, name: str, tokens: int) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if self.offload is None else self.offload.phase(name, tokens)
 
     @property
     def max_context(self) -> int:
@@ -75,8 +121,7 @@ class Engine:
 
     @property
     def step_tokens(self) -> int:
-        """Tokens per forward: bigger GEMMs on a GPU (bench/RESULTS.md)."""
-        return PREFILL_CHUNK or DEFAULT_CHUNK.get(self.device.type, 4096)
+        return chunk_tokens(self.device)
 
     def prefill(
         self,
@@ -102,7 +147,8 @@ class Engine:
         snapshots' host copies may still be running on a GPU until `result.ready()` returns."""
         decodes = [feed for feed, _ in parts if not feed.is_prefill]
         if decodes:
-            logits = self.runner.decode([f.state for f in decodes], [f.token_ids[0] for f in decodes])
+            with self._phase("decode", len(decodes)):
+                logits = self.runner.decode([f.state for f in decodes], [f.token_ids[0] for f in decodes])
             for feed, row in zip(decodes, logits, strict=True):
                 feed.done, feed.result = 1, PrefillResult(row, [])
             parts = [(feed, count) for feed, count in parts if feed.is_prefill]
@@ -110,7 +156,8 @@ class Engine:
                 return
         spans = [feed.span(count) for feed, count in parts]
         ids = torch.as_tensor([t for feed, count in parts for t in feed.next_ids(count)], dtype=torch.long, device=self.device)
-        hidden, captures = self.model(ids, spans, self.kernels)  # [T, H]
+        with self._phase("prefill", len(ids)):
+            hidden, captures = self.model(ids, spans, self.kernels)  # [T, H]
         lo, finished = 0, []
         for (feed, count), span, caps in zip(parts, spans, captures, strict=True):
             base = feed.start + feed.done
@@ -228,6 +275,8 @@ class Engine:
         list(self.generate(state, result.logits, SamplingParams(), forced=[11, 12, 13, 14]))
         restored = self.restore(result.snapshots)
         self.prefill(restored, [15, 16, 17])
+        if self.offload is not None:
+            self.offload.reset_stats()
 
     @torch.no_grad()
     def feed(self, state: SequenceState, token_ids: Sequence[int]) -> torch.Tensor:
@@ -240,6 +289,11 @@ class Engine:
         self.step([(feed, 1)])
         assert feed.result is not None
         return feed.result.logits
+
+
+def chunk_tokens(device: torch.device) -> int:
+    """Tokens per forward: bigger GEMMs on a GPU (bench/RESULTS.md)."""
+    return PREFILL_CHUNK or DEFAULT_CHUNK.get(device.type, 4096)
 
 
 def ensure_preset(name: str) -> Path:

@@ -3,7 +3,7 @@ parameter names identical to the HF checkpoints (`model.layers.N.linear_attn.in_
 
 from __future__ import annotations
 
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +14,9 @@ from engine.config import ModelConfig
 from engine.ops import Kernels
 from engine.ops.moe import route
 from engine.ops.rope import apply_rope, rope_cos_sin
+
+if TYPE_CHECKING:
+    from engine.offload import ExpertCache
 
 
 def fuse(module: nn.Module, name: str, parts: list[nn.Module]) -> None:
@@ -212,11 +215,15 @@ class MLP(nn.Module):
 
 
 class SparseMoe(nn.Module):
+    """Routed experts and a shared expert. With `offload` set (engine/offload.py), the routed
+    experts live there instead of in `experts`, and run on its device slots."""
+
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.c = c
         self.gate = Weight(c.num_experts, c.hidden_size)
-        self.experts = Experts(c)
+        self.experts: Experts | None = Experts(c)
+        self.offload: ExpertCache | None = None
         self.shared_expert = MLP(c.hidden_size, c.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
 
@@ -230,7 +237,11 @@ class SparseMoe(nn.Module):
         splits = [c.num_experts, c.shared_expert_intermediate_size, c.shared_expert_intermediate_size, 1]
         router, gate, up, shared_gate = F.linear(x, self.in_proj).split(splits, dim=-1)
         weights, ids = route(router, c.num_experts_per_tok, c.norm_topk_prob, x.dtype)
-        routed = kernels.moe_experts(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
+        if self.offload is not None:
+            routed = self.offload.run(x, weights, ids, kernels.moe_experts)
+        else:
+            assert self.experts is not None
+            routed = kernels.moe_experts(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
         return routed + torch.sigmoid(shared_gate) * self.shared_expert.down_proj(F.silu(gate) * up)
 
 

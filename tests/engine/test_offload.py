@@ -1,0 +1,163 @@
+"""Expert offload on the CPU: the host/device split simulated with plain CPU tensors, an expert
+cache smaller than the experts, and the same logits as without offload."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import Engine, SamplingParams
+from engine.feed import Feed
+from engine.offload import BudgetError, Copier, ExpertCache, GiB, OffloadStats, dense_bytes, plan, state_bytes
+from engine.ops.moe import experts_loop
+from engine.snapshot import concat_chain
+
+TOL = 1e-5
+
+
+def budget_gib(engine: Engine, slots: int, max_running: int = 4) -> float:
+    """The budget that leaves `slots` experts per layer for `engine`'s model (half an expert spare)."""
+    p = plan(
+        engine.config,
+        dense_bytes(engine.model),
+        1 << 50,
+        engine.dtype,
+        sequences=max_running,
+        capacity=256,
+        tokens=4096,
+    )
+    return (p.dense + p.states + p.workspace + slots * p.expert_bytes * p.layers + p.expert_bytes // 2) / GiB
+
+
+@pytest.fixture(scope="module")
+def offloaded(preset_dirs, tiny) -> Engine:
+    """The tiny preset with 3 of its 8 experts per layer resident."""
+    engine = Engine.load(preset_dirs["tiny"], gpu_memory_gib=budget_gib(tiny, 3))
+    assert engine.offload is not None and engine.offload.plan.slots == 3
+    return engine
+
+
+def test_offload_keeps_only_dense_weights_in_the_model(tiny, offloaded):
+    c = tiny.config
+    expert_bytes = 3 * c.moe_intermediate_size * c.hidden_size * 4
+    assert (
+        offloaded.memory()["weights"]
+        == tiny.memory()["weights"] - c.num_hidden_layers * c.num_experts * expert_bytes
+    )
+    assert offloaded.memory()["expert_cache"] == c.num_hidden_layers * 3 * expert_bytes
+    assert offloaded.fingerprint == tiny.fingerprint  # checkpoints stay interchangeable
+
+
+def test_prefill_captures_decode_and_restore_match_no_offload(tiny, offloaded):
+    rng = random.Random(7)
+    tokens = [rng.randrange(100, 5000) for _ in range(200)]
+    cut = rng.randrange(20, 180)
+    results = {}
+    for name, engine in (("plain", tiny), ("offload", offloaded)):
+        state = engine.new_state()
+        res = engine.prefill(state, tokens, capture_at=[cut, len(tokens)])
+        events = list(engine.generate(state, res.logits, SamplingParams(temperature=0.0, max_tokens=6)))
+        decoded = engine.feed(state, [e.token_id for e in events[:-1]])  # decode steps through the runner
+        restored = engine.restore(concat_chain(res.snapshots[:1]))  # continue from the first capture
+        resumed = engine.prefill(restored, tokens[cut:], all_logits=True).logits
+        results[name] = (res.logits, [e.token_id for e in events], decoded, resumed)
+    plain, off = results["plain"], results["offload"]
+    assert off[1] == plain[1]
+    for a, b in ((plain[0], off[0]), (plain[2], off[2]), (plain[3], off[3])):
+        assert (a - b).abs().max().item() <= TOL
+
+
+def test_batched_decode_matches_no_offload(tiny, offloaded):
+    """Two sequences decoded in one runner step, each as without offload."""
+    out = {}
+    for name, engine in (("plain", tiny), ("offload", offloaded)):
+        states = [engine.new_state(), engine.new_state()]
+        for state, prompt in zip(states, ([5, 6, 7, 8], [900, 901]), strict=True):
+            engine.prefill(state, prompt)
+        feeds = [Feed(states[0], [11]), Feed(states[1], [12])]
+        engine.step([(f, 1) for f in feeds])
+        out[name] = torch.stack([f.result.logits for f in feeds])
+    assert (out["plain"] - out["offload"]).abs().max().item() <= TOL
+
+
+def test_counters_under_the_smallest_cache(preset_dirs, tiny):
+    """top_k slots per layer: every expert a step needs is counted once, as a hit or a copy."""
+    engine = Engine.load(preset_dirs["tiny"], gpu_memory_gib=budget_gib(tiny, 2))
+    offload = engine.offload
+    assert offload is not None and offload.plan.slots == tiny.config.num_experts_per_tok
+    state = engine.new_state()
+    engine.prefill(state, list(range(300, 340)))
+    stats = offload.stats.as_dict()
+    layers, expert = tiny.config.num_hidden_layers, offload.plan.expert_bytes
+    assert stats["misses"] >= layers * tiny.config.num_experts_per_tok
+    assert stats["evictions"] == stats["misses"] - layers * 2  # the first two per layer filled empty slots
+    assert stats["bytes_in_prefill"] == stats["misses"] * expert and stats["bytes_in_decode"] == 0
+    assert stats["tokens_prefill"] == 40
+    before = offload.stats.as_dict()
+    engine.decode(state, 77)
+    after = offload.stats.as_dict()
+    moved = after["misses"] - before["misses"]
+    assert after["hits"] - before["hits"] + moved == layers * 2  # one token: exactly top_k experts per layer
+    assert after["bytes_in_decode"] == moved * expert and after["tokens_decode"] == 1
+
+
+def _cache(num_experts: int, slots: int, stats: OffloadStats) -> ExpertCache:
+    torch.manual_seed(0)
+    gate_up, down = torch.randn(num_experts, 16, 8), torch.randn(num_experts, 8, 8)
+    return ExpertCache(gate_up, down, slots, torch.device("cpu"), stats, Copier(torch.device("cpu")))
+
+
+def test_eviction_by_recency_then_frequency_never_a_needed_expert():
+    stats = OffloadStats()
+    cache = _cache(8, 3, stats)
+
+    def step(*experts: int) -> None:
+        cache.load(cache.prepare(torch.tensor([experts]))[0])
+
+    step(0, 1)
+    step(0, 2)  # 0 and 2 used last, 0 twice
+    step(3)  # the least recent (1) goes
+    assert cache.slot_of[1] < 0 and sorted(cache.expert_in) == [0, 2, 3]
+    step(4)  # 0 and 2 equally recent: the less used (2) goes
+    assert cache.slot_of[2] < 0 and sorted(cache.expert_in) == [0, 3, 4]
+    step(0, 5, 6)  # 0 is needed: 3 and 4 go, although 0 is older
+    assert sorted(cache.expert_in) == [0, 5, 6]
+    assert (stats.hits, stats.misses, stats.evictions) == (2, 7, 4)
+    assert stats.bytes_in["prefill"] == 7 * cache.expert_bytes
+
+
+def test_a_chunk_routed_to_more_experts_than_slots_is_exact():
+    cache = _cache(8, 2, OffloadStats())
+    torch.manual_seed(1)
+    x = torch.randn(50, 8)
+    weights, ids = torch.rand(50, 3), torch.stack([torch.randperm(8)[:3] for _ in range(50)])
+    assert len(cache.prepare(ids)) == 4  # 8 experts in groups of 2
+    want = experts_loop(x, weights, ids, cache.host_gate_up, cache.host_down)
+    torch.testing.assert_close(
+        cache.run(x, weights, ids, experts_loop), want, rtol=1e-6, atol=1e-6
+    )  # summation order only
+
+
+def test_budget_below_the_dense_weights_is_a_clear_error(preset_dirs, tiny):
+    dense = dense_bytes(tiny.model)
+    with pytest.raises(BudgetError) as info:
+        Engine.load(preset_dirs["tiny"], gpu_memory_gib=dense / 2 / GiB)
+    assert f"{dense:,} bytes" in str(info.value) and "dense weights" in str(info.value)
+    assert f"{dense // 2:,} bytes" in str(info.value)
+
+
+def test_budget_without_room_for_top_k_experts_is_a_clear_error(preset_dirs, tiny):
+    with pytest.raises(BudgetError, match=r"room for 1 experts per layer, fewer than top_k = 2"):
+        Engine.load(preset_dirs["tiny"], gpu_memory_gib=budget_gib(tiny, 1))
+
+
+def test_planned_decode_slots_are_the_runners(tiny):
+    """The budget's decode slots are what the runner allocates for max_running sequences."""
+    engine = Engine.load(tiny.model_dir)
+    engine.runner.warmup(4)
+    assert (
+        state_bytes(engine.config, engine.dtype, engine.runner.slots, engine.runner.capacity)
+        == engine.runner.nbytes
+    )
