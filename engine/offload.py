@@ -56,6 +56,10 @@ class Plan:
     def expert_cache(self) -> int:
         return self.slots * self.expert_bytes * self.layers
 
+    def budget_for(self, slots: int) -> int:
+        """The smallest budget that leaves `slots` experts per layer with the same other parts."""
+        return self.dense + self.states + self.workspace + slots * self.expert_bytes * self.layers
+
 
 def state_bytes(c: ModelConfig, dtype: torch.dtype, sequences: int, capacity: int) -> int:
     """Bytes of the runner's slot buffers (engine/runner.py) for `sequences` slots (+ its scratch

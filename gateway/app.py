@@ -105,7 +105,7 @@ async def health(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     rt: Runtime = request.app.state.runtime
-    return PlainTextResponse(rt.metrics.render(rt.store.stats(), rt.scheduler.stats(), rt.memory()),
+    return PlainTextResponse(rt.metrics.render(rt.store.stats(), rt.scheduler.stats(), rt.memory(), rt.engine.offload_stats()),
                              media_type="text/plain; version=0.0.4")
 
 

@@ -32,7 +32,9 @@ class Metrics:
             self._ttft_counts[index] += 1
             self._ttft_sum += seconds
 
-    def render(self, store_stats: msgspec.Struct, scheduler_stats: dict[str, int], memory: dict[str, int]) -> str:
+    def render(self, store_stats: msgspec.Struct, scheduler_stats: dict[str, int], memory: dict[str, int],
+               expert_cache: dict[str, int] | None = None) -> str:
+        """`expert_cache`: the engine's offload counters (`Engine.offload_stats`), None without offload."""
         with self._lock:
             lines = ["# TYPE ft_requests_total counter"]
             lines += [f'ft_requests_total{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())]
@@ -47,6 +49,13 @@ class Metrics:
         lines += [f"ft_scheduler_{name} {value}" for name, value in scheduler_stats.items()]
         lines.append("# TYPE ft_memory_bytes gauge")
         lines += [f'ft_memory_bytes{{part="{part}"}} {n}' for part, n in memory.items()]
+        if expert_cache is not None:
+            lines += ["# TYPE ft_expert_cache_hits_total counter", f"ft_expert_cache_hits_total {expert_cache['hits']}",
+                      "# TYPE ft_expert_cache_misses_total counter", f"ft_expert_cache_misses_total {expert_cache['misses']}",
+                      "# TYPE ft_expert_cache_evictions_total counter",
+                      f"ft_expert_cache_evictions_total {expert_cache['evictions']}",
+                      "# TYPE ft_expert_cache_bytes_in_total counter"]
+            lines += [f'ft_expert_cache_bytes_in_total{{phase="{p}"}} {expert_cache[f"bytes_in_{p}"]}' for p in ("prefill", "decode")]
         for name, value in msgspec.structs.asdict(store_stats).items():
             if isinstance(value, int | float):
                 lines.append(f"ft_store_{name} {value}")

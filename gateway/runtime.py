@@ -49,6 +49,7 @@ class ServeConfig:
     live_sequences: int = 4  # sequences kept after their answer, continued in place (0: always restore)
     max_running: int = 4  # requests decoded together, one batched forward per step
     max_queue: int = 64  # requests waiting beyond max_running; more are answered `overloaded`
+    gpu_memory_gib: float | None = None  # device budget: routed experts offloaded to host memory (engine/offload.py)
     model_name: str | None = None
 
 
@@ -101,10 +102,11 @@ class Runtime:
 
 def load_engine(config: ServeConfig) -> Engine:
     """The model, warmed up (the first request must not pay for kernel compilation)."""
+    budget = {"gpu_memory_gib": config.gpu_memory_gib, "max_running": config.max_running}
     if config.model_dir is not None:
-        engine = Engine.load(config.model_dir, device=config.device)
+        engine = Engine.load(config.model_dir, device=config.device, **budget)
     else:
-        engine = Engine.from_preset(config.preset, device=config.device)
+        engine = Engine.from_preset(config.preset, device=config.device, **budget)
     engine.warmup(max_batch=config.max_running)
     return engine
 

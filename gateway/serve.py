@@ -31,6 +31,17 @@ def positive(text: str) -> int:
     return int(text)
 
 
+def gib(text: str) -> float:
+    """argparse type: a size in GiB > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a size in GiB > 0, got {text!r}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--model", type=Path, help="HF model folder (config.json + safetensors + tokenizer), "
@@ -39,6 +50,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
     parser.add_argument("--port", type=int, default=1919, help="port (default 1919)")
     parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda (default cpu)")
+    parser.add_argument("--gpu-memory", type=gib, metavar="GiB",
+                        help="device memory budget: the routed experts stay in host memory and the device holds the "
+                             "dense weights, the decode slots and an expert cache within it (default: everything on "
+                             "the device)")
     parser.add_argument("--ram-cache", type=float, default=4.0, metavar="GiB", help="RAM checkpoint budget (default 4)")
     parser.add_argument("--disk-cache", type=Path, metavar="DIR", help="LMDB checkpoint folder (survives restarts)")
     parser.add_argument("--disk-cache-size", type=float, default=64.0, metavar="GiB", help="disk cap (default 64)")
@@ -111,7 +126,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         policy=args.policy, api_key=api_key(args), record_dir=args.record, replay_outputs=args.replay_outputs,
         keep_volatile=args.keep_volatile, default_max_tokens=args.max_tokens, max_tokens_cap=args.max_tokens_cap,
         forced_decode=args.forced_decode, model_name=args.served_model_name, live_sequences=args.live_sequences,
-        max_running=args.max_running, max_queue=args.max_queue,
+        max_running=args.max_running, max_queue=args.max_queue, gpu_memory_gib=args.gpu_memory,
     )
 
 
@@ -154,6 +169,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"  memory: weights {memory['weights'] / GiB:.2f} GiB and decode slots {memory['decode_slots'] / GiB:.2f} GiB "
           f"({runtime.engine.runner.slots} sequences x {runtime.engine.runner.capacity} tokens, growing) on "
           f"{runtime.engine.device}; checkpoint RAM cache up to {memory['ram_cache_budget'] / GiB:.1f} GiB", flush=True)
+    if (offload := runtime.engine.offload) is not None:
+        print(f"  expert offload: {offload.plan.slots} of {runtime.engine.config.num_experts} experts per layer "
+              f"resident ({memory['expert_cache'] / GiB:.2f} GiB on {runtime.engine.device}), all "
+              f"{memory['experts_host'] / GiB:.2f} GiB in host memory; budget {config.gpu_memory_gib:g} GiB", flush=True)
     print(f"  Claude Code:  ft launch claude --server {url}\n  Codex:        ft launch codex --server {url}\n"
           f"  OpenCode:     ft launch opencode --server {url}", flush=True)
     raise_open_file_limit()

@@ -24,11 +24,11 @@ def budget_gib(engine: Engine, slots: int, max_running: int = 4) -> float:
         dense_bytes(engine.model),
         1 << 50,
         engine.dtype,
-        sequences=max_running,
+        max_running,
         capacity=256,
         tokens=4096,
     )
-    return (p.dense + p.states + p.workspace + slots * p.expert_bytes * p.layers + p.expert_bytes // 2) / GiB
+    return (p.budget_for(slots) + p.expert_bytes // 2) / GiB
 
 
 @pytest.fixture(scope="module")
