@@ -105,8 +105,8 @@ async def health(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     rt: Runtime = request.app.state.runtime
-    return PlainTextResponse(rt.metrics.render(rt.store.stats(), rt.scheduler.stats(), rt.memory(), rt.engine.offload_stats()),
-                             media_type="text/plain; version=0.0.4")
+    text = rt.metrics.render(rt.store.stats(), rt.scheduler.stats(), rt.memory(), rt.engine.offload_stats())
+    return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
 def create_app(rt: Runtime) -> Starlette:
