@@ -27,7 +27,7 @@ import httpx
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/engine.py would shadow the engine package
 
-from gateway.embedded import free_port  # noqa: E402
+from gateway.embedded import serve_process  # noqa: E402
 
 MiB = 1 << 20
 WARMUP_S = 60.0
@@ -173,38 +173,8 @@ class Session(threading.Thread):
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ft",
-            "serve",
-            "--preset",
-            args.preset,
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-            "--ram-cache",
-            str(args.ram_cache),
-            "--max-running",
-            str(args.max_running),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            httpx.get(url + "/health")
-            return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("ft serve did not start: " + (proc.stdout.read() if proc.stdout else ""))
+    return serve_process(["--preset", args.preset, "--ram-cache", str(args.ram_cache), "--max-running", str(args.max_running)],
+                         timeout=300)
 
 
 def run(args) -> dict:

@@ -1,10 +1,13 @@
 """`ft serve`'s app in a thread of this process, on a free loopback port: what `ft replay
---preset` and the tests use to drive the real server without a subprocess."""
+--preset` and the tests use to drive the real server without a subprocess; and `ft serve` as a
+subprocess (`serve_process`) where a test or bench needs the real process (signals, limits)."""
 
 from __future__ import annotations
 
 import dataclasses
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -22,6 +25,24 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def serve_process(args: list[str], preexec_fn=None, timeout: float = 180) -> tuple[subprocess.Popen, str]:
+    """`ft serve ARGS` on a free port, once `/health` answers: the process (stdout and stderr
+    together as text) and its URL."""
+    port = free_port()
+    command = [sys.executable, "-m", "ft", "serve", "--port", str(port), "--log-level", "warning", *args]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=preexec_fn)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            httpx.get(url + "/health")
+            return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("ft serve did not start: " + (proc.stdout.read() if proc.stdout else ""))
 
 
 @dataclass

@@ -19,6 +19,7 @@ import time
 import httpx
 import pytest
 
+from gateway import embedded
 from gateway.embedded import serve_in_thread
 from gateway.http_server import ServerLimits
 from gateway.recorder import Recorder
@@ -260,24 +261,7 @@ def wait_for(condition) -> None:
 
 
 def serve_process(*extra: str, preexec_fn=None) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ft", "serve", "--port", str(port), "--log-level", "warning", *extra],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        preexec_fn=preexec_fn,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            httpx.get(url + "/health")
-            return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("ft serve did not start: " + proc.stdout.read())
+    return embedded.serve_process(list(extra), preexec_fn)
 
 
 LONG = {

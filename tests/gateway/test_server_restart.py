@@ -10,27 +10,14 @@ import time
 
 import httpx
 
-from tests.conftest import free_port
+from gateway.embedded import serve_process
 
 BODY = {"model": "tiny", "max_tokens": 4, "temperature": 0,
         "messages": [{"role": "system", "content": "You are terse. " * 200}, {"role": "user", "content": "hello"}]}
 
 
 def serve(disk, *extra) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "ft", "serve", "--port", str(port), "--disk-cache", str(disk),
-                             "--disk-cache-size", "1", "--log-level", "warning", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        try:
-            httpx.get(url + "/health")
-            return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("ft serve did not start: " + proc.stdout.read())
+    return serve_process(["--disk-cache", str(disk), "--disk-cache-size", "1", *extra], timeout=120)
 
 
 def metric(url: str, name: str) -> float:
