@@ -75,7 +75,9 @@ class Engine:
             model.config, expert_offload.dense_bytes(model), int(gpu_memory_gib * expert_offload.GiB), dtype,
             sequences=_bucket(max_running), capacity=MIN_CAPACITY.get(device.type, 256), tokens=chunk_tokens(device))
         offload = expert_offload.install(model, device, plan)
-        return cls(model.to(device), fp, model_dir, offload)
+        model = model.to(device)  # moves the fused projections and their parameter views apart:
+        model.fuse_projections()  # fuse again on the device, so each weight is there once
+        return cls(model, fp, model_dir, offload)
 
     @classmethod
     def from_preset(cls, name: str, device: str = "cpu", dtype: torch.dtype | None = None,
