@@ -19,7 +19,6 @@ class Kernels:
     decode_attention: Callable = attention.decode_attention  # one query per slot of stacked caches
     causal_conv: Callable = conv.causal_conv
     chunk_gated_delta_rule: Callable = deltanet.chunk_gated_delta_rule
-    recurrent_gated_delta_rule: Callable = deltanet.recurrent_gated_delta_rule
     decode_conv: Callable = conv.decode_conv  # one token of each of B sequences
     decode_gated_delta_rule: Callable = deltanet.decode_gated_delta_rule
     moe_experts: Callable = moe.experts_loop

@@ -83,17 +83,23 @@ def test_chunk_gated_delta_rule_matches_reference(dtype, rng):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_recurrent_gated_delta_rule_matches_reference(dtype, rng):
+def test_decode_gated_delta_rule_matches_the_recurrence_of_each_sequence(dtype, rng):
+    """One token of each of 3 sequences, each from its own state (fla's batch dimension), against
+    the reference token-by-token recurrence run on each sequence alone."""
     from engine.ops import deltanet as ref
     from engine.ops.gpu import deltanet as gpu
 
-    q, k, v, g, beta, state = _gdn_inputs(3, seed=rng.randrange(1 << 30))
-    cast = [x.to(dtype) for x in (q, k, v)]
-    out_r, fin_r = ref.recurrent_gated_delta_rule(*cast, g, beta.to(dtype), state)
-    out_g, fin_g = gpu.recurrent_gated_delta_rule(*[x.cuda() for x in (*cast, g, beta.to(dtype), state)])
-    errors = [rel(out_g, out_r), rel(fin_g, fin_r)]
-    metric(f"gdn_recurrent_{dtype}", max(errors))
-    assert max(errors) <= KERNEL_TOL[dtype], (errors, SEED)
+    seqs = [_gdn_inputs(1, seed=rng.randrange(1 << 30)) for _ in range(3)]
+    q, k, v = (torch.cat([s[i] for s in seqs]).to(dtype) for i in range(3))  # [3, H, D]
+    g, beta = (torch.cat([s[i] for s in seqs]) for i in (3, 4))
+    states = torch.stack([s[5] for s in seqs])  # [3, Hv, Dk, Dv]
+    out_g, fin_g = gpu.decode_gated_delta_rule(*[x.cuda() for x in (q, k, v, g, beta.to(dtype), states)])
+    for b in range(3):
+        out_r, fin_r = ref.recurrent_gated_delta_rule(q[b : b + 1], k[b : b + 1], v[b : b + 1], g[b : b + 1],
+                                                      beta[b : b + 1].to(dtype), states[b])
+        errors = [rel(out_g[b], out_r[0]), rel(fin_g[b], fin_r)]
+        metric(f"gdn_decode_{dtype}_{b}", max(errors))
+        assert max(errors) <= KERNEL_TOL[dtype], (errors, SEED)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -37,7 +37,6 @@ KERNELS = GpuKernels(
     decode_attention=attention.decode_attention,
     causal_conv=conv.causal_conv,
     chunk_gated_delta_rule=deltanet.chunk_gated_delta_rule,
-    recurrent_gated_delta_rule=deltanet.recurrent_gated_delta_rule,
     decode_gated_delta_rule=deltanet.decode_gated_delta_rule,
     moe_experts=moe.experts_grouped,
     add_rms_norm=norm.add_rms_norm,

@@ -66,19 +66,6 @@ def chunk_gated_delta_rule(
     return out, h[0], captured
 
 
-def recurrent_gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token-by-token recurrence (decode): out [T, Hv, Dv] and the final fp32 state."""
-    if q.dtype == torch.float32:
-        return reference.recurrent_gated_delta_rule(q, k, v, g, beta, state)
-    out, h = fla_recurrent(
-        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0), beta=beta.unsqueeze(0),
-        initial_state=state.float().unsqueeze(0), output_final_state=True, use_qk_l2norm_in_kernel=True,
-    )
-    return out[0], h[0]
-
-
 def decode_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
