@@ -92,6 +92,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on SIGTERM/Ctrl-C, answers already running get this long to finish before they end with "
                              "the protocol's error; queued ones get it at once (default "
                              f"{ServerLimits.shutdown_grace_s:g})")
+    parser.add_argument("--header-timeout", type=float, default=ServerLimits.head_timeout_s, metavar="SECONDS",
+                        help="a request's head must arrive within this long of its first byte (or of the "
+                             f"connection's opening), else the connection is closed (default {ServerLimits.head_timeout_s:g})")
+    parser.add_argument("--body-timeout", type=float, default=ServerLimits.body_timeout_s, metavar="SECONDS",
+                        help=f"a request's body must arrive within this long (default {ServerLimits.body_timeout_s:g})")
     parser.add_argument("--served-model-name", help="model id to report (default: folder or preset name)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -116,7 +121,11 @@ def api_key(args: argparse.Namespace) -> str | None:
 def limits_from_args(args: argparse.Namespace) -> ServerLimits:
     if not args.shutdown_grace >= 0:
         raise ValueError(f"--shutdown-grace: expected seconds >= 0, got {args.shutdown_grace}")
-    return ServerLimits(max_connections=args.max_connections, shutdown_grace_s=args.shutdown_grace)
+    for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
+        if not value > 0:
+            raise ValueError(f"{flag}: expected seconds > 0, got {value}")
+    return ServerLimits(head_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                        max_connections=args.max_connections, shutdown_grace_s=args.shutdown_grace)
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:

@@ -24,7 +24,7 @@ from gateway.embedded import serve_in_thread
 from gateway.http_server import ServerLimits
 from gateway.recorder import Recorder
 from gateway.runtime import ServeConfig
-from gateway.serve import add_arguments, api_key
+from gateway.serve import add_arguments, api_key, limits_from_args
 from tests.conftest import free_port, start_server
 from tests.gateway.test_server_errors import ENDPOINTS, _generated, assert_error_shape
 
@@ -393,3 +393,30 @@ def test_the_key_comes_from_the_flag_a_file_or_the_environment(tmp_path, monkeyp
         api_key(parser.parse_args(["--api-key-file", str(key_file)]))
     monkeypatch.delenv("FT_API_KEY")
     assert api_key(parser.parse_args([])) is None
+
+
+def test_timeouts_are_flags():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    limits = limits_from_args(parser.parse_args(["--header-timeout", "2.5", "--body-timeout", "7"]))
+    assert (limits.head_timeout_s, limits.body_timeout_s) == (2.5, 7.0)
+    for flag in ("--header-timeout", "--body-timeout"):
+        with pytest.raises(ValueError, match=flag):
+            limits_from_args(parser.parse_args([flag, "0"]))
+
+
+def test_a_silent_connection_is_closed_at_the_header_timeout_flag():
+    """`ft serve --header-timeout 1`: a connection that sends nothing is closed long before the
+    default 10 s (a real process, a real socket)."""
+    proc, url = serve_process("--header-timeout", "1")
+    try:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.settimeout(6)  # well under the default 10 s: only the flag can close it by then
+            data = sock.recv(4096)
+            while data and not data.endswith(b"\r\n\r\n") and b"408" not in data:
+                data += sock.recv(4096)
+        assert data == b"" or b"408" in data
+    finally:
+        proc.terminate()
+        proc.wait(60)
