@@ -17,7 +17,7 @@ from engine.feed import Feed, PrefillResult
 from engine.loader import build_model, fingerprint, load_folder
 from engine.model import HybridForCausalLM
 from engine.ops import Kernels, kernels_for
-from engine.runner import MIN_CAPACITY, Runner, _bucket
+from engine.runner import Runner, bucket, initial_capacity
 from engine.sampling import Decoding, SamplingParams, TokenEvent
 from engine.snapshot import Snapshot
 from engine.state import KVCache, SequenceState
@@ -73,7 +73,7 @@ class Engine:
         dtype = model.lm_head.weight.dtype
         plan = expert_offload.plan(
             model.config, expert_offload.dense_bytes(model), int(gpu_memory_gib * expert_offload.GiB), dtype,
-            sequences=_bucket(max_running), capacity=MIN_CAPACITY.get(device.type, 256), tokens=chunk_tokens(device))
+            sequences=bucket(max_running), capacity=initial_capacity(device), tokens=chunk_tokens(device))
         offload = expert_offload.install(model, device, plan)
         model = model.to(device)  # moves the fused projections and their parameter views apart:
         model.fuse_projections()  # fuse again on the device, so each weight is there once
@@ -205,8 +205,10 @@ class Engine:
     def _kv_tensors(self, state: SequenceState, start: int, end: int) -> dict[str, torch.Tensor]:
         tensors = {}
         for layer, cache in state.kv.items():
-            k, v = cache.slice(start, end)
-            tensors[f"kv.{layer}.k"], tensors[f"kv.{layer}.v"] = k, v  # the cache is append-only: views stay valid
+            k, v = cache.slice(start, end)  # a private cache is append-only: its views stay valid
+            if self.runtime is None and self.runner.holds(cache.k):  # a decode slot is reused: copy now
+                k, v = k.clone(), v.clone()  # (a GPU copies to the host before the slot is reused)
+            tensors[f"kv.{layer}.k"], tensors[f"kv.{layer}.v"] = k, v
         return self._to_host(tensors)
 
     def kv_delta(self, state: SequenceState, start: int, end: int) -> Snapshot:

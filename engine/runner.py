@@ -28,8 +28,13 @@ from engine.state import SequenceState
 MIN_CAPACITY = {"cuda": 4096, "cpu": 256}  # tokens per slot at first; doubles as sequences grow
 
 
-def _bucket(n: int) -> int:
+def bucket(n: int) -> int:
+    """The batch bucket (a power of two) that `n` rows run in."""
     return 1 << (n - 1).bit_length()
+
+
+def initial_capacity(device: torch.device) -> int:
+    return MIN_CAPACITY.get(device.type, 256)
 
 
 class Runner:
@@ -57,11 +62,9 @@ class Runner:
     def decode(self, states: Sequence[SequenceState], tokens: Sequence[int]) -> torch.Tensor:
         """Feed tokens[b] to states[b] (distinct states); the next logits [B, V] fp32."""
         count = len(states)
-        need = max(s.length for s in states) + 1
-        if count > self.slots or need > self.capacity:
-            self._allocate(max(self.slots, _bucket(count)), max(self.capacity, MIN_CAPACITY.get(self.device.type, 256), _bucket(need)))
+        self._reserve(count, max(s.length for s in states) + 1)
         slots = self._assign(states)
-        rows = _bucket(count) if self.use_graph else count
+        rows = bucket(count) if self.use_graph else count
         pad = rows - count  # padding rows: token 0 at position 0 of the scratch slot
         host = torch.tensor([[*tokens, *[0] * pad], [s.length for s in states] + [0] * pad, slots + [self.slots] * pad])
         if self.use_graph:
@@ -81,11 +84,16 @@ class Runner:
     def warmup(self, max_batch: int) -> None:
         """Slots for `max_batch` sequences and the graphs of every batch bucket up to it, now
         (each capture is a few forwards) rather than at first use."""
-        if max_batch > self.slots or self.capacity == 0:
-            self._allocate(max(self.slots, _bucket(max_batch)), max(self.capacity, MIN_CAPACITY.get(self.device.type, 256)))
+        self._reserve(max_batch, 1)
         if self.use_graph:
-            for rows in sorted({_bucket(n) for n in range(1, max_batch + 1)}):
+            for rows in sorted({bucket(n) for n in range(1, max_batch + 1)}):
                 self._graph(rows)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` lives in the slot buffers (its memory is reused by the next sequence
+        bound to its slot)."""
+        ptr = tensor.untyped_storage().data_ptr()
+        return self.buffers is not None and any(t.untyped_storage().data_ptr() == ptr for t in self.buffers.k.values())
 
     @property
     def nbytes(self) -> int:
@@ -125,6 +133,13 @@ class Runner:
 
     # -- slots
 
+    def _reserve(self, sequences: int, length: int) -> None:
+        """Room for `sequences` at once of up to `length` tokens each: the buffers grow (slots to
+        the next bucket, capacity to the next power of two) when they are too small."""
+        if sequences > self.slots or length > self.capacity:
+            self._allocate(max(self.slots, bucket(sequences)),
+                           max(self.capacity, initial_capacity(self.device), bucket(length)))
+
     def _allocate(self, slots: int, capacity: int) -> None:
         """Buffers for `slots` sequences (+ the scratch slot) of `capacity` tokens; every owner
         first gets private copies, and is bound again at its next step."""
@@ -143,7 +158,7 @@ class Runner:
         self.views = [{name: {i: t[s] for i, t in getattr(b, name).items()} for name in ("k", "v", "conv", "rec")} for s in range(slots)]
         self.owners, self.used = [None] * slots, [0] * slots
         self.slots, self.capacity = slots, capacity
-        self.inputs = torch.zeros(3, _bucket(slots), dtype=torch.long, device=dev)  # token ids, positions, slots per row
+        self.inputs = torch.zeros(3, bucket(slots), dtype=torch.long, device=dev)  # token ids, positions, slots per row
         self.graphs, self.pool = {}, None
 
     def _owner(self, slot: int) -> SequenceState | None:

@@ -134,3 +134,19 @@ def test_slots_evicted_and_rebound_keep_every_sequence_exact(preset_dirs, data):
         tail = [7, 8, 9]  # a snapshot of a slot-bound state restores to the same continuation
         restored = tiny.restore(tiny.snapshot(state, 0))
         assert (tiny.prefill(restored, tail).logits - tiny.prefill(state, tail).logits).abs().max().item() <= TOL
+
+
+def test_a_snapshot_survives_its_slot_going_to_another_sequence(preset_dirs):
+    """KV deltas taken of a sequence while it holds a decode slot keep their values after the slot
+    is bound to other sequences (the checkpoint store may take them later, on its own thread)."""
+    tiny = Engine.load(preset_dirs["tiny"])
+    tiny.runner.warmup(1)  # one slot: every other sequence takes it
+    state = tiny.new_state()
+    tiny.prefill(state, list(range(100, 140)))
+    tiny.decode(state, 7)  # now bound to the slot
+    delta = tiny.kv_delta(state, 0, state.length)
+    before = {name: t.clone() for name, t in delta.tensors.items()}
+    other = tiny.new_state()
+    tiny.prefill(other, list(range(500, 560)))
+    tiny.decode(other, 9)  # takes the slot, overwriting its rows
+    assert all(torch.equal(delta.tensors[name], t) for name, t in before.items())
