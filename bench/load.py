@@ -27,6 +27,7 @@ import httpx
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/engine.py would shadow the engine package
 
+from adapters.replay_report import percentile  # noqa: E402
 from gateway.embedded import serve_process  # noqa: E402
 
 MiB = 1 << 20
@@ -46,7 +47,7 @@ class Report:
     exit_code: int | None = None
 
     def summary(self) -> dict:
-        ttft = sorted(self.ttft_ms)
+        ttft = self.ttft_ms
         after_warmup = [m for t, m in self.rss_mib if t >= min(WARMUP_S, self.seconds / 2)] or [0.0]
         return {
             "sessions": self.sessions,
@@ -66,12 +67,6 @@ class Report:
             },
             "exit_code": self.exit_code,
         }
-
-
-def percentile(values: list[float], p: float) -> float:
-    if not values:
-        return 0.0
-    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
 
 
 def rss_mib(pid: int) -> float:

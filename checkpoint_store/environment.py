@@ -77,8 +77,6 @@ def meta_problem(data_file: Path) -> str | None:
     if data_file.is_dir():
         return "a folder where the data file should be"
     size = data_file.stat().st_size
-    if size == 0:
-        return None  # LMDB writes a fresh file
     try:
         with data_file.open("rb") as f:
             first = Meta(f.read(META.size + 64), 0)
@@ -127,8 +125,8 @@ def walk_problem(folder: Path) -> str | None:
 def damage(folder: Path) -> str | None:
     """Why ``folder``'s data file is damaged, or None (also when there is none yet)."""
     data_file = folder / DATA_FILE
-    if not data_file.exists():
-        return None
+    if not data_file.exists() or (data_file.is_file() and data_file.stat().st_size == 0):
+        return None  # nothing yet: LMDB writes a fresh file (and no child process is needed to read it)
     return meta_problem(data_file) or walk_problem(folder)
 
 

@@ -36,6 +36,7 @@ import httpx
 import msgspec
 
 from adapters.replay import is_output_delta, parse_server_timing, sse_data, stream_error
+from adapters.replay_report import percentile
 from adapters.trace import Trace, TraceRequest
 from gateway.plan import forced_message
 from gateway.protocols.chat import parse_request
@@ -116,6 +117,7 @@ def plan_sessions(traces: list[Trace], k: int, renderer: Renderer) -> list[Sessi
     """K sessions over `traces` in turn; every reuse of a trace gets a nonce of its own."""
     if not traces:
         raise ValueError("no chat traces to replay")
+    lengths = [[answer_tokens(r, renderer) for r in t.requests] for t in traces]  # a nonce never changes an answer
     sessions = []
     for number in range(k):
         trace = traces[number % len(traces)]
@@ -123,8 +125,7 @@ def plan_sessions(traces: list[Trace], k: int, renderer: Renderer) -> list[Sessi
         requests = [
             msgspec.structs.replace(r, body=with_nonce(r.body, nonce)) if nonce else r for r in trace.requests
         ]
-        lengths = [answer_tokens(r, renderer) for r in requests]
-        sessions.append(Session(number, trace.session_id, requests, lengths, nonce))
+        sessions.append(Session(number, trace.session_id, requests, lengths[number % len(traces)], nonce))
     return sessions
 
 
@@ -249,15 +250,6 @@ def run_sessions(
     return turns, time.perf_counter() - t0
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0..100), linear between the closest ranks (numpy's default)."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low = int(rank)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
 def summarise_run(turns: list[Turn], wall_s: float) -> RunSummary:

@@ -114,7 +114,7 @@ def chain_body_defaults(transcript: Transcript) -> dict[str, Any]:
     request parameters where the transcript has them, else a plain Messages body."""
     body: dict[str, Any] = {"model": transcript.meta.get("model") or "claude"}
     shape = list(transcript.shapes.values())[-1] if transcript.shapes else {}
-    body.update({key: copy.deepcopy(shape[key]) for key in ("system", "tools") if shape.get(key)})
+    body.update({key: shape[key] for key in ("system", "tools") if shape.get(key)})  # each request deep-copies these
     params = dict(transcript.api_requests[-1][1].get("params") or {}) if transcript.api_requests else {}
     params.pop("betas", None)
     body.update(params or {"max_tokens": 32000})

@@ -14,8 +14,9 @@ import msgspec
 import pytest
 
 from adapters.readers import read_trace
+from adapters.replay_report import percentile
 from gateway.render import load_renderer
-from peer.sessions import ft_send, percentile, plan_sessions, run_sessions, summarise_run, with_nonce
+from peer.sessions import ft_send, plan_sessions, run_sessions, summarise_run, with_nonce
 from tests.conftest import start_server
 
 TRACE = Path(__file__).resolve().parents[2] / "traces" / "sessions" / "small-bugfix.recording.jsonl"
@@ -51,13 +52,6 @@ def test_with_nonce_prefixes_the_first_user_message_only():
     assert out["messages"][1]["content"][1]["text"] == "[s1] fix"
     assert out["messages"][0]["content"] == "sys" and out["messages"][2]["content"] == "more"
     assert body["messages"][1]["content"][1]["text"] == "fix"  # the trace is not modified
-
-
-def test_percentile_interpolates_between_ranks():
-    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
-    assert percentile([1.0, 2.0, 3.0, 4.0], 95) == pytest.approx(3.85)
-    assert percentile([7.0], 95) == 7.0
-    assert percentile([], 50) == 0.0
 
 
 def test_two_sessions_at_once(server, trace):
