@@ -20,7 +20,6 @@ import contextlib
 import json
 import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -31,7 +30,8 @@ import httpx
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/engine.py would shadow the engine package
 
-from gateway.embedded import free_port  # noqa: E402
+from adapters.replay import http_wait_idle  # noqa: E402
+from gateway.embedded import serve_process  # noqa: E402
 
 MiB = 1 << 20
 LONG = {
@@ -44,22 +44,9 @@ LONG = {
 
 class Server:
     def __init__(self, *extra: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ft", "serve", "--port", str(self.port), "--log-level", "warning", *extra],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+        self.proc, self.url = serve_process(list(extra), timeout=300)
+        self.port = int(self.url.rsplit(":", 1)[1])
         self.peak_mib = 0.0
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            with contextlib.suppress(httpx.HTTPError):
-                httpx.get(self.url + "/health")
-                return
-            time.sleep(0.2)
-        raise RuntimeError("ft serve did not start")
 
     def rss_mib(self) -> float:
         for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
@@ -75,8 +62,7 @@ class Server:
 
     def wait_idle(self) -> float:
         started = time.monotonic()
-        while not httpx.get(self.url + "/health").json()["idle"]:
-            time.sleep(0.05)
+        http_wait_idle(self.url)()
         return time.monotonic() - started
 
     def stop(self) -> None:
