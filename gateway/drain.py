@@ -27,7 +27,6 @@ class Drain:
     def __init__(self) -> None:
         self.draining = False
         self._runs: set[Interruptible] = set()
-        self._deadline: asyncio.TimerHandle | None = None
 
     def check(self) -> None:
         """Refuse new work once the server is stopping."""
@@ -40,10 +39,6 @@ class Drain:
     def discard(self, run: Interruptible) -> None:
         self._runs.discard(run)
 
-    @property
-    def running(self) -> int:
-        return len(self._runs)
-
     def begin(self, grace_s: float) -> None:
         """Fail what has not started; give what has `grace_s` seconds, then end it."""
         if self.draining:
@@ -51,7 +46,7 @@ class Drain:
         self.draining = True
         for run in [r for r in self._runs if not r.has_started]:
             run.interrupt(ShuttingDown())
-        self._deadline = asyncio.get_running_loop().call_later(grace_s, self.expire)
+        asyncio.get_running_loop().call_later(grace_s, self.expire)
 
     def expire(self) -> None:
         for run in list(self._runs):

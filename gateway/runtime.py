@@ -82,9 +82,8 @@ class Runtime:
 
     def memory(self) -> dict[str, int]:
         """Resident bytes by part: the engine's (weights, decode slots on its device) and the
-        checkpoint RAM cache's budget and use (host memory)."""
-        return {**self.engine.memory(), "ram_cache_budget": int(self.config.ram_cache_gib * GiB),
-                "ram_cache_used": self.store.stats().ram_bytes}
+        checkpoint RAM cache's budget (host memory; what it holds is `ft_store_ram_bytes`)."""
+        return {**self.engine.memory(), "ram_cache_budget": int(self.config.ram_cache_gib * GiB)}  # use: ft_store_ram_bytes
 
     @property
     def volatile_rules(self) -> VolatileRules:

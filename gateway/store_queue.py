@@ -77,6 +77,5 @@ class StoreQueue:
                 self.store.write_errors.record(exc, f"storing {len(anchors)} checkpoints", trace=True)
             with self._cond:
                 self._items.popleft()
-                self._queued.subtract(anchors)
-                self._queued += Counter()  # drop zero counts
+                self._queued -= Counter(anchors)  # keeps positive counts only
                 self._cond.notify_all()
