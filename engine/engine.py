@@ -14,7 +14,7 @@ from engine import offload as expert_offload
 from engine import presets
 from engine.config import ModelConfig
 from engine.feed import Feed, PrefillResult
-from engine.loader import build_model, fingerprint, load_folder
+from engine.loader import build_model, fingerprint, load_folder, place
 from engine.model import HybridForCausalLM
 from engine.ops import Kernels, kernels_for
 from engine.runner import Runner, bucket, initial_capacity
@@ -75,9 +75,7 @@ class Engine:
             model.config, expert_offload.dense_bytes(model), int(gpu_memory_gib * expert_offload.GiB), dtype,
             sequences=bucket(max_running), capacity=initial_capacity(device), tokens=chunk_tokens(device))
         offload = expert_offload.install(model, device, plan)
-        model = model.to(device)  # moves the fused projections and their parameter views apart:
-        model.fuse_projections()  # fuse again on the device, so each weight is there once
-        return cls(model, fp, model_dir, offload)
+        return cls(place(model, device), fp, model_dir, offload)
 
     @classmethod
     def from_preset(cls, name: str, device: str = "cpu", dtype: torch.dtype | None = None,

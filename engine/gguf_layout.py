@@ -103,16 +103,6 @@ def to_gguf(c: ModelConfig, state_dict: dict[str, torch.Tensor]) -> Iterator[tup
         yield blk + LAYER_NAMES[key], t
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """Our name for a GGUF tensor (`None` for the two halves of a fused tensor: see `from_gguf`)."""
-    if gguf_name in GGUF_GLOBAL_NAMES:
-        return GGUF_GLOBAL_NAMES[gguf_name]
-    _, layer, key = gguf_name.split(".", 2)
-    if key in FUSED:
-        return f"model.layers.{layer}.mlp.experts.gate_up_proj"
-    return f"model.layers.{layer}.{GGUF_LAYER_NAMES[key]}"
-
-
 def from_gguf(c: ModelConfig, layer: int, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """One block's GGUF tensors (names inside `blk.N.`, fp32 in PyTorch layout) → our tensors."""
     out: dict[str, torch.Tensor] = {}

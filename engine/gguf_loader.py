@@ -30,7 +30,7 @@ from engine.gguf_layout import (
     from_gguf,
     from_gguf_global,
 )
-from engine.loader import CheckpointError, aligned, build_model, fingerprint
+from engine.loader import CheckpointError, aligned, build_model, fingerprint, place
 from engine.model import HybridForCausalLM
 from engine.quant.ggml import SUPPORTED, dequantize
 
@@ -239,4 +239,4 @@ def load_gguf(
     dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
     state_dict = read_gguf_state_dict(model, config, dtype)
     hybrid = build_model(config, state_dict)
-    return hybrid.to(device), fingerprint(config, state_dict)
+    return place(hybrid, device), fingerprint(config, state_dict)

@@ -135,6 +135,16 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> Hyb
     return model.eval()
 
 
+def place(model: HybridForCausalLM, device: torch.device) -> HybridForCausalLM:
+    """`model` on `device`. A move copies each tensor on its own, splitting the fused projections
+    from their parameter views (each weight would be there twice): they are fused again there."""
+    if model.lm_head.weight.device == device:
+        return model
+    model = model.to(device)
+    model.fuse_projections()
+    return model
+
+
 def fingerprint(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> str:
     """Stable id of config + weights: names, shapes, dtypes and the first bytes of every tensor."""
     h = xxhash.xxh3_128(repr(config).encode())
@@ -158,4 +168,4 @@ def load_folder(
     config = ModelConfig.from_folder(folder)
     state_dict = read_state_dict(folder, dtype)
     model = build_model(config, state_dict)
-    return model.to(device), fingerprint(config, state_dict)
+    return place(model, device), fingerprint(config, state_dict)

@@ -192,6 +192,7 @@ class ExpertCache:
         self.expert_bytes = gate_up[0].nbytes + down[0].nbytes
         self.expert_in = [-1] * slots  # the expert each slot holds
         self.slot_of = [-1] * gate_up.shape[0]  # the slot holding each expert
+        self.slot_table = torch.full((gate_up.shape[0],), -1, dtype=torch.long, device=device)  # slot_of on the device
         self.last_used = [0] * slots
         self.uses = [0] * gate_up.shape[0]  # forwards that routed to each expert
         self.clock = 0
@@ -248,13 +249,14 @@ class ExpertCache:
                 ]
             self.last_used[self.slot_of[expert]] = self.clock
         if copies:
+            self.slot_table = torch.as_tensor(self.slot_of, device=self.gate_up.device)  # changes only with copies
             self.copier.copy(copies)
             self.stats.misses += len(copies) // 2
             self.stats.bytes_in[self.stats.phase] += len(copies) // 2 * self.expert_bytes
 
     def remap(self, ids: torch.Tensor) -> torch.Tensor:
         """Expert ids -> slot ids (every expert in `ids` resident)."""
-        return torch.as_tensor(self.slot_of, device=ids.device)[ids]
+        return self.slot_table[ids]
 
     def _victim(self, keep: set[int]) -> int:
         """An empty slot, else the least recently used one (least used expert among equals) outside `keep`."""

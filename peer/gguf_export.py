@@ -33,7 +33,6 @@ FILE_TYPES = {
 LLAMA_QUANTIZE = {"q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "q6_k": "Q6_K"}
 DTYPES = sorted([*FILE_TYPES, *LLAMA_QUANTIZE])
 F32_SUFFIXES = ("_norm.weight", "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
-gguf_tensors = to_gguf  # (GGUF name, fp32 tensor) for every weight: see engine.gguf_layout
 
 
 def add_hparams(w: gguf.GGUFWriter, c: ModelConfig, raw: dict, name: str) -> None:
@@ -118,7 +117,7 @@ def write_gguf(
     add_hparams(w, c, raw, raw.get("ft_preset") or out.stem)
     w.add_file_type(FILE_TYPES[dtype])
     add_vocab(w, qwen_vocab(c.vocab_size), template)
-    for name, tensor in gguf_tensors(c, state_dict):
+    for name, tensor in to_gguf(c, state_dict):  # (GGUF name, fp32 tensor) for every weight
         array, qtype = to_numpy(name, tensor, dtype)
         plain = qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
         w.add_tensor(name, array, raw_dtype=None if plain else qtype)
