@@ -8,7 +8,10 @@ conv and the Gated DeltaNet state) the batch says how:
   chunked prefill with captures). Attention, the conv and the chunked scan run per sequence.
 - `SlotBatch`: one token per sequence, every state in one slot of stacked buffers (`SlotBuffers`)
   and every index on the device, so the whole step is free of host syncs and Python-side shapes and
-  one CUDA graph per batch size replays it (`engine.runner.Runner`)."""
+  one CUDA graph per batch size replays it (`engine.runner.Runner`).
+- `SlotPrefill`: a few tokens of one sequence in a slot, padded to a token bucket, its slot, start
+  and valid count on the device: one CUDA graph per bucket replays a short prefill (a tool result
+  after a restore) whatever its length and position."""
 
 from __future__ import annotations
 
@@ -92,4 +95,38 @@ class SlotBatch:
         return None
 
 
-Batch = Spans | SlotBatch
+@dataclass
+class SlotPrefill:
+    """`rows` tokens (a bucket) of the sequence in slot `meta[0]`, from position `meta[1]`, of
+    which the first `meta[2]` are real and the rest padding. The forward writes the KV rows of all
+    of them (positions past the valid ones are free slot rows) and leaves the DeltaNet states as
+    after the real tokens (padding gets no decay and no update); the runner commits the length."""
+
+    buffers: SlotBuffers
+    meta: torch.Tensor  # [3] long: slot, start position, valid tokens
+    arange: torch.Tensor  # [rows] long: 0..rows-1
+
+    @property
+    def slot(self) -> torch.Tensor:
+        return self.meta[0:1]
+
+    @property
+    def start(self) -> torch.Tensor:
+        return self.meta[1:2]
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """[rows] bool: which rows are real tokens."""
+        return self.arange < self.meta[2]
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        return self.meta[1] + self.arange
+
+    def wait_for(self, layer: int) -> None:
+        return None  # the runner waits for restores when it binds a state to a slot
+
+    def advance(self) -> None:
+        return None
+
+
+Batch = Spans | SlotBatch | SlotPrefill

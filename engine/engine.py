@@ -17,7 +17,7 @@ from engine.feed import Feed, PrefillResult
 from engine.loader import build_model, fingerprint, load_folder, place
 from engine.model import HybridForCausalLM
 from engine.ops import Kernels, kernels_for
-from engine.runner import Runner, bucket, initial_capacity
+from engine.runner import PREFILL_BUCKETS, Runner, bucket, initial_capacity
 from engine.sampling import Decoding, SamplingParams, TokenEvent
 from engine.snapshot import Snapshot
 from engine.state import KVCache, SequenceState
@@ -48,6 +48,7 @@ class Engine:
             use_graph=self.device.type == "cuda" and offload is None and os.environ.get("FT_CUDA_GRAPHS", "1") != "0",
             before_overwrite=self.runtime.wait_copies if self.runtime is not None else None,
         )
+        self.slot_prefill = self.runner.use_graph  # short prefills on the sequence's slot (a graph per bucket)
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
@@ -152,8 +153,12 @@ class Engine:
             for feed, row in zip(decodes, logits, strict=True):
                 feed.done, feed.result = 1, PrefillResult(row, [])
             parts = [(feed, count) for feed, count in parts if feed.is_prefill]
-            if not parts:
-                return
+        for feed, count in parts:
+            if self._fits_slot(feed, count):
+                self._slot_prefill(feed, count)
+        parts = [(feed, count) for feed, count in parts if feed.result is None]
+        if not parts:
+            return
         spans = [feed.span(count) for feed, count in parts]
         ids = torch.as_tensor([t for feed, count in parts for t in feed.next_ids(count)], dtype=torch.long, device=self.device)
         with self._phase("prefill", len(ids)):
@@ -177,6 +182,30 @@ class Engine:
         for feed in finished:
             if feed.all_logits:
                 self._finish(feed, self.model.logits(torch.cat(feed.hidden)))
+
+    def _fits_slot(self, feed: Feed, count: int) -> bool:
+        """Whether the feed's last `count` tokens can run as one captured slot prefill: few enough,
+        only the last position's logits wanted, and a capture (if any) only at the end."""
+        end = feed.start + len(feed.token_ids)
+        return (self.slot_prefill and count == feed.remaining and count <= PREFILL_BUCKETS[-1]
+                and not feed.all_logits and all(p == end for p in feed.capture_at if p > end - count))
+
+    def _slot_prefill(self, feed: Feed, count: int) -> None:
+        with self._phase("prefill", count):
+            logits = self.runner.prefill(feed.state, feed.next_ids(count))
+        end = feed.start + len(feed.token_ids)
+        if end in feed.capture_at and (feed.state_at is None or end in feed.state_at):
+            feed.captured[end] = self._to_host(self._states(feed.state))
+        feed.done += count
+        self._finish(feed, logits)
+
+    def _states(self, state: SequenceState) -> dict[str, torch.Tensor]:
+        """Copies of the DeltaNet states of `state` (a slot's are overwritten by its next step)."""
+        states = {}
+        for layer in self.config.deltanet_layers:
+            states[f"conv.{layer}"] = state.conv[layer].clone()
+            states[f"rec.{layer}"] = state.rec[layer].clone()
+        return states
 
     def _finish(self, feed: Feed, logits: torch.Tensor) -> None:
         kv_start = feed.start if feed.kv_start is None else feed.kv_start
@@ -219,11 +248,7 @@ class Engine:
         """KV of [start, state.length) and the current DeltaNet states."""
         state.wait_all()
         tensors = self._kv_tensors(state, start, state.length)
-        states = {}
-        for layer in self.config.deltanet_layers:
-            states[f"conv.{layer}"] = state.conv[layer].clone()
-            states[f"rec.{layer}"] = state.rec[layer].clone()
-        tensors.update(self._to_host(states))
+        tensors.update(self._to_host(self._states(state)))
         if self.runtime is not None:
             self.runtime.sync()
         return Snapshot(start, state.length, tensors)

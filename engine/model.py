@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.batch import Batch, SlotBatch, Span, Spans
+from engine.batch import Batch, SlotBatch, SlotPrefill, Span, Spans
 from engine.config import ModelConfig
 from engine.ops import Kernels
 from engine.ops.moe import route
@@ -95,6 +95,12 @@ class Attention(nn.Module):
             keys, values = batch.buffers.k[layer], batch.buffers.v[layer]
             keys[batch.index, batch.pos], values[batch.index, batch.pos] = k, v
             out = kernels.decode_attention(q, keys, values, batch.index, batch.pos + 1)
+        elif isinstance(batch, SlotPrefill):  # a few tokens of one slot: their KV rows written in place
+            keys, values = batch.buffers.k[layer], batch.buffers.v[layer]
+            rows = (batch.slot.expand(length), batch.positions(x.device))
+            keys.index_put_(rows, k)
+            values.index_put_(rows, v)
+            out = kernels.slot_prefill_attention(q, keys, values, batch.slot, batch.start)
         else:
             outs = []
             for span, (lo, hi) in zip(batch.spans, batch.bounds(), strict=True):
@@ -141,6 +147,8 @@ class GatedDeltaNet(nn.Module):
         g = self.neg_a * F.softplus(a.float() + self.dt_bias)  # [T, Hv]
         if isinstance(batch, SlotBatch):
             out, captures = self._decode(batch, layer, mixed, g, beta, kernels), []
+        elif isinstance(batch, SlotPrefill):
+            out, captures = self._slot_scan(batch, layer, mixed, g, beta, kernels), []
         else:
             parts = [self._scan(span, layer, mixed[lo:hi], g[lo:hi], beta[lo:hi], kernels)
                      for span, (lo, hi) in zip(batch.spans, batch.bounds(), strict=True)]
@@ -169,6 +177,25 @@ class GatedDeltaNet(nn.Module):
             rec = torch.zeros(v.shape[1], c.linear_key_head_dim, c.linear_value_head_dim, device=mixed.device)
         out, state.rec[layer], rec_caps = kernels.chunk_gated_delta_rule(q, k, v, g, beta, rec, span.capture_at)
         return out, list(zip(conv_caps, rec_caps, strict=True))
+
+    def _slot_scan(self, batch: SlotPrefill, layer: int, mixed, g, beta, kernels: Kernels) -> torch.Tensor:
+        """A few tokens of one slot's sequence through the conv and the chunked scan, from the
+        slot's states and back into them. Padding rows get no decay (g = 0) and no update
+        (beta = 0), so the recurrent state is the one after the real tokens; the conv state is
+        read off after them too (on the device: the count is not known to the host in a graph)."""
+        conv_slots, rec_slots = batch.buffers.conv[layer], batch.buffers.rec[layer]
+        valid = batch.valid[:, None]
+        g, beta = g * valid, beta * valid
+        weight = self.conv1d.weight[:, 0]
+        conv_state = conv_slots[batch.slot][0]  # [C, K-1]
+        mixed_out, _, _ = kernels.causal_conv(mixed, conv_state, weight, [])
+        inputs = torch.cat([conv_state, mixed.transpose(0, 1)], dim=1)  # [C, K-1+T]: state after n tokens at [n, n+K-1)
+        width = conv_state.shape[1]
+        conv_slots.index_copy_(0, batch.slot, inputs.index_select(1, batch.meta[2] + batch.arange[:width])[None])
+        q, k, v = self._split(mixed_out)
+        out, rec, _ = kernels.chunk_gated_delta_rule(q, k, v, g, beta, rec_slots[batch.slot][0], [])
+        rec_slots.index_copy_(0, batch.slot, rec[None])
+        return out
 
     def _decode(self, batch: SlotBatch, layer: int, mixed, g, beta, kernels: Kernels) -> torch.Tensor:
         """One token of each slot's sequence: one batched conv step and one batched recurrent step,

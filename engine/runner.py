@@ -11,6 +11,11 @@ bucket (1, 2, 4, ...; a smaller batch is padded with rows that read and write a 
 a step is one graph replay whatever the lengths: attention reads each row's valid length from the
 device. When the slots or their capacity run out, the buffers grow (slots to the next power of two,
 capacity doubling) and the graphs are captured again.
+
+A short prefill of one sequence (up to PREFILL_BUCKETS[-1] tokens: a tool result or a user turn
+after a restore) runs the same way on its slot: a `SlotPrefill` padded to a token bucket, one graph
+per bucket, its slot, position and token count on the device. Eager, such a prefill costs ~100 ms
+of kernel launches on the H200 for ~10 ms of GPU work.
 """
 
 from __future__ import annotations
@@ -20,17 +25,23 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.batch import SlotBatch, SlotBuffers
+from engine.batch import SlotBatch, SlotBuffers, SlotPrefill
 from engine.model import HybridForCausalLM
 from engine.ops import Kernels
 from engine.state import SequenceState
 
 MIN_CAPACITY = {"cuda": 4096, "cpu": 256}  # tokens per slot at first; doubles as sequences grow
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)  # token counts of the captured prefills
 
 
 def bucket(n: int) -> int:
     """The batch bucket (a power of two) that `n` rows run in."""
     return 1 << (n - 1).bit_length()
+
+
+def prefill_bucket(n: int) -> int | None:
+    """The token bucket a prefill of `n` tokens runs in on its slot; None above the largest."""
+    return next((rows for rows in PREFILL_BUCKETS if rows >= n), None)
 
 
 def initial_capacity(device: torch.device) -> int:
@@ -55,7 +66,7 @@ class Runner:
         self.owners: list[weakref.ref | None] = []
         self.used: list[int] = []  # step count of each slot's last use (least recently used is evicted)
         self.steps = 0
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
 
     @torch.no_grad()
@@ -67,27 +78,36 @@ class Runner:
         rows = bucket(count) if self.use_graph else count
         pad = rows - count  # padding rows: token 0 at position 0 of the scratch slot
         host = torch.tensor([[*tokens, *[0] * pad], [s.length for s in states] + [0] * pad, slots + [self.slots] * pad])
-        if self.use_graph:
-            graph, out = self._graph(rows)  # captured at first use, on the scratch slot's inputs
-            self.inputs[:, :rows].copy_(host)  # one small pageable copy: done before the host writes the next step's
-            graph.replay()
-            logits = out[:count].clone()
-        else:
-            self.inputs[:, :rows].copy_(host)
-            logits = self._forward(rows)[:count]
+        logits = self._run("decode", rows, host, self.inputs[:, :rows])[:count]
         for state in states:
-            for cache in state.kv.values():
-                cache.length += 1
-            state.length += 1
+            self._advance(state, 1)
+        return logits
+
+    @torch.no_grad()
+    def prefill(self, state: SequenceState, tokens: Sequence[int]) -> torch.Tensor:
+        """Feed a few tokens (at most PREFILL_BUCKETS[-1]) to `state` on its slot, padded to their
+        bucket; the logits [V] fp32 after the last one. The state keeps its slot (its next decode
+        step copies nothing)."""
+        count = len(tokens)
+        rows = prefill_bucket(count)
+        if rows is None:
+            raise ValueError(f"{count} tokens exceed the largest prefill bucket ({PREFILL_BUCKETS[-1]})")
+        self._reserve(1, state.length + rows)  # padding rows are written too: room for the whole bucket
+        slot = self._assign([state])[0]
+        host = torch.tensor([slot, state.length, count, *tokens, *[0] * (rows - count)])
+        logits = self._run("prefill", rows, host, self.prefill_inputs[: 3 + rows])[0]
+        self._advance(state, count)
         return logits
 
     def warmup(self, max_batch: int) -> None:
-        """Slots for `max_batch` sequences and the graphs of every batch bucket up to it, now
-        (each capture is a few forwards) rather than at first use."""
-        self._reserve(max_batch, 1)
+        """Slots for `max_batch` sequences and the graphs of every batch bucket up to it and of
+        every prefill bucket, now (each capture is a few forwards) rather than at first use."""
+        self._reserve(max_batch, PREFILL_BUCKETS[-1])
         if self.use_graph:
             for rows in sorted({bucket(n) for n in range(1, max_batch + 1)}):
-                self._graph(rows)
+                self._graph("decode", rows)
+            for rows in PREFILL_BUCKETS:
+                self._graph("prefill", rows)
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` lives in the slot buffers (its memory is reused by the next sequence
@@ -105,31 +125,56 @@ class Runner:
 
     # -- the step
 
-    def _forward(self, rows: int) -> torch.Tensor:
-        """The model's forward over the first `rows` rows of the static inputs."""
-        assert self.buffers is not None
-        ids, pos, index = self.inputs[:, :rows]
-        hidden, _ = self.model(ids, SlotBatch(self.buffers, index, pos), self.kernels)
-        return self.model.logits(hidden)
+    def _run(self, kind: str, rows: int, host: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        """Copy a step's host inputs into the static inputs and run it: a graph replay (captured at
+        first use) or the eager forward. The logits are the caller's to keep."""
+        if not self.use_graph:
+            inputs.copy_(host.view_as(inputs))
+            return self._forward(kind, rows)
+        graph, out = self._graph(kind, rows)
+        inputs.copy_(host.view_as(inputs))  # one small pageable copy: done before the host writes the next step's
+        graph.replay()
+        return out.clone()
 
-    def _graph(self, rows: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        if rows not in self.graphs:
+    def _forward(self, kind: str, rows: int) -> torch.Tensor:
+        """The model's forward over the static inputs of a `rows`-row step: a decode step's logits
+        [rows, V], or a prefill's at its last real token [1, V]."""
+        assert self.buffers is not None
+        if kind == "decode":
+            ids, pos, index = self.inputs[:, :rows]
+            hidden, _ = self.model(ids, SlotBatch(self.buffers, index, pos), self.kernels)
+            return self.model.logits(hidden)
+        meta, ids = self.prefill_inputs[:3], self.prefill_inputs[3 : 3 + rows]
+        hidden, _ = self.model(ids, SlotPrefill(self.buffers, meta, self.arange[:rows]), self.kernels)
+        return self.model.logits(hidden.index_select(0, meta[2:3] - 1))
+
+    def _graph(self, kind: str, rows: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        if (kind, rows) not in self.graphs:  # captured on the scratch slot
             self.inputs[:2, :rows] = 0
-            self.inputs[2, :rows] = self.slots  # captured on the scratch slot
+            self.inputs[2, :rows] = self.slots
+            self.prefill_inputs.zero_()
+            self.prefill_inputs[0], self.prefill_inputs[2] = self.slots, rows
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # warm-up: Triton compiles and autotunes outside the capture
                 for _ in range(2):
-                    self._forward(rows)
+                    self._forward(kind, rows)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             # thread_local: a capture while serving (the slots grew) must not be invalidated by the
             # store thread's event waits and pinned allocations, which touch no captured memory
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                logits = self._forward(rows)
+                logits = self._forward(kind, rows)
             self.pool = graph.pool()
-            self.graphs[rows] = (graph, logits)
-        return self.graphs[rows]
+            self.graphs[kind, rows] = (graph, logits)
+        return self.graphs[kind, rows]
+
+    @staticmethod
+    def _advance(state: SequenceState, count: int) -> None:
+        """Commit `count` tokens the slot step wrote (a replayed graph runs no Python)."""
+        for cache in state.kv.values():
+            cache.length += count
+        state.length += count
 
     # -- slots
 
@@ -159,6 +204,8 @@ class Runner:
         self.owners, self.used = [None] * slots, [0] * slots
         self.slots, self.capacity = slots, capacity
         self.inputs = torch.zeros(3, bucket(slots), dtype=torch.long, device=dev)  # token ids, positions, slots per row
+        self.prefill_inputs = torch.zeros(3 + PREFILL_BUCKETS[-1], dtype=torch.long, device=dev)  # slot, start, count, ids
+        self.arange = torch.arange(PREFILL_BUCKETS[-1], device=dev)
         self.graphs, self.pool = {}, None
 
     def _owner(self, slot: int) -> SequenceState | None:

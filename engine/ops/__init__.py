@@ -17,6 +17,7 @@ class Kernels:
     name: str
     causal_attention: Callable = attention.causal_attention
     decode_attention: Callable = attention.decode_attention  # one query per slot of stacked caches
+    slot_prefill_attention: Callable = attention.slot_prefill_attention  # a few queries of one slot
     causal_conv: Callable = conv.causal_conv
     chunk_gated_delta_rule: Callable = deltanet.chunk_gated_delta_rule
     decode_conv: Callable = conv.decode_conv  # one token of each of B sequences

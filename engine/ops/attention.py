@@ -46,3 +46,21 @@ def decode_attention(
     visible = torch.arange(keys.shape[1], device=q.device)[None, :] < lengths[:, None]  # [B, capacity]
     out = F.scaled_dot_product_attention(q[:, :, None], kh, vh, attn_mask=visible[:, None, None, :])  # [B, Hq, 1, D]
     return out[:, :, 0]
+
+
+def slot_prefill_attention(
+    q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, slot: torch.Tensor, start: torch.Tensor
+) -> torch.Tensor:
+    """Queries of a few new tokens of the sequence in slot `slot` ([1], on the device), at positions
+    start, start+1, ... ([1] on the device), whose keys and values are already in the slot:
+    q [T, Hq, D]; k_slots, v_slots [S, capacity, Hkv, D]. Query i sees positions [0, start + i].
+    Returns [T, Hq, D]. Shapes never depend on start (a masked read of the whole capacity)."""
+    num_q, num_heads, _ = q.shape
+    keys, values = k_slots[slot][0], v_slots[slot][0]  # [capacity, Hkv, D]
+    group = num_heads // keys.shape[1]
+    kh = keys.transpose(0, 1).repeat_interleave(group, dim=0)[None]  # [1, Hq, capacity, D]
+    vh = values.transpose(0, 1).repeat_interleave(group, dim=0)[None]
+    q_pos = start + torch.arange(num_q, device=q.device)
+    visible = torch.arange(keys.shape[0], device=q.device)[None, :] <= q_pos[:, None]  # [T, capacity]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kh, vh, attn_mask=visible)
+    return out[0].transpose(0, 1)

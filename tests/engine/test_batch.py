@@ -150,3 +150,48 @@ def test_a_snapshot_survives_its_slot_going_to_another_sequence(preset_dirs):
     tiny.prefill(other, list(range(500, 560)))
     tiny.decode(other, 9)  # takes the slot, overwriting its rows
     assert all(torch.equal(delta.tensors[name], t) for name, t in before.items())
+
+
+@settings(SETTINGS, max_examples=6)
+@given(seqs=sequences(), budget=st.integers(1, 96))
+def test_short_prefills_on_slots_give_each_sequence_its_solo_logits(preset_dirs, tiny, seqs, budget):
+    """The batched steps again, with every short last chunk of a prefill run on its sequence's
+    slot, padded to a token bucket (the path a GPU replays as a graph), against solo runs of the
+    span forward: padding changes no state, and captures at a prefill's end are the same."""
+    slotted = Engine.load(preset_dirs["tiny"], dtype=torch.float32)
+    slotted.slot_prefill = True
+    together = batched(slotted, seqs, budget)
+    for seq, got in zip(seqs, together, strict=True):
+        want = solo(tiny, seq)
+        for a, b in zip(got, want, strict=True):
+            assert (a - b).abs().max().item() <= TOL
+
+
+@settings(SETTINGS, max_examples=8)
+@given(data=st.data())
+def test_a_slot_prefill_after_a_restore_equals_the_span_forward(preset_dirs, data):
+    """A suffix after a restored prefix (the anchor policy's tool result), with a capture at its
+    end, on the slot path and on the span path: the same logits, the same snapshot (KV and states),
+    and the same next decode steps; the suffix crosses the slot capacity (the buffers grow)."""
+    engines = [Engine.load(preset_dirs["tiny"], dtype=torch.float32) for _ in range(2)]
+    engines[1].slot_prefill = True
+    rng = data.draw(st.randoms(use_true_random=False))
+    prefix = [rng.randrange(248_000) for _ in range(data.draw(st.integers(1, 300)))]
+    suffix = [rng.randrange(248_000) for _ in range(data.draw(st.integers(1, 512)))]
+    capture = data.draw(st.booleans())
+    outs = []
+    for engine in engines:
+        base = engine.prefill(engine.new_state(), prefix, capture_at=[len(prefix)]).snapshots
+        state = engine.restore(base)
+        end = len(prefix) + len(suffix)
+        result = engine.prefill(state, suffix, capture_at=[end] if capture else [])
+        steps = [engine.decode(state, t) for t in (3, 4)]
+        outs.append((result, steps, state.length))
+    (a, steps_a, len_a), (b, steps_b, len_b) = outs
+    assert len_a == len_b == len(prefix) + len(suffix) + 2
+    assert (a.logits - b.logits).abs().max().item() <= TOL
+    assert all((x - y).abs().max().item() <= TOL for x, y in zip(steps_a, steps_b, strict=True))
+    assert [(s.start, s.end) for s in a.snapshots] == [(s.start, s.end) for s in b.snapshots]
+    for sa, sb in zip(a.snapshots, b.snapshots, strict=True):
+        assert sa.tensors.keys() == sb.tensors.keys()
+        assert all((sa.tensors[k] - sb.tensors[k]).abs().max().item() <= TOL for k in sa.tensors)

@@ -35,6 +35,7 @@ KERNELS = GpuKernels(
     name="gpu" if deltanet is not reference_deltanet else "gpu-no-fla",
     causal_attention=attention.causal_attention,
     decode_attention=attention.decode_attention,
+    slot_prefill_attention=attention.slot_prefill_attention,
     causal_conv=conv.causal_conv,
     chunk_gated_delta_rule=deltanet.chunk_gated_delta_rule,
     decode_gated_delta_rule=deltanet.decode_gated_delta_rule,

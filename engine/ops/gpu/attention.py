@@ -10,6 +10,8 @@ import triton
 import triton.language as tl
 from torch.nn.attention.bias import causal_lower_right
 
+from engine.ops.gpu.checked import Checked
+
 DECODE_SPLITS = 64
 
 
@@ -103,3 +105,36 @@ def decode_attention(
     w = torch.exp(pm - top)  # empty splits: exp(-inf) = 0
     out = (po * w[..., None]).sum(2) / (pl * w).sum(2)[..., None]  # [B, Hkv, GPAD, D]
     return out[:, :, :group].reshape(batch, num_heads, dim).to(q.dtype)
+
+
+def _slot_prefill_rows(q, k_slots, v_slots, slot, start):
+    """Every query as a decode row of the split-K kernel on the same slot, query i over the first
+    start + i + 1 positions: exact, but each query reads the keys again (fine for a few tokens)."""
+    num_q = q.shape[0]
+    lengths = start + torch.arange(1, num_q + 1, device=q.device)
+    return decode_attention(q, k_slots, v_slots, slot.repeat(num_q), lengths)  # the kernel reads a dense index
+
+
+def _slot_prefill_flash(q, k_slots, v_slots, slot, start):
+    """Flash attention's variable-length path over the slots as one flat run of keys: the key
+    offsets (on the device) pick the slot's first start + T rows, and the causal mask is aligned to
+    the last of them, so query i sees positions [0, start + i]; the capacity bounds the length."""
+    num_q, capacity = q.shape[0], k_slots.shape[1]
+    first = slot * capacity
+    cu_k = torch.cat([first, first + start + num_q]).to(torch.int32)
+    cu_q = torch.arange(0, 2 * num_q, num_q, device=q.device, dtype=torch.int32)
+    out = torch.ops.aten._flash_attention_forward(
+        q.contiguous(), k_slots.flatten(0, 1), v_slots.flatten(0, 1), cu_q, cu_k, num_q, capacity, 0.0, True, False,
+        scale=q.shape[-1] ** -0.5,
+    )
+    return out[0]
+
+
+def slot_prefill_attention(q, k_slots, v_slots, slot, start):
+    """`engine.ops.attention.slot_prefill_attention` on the GPU, inside a CUDA graph."""
+    if q.dtype == torch.float32:  # flash has no fp32: the exactness mode reads rows with IEEE dots
+        return _slot_prefill_rows(q, k_slots, v_slots, slot, start)
+    return _checked_flash(q, k_slots, v_slots, slot, start)
+
+
+_checked_flash = Checked("slot_prefill_attention", _slot_prefill_flash, _slot_prefill_rows)

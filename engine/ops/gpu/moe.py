@@ -14,6 +14,7 @@ from engine.ops.moe import experts_loop
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 DECODE_ROWS = 32  # token x expert assignments up to which the Triton GEMV kernels run
+GRAPH_TOKENS = 512  # fp32: up to a captured prefill's tokens (engine.runner.PREFILL_BUCKETS) the Triton kernels too
 
 
 def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,8 +33,8 @@ def experts_grouped(
     """x: [T, H]; weights, ids: [T, k]; gate_up: [E, 2I, H]; down: [E, H, I]. Returns [T, H]."""
     if ids.numel() <= DECODE_ROWS:
         return experts_decode(x, weights, ids, gate_up, down)
-    if x.dtype != torch.bfloat16:
-        return experts_loop(x, weights, ids, gate_up, down)
+    if x.dtype != torch.bfloat16:  # fp32, the exactness mode: the loop syncs with the host, no graph holds it
+        return (experts_decode if x.shape[0] <= GRAPH_TOKENS else experts_loop)(x, weights, ids, gate_up, down)
     num_tokens, top_k = ids.shape
     order, offs = group_by_expert(ids, gate_up.shape[0])
     xs = x[order // top_k]  # [T*k, H], rows grouped by expert
