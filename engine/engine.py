@@ -184,19 +184,21 @@ class Engine:
                 self._finish(feed, self.model.logits(torch.cat(feed.hidden)))
 
     def _fits_slot(self, feed: Feed, count: int) -> bool:
-        """Whether the feed's last `count` tokens can run as one captured slot prefill: few enough,
-        only the last position's logits wanted, and a capture (if any) only at the end."""
-        end = feed.start + len(feed.token_ids)
-        return (self.slot_prefill and count == feed.remaining and count <= PREFILL_BUCKETS[-1]
-                and not feed.all_logits and all(p == end for p in feed.capture_at if p > end - count))
+        """Whether the feed's last `count` tokens can run as captured slot prefills: few enough and
+        only the last position's logits wanted."""
+        return self.slot_prefill and count == feed.remaining and count <= PREFILL_BUCKETS[-1] and not feed.all_logits
 
     def _slot_prefill(self, feed: Feed, count: int) -> None:
+        """The feed's last `count` tokens on its slot: one graph replay per piece between the
+        positions that need DeltaNet states (a KV-only capture is read from the slot afterwards)."""
+        base = feed.start + feed.done
+        cuts = [p for p in feed.capture_at if p > base and (feed.state_at is None or p in feed.state_at)]
         with self._phase("prefill", count):
-            logits = self.runner.prefill(feed.state, feed.next_ids(count))
-        end = feed.start + len(feed.token_ids)
-        if end in feed.capture_at and (feed.state_at is None or end in feed.state_at):
-            feed.captured[end] = self._to_host(self._states(feed.state))
-        feed.done += count
+            for end in sorted({*cuts, base + count}):
+                logits = self.runner.prefill(feed.state, feed.token_ids[feed.done : end - feed.start])
+                feed.done = end - feed.start
+                if end in cuts:
+                    feed.captured[end] = self._to_host(self._states(feed.state))
         self._finish(feed, logits)
 
     def _states(self, state: SequenceState) -> dict[str, torch.Tensor]:

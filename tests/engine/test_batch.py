@@ -170,21 +170,23 @@ def test_short_prefills_on_slots_give_each_sequence_its_solo_logits(preset_dirs,
 @settings(SETTINGS, max_examples=8)
 @given(data=st.data())
 def test_a_slot_prefill_after_a_restore_equals_the_span_forward(preset_dirs, data):
-    """A suffix after a restored prefix (the anchor policy's tool result), with a capture at its
-    end, on the slot path and on the span path: the same logits, the same snapshot (KV and states),
-    and the same next decode steps; the suffix crosses the slot capacity (the buffers grow)."""
+    """A suffix after a restored prefix (the anchor policy's tool result), with captures at segment
+    ends inside it (some with DeltaNet states, some KV only), on the slot path (a replay per piece
+    between state captures) and on the span path: the same logits, the same snapshots (KV and
+    states), and the same next decode steps; the suffix crosses the slot capacity (buffers grow)."""
     engines = [Engine.load(preset_dirs["tiny"], dtype=torch.float32) for _ in range(2)]
     engines[1].slot_prefill = True
     rng = data.draw(st.randoms(use_true_random=False))
     prefix = [rng.randrange(248_000) for _ in range(data.draw(st.integers(1, 300)))]
     suffix = [rng.randrange(248_000) for _ in range(data.draw(st.integers(1, 512)))]
-    capture = data.draw(st.booleans())
+    end = len(prefix) + len(suffix)
+    captures = data.draw(st.lists(st.integers(len(prefix) + 1, end), max_size=4, unique=True))
+    state_at = {p for p in captures if data.draw(st.booleans())}
     outs = []
     for engine in engines:
         base = engine.prefill(engine.new_state(), prefix, capture_at=[len(prefix)]).snapshots
         state = engine.restore(base)
-        end = len(prefix) + len(suffix)
-        result = engine.prefill(state, suffix, capture_at=[end] if capture else [])
+        result = engine.prefill(state, suffix, capture_at=captures, state_at=state_at)
         steps = [engine.decode(state, t) for t in (3, 4)]
         outs.append((result, steps, state.length))
     (a, steps_a, len_a), (b, steps_b, len_b) = outs
