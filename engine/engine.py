@@ -32,7 +32,8 @@ class Engine:
     def __init__(self, model: HybridForCausalLM, fingerprint: str, model_dir: Path | None = None,
                  offload: expert_offload.ExpertOffload | None = None):
         """`offload`: the routed experts' host copies and device slots (`offload.install`); a
-        decode step then fetches experts between layers, so it runs without a CUDA graph."""
+        decode step then fetches experts between layers, so it runs eagerly, without a CUDA graph,
+        and the decode slots make room for their growth in the expert cache."""
         self.model = model
         self.offload = offload
         self.config: ModelConfig = model.config
@@ -47,6 +48,7 @@ class Engine:
             model, self.kernels,
             use_graph=self.device.type == "cuda" and offload is None and os.environ.get("FT_CUDA_GRAPHS", "1") != "0",
             before_overwrite=self.runtime.wait_copies if self.runtime is not None else None,
+            before_allocate=self._make_room if offload is not None else None,
         )
         self.slot_prefill = self.runner.use_graph  # short prefills on the sequence's slot (a graph per bucket)
 
@@ -74,8 +76,11 @@ class Engine:
         dtype = model.lm_head.weight.dtype
         plan = expert_offload.plan(
             model.config, expert_offload.dense_bytes(model), int(gpu_memory_gib * expert_offload.GiB), dtype,
-            sequences=bucket(max_running), capacity=initial_capacity(device), tokens=chunk_tokens(device))
+            sequences=bucket(max_running), capacity=initial_capacity(device), tokens=chunk_tokens(device),
+            expert_bytes=expert_offload.expert_bytes(model))
         offload = expert_offload.install(model, device, plan)
+        if device.type == "cuda":
+            offload.calibrate()
         return cls(place(model, device), fp, model_dir, offload)
 
     @classmethod
@@ -103,6 +108,10 @@ class Engine:
         if self.offload is not None:  # the routed experts: slots on the device, all of them on the host
             memory.update(expert_cache=self.offload.nbytes, experts_host=self.offload.host_bytes)
         return memory
+
+    def _make_room(self, slots: int, capacity: int) -> None:
+        assert self.offload is not None
+        self.offload.make_room(expert_offload.state_bytes(self.config, self.dtype, slots, capacity))
 
     def offload_stats(self) -> dict[str, int] | None:
         """The expert cache's counters (`OffloadStats.as_dict`), None without offload."""

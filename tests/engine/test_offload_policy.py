@@ -1,0 +1,179 @@
+"""What a forward does with the host link under offload, on the CPU (the split simulated): the next
+layer's experts prefetched in long chunks, misses computed on the host in short ones, the expert
+cache shrinking as the decode slots grow, and experts stored as any tuple of per-expert parts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import Engine, SamplingParams
+from engine.expert_cache import ExpertCache, Lane
+from engine.offload import GiB, Link, OffloadStats, Policy, dense_bytes, plan, state_bytes
+from engine.ops.moe import experts_loop
+from engine.presets import preset_config
+from engine.config import ModelConfig
+
+TOL = 1e-5
+
+
+def budget_gib(engine: Engine, slots: int, max_running: int) -> float:
+    p = plan(engine.config, dense_bytes(engine.model), 1 << 50, engine.dtype, max_running, capacity=256, tokens=4096)
+    return (p.budget_for(slots) + p.expert_bytes // 2) / GiB
+
+
+def _load(preset_dirs, tiny, slots: int, max_running: int = 4) -> Engine:
+    engine = Engine.load(preset_dirs["tiny"], gpu_memory_gib=budget_gib(tiny, slots, max_running), max_running=max_running)
+    assert engine.offload is not None and engine.offload.plan.slots == slots
+    return engine
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 5000) for _ in range(n)]
+
+
+def _trace(engine: Engine) -> list[tuple[str, int]]:
+    """Log each layer's expert run and prefetch, in order."""
+    log: list[tuple[str, int]] = []
+    assert engine.offload is not None
+    for layer, cache in engine.offload.caches.items():
+        run, prefetch = cache.run, cache.prefetch
+        cache.run = lambda *a, _run=run, _l=layer: (log.append(("run", _l)), _run(*a))[1]
+        cache.prefetch = lambda n, _p=prefetch, _l=layer: (log.append(("prefetch", _l)), _p(n))[1]
+    return log
+
+
+def test_coverage_tokens():
+    c = ModelConfig.from_dict(preset_config("qwen3.6-35b-a3b"))
+    assert Policy.coverage_tokens(c) == 73  # 1 - (1 - 8/256)^73 >= 0.9 > 1 - (1 - 8/256)^72
+    tiny = ModelConfig.from_dict(preset_config("tiny"))
+    assert Policy.coverage_tokens(tiny) == 9
+
+
+def test_policy_from_the_link():
+    c = ModelConfig.from_dict(preset_config("qwen3.6-35b-a3b"))
+    expert = 6 << 20
+    fast = Policy.measured(c, Link(h2d_bytes_per_s=50e9, host_expert_s=1e-3, host_row_s=1e-4), expert)
+    assert fast.cpu_rows == 0  # the copy (0.13 ms) beats even one row on the host
+    slow = Policy.measured(c, Link(h2d_bytes_per_s=2e9, host_expert_s=1e-3, host_row_s=1e-4), expert)
+    assert slow.cpu_rows == 1 + int((expert / 2e9 - 1e-3) / 1e-4)  # 3.1 ms of copy: 22 rows on the host
+    assert slow.stream_tokens == fast.stream_tokens == 73
+
+
+def test_long_chunks_prefetch_the_next_layer_before_its_routing(preset_dirs, tiny):
+    engine = _load(preset_dirs, tiny, slots=4)
+    offload = engine.offload
+    assert offload is not None and offload.policy.stream_tokens == 9
+    log = _trace(engine)
+    state = engine.new_state()
+    engine.prefill(state, _prompt(40, 1))
+    layers = sorted(offload.caches)
+    want = [("prefetch", layers[0])]
+    for layer, following in zip(layers, [*layers[1:], None], strict=True):
+        want += [("run", layer)] + ([("prefetch", following)] if following is not None else [])
+    assert log == want
+    log.clear()
+    engine.prefill(state, _prompt(5, 2))  # below stream_tokens: only routed experts, after routing
+    engine.decode(state, 77)
+    assert log == [("run", layer) for layer in layers] * 2
+
+
+def test_prefetch_and_double_buffered_groups_match_no_offload(preset_dirs, tiny):
+    """Prefill chunks long enough to prefetch, with groups of half the slots, then decode."""
+    engine = _load(preset_dirs, tiny, slots=4)
+    tokens = _prompt(300, 3)
+    out = {}
+    for name, eng in (("plain", tiny), ("offload", engine)):
+        state = eng.new_state()
+        res = eng.prefill(state, tokens, all_logits=True)
+        events = list(eng.generate(state, res.logits[-1], SamplingParams(temperature=0.0, max_tokens=5)))
+        out[name] = (res.logits, [e.token_id for e in events])
+    assert out["offload"][1] == out["plain"][1]
+    assert (out["plain"][0] - out["offload"][0]).abs().max().item() <= TOL
+    stats = engine.offload.stats
+    assert stats.misses > 0 and stats.on_host == 0
+
+
+def test_misses_computed_on_the_host_match_no_offload(preset_dirs, tiny):
+    engine = _load(preset_dirs, tiny, slots=2)
+    offload = engine.offload
+    offload.policy = Policy(stream_tokens=offload.policy.stream_tokens, cpu_rows=3)
+    tokens = _prompt(6, 4)  # a short suffix: below stream_tokens
+    out = {}
+    for name, eng in (("plain", tiny), ("offload", engine)):
+        state = eng.new_state()
+        logits = eng.prefill(state, tokens, all_logits=True).logits
+        out[name] = torch.cat([logits, eng.feed(state, [11, 12, 13, 14])])
+    assert (out["plain"] - out["offload"]).abs().max().item() <= TOL
+    stats = offload.stats.as_dict()
+    assert stats["on_host"] > 0
+    needed = stats["hits"] + stats["misses"] + stats["on_host"]
+    assert needed >= 5 * len(offload.caches) * 2  # each of the 5 forwards: top_k or more per layer
+
+
+def test_host_rows_only_for_misses_with_few_rows():
+    cache = ExpertCache(
+        (torch.randn(8, 16, 8), torch.randn(8, 8, 8)), 4, torch.device("cpu"), OffloadStats(), Lane(torch.device("cpu"))
+    )
+    cache.cpu_rows = 2
+    cache._load([0], busy=[])
+    groups, on_host = cache.prepare([5, 1, 2, 3, 0, 0, 0, 1])
+    assert on_host == [1, 2, 7]  # misses with at most two rows; expert 0 is resident, 3 has three rows
+    assert groups == [[0, 3]]
+
+
+def test_experts_as_any_tuple_of_parts():
+    """Gate, up and down as three parts, assembled into the pair `moe_experts` takes (as quantized
+    stacks' field arrays are assembled into `QuantWeight`s)."""
+    torch.manual_seed(5)
+    gate, up, down = torch.randn(8, 8, 8), torch.randn(8, 8, 8), torch.randn(8, 8, 8)
+    cache = ExpertCache(
+        (gate, up, down),
+        3,
+        torch.device("cpu"),
+        OffloadStats(),
+        Lane(torch.device("cpu")),
+        assemble=lambda p: (torch.cat([p[0], p[1]], dim=1), p[2]),
+    )
+    assert cache.expert_bytes == 3 * 8 * 8 * 4
+    cache.cpu_rows = 1
+    x, weights = torch.randn(30, 8), torch.rand(30, 2)
+    ids = torch.stack([torch.randperm(7)[:2] for _ in range(30)])
+    ids[0, 0] = 7  # expert 7 on one row only: on the host
+    want = experts_loop(x, weights, ids, torch.cat([gate, up], dim=1), down)
+    torch.testing.assert_close(cache.run(x, weights, ids, experts_loop), want, rtol=1e-5, atol=1e-5)
+    assert cache.stats.on_host == 1
+
+
+def test_decode_slots_growing_shrink_the_expert_cache(preset_dirs, tiny):
+    """One running sequence past the slots' first capacity: the expert slots shrink first, the
+    plan's total stays within the budget and the logits stay those without offload."""
+    engine = _load(preset_dirs, tiny, slots=7, max_running=1)
+    offload = engine.offload
+    budget = offload.plan.budget
+    tokens = _prompt(250, 6)
+    out = {}
+    for name, eng in (("plain", tiny), ("offload", engine)):
+        state = eng.new_state()
+        eng.prefill(state, tokens)
+        out[name] = eng.feed(state, list(range(300, 320)))  # past 256 tokens: capacity 256 -> 512
+    assert engine.runner.capacity == 512
+    p = offload.plan
+    assert p.states == state_bytes(engine.config, engine.dtype, engine.runner.slots, 512) == engine.runner.nbytes
+    grown = p.states - state_bytes(engine.config, engine.dtype, 1, 256)
+    assert p.slots == 7 - -(-grown // (p.expert_bytes * p.layers))  # the fewest slots given up
+    assert p.budget_for(p.slots) <= budget and offload.nbytes == p.slots * p.expert_bytes * p.layers
+    assert (out["plain"] - out["offload"]).abs().max().item() <= TOL
+
+
+def test_growth_beyond_the_budget_is_a_clear_error(preset_dirs, tiny):
+    from engine.offload import BudgetError
+
+    engine = _load(preset_dirs, tiny, slots=2, max_running=1)
+    state = engine.new_state()
+    engine.prefill(state, _prompt(250, 7))
+    with pytest.raises(BudgetError, match="fewer than top_k = 2"):
+        engine.feed(state, list(range(10)))
