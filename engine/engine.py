@@ -92,11 +92,11 @@ class Engine:
         if os.environ.get("FT_MATERIALISE") == "1":
             build_on = device if gpu_memory_gib is None else "cpu"
             config, _, state_dict = presets.materialise(name, build_on, dtype)
-            model = build_model(config, state_dict)
+            model, fp = build_model(config, state_dict), fingerprint(config, state_dict)
+            del state_dict  # the model holds the tensors: an offload frees each layer's stacks once pinned
             if gpu_memory_gib is not None:
-                return cls.offloaded(model, fingerprint(config, state_dict), torch.device(device), gpu_memory_gib,
-                                     max_running)
-            return cls(model, fingerprint(config, state_dict))
+                return cls.offloaded(model, fp, torch.device(device), gpu_memory_gib, max_running)
+            return cls(model, fp)
         return cls.load(ensure_preset(name), device, dtype, gpu_memory_gib, max_running)
 
     def memory(self) -> dict[str, int]:

@@ -158,7 +158,7 @@ class ExpertCache:
         ordered = [e for g in [*groups, on_host] for e in g]
         rank = torch.empty(self.num_experts, dtype=torch.long)
         rank[ordered] = torch.arange(len(ordered))
-        order = torch.argsort(rank.to(ids.device)[ids.flatten()], stable=True)  # [T*k]
+        order = torch.argsort(rank.to(ids.device, non_blocking=True)[ids.flatten()], stable=True)  # [T*k]
         bounds, lo = [], 0
         for group in [*groups, on_host]:
             bounds.append((lo, lo + sum(counts[e] for e in group)))

@@ -10,22 +10,32 @@ import pytest
 import torch
 
 from engine import Engine, SamplingParams
+from engine.config import ModelConfig
 from engine.expert_cache import ExpertCache, Lane
 from engine.offload import GiB, Link, OffloadStats, Policy, dense_bytes, plan, state_bytes
 from engine.ops.moe import experts_loop
 from engine.presets import preset_config
-from engine.config import ModelConfig
 
 TOL = 1e-5
 
 
 def budget_gib(engine: Engine, slots: int, max_running: int) -> float:
-    p = plan(engine.config, dense_bytes(engine.model), 1 << 50, engine.dtype, max_running, capacity=256, tokens=4096)
+    p = plan(
+        engine.config,
+        dense_bytes(engine.model),
+        1 << 50,
+        engine.dtype,
+        max_running,
+        capacity=256,
+        tokens=4096,
+    )
     return (p.budget_for(slots) + p.expert_bytes // 2) / GiB
 
 
 def _load(preset_dirs, tiny, slots: int, max_running: int = 4) -> Engine:
-    engine = Engine.load(preset_dirs["tiny"], gpu_memory_gib=budget_gib(tiny, slots, max_running), max_running=max_running)
+    engine = Engine.load(
+        preset_dirs["tiny"], gpu_memory_gib=budget_gib(tiny, slots, max_running), max_running=max_running
+    )
     assert engine.offload is not None and engine.offload.plan.slots == slots
     return engine
 
@@ -116,7 +126,11 @@ def test_misses_computed_on_the_host_match_no_offload(preset_dirs, tiny):
 
 def test_host_rows_only_for_misses_with_few_rows():
     cache = ExpertCache(
-        (torch.randn(8, 16, 8), torch.randn(8, 8, 8)), 4, torch.device("cpu"), OffloadStats(), Lane(torch.device("cpu"))
+        (torch.randn(8, 16, 8), torch.randn(8, 8, 8)),
+        4,
+        torch.device("cpu"),
+        OffloadStats(),
+        Lane(torch.device("cpu")),
     )
     cache.cpu_rows = 2
     cache._load([0], busy=[])
@@ -162,7 +176,9 @@ def test_decode_slots_growing_shrink_the_expert_cache(preset_dirs, tiny):
         out[name] = eng.feed(state, list(range(300, 320)))  # past 256 tokens: capacity 256 -> 512
     assert engine.runner.capacity == 512
     p = offload.plan
-    assert p.states == state_bytes(engine.config, engine.dtype, engine.runner.slots, 512) == engine.runner.nbytes
+    assert (
+        p.states == state_bytes(engine.config, engine.dtype, engine.runner.slots, 512) == engine.runner.nbytes
+    )
     grown = p.states - state_bytes(engine.config, engine.dtype, 1, 256)
     assert p.slots == 7 - -(-grown // (p.expert_bytes * p.layers))  # the fewest slots given up
     assert p.budget_for(p.slots) <= budget and offload.nbytes == p.slots * p.expert_bytes * p.layers
@@ -177,3 +193,42 @@ def test_growth_beyond_the_budget_is_a_clear_error(preset_dirs, tiny):
     engine.prefill(state, _prompt(250, 7))
     with pytest.raises(BudgetError, match="fewer than top_k = 2"):
         engine.feed(state, list(range(10)))
+
+
+class DeferredLane(Lane):
+    """A copy stream simulated on the CPU: copies land only when the compute side waits for their
+    event (in issue order, as on one stream), so a compute that reads a slot without waiting for
+    its copy reads the slot's previous expert."""
+
+    def __init__(self):
+        super().__init__(torch.device("cpu"))
+        self.queue: list[tuple[object, list]] = []
+
+    def copy(self, pairs, after):
+        event = object()
+        self.queue.append((event, [(dst, src.clone()) for dst, src in pairs]))
+        return event
+
+    def wait(self, events):
+        wanted = {id(e) for e in events if e is not None}
+        while wanted and self.queue:
+            event, pairs = self.queue.pop(0)
+            for dst, src in pairs:
+                dst.copy_(src)
+            wanted.discard(id(event))
+
+
+def test_every_compute_waits_for_the_copies_into_its_slots(preset_dirs, tiny):
+    engine = _load(preset_dirs, tiny, slots=4)
+    lane = DeferredLane()
+    for cache in engine.offload.caches.values():
+        cache.lane = lane
+    tokens = _prompt(120, 8)
+    out = {}
+    for name, eng in (("plain", tiny), ("offload", engine)):
+        state = eng.new_state()
+        logits = eng.prefill(state, tokens, all_logits=True).logits  # prefetch + double-buffered groups
+        out[name] = torch.cat(
+            [logits, eng.prefill(state, tokens[:5], all_logits=True).logits, eng.feed(state, [21, 22, 23])]
+        )
+    assert (out["plain"] - out["offload"]).abs().max().item() <= TOL
