@@ -124,12 +124,16 @@ def replay(engine, args, budget: float) -> dict:
 def run_budget(args) -> dict:
     """One budget in this process (the child)."""
     from engine import Engine  # noqa: PLC0415
+    from engine.offload import BudgetError  # noqa: PLC0415
 
     budget = float(args.budgets)
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
-    engine = Engine.from_preset(args.preset, device=args.device, gpu_memory_gib=budget, max_running=1)
+    try:
+        engine = Engine.from_preset(args.preset, device=args.device, gpu_memory_gib=budget, max_running=1)
+    except BudgetError as exc:  # a row saying why (e.g. bf16 experts at 8 GiB: try FT_PREFILL_CHUNK=4096)
+        return {"budget_gib": budget, "error": str(exc)}
     load_s = time.perf_counter() - started
     engine.warmup(max_batch=1)
     offload = engine.offload
@@ -241,6 +245,9 @@ def tables(results: list[dict], llama: dict | None, console: Console) -> None:
     ):
         t.add_column(col, justify="right")
     for r in results:
+        if "error" in r:
+            console.print(f"[bold]{r['budget_gib']:g} GiB[/]: {r['error']}")
+            continue
         link = r["link"]["h2d_bytes_per_s"] / 1e9 if r.get("link") else None
         t.add_row(
             f"{r['budget_gib']:g}",
