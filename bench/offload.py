@@ -160,11 +160,13 @@ def run_budget(args) -> dict:
         out["prefill_s_pcie4"] = project(out["prefill_s"], out["prefill_bytes"], link_bw, args.pcie)
         per_token = out["decode_s"] / max(out["decode_steps"], 1)
         out["decode_tok_s_pcie4"] = 1 / project(per_token, out["decode_bytes_per_token"], link_bw, args.pcie)
-    if args.traces:
-        out["replay"] = replay(engine, args, budget)
-    if args.device == "cuda":
+    if args.device == "cuda":  # the plan covers the decode slots, not the KV that sequences keep on their own
         out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
         out["within_budget"] = out["peak_reserved_bytes"] <= budget * (1 << 30)
+    if args.traces:
+        out["replay"] = replay(engine, args, budget)
+        if args.device == "cuda":  # live sequences and restored states included
+            out["peak_reserved_replay_bytes"] = torch.cuda.max_memory_reserved()
     return out
 
 
@@ -242,6 +244,7 @@ def tables(results: list[dict], llama: dict | None, console: Console) -> None:
         "host experts",
         "link GB/s",
         "peak GiB",
+        "peak replay",
     ):
         t.add_column(col, justify="right")
     for r in results:
@@ -263,6 +266,7 @@ def tables(results: list[dict], llama: dict | None, console: Console) -> None:
             str(r["decode_on_host"]),
             "-" if link is None else f"{link:.1f}",
             gib(r.get("peak_reserved_bytes")),
+            gib(r.get("peak_reserved_replay_bytes")),
         )
     console.print(t)
     if not any("replay" in r for r in results):
