@@ -64,6 +64,7 @@ def test_offloaded_server_answers_as_without(live_server, offloaded):
         _metric(offloaded, "ft_expert_cache_misses_total"),
     )
     assert misses > 0 and hits > 0
+    assert _metric(offloaded, "ft_expert_cache_on_host_total") == 0  # the CPU simulation copies every miss
     expert = engine.offload.plan.expert_bytes
     moved = sum(
         _metric(offloaded, f'ft_expert_cache_bytes_in_total{{phase="{p}"}}') for p in ("prefill", "decode")
