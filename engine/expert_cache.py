@@ -11,9 +11,9 @@ its use), then the misses. When they all fit the slots they are one group and on
 groups of half the slots alternate between two halves, so that the copy of group j+1 (on the copy
 stream) overlaps the compute of group j. Events order each copy after the last compute that read
 its slot and each compute after the copies into its slots; nothing waits on the host except the
-one read of the routing that choosing experts needs. Misses with few rows may instead be computed
-on the host from the host copy (`cpu_rows`), and `prefetch` fills half the slots before the
-routing is known (`ExpertOffload` decides when: engine/offload.py).
+one read of the routing that choosing experts needs. Some misses may instead be computed on the
+host from the host copy while the others are copied (`split`), and `prefetch` fills half the
+slots before the routing is known (`ExpertOffload` decides when: engine/offload.py).
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ class ExpertCache:
             torch.zeros((slots, *p.shape[1:]), dtype=p.dtype, device=device) for p in host
         )  # [S, ...]
         self.expert_bytes = sum(p[0].nbytes for p in host)
-        self.cpu_rows = 0  # misses routed to at most this many rows are computed on the host
+        self.cpu_rows = 0  # misses routed to at most this many rows may be computed on the host
+        self.costs: tuple[float, float, float] | None = None  # see `split`
         self.expert_in = [-1] * slots  # the expert each slot holds
         self.slot_of = [-1] * self.num_experts  # the slot holding each expert
         self.slot_table = torch.full(
@@ -195,7 +196,7 @@ class ExpertCache:
     def prepare(self, counts: list[int]) -> tuple[list[list[int]], list[int]]:
         """From the rows routed to each expert: device groups of the experts needed (resident
         first; all in one group when they fit the slots, else groups of half the slots) and the
-        misses of at most `cpu_rows` rows, computed on the host. Counts hits and host experts;
+        misses computed on the host (`split`). Counts hits and host experts;
         `run` loads each group as it comes."""
         needed = [e for e, n in enumerate(counts) if n]
         self.clock += 1
@@ -203,12 +204,30 @@ class ExpertCache:
             self.uses[expert] += 1
         resident = [e for e in needed if self.slot_of[e] >= 0]
         misses = [e for e in needed if self.slot_of[e] < 0]
-        on_host = [e for e in misses if counts[e] <= self.cpu_rows]
+        on_host = self.split(misses, counts)
         self.stats.hits += len(resident)
         self.stats.on_host += len(on_host)
         ordered = resident + [e for e in misses if e not in on_host]
         size = self.slots if len(ordered) <= self.slots else max(1, self.slots // 2)
         return [ordered[i : i + size] for i in range(0, len(ordered), size)], on_host
+
+    def split(self, misses: list[int], counts: list[int]) -> list[int]:
+        """The misses to compute on the host: those of at most `cpu_rows` rows; with `costs`
+        (copy seconds per expert, host seconds per expert on one row and per further row) only as
+        many, fewest rows first, as keep the host's total within the time of the copies left (the
+        two run at once: the device groups are queued before the host starts)."""
+        candidates = sorted((e for e in misses if counts[e] <= self.cpu_rows), key=lambda e: counts[e])
+        if self.costs is None:
+            return candidates
+        copy_s, first_s, row_s = self.costs
+        on_host, host_s, copies = [], 0.0, len(misses)
+        for expert in candidates:
+            cost = first_s + (counts[expert] - 1) * row_s
+            if host_s + cost > (copies - 1) * copy_s:
+                break
+            on_host.append(expert)
+            host_s, copies = host_s + cost, copies - 1
+        return on_host
 
     def prefetch(self, count: int) -> None:
         """Before this layer's routing is known (a chunk that routes to nearly every expert):

@@ -13,10 +13,11 @@ What a forward does with the link (`Policy`, chosen per forward by its token cou
   does not hold (`ExpertCache.prefetch`): those copies overlap layer L's experts and layer L+1's
   attention. After its routing, layer L+1 runs its experts in groups of half its slots, the copy
   of each group overlapping the compute of the one before (double buffering within the layer).
-- A shorter chunk (decode, a short suffix) fetches only the experts it routes to, after routing;
-  a miss routed to at most `cpu_rows` rows is computed on the host from its host copy instead
-  when that is faster than copying it (`Link`: measured at start on CUDA, the link's bandwidth
-  against the host's time per expert and row; 0 on the CPU, where the split is only simulated).
+- A shorter chunk (decode, a short suffix) fetches only the experts it routes to, after routing,
+  and may compute some of its misses on the host from their host copies meanwhile: as many as
+  balance the host's time against the remaining copies' (`Link`: measured at start on CUDA, the
+  link's bandwidth against the host's time per expert and row; none on the CPU, where the split
+  is only simulated).
 Decode with offload runs eagerly, never in a CUDA graph: which slots an expert sits in changes
 between steps (`ExpertCache.run` refuses to run under capture rather than read stale slots).
 
@@ -184,11 +185,14 @@ class Link:
 @dataclass(frozen=True)
 class Policy:
     """Per forward: chunks of at least `stream_tokens` tokens prefetch the next layer's experts
-    before its routing is known; in shorter ones a miss routed to at most `cpu_rows` rows is
-    computed on the host."""
+    before its routing is known. In shorter ones, misses routed to at most `cpu_rows` rows may be
+    computed on the host: all of them without `costs`, else as many as balance the two sides
+    (`ExpertCache.split`), from `costs` = (seconds to copy an expert, host seconds for an expert
+    on one row, for each further row)."""
 
     stream_tokens: int
     cpu_rows: int = 0
+    costs: tuple[float, float, float] | None = None
 
     @staticmethod
     def coverage_tokens(c: ModelConfig, share: float = 0.9) -> int:
@@ -200,15 +204,10 @@ class Policy:
 
     @classmethod
     def measured(cls, c: ModelConfig, link: Link, expert_bytes: int) -> Policy:
-        """Host compute where it beats the copy: rows n with host_expert_s + (n-1) host_row_s below
-        expert_bytes / h2d_bytes_per_s (myopic: a copied expert may also hit in later steps)."""
-        copy_s = expert_bytes / link.h2d_bytes_per_s
-        rows = (
-            0
-            if link.host_expert_s > copy_s
-            else 1 + int((copy_s - link.host_expert_s) / max(link.host_row_s, 1e-9))
-        )
-        return cls(cls.coverage_tokens(c), min(rows, 1 << 16))
+        """The costs of `link` for experts of `expert_bytes`; any miss may go to the host, the
+        balance decides (myopic: a copied expert may also hit in later steps)."""
+        costs = (expert_bytes / link.h2d_bytes_per_s, link.host_expert_s, link.host_row_s)
+        return cls(cls.coverage_tokens(c), cpu_rows=1 << 16, costs=costs)
 
 
 def measure_link(cache: ExpertCache, repeat: int = 5) -> Link:
@@ -276,7 +275,7 @@ class ExpertOffload:
         stream = tokens >= self.policy.stream_tokens and self.plan.slots < self.config.num_experts
         for cache in self.caches.values():
             cache.prefetch_next = cache.slots // 2 if stream else 0
-            cache.cpu_rows = 0 if stream else self.policy.cpu_rows
+            cache.cpu_rows, cache.costs = (0, None) if stream else (self.policy.cpu_rows, self.policy.costs)
         if stream:
             first = self.caches[min(self.caches)]
             first.prefetch(first.slots // 2)  # overlaps the embedding and the first layer's attention

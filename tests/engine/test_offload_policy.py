@@ -65,12 +65,29 @@ def test_coverage_tokens():
 
 def test_policy_from_the_link():
     c = ModelConfig.from_dict(preset_config("qwen3.6-35b-a3b"))
-    expert = 6 << 20
-    fast = Policy.measured(c, Link(h2d_bytes_per_s=50e9, host_expert_s=1e-3, host_row_s=1e-4), expert)
-    assert fast.cpu_rows == 0  # the copy (0.13 ms) beats even one row on the host
-    slow = Policy.measured(c, Link(h2d_bytes_per_s=2e9, host_expert_s=1e-3, host_row_s=1e-4), expert)
-    assert slow.cpu_rows == 1 + int((expert / 2e9 - 1e-3) / 1e-4)  # 3.1 ms of copy: 22 rows on the host
-    assert slow.stream_tokens == fast.stream_tokens == 73
+    policy = Policy.measured(c, Link(h2d_bytes_per_s=50e9, host_expert_s=1e-3, host_row_s=1e-4), 6 << 20)
+    assert policy.costs == ((6 << 20) / 50e9, 1e-3, 1e-4) and policy.stream_tokens == 73
+
+
+def test_host_and_copies_balanced():
+    """Misses go to the host, fewest rows first, while the host's total stays within the time of
+    the copies left: here copies of 1 s, the host 2 s an expert and 0.5 s a further row."""
+    cache = ExpertCache(
+        (torch.randn(8, 16, 8), torch.randn(8, 8, 8)),
+        4,
+        torch.device("cpu"),
+        OffloadStats(),
+        Lane(torch.device("cpu")),
+    )
+    cache.cpu_rows, cache.costs = 1 << 16, (1.0, 2.0, 0.5)
+    counts = [1, 1, 3, 1, 1, 1, 1, 1]
+    assert cache.split(list(range(8)), counts) == [0, 1]  # 2 <= 7 copies left, 4 <= 6, 6 > 5
+    assert cache.split([2, 5], counts) == []  # 2 s on the host against 1 s of copies
+    cache.costs = (1.0, 0.1, 0.1)
+    assert cache.split(list(range(8)), counts) == [0, 1, 3, 4, 5, 6, 7]  # 0.7 s <= one copy left
+    cache.costs = None
+    no_costs = cache.split([0, 1, 2, 3], [1, 1, 3, 2, 0, 0, 0, 0])
+    assert no_costs == [0, 1, 3, 2]  # every miss of at most cpu_rows rows, fewest first
 
 
 def test_long_chunks_prefetch_the_next_layer_before_its_routing(preset_dirs, tiny):
@@ -135,7 +152,7 @@ def test_host_rows_only_for_misses_with_few_rows():
     cache.cpu_rows = 2
     cache._load([0], busy=[])
     groups, on_host = cache.prepare([5, 1, 2, 3, 0, 0, 0, 1])
-    assert on_host == [1, 2, 7]  # misses with at most two rows; expert 0 is resident, 3 has three rows
+    assert on_host == [1, 7, 2]  # misses with at most two rows, fewest first; 0 is resident, 3 has three rows
     assert groups == [[0, 3]]
 
 
