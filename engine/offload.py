@@ -31,9 +31,9 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -314,16 +314,37 @@ class ExpertOffload:
         self.stats.__dict__.update(fresh.__dict__)
 
 
-def expert_parts(model: HybridForCausalLM, layer: int) -> tuple[torch.Tensor, ...]:
-    """The routed experts of one layer as stacked parts (leading dim: the expert)."""
+def expert_store(model: HybridForCausalLM, layer: int) -> tuple[tuple[torch.Tensor, ...], Callable]:
+    """One layer's routed experts as (stacked parts, leading dim the expert; their `assemble`):
+    the bf16 pair itself, or the parts of quantized stacks (`quantized_store`)."""
     experts = cast("DecoderLayer", model.model.layers[layer]).mlp.experts
     assert experts is not None
-    return experts.gate_up_proj.detach(), experts.down_proj.detach()
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if hasattr(gate_up, "parts"):
+        return quantized_store(gate_up, down)
+    return (gate_up.detach(), down.detach()), tuple
 
 
 def expert_bytes(model: HybridForCausalLM) -> int:
     """Bytes of one routed expert (every part's row)."""
-    return sum(p[0].nbytes for p in expert_parts(model, 0))
+    return sum(p[0].nbytes for p in expert_store(model, 0)[0])
+
+
+def quantized_store(gate_up: Any, down: Any) -> tuple[tuple[torch.Tensor, ...], Callable]:
+    """Quantized stacks (`QuantWeight`s of engine/ops/gpu/quant.py, whose `parts` lead with the
+    expert) as one expert store for `ExpertCache`: every part in one tuple, and the `assemble`
+    that makes them `QuantWeight`s again over any number of experts (the slots, or one expert on
+    the host, where `dequantize` gives the host path its weights)."""
+    split = len(gate_up.parts)
+
+    def assemble(parts: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
+        experts = parts[0].shape[0]
+        return (
+            dataclasses.replace(gate_up, shape=(experts, *gate_up.shape[1:]), parts=tuple(parts[:split])),
+            dataclasses.replace(down, shape=(experts, *down.shape[1:]), parts=tuple(parts[split:])),
+        )
+
+    return (*gate_up.parts, *down.parts), assemble
 
 
 def install(model: HybridForCausalLM, device: torch.device, plan: Plan) -> ExpertOffload:
@@ -333,9 +354,10 @@ def install(model: HybridForCausalLM, device: torch.device, plan: Plan) -> Exper
     stats, lane = OffloadStats(), Lane(device)
     caches = {}
     for layer in cast("list[DecoderLayer]", model.model.layers):
-        parts = expert_parts(model, layer.layer)
+        parts, assemble = expert_store(model, layer.layer)
         if device.type == "cuda":
             parts = tuple(p.pin_memory() for p in parts)
-        layer.mlp.offload = caches[layer.layer] = ExpertCache(parts, plan.slots, device, stats, lane)
+        cache = ExpertCache(parts, plan.slots, device, stats, lane, assemble)
+        layer.mlp.offload = caches[layer.layer] = cache
         layer.mlp.experts = None
     return ExpertOffload(caches, stats, plan, model.config)

@@ -249,3 +249,35 @@ def test_every_compute_waits_for_the_copies_into_its_slots(preset_dirs, tiny):
             [logits, eng.prefill(state, tokens[:5], all_logits=True).logits, eng.feed(state, [21, 22, 23])]
         )
     assert (out["plain"] - out["offload"]).abs().max().item() <= TOL
+
+
+def test_quantized_stacks_as_the_expert_store():
+    """FP8 stacks (`QuantWeight`): their parts are the store, slots and host path alike."""
+    quant = pytest.importorskip("engine.ops.gpu.quant")
+    from engine.offload import quantized_store
+
+    torch.manual_seed(9)
+    experts, hidden, inter = 8, 128, 128
+    gate_up = quant.pack_fp8(
+        torch.randn(experts, 2 * inter, hidden).to(torch.float8_e4m3fn), torch.rand(experts, 2, 1) + 0.5
+    )
+    down = quant.pack_fp8(
+        torch.randn(experts, hidden, inter).to(torch.float8_e4m3fn), torch.rand(experts, 1, 1) + 0.5
+    )
+    parts, assemble = quantized_store(gate_up, down)
+    cache = ExpertCache(
+        parts, 3, torch.device("cpu"), OffloadStats(), Lane(torch.device("cpu")), assemble=assemble
+    )
+    assert cache.expert_bytes * experts == gate_up.nbytes + down.nbytes
+    cache.cpu_rows = 1
+
+    def dequantizing(x, weights, ids, gu, dn):  # what quant.grouped computes, in plain torch
+        assert gu.shape[0] == dn.shape[0] == 3  # run on the slots
+        return experts_loop(x, weights, ids, gu.dequantize(), dn.dequantize())
+
+    x, weights = torch.randn(40, hidden), torch.rand(40, 2)
+    ids = torch.stack([torch.randperm(7)[:2] for _ in range(40)])
+    ids[0, 0] = 7  # one row: on the host, from the dequantized host copy
+    want = experts_loop(x, weights, ids, gate_up.dequantize(), down.dequantize())
+    torch.testing.assert_close(cache.run(x, weights, ids, dequantizing), want, rtol=1e-5, atol=1e-4)
+    assert cache.stats.on_host == 1 and cache.stats.misses >= 7
