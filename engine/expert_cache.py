@@ -49,8 +49,7 @@ class Lane:
             if event is not None:
                 self.stream.wait_event(event)
         with torch.cuda.stream(self.stream):
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
+            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs], non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
         return done

@@ -89,15 +89,17 @@ def state_bytes(c: ModelConfig, dtype: torch.dtype, sequences: int, capacity: in
 
 def workspace_bytes(c: ModelConfig, dtype: torch.dtype, tokens: int, rows: int) -> int:
     """An estimate of one forward's transient tensors for a chunk of `tokens`: the residual stream
-    and norms, the widest fused projection, the experts' rows (top_k per token) and `rows` logits."""
+    and norms, the widest fused projection, the experts' rows (top_k per token) and `rows` logits;
+    plus the chunk's own KV, which a sequence being prefilled holds outside the decode slots."""
     size = torch.empty(0, dtype=dtype).element_size()
+    kv = tokens * 2 * c.num_key_value_heads * c.head_dim * size * len(c.attention_layers)
     widest = max(
         c.conv_dim + 2 * c.linear_value_dim + 2 * c.linear_num_value_heads,
         (2 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim,
         c.num_experts + 2 * c.shared_expert_intermediate_size + 1,
     )
     experts = c.num_experts_per_tok * (2 * c.hidden_size + 3 * c.moe_intermediate_size)
-    return tokens * size * (6 * c.hidden_size + 2 * widest + experts) + rows * c.vocab_size * 4
+    return tokens * size * (6 * c.hidden_size + 2 * widest + experts) + rows * c.vocab_size * 4 + kv
 
 
 def dense_bytes(model: HybridForCausalLM) -> int:
