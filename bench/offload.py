@@ -103,8 +103,13 @@ def replay(engine, args, budget: float) -> dict:
     traces = load_traces([Path(p) for p in args.traces])
     out = {}
     for policy in args.policies.split(","):
-        config = ServeConfig(
-            preset=args.preset, device=args.device, policy=policy, max_running=1, gpu_memory_gib=budget
+        config = ServeConfig(  # one live sequence: those kept after their answer hold KV outside the plan
+            preset=args.preset,
+            device=args.device,
+            policy=policy,
+            max_running=1,
+            live_sequences=1,
+            gpu_memory_gib=budget,
         )
         with serve_in_thread(config, engine) as server:
             run = run_policy(server.url, policy, traces, args.limit, server.wait_idle, False, lambda: None)
