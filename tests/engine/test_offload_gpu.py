@@ -16,9 +16,11 @@ import pytest
 import torch
 
 from engine import Engine, SamplingParams
+from engine.engine import chunk_tokens
 from engine.loader import build_model, fingerprint, place
 from engine.offload import GiB, Policy, dense_bytes, plan
 from engine.presets import materialise
+from engine.runner import initial_capacity
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,7 +46,9 @@ def engines(preset: str, dtype: torch.dtype, slots: int, max_running: int = 1) -
     fp = fingerprint(config, state_dict)
     plain = Engine(place(build_model(config, state_dict), CUDA), fp)
     model = build_model(config, state_dict)
-    p = plan(config, dense_bytes(model), 1 << 50, dtype, max_running, capacity=4096, tokens=8192)
+    p = plan(
+        config, dense_bytes(model), 1 << 50, dtype, max_running, initial_capacity(CUDA), chunk_tokens(CUDA)
+    )
     budget = (p.budget_for(slots) + p.expert_bytes // 2) / GiB
     offloaded = Engine.offloaded(model, fp, CUDA, budget, max_running)
     assert offloaded.offload is not None and offloaded.offload.plan.slots == slots
