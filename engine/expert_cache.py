@@ -45,9 +45,8 @@ class Lane:
             for dst, src in pairs:
                 dst.copy_(src)
             return None
-        for event in after:
-            if event is not None:
-                self.stream.wait_event(event)
+        for event in {id(e): e for e in after if e is not None}.values():
+            self.stream.wait_event(event)
         with torch.cuda.stream(self.stream):
             torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs], non_blocking=True)
             done = torch.cuda.Event()
@@ -67,9 +66,8 @@ class Lane:
         if self.stream is None:
             return
         compute = torch.cuda.current_stream(self.device)
-        for event in events:
-            if event is not None:
-                compute.wait_event(event)
+        for event in {id(e): e for e in events if e is not None}.values():  # a group's copies share one
+            compute.wait_event(event)
 
 
 def dense(w: Any) -> torch.Tensor:
@@ -158,7 +156,9 @@ class ExpertCache:
         ordered = [e for g in [*groups, on_host] for e in g]
         rank = torch.empty(self.num_experts, dtype=torch.long)
         rank[ordered] = torch.arange(len(ordered))
-        order = torch.argsort(rank.to(ids.device, non_blocking=True)[ids.flatten()], stable=True)  # [T*k]
+        order = torch.argsort(
+            self._staged(rank).to(ids.device, non_blocking=True)[ids.flatten()], stable=True
+        )
         bounds, lo = [], 0
         for group in [*groups, on_host]:
             bounds.append((lo, lo + sum(counts[e] for e in group)))
@@ -256,13 +256,18 @@ class ExpertCache:
             self.last_used[self.slot_of[expert]] = self.clock
         if slots:
             self.slot_table.copy_(
-                torch.as_tensor(self.slot_of), non_blocking=True
-            )  # changes only with copies
+                self._staged(torch.as_tensor(self.slot_of)), non_blocking=True
+            )  # with copies only
             done = self.lane.copy(pairs, after)
             for slot in slots:
                 self.copied[slot] = done
             self.stats.misses += len(slots)
             self.stats.bytes_in[self.stats.phase] += len(slots) * self.expert_bytes
+
+    def _staged(self, t: torch.Tensor) -> torch.Tensor:
+        """A small host tensor to copy in without a host sync: pinned on CUDA (the pinned
+        allocator keeps it until the copy ran), where a pageable source may wait for the stream."""
+        return t.pin_memory() if self.device.type == "cuda" else t
 
     def _read(self, group: list[int]) -> None:
         event = self.lane.record()
