@@ -17,7 +17,7 @@ from engine.feed import Feed, PrefillResult
 from engine.loader import build_model, fingerprint, load_folder, place
 from engine.model import HybridForCausalLM
 from engine.ops import Kernels, kernels_for
-from engine.runner import PREFILL_BUCKETS, Runner, bucket, initial_capacity
+from engine.runner import PREFILL_BUCKETS, Runner, bucket, starting_capacity
 from engine.sampling import Decoding, SamplingParams, TokenEvent
 from engine.snapshot import Snapshot
 from engine.state import KVCache, SequenceState
@@ -76,7 +76,7 @@ class Engine:
         dtype = model.lm_head.weight.dtype
         plan = expert_offload.plan(
             model.config, expert_offload.dense_bytes(model), int(gpu_memory_gib * expert_offload.GiB), dtype,
-            sequences=bucket(max_running), capacity=initial_capacity(device), tokens=chunk_tokens(device),
+            sequences=bucket(max_running), capacity=starting_capacity(device), tokens=chunk_tokens(device),
             expert_bytes=expert_offload.expert_bytes(model))
         offload = expert_offload.install(model, device, plan)
         if device.type == "cuda":

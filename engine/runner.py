@@ -48,6 +48,11 @@ def initial_capacity(device: torch.device) -> int:
     return MIN_CAPACITY.get(device.type, 256)
 
 
+def starting_capacity(device: torch.device) -> int:
+    """Tokens per slot after `Runner.warmup`: room for the largest prefill bucket as well."""
+    return max(initial_capacity(device), bucket(PREFILL_BUCKETS[-1]))
+
+
 class Runner:
     def __init__(self, model: HybridForCausalLM, kernels: Kernels, use_graph: bool = False,
                  before_overwrite: Callable[[], None] | None = None,

@@ -13,6 +13,7 @@ from engine.expert_cache import ExpertCache, Lane
 from engine.feed import Feed
 from engine.offload import BudgetError, GiB, OffloadStats, dense_bytes, plan, state_bytes
 from engine.ops.moe import experts_loop
+from engine.runner import starting_capacity
 from engine.snapshot import concat_chain
 
 TOL = 1e-5
@@ -26,7 +27,7 @@ def budget_gib(engine: Engine, slots: int, max_running: int = 4) -> float:
         1 << 50,
         engine.dtype,
         max_running,
-        capacity=256,
+        capacity=starting_capacity(engine.device),
         tokens=4096,
     )
     return (p.budget_for(slots) + p.expert_bytes // 2) / GiB

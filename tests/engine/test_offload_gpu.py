@@ -20,7 +20,7 @@ from engine.engine import chunk_tokens
 from engine.loader import build_model, fingerprint, place
 from engine.offload import GiB, Policy, dense_bytes, plan
 from engine.presets import materialise
-from engine.runner import initial_capacity
+from engine.runner import starting_capacity
 
 pytestmark = [
     pytest.mark.gpu,
@@ -47,7 +47,7 @@ def engines(preset: str, dtype: torch.dtype, slots: int, max_running: int = 1) -
     plain = Engine(place(build_model(config, state_dict), CUDA), fp)
     model = build_model(config, state_dict)
     p = plan(
-        config, dense_bytes(model), 1 << 50, dtype, max_running, initial_capacity(CUDA), chunk_tokens(CUDA)
+        config, dense_bytes(model), 1 << 50, dtype, max_running, starting_capacity(CUDA), chunk_tokens(CUDA)
     )
     budget = (p.budget_for(slots) + p.expert_bytes // 2) / GiB
     offloaded = Engine.offloaded(model, fp, CUDA, budget, max_running)

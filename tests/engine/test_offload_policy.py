@@ -15,6 +15,7 @@ from engine.expert_cache import ExpertCache, Lane
 from engine.offload import GiB, Link, OffloadStats, Policy, dense_bytes, plan, state_bytes
 from engine.ops.moe import experts_loop
 from engine.presets import preset_config
+from engine.runner import starting_capacity
 
 TOL = 1e-5
 
@@ -26,7 +27,7 @@ def budget_gib(engine: Engine, slots: int, max_running: int) -> float:
         1 << 50,
         engine.dtype,
         max_running,
-        capacity=256,
+        capacity=starting_capacity(engine.device),
         tokens=4096,
     )
     return (p.budget_for(slots) + p.expert_bytes // 2) / GiB
@@ -182,22 +183,26 @@ def test_experts_as_any_tuple_of_parts():
 def test_decode_slots_growing_shrink_the_expert_cache(preset_dirs, tiny):
     """One running sequence past the slots' first capacity: the expert slots shrink first, the
     plan's total stays within the budget and the logits stay those without offload."""
-    engine = _load(preset_dirs, tiny, slots=7, max_running=1)
+    engine = _load(preset_dirs, tiny, slots=8, max_running=1)
     offload = engine.offload
-    budget = offload.plan.budget
-    tokens = _prompt(250, 6)
+    engine.runner.warmup(1)  # the slots the plan counted: capacity for the largest prefill bucket
+    budget, start = offload.plan.budget, engine.runner.capacity
+    assert start == starting_capacity(engine.device) == 512 and offload.plan.slots == 8
+    tokens = _prompt(start - 10, 6)
     out = {}
     for name, eng in (("plain", tiny), ("offload", engine)):
         state = eng.new_state()
         eng.prefill(state, tokens)
-        out[name] = eng.feed(state, list(range(300, 320)))  # past 256 tokens: capacity 256 -> 512
-    assert engine.runner.capacity == 512
+        out[name] = eng.feed(state, list(range(300, 320)))  # past 512 tokens: capacity 512 -> 1024
+    assert engine.runner.capacity == 2 * start
     p = offload.plan
     assert (
-        p.states == state_bytes(engine.config, engine.dtype, engine.runner.slots, 512) == engine.runner.nbytes
+        p.states
+        == state_bytes(engine.config, engine.dtype, engine.runner.slots, 2 * start)
+        == engine.runner.nbytes
     )
-    grown = p.states - state_bytes(engine.config, engine.dtype, 1, 256)
-    assert p.slots == 7 - -(-grown // (p.expert_bytes * p.layers))  # the fewest slots given up
+    grown = p.states - state_bytes(engine.config, engine.dtype, 1, start)
+    assert p.slots == 8 - -(-grown // (p.expert_bytes * p.layers)) >= 2  # the fewest slots given up
     assert p.budget_for(p.slots) <= budget and offload.nbytes == p.slots * p.expert_bytes * p.layers
     assert (out["plain"] - out["offload"]).abs().max().item() <= TOL
 
@@ -206,10 +211,11 @@ def test_growth_beyond_the_budget_is_a_clear_error(preset_dirs, tiny):
     from engine.offload import BudgetError
 
     engine = _load(preset_dirs, tiny, slots=2, max_running=1)
+    engine.runner.warmup(1)
     state = engine.new_state()
-    engine.prefill(state, _prompt(250, 7))
+    engine.prefill(state, _prompt(engine.runner.capacity - 10, 7))
     with pytest.raises(BudgetError, match="fewer than top_k = 2"):
-        engine.feed(state, list(range(10)))
+        engine.feed(state, list(range(20)))
 
 
 class DeferredLane(Lane):

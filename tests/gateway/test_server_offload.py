@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from engine.offload import GiB, dense_bytes, plan
+from engine.runner import starting_capacity
 from gateway.serve import add_arguments, config_from_args
 from tests.conftest import start_server
 
@@ -16,7 +17,15 @@ TURNS = ["List the files under src/ and say which one parses flags.", "Now expla
 
 
 def _budget_gib(engine, slots: int) -> float:
-    p = plan(engine.config, dense_bytes(engine.model), 1 << 50, engine.dtype, 4, capacity=256, tokens=4096)
+    p = plan(
+        engine.config,
+        dense_bytes(engine.model),
+        1 << 50,
+        engine.dtype,
+        4,
+        starting_capacity(engine.device),
+        4096,
+    )
     return (p.budget_for(slots) + p.expert_bytes // 2) / GiB
 
 
