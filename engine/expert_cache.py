@@ -48,7 +48,8 @@ class Lane:
         for event in {id(e): e for e in after if e is not None}.values():
             self.stream.wait_event(event)
         with torch.cuda.stream(self.stream):
-            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs], non_blocking=True)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
         return done
