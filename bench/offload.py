@@ -219,7 +219,12 @@ def child(args, budget: str) -> dict:
         if (value := getattr(args, name)) is not None:
             argv += [f"--{name.replace('_', '-')}", str(value)]
     argv += ["--traces", *args.traces] if args.traces else ["--no-replay"]
-    subprocess.run(argv, check=True)
+    code = subprocess.run(argv).returncode
+    if code != 0 or not out.exists():  # a crash (out of memory, a kernel failure) is a row, not the end
+        return {
+            "budget_gib": float(budget),
+            "error": f"the child process exited with {code} (its output above)",
+        }
     result = json.loads(out.read_text())
     out.unlink()
     return result
