@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from engine import Engine, SamplingParams
+from engine import Engine
 from engine.engine import chunk_tokens
 from engine.loader import build_model, fingerprint, place
 from engine.offload import GiB, Policy, dense_bytes, plan
@@ -121,27 +121,41 @@ def test_offloaded_experts_refuse_graph_capture(small_fp32):
     assert offloaded.runner.use_graph is False  # decode with offload runs eagerly
 
 
-def test_35b_shape_same_greedy_tokens_and_bf16_logits():
-    """qwen3.6-35b-a3b-e64 in bf16, 16 of 64 experts per layer resident: the greedy tokens of the
-    whole model wherever its top-two margin exceeds twice the largest logit difference seen."""
-    plain, offloaded = engines("qwen3.6-35b-a3b-e64", torch.bfloat16, slots=16)
-    ids = prompt(2048)
-    outs = {}
-    for name, engine in (("plain", plain), ("offload", offloaded)):
-        state = engine.new_state()
-        res = engine.prefill(state, ids, all_logits=True)
-        events = list(engine.generate(state, res.logits[-1], SamplingParams(temperature=0.0, max_tokens=16)))
-        outs[name] = (res.logits, [e.token_id for e in events])
-    want, got = outs["plain"][0], outs["offload"][0]
-    metric("e64_bf16_offload_rel", rel(got, want))
-    diff = (got - want).abs().max(dim=-1).values  # [T]
-    top2 = want.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1]) > 2 * diff.max()
+def test_35b_shape_offload_within_the_bf16_bound():
+    """qwen3.6-35b-a3b-e64, 16 of 64 experts per layer resident, in bf16 against the fp32 model
+    (the same weights: the preset's bf16 values): at most twice as far as bf16 without offload,
+    plus 0.01; the fp32 greedy token wherever its top-two margin exceeds twice the bf16 noise."""
+    config, _, sd32 = materialise("qwen3.6-35b-a3b-e64", "cpu", torch.float32)
+    fp = fingerprint(config, sd32)
+    ids, forced = prompt(1024), list(range(900, 916))
+
+    def last(engine: Engine) -> torch.Tensor:  # the last 48 prefill positions and the decode steps
+        return run(engine, ids, forced)[-64:].cpu()
+
+    ref = last(Engine(place(build_model(config, sd32), CUDA), fp))
+    torch.cuda.empty_cache()
+    sd16 = {name: t.to(torch.bfloat16) for name, t in sd32.items()}
+    del sd32
+    plain = last(Engine(place(build_model(config, sd16), CUDA), fp))
+    torch.cuda.empty_cache()
+    model = build_model(config, sd16)
+    p = plan(
+        config, dense_bytes(model), 1 << 50, torch.bfloat16, 1, starting_capacity(CUDA), chunk_tokens(CUDA)
+    )
+    offloaded = Engine.offloaded(model, fp, CUDA, (p.budget_for(16) + p.expert_bytes // 2) / GiB, 1)
+    got = last(offloaded)
+    noise, err = rel(plain, ref), rel(got, ref)
+    metric("e64_bf16_plain_vs_fp32", noise)
+    metric("e64_bf16_offload_vs_fp32", err)
+    metric(
+        "e64_offload_hit_rate",
+        offloaded.offload.stats.hits / max(1, offloaded.offload.stats.hits + offloaded.offload.stats.misses),
+    )
+    assert err <= 2 * noise + 0.01
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * (plain - ref).abs().max()
     metric("e64_clear_positions", clear.float().mean().item())
-    assert (got.argmax(-1) == want.argmax(-1))[clear].all()
-    assert rel(got, want) <= 0.1
-    if outs["plain"][1] != outs["offload"][1]:  # generated tokens: compare up to the first unclear step
-        print("METRIC e64_greedy_diverged 1", outs["plain"][1], outs["offload"][1])
+    assert (got.argmax(-1) == ref.argmax(-1))[clear].all()
 
 
 PEAK_SCRIPT = """
