@@ -2,7 +2,11 @@
 bytes over the host link, peak reserved memory, and a recorded session replayed per capture policy.
 
     FT_MATERIALISE=1 python bench/offload.py --preset qwen3.6-35b-a3b --device cuda --budgets 8,12,24
-    python bench/offload.py --preset tiny --budgets 0.05 --context 256 --decode-steps 8   # CPU smoke run
+    python bench/offload.py --preset tiny --device cpu --budgets 0.145 --context 256 --decode-steps 8  # CPU smoke
+
+With bf16 experts, 8 GiB holds the 35B-A3B shape's dense parts, one sequence's slots and top_k
+experts per layer only with 4096-token prefill chunks (`FT_PREFILL_CHUNK=4096`: a smaller workspace);
+a budget that cannot is reported as a row naming the numbers.
 
 Each budget runs in a child process of its own (a fresh engine: peak reserved memory per budget,
 and the 256-expert weights are held once in host memory). Per budget: prefill tokens/s of one
