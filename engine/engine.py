@@ -32,8 +32,9 @@ class Engine:
     def __init__(self, model: HybridForCausalLM, fingerprint: str, model_dir: Path | None = None,
                  offload: expert_offload.ExpertOffload | None = None):
         """`offload`: the routed experts' host copies and device slots (`offload.install`); a
-        decode step then fetches experts between layers, so it runs eagerly, without a CUDA graph,
-        and the decode slots make room for their growth in the expert cache."""
+        decode step then fetches experts between layers, so it runs eagerly, without a CUDA graph
+        (unless every expert has a slot), and the decode slots make room for their growth in the
+        expert cache."""
         self.model = model
         self.offload = offload
         self.config: ModelConfig = model.config
@@ -46,7 +47,8 @@ class Engine:
         self.runtime = make_runtime(model) if make_runtime is not None else None
         self.runner = Runner(
             model, self.kernels,
-            use_graph=self.device.type == "cuda" and offload is None and os.environ.get("FT_CUDA_GRAPHS", "1") != "0",
+            use_graph=self.device.type == "cuda" and (offload is None or offload.holds_all)
+            and os.environ.get("FT_CUDA_GRAPHS", "1") != "0",
             before_overwrite=self.runtime.wait_copies if self.runtime is not None else None,
             before_allocate=self._make_room if offload is not None else None,
         )
@@ -112,6 +114,8 @@ class Engine:
     def _make_room(self, slots: int, capacity: int) -> None:
         assert self.offload is not None
         self.offload.make_room(expert_offload.state_bytes(self.config, self.dtype, slots, capacity))
+        if not self.offload.holds_all:  # experts are fetched from now on: no graph may hold a step
+            self.runner.use_graph = self.slot_prefill = False
 
     def offload_stats(self) -> dict[str, int] | None:
         """The expert cache's counters (`OffloadStats.as_dict`), None without offload."""

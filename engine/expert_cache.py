@@ -118,6 +118,7 @@ class ExpertCache:
         self.copied = [None] * slots  # event: the copy into each slot
         self.read = [None] * slots  # event: the last compute that read each slot
         self.clock = 0
+        self.holds_all = False  # every expert resident for good (`hold_all`)
         self.next: ExpertCache | None = None  # the following layer's cache
         self.prefetch_next = 0  # slots of the following layer to fill when this layer starts
 
@@ -138,7 +139,10 @@ class ExpertCache:
     ) -> torch.Tensor:
         """`moe_experts(x [T, H], weights [T, k], slot ids [T, k], *assemble(slot parts))` -> [T, H].
         Groups after the first (and host-computed experts) run on their own assignments as rows
-        (k = 1), summed in fp32."""
+        (k = 1), summed in fp32. With every expert resident (`hold_all`) nothing is chosen or
+        copied: no host sync, so a CUDA graph may hold the call."""
+        if self.holds_all:
+            return moe_experts(x, weights, self.slot_table[ids], *self.assemble(self.parts))
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "offloaded experts cannot run inside a CUDA graph: the slots change between replays"
@@ -293,9 +297,18 @@ class ExpertCache:
             out[rows] = host_experts(x[rows], weights[rows], gate_up, down)
         return out
 
+    def hold_all(self) -> None:
+        """Copy every expert in once, for good (there are as many slots as experts)."""
+        assert self.slots >= self.num_experts
+        self._load(list(range(self.num_experts)), busy=[])
+        self.lane.wait(self.copied)  # now: no event from outside a graph capture is waited on later
+        self.copied = [None] * self.slots
+        self.holds_all = True
+
     def resize(self, slots: int) -> None:
         """`slots` empty slots instead of the current ones; the old slots' memory is freed first
         (after every copy into them), so the two never coexist."""
+        self.holds_all = False
         self.lane.wait(self.copied)
         self.parts = ()
         self.parts = tuple(

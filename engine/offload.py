@@ -20,6 +20,7 @@ What a forward does with the link (`Policy`, chosen per forward by its token cou
   is only simulated).
 Decode with offload runs eagerly, never in a CUDA graph: which slots an expert sits in changes
 between steps (`ExpertCache.run` refuses to run under capture rather than read stale slots).
+Only a budget with a slot for every expert (`holds_all`) copies them in once and captures again.
 
 As decode slots grow (engine/runner.py doubles KV capacity), `make_room` shrinks the expert slots
 first, so the plan's total stays within the budget.
@@ -250,6 +251,9 @@ class ExpertOffload:
             cache.next = following
         self.link: Link | None = None
         self.policy = Policy(Policy.coverage_tokens(config))
+        if self.holds_all:  # the budget holds every expert: copied in once, then never chosen
+            for cache in order:
+                cache.hold_all()
 
     @property
     def nbytes(self) -> int:
@@ -259,6 +263,11 @@ class ExpertOffload:
     @property
     def host_bytes(self) -> int:
         return sum(c.host_bytes for c in self.caches.values())
+
+    @property
+    def holds_all(self) -> bool:
+        """Whether every expert has a slot: nothing is fetched, so decode may be graph-captured."""
+        return self.plan.slots >= self.config.num_experts
 
     def calibrate(self) -> Policy:
         """Measure the link on the first layer's experts and choose the policy from it."""

@@ -110,6 +110,18 @@ def test_bf16_offload_within_the_bf16_bound():
     assert err <= 2 * noise + 0.01
 
 
+def test_every_expert_resident_decodes_in_graphs():
+    """A budget with a slot for every expert: copied once, decode captured in CUDA graphs again."""
+    plain, offloaded = engines("small", torch.float32, slots=32)
+    assert offloaded.offload.holds_all and offloaded.runner.use_graph
+    got, want = (
+        run(offloaded, prompt(300), list(range(800, 816))),
+        run(plain, prompt(300), list(range(800, 816))),
+    )
+    metric("offload_all_resident_rel", rel(got, want))
+    assert rel(got, want) <= FP32_TOL and offloaded.runner.graphs
+
+
 def test_offloaded_experts_refuse_graph_capture(small_fp32):
     _, offloaded = small_fp32
     cache = next(iter(offloaded.offload.caches.values()))

@@ -195,6 +195,7 @@ def test_decode_slots_growing_shrink_the_expert_cache(preset_dirs, tiny):
         eng.prefill(state, tokens)
         out[name] = eng.feed(state, list(range(300, 320)))  # past 512 tokens: capacity 512 -> 1024
     assert engine.runner.capacity == 2 * start
+    assert not offload.holds_all  # 8 of 8 slots before the growth: fetching from now on
     p = offload.plan
     assert (
         p.states
@@ -287,3 +288,21 @@ def test_quantized_stacks_as_the_expert_store():
     want = experts_loop(x, weights, ids, gate_up.dequantize(), down.dequantize())
     torch.testing.assert_close(cache.run(x, weights, ids, dequantizing), want, rtol=1e-5, atol=1e-4)
     assert cache.stats.on_host == 1 and cache.stats.misses >= 7
+
+
+def test_a_budget_for_every_expert_copies_them_once(preset_dirs, tiny):
+    """Every expert has a slot: copied in at start, never chosen again (no host sync, so a GPU
+    captures decode in graphs again); exact, and fetching resumes once growth takes slots away."""
+    engine = _load(preset_dirs, tiny, slots=8)
+    offload = engine.offload
+    layers = len(offload.caches)
+    assert offload.holds_all and all(c.holds_all for c in offload.caches.values())
+    assert offload.stats.misses == 8 * layers
+    tokens = _prompt(60, 10)
+    out = {}
+    for name, eng in (("plain", tiny), ("offload", engine)):
+        state = eng.new_state()
+        logits = eng.prefill(state, tokens, all_logits=True).logits
+        out[name] = torch.cat([logits, eng.feed(state, [31, 32, 33])])
+    assert (out["plain"] - out["offload"]).abs().max().item() <= TOL
+    assert (offload.stats.hits, offload.stats.misses) == (0, 8 * layers)  # nothing chosen, nothing copied
