@@ -17,7 +17,7 @@ from engine.feed import Feed, PrefillResult
 from engine.loader import build_model, fingerprint, load_folder, place
 from engine.model import HybridForCausalLM
 from engine.ops import Kernels, kernels_for
-from engine.runner import PREFILL_BUCKETS, Runner, bucket, initial_capacity
+from engine.runner import PREFILL_BUCKETS, Runner, bucket, starting_capacity
 from engine.sampling import Decoding, SamplingParams, TokenEvent
 from engine.snapshot import Snapshot
 from engine.state import KVCache, SequenceState
@@ -32,7 +32,9 @@ class Engine:
     def __init__(self, model: HybridForCausalLM, fingerprint: str, model_dir: Path | None = None,
                  offload: expert_offload.ExpertOffload | None = None):
         """`offload`: the routed experts' host copies and device slots (`offload.install`); a
-        decode step then fetches experts between layers, so it runs without a CUDA graph."""
+        decode step then fetches experts between layers, so it runs eagerly, without a CUDA graph
+        (unless every expert has a slot), and the decode slots make room for their growth in the
+        expert cache."""
         self.model = model
         self.offload = offload
         self.config: ModelConfig = model.config
@@ -45,8 +47,10 @@ class Engine:
         self.runtime = make_runtime(model) if make_runtime is not None else None
         self.runner = Runner(
             model, self.kernels,
-            use_graph=self.device.type == "cuda" and offload is None and os.environ.get("FT_CUDA_GRAPHS", "1") != "0",
+            use_graph=self.device.type == "cuda" and (offload is None or offload.holds_all)
+            and os.environ.get("FT_CUDA_GRAPHS", "1") != "0",
             before_overwrite=self.runtime.wait_copies if self.runtime is not None else None,
+            before_allocate=self._make_room if offload is not None else None,
         )
         self.slot_prefill = self.runner.use_graph  # short prefills on the sequence's slot (a graph per bucket)
 
@@ -74,8 +78,11 @@ class Engine:
         dtype = model.lm_head.weight.dtype
         plan = expert_offload.plan(
             model.config, expert_offload.dense_bytes(model), int(gpu_memory_gib * expert_offload.GiB), dtype,
-            sequences=bucket(max_running), capacity=initial_capacity(device), tokens=chunk_tokens(device))
+            sequences=bucket(max_running), capacity=starting_capacity(device), tokens=chunk_tokens(device),
+            expert_bytes=expert_offload.expert_bytes(model))
         offload = expert_offload.install(model, device, plan)
+        if device.type == "cuda":
+            offload.calibrate()
         return cls(place(model, device), fp, model_dir, offload)
 
     @classmethod
@@ -87,11 +94,11 @@ class Engine:
         if os.environ.get("FT_MATERIALISE") == "1":
             build_on = device if gpu_memory_gib is None else "cpu"
             config, _, state_dict = presets.materialise(name, build_on, dtype)
-            model = build_model(config, state_dict)
+            model, fp = build_model(config, state_dict), fingerprint(config, state_dict)
+            del state_dict  # the model holds the tensors: an offload frees each layer's stacks once pinned
             if gpu_memory_gib is not None:
-                return cls.offloaded(model, fingerprint(config, state_dict), torch.device(device), gpu_memory_gib,
-                                     max_running)
-            return cls(model, fingerprint(config, state_dict))
+                return cls.offloaded(model, fp, torch.device(device), gpu_memory_gib, max_running)
+            return cls(model, fp)
         return cls.load(ensure_preset(name), device, dtype, gpu_memory_gib, max_running)
 
     def memory(self) -> dict[str, int]:
@@ -103,6 +110,12 @@ class Engine:
         if self.offload is not None:  # the routed experts: slots on the device, all of them on the host
             memory.update(expert_cache=self.offload.nbytes, experts_host=self.offload.host_bytes)
         return memory
+
+    def _make_room(self, slots: int, capacity: int) -> None:
+        assert self.offload is not None
+        self.offload.make_room(expert_offload.state_bytes(self.config, self.dtype, slots, capacity))
+        if not self.offload.holds_all:  # experts are fetched from now on: no graph may hold a step
+            self.runner.use_graph = self.slot_prefill = False
 
     def offload_stats(self) -> dict[str, int] | None:
         """The expert cache's counters (`OffloadStats.as_dict`), None without offload."""

@@ -16,7 +16,7 @@ from engine.ops.moe import route
 from engine.ops.rope import apply_rope, rope_cos_sin
 
 if TYPE_CHECKING:
-    from engine.offload import ExpertCache
+    from engine.expert_cache import ExpertCache
 
 
 def fuse(module: nn.Module, name: str, parts: list[nn.Module]) -> None:

@@ -3,26 +3,43 @@
 With a device memory budget (`ft serve --gpu-memory GiB`), everything but the routed experts (the
 dense parts: embeddings, attention, Gated DeltaNet, shared experts, routers, norms, lm_head), the
 decode slots of the running sequences and a forward's workspace are placed first (`plan`); the
-rest becomes `slots` expert slots per MoE layer. Each layer's `ExpertCache` keeps all its experts
-in host tensors (pinned on CUDA) and stacked slot buffers on the device ([slots, 2I, H] and
-[slots, H, I]); before the experts run, `prepare` makes the chunk's experts resident and the ids
-are remapped from experts to slots, so `Kernels.moe_experts` runs unchanged on the slot buffers.
+rest becomes `slots` expert slots per MoE layer, each layer's `ExpertCache` (engine/expert_cache.py)
+with every expert in pinned host memory. Experts run on the slots, copied in on a side stream.
 
-Copies are synchronous for now: on CUDA they run on a side stream that the compute stream waits
-on (`Copier`), so prefetching the next layer's experts while this layer computes (double
-buffering) is a matter of calling `ExpertCache.load` one layer earlier.
+What a forward does with the link (`Policy`, chosen per forward by its token count):
+- A chunk of at least `stream_tokens` tokens routes to nearly every expert of every layer. The
+  routing of layer L+1 is not known before layer L ends, but nearly all of its experts will be
+  needed, so when layer L's experts start, half of layer L+1's slots are filled with experts it
+  does not hold (`ExpertCache.prefetch`): those copies overlap layer L's experts and layer L+1's
+  attention. After its routing, layer L+1 runs its experts in groups of half its slots, the copy
+  of each group overlapping the compute of the one before (double buffering within the layer).
+- A shorter chunk (decode, a short suffix) fetches only the experts it routes to, after routing,
+  and may compute some of its misses on the host from their host copies meanwhile: as many as
+  balance the host's time against the remaining copies' (`Link`: measured at start on CUDA, the
+  link's bandwidth against the host's time per expert and row; none on the CPU, where the split
+  is only simulated).
+Decode with offload runs eagerly, never in a CUDA graph: which slots an expert sits in changes
+between steps (`ExpertCache.run` refuses to run under capture rather than read stale slots).
+Only a budget with a slot for every expert (`holds_all`) copies them in once and captures again.
+
+As decode slots grow (engine/runner.py doubles KV capacity), `make_room` shrinks the expert slots
+first, so the plan's total stays within the budget.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from engine.config import ModelConfig
+from engine.expert_cache import ExpertCache, Lane, host_experts
 
 if TYPE_CHECKING:
     from engine.model import DecoderLayer, HybridForCausalLM
@@ -73,15 +90,17 @@ def state_bytes(c: ModelConfig, dtype: torch.dtype, sequences: int, capacity: in
 
 def workspace_bytes(c: ModelConfig, dtype: torch.dtype, tokens: int, rows: int) -> int:
     """An estimate of one forward's transient tensors for a chunk of `tokens`: the residual stream
-    and norms, the widest fused projection, the experts' rows (top_k per token) and `rows` logits."""
+    and norms, the widest fused projection, the experts' rows (top_k per token) and `rows` logits;
+    plus the chunk's own KV, which a sequence being prefilled holds outside the decode slots."""
     size = torch.empty(0, dtype=dtype).element_size()
+    kv = tokens * 2 * c.num_key_value_heads * c.head_dim * size * len(c.attention_layers)
     widest = max(
         c.conv_dim + 2 * c.linear_value_dim + 2 * c.linear_num_value_heads,
         (2 * c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim,
         c.num_experts + 2 * c.shared_expert_intermediate_size + 1,
     )
     experts = c.num_experts_per_tok * (2 * c.hidden_size + 3 * c.moe_intermediate_size)
-    return tokens * size * (6 * c.hidden_size + 2 * widest + experts) + rows * c.vocab_size * 4
+    return tokens * size * (6 * c.hidden_size + 2 * widest + experts) + rows * c.vocab_size * 4 + kv
 
 
 def dense_bytes(model: HybridForCausalLM) -> int:
@@ -97,14 +116,23 @@ def dense_bytes(model: HybridForCausalLM) -> int:
 
 
 def plan(
-    c: ModelConfig, dense: int, budget: int, dtype: torch.dtype, sequences: int, capacity: int, tokens: int
+    c: ModelConfig,
+    dense: int,
+    budget: int,
+    dtype: torch.dtype,
+    sequences: int,
+    capacity: int,
+    tokens: int,
+    expert_bytes: int | None = None,
 ) -> Plan:
     """Split `budget` bytes: the dense parts, the decode slots of `sequences` sequences of
-    `capacity` tokens, the workspace of a `tokens`-token chunk, and the rest as expert slots,
-    evenly per MoE layer (at most every expert). Raises `BudgetError` naming the numbers when the
-    rest is not top_k experts per layer."""
+    `capacity` tokens, the workspace of a `tokens`-token chunk, and the rest as expert slots of
+    `expert_bytes` (default: a `dtype` expert; quantized experts pass their own size), evenly per
+    MoE layer (at most every expert). Raises `BudgetError` naming the numbers when the rest is not
+    top_k experts per layer."""
     layers = c.num_hidden_layers
-    expert = (3 * c.moe_intermediate_size * c.hidden_size) * torch.empty(0, dtype=dtype).element_size()
+    size = torch.empty(0, dtype=dtype).element_size()
+    expert = expert_bytes or 3 * c.moe_intermediate_size * c.hidden_size * size
     states = state_bytes(c, dtype, sequences, capacity)
     workspace = workspace_bytes(c, dtype, tokens, max(sequences, 1))
     if budget < dense:
@@ -127,11 +155,13 @@ def plan(
 
 @dataclass
 class OffloadStats:
-    """Counters over every layer: experts found resident (hits) or copied in (misses), experts
-    evicted, and bytes copied host -> device with the tokens and forwards of each phase."""
+    """Counters over every layer: experts found resident (hits), copied in (misses, prefetches
+    included), computed on the host instead (on_host), experts evicted, and bytes copied
+    host -> device with the tokens and forwards of each phase."""
 
     hits: int = 0
     misses: int = 0
+    on_host: int = 0
     evictions: int = 0
     bytes_in: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
     tokens: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
@@ -139,158 +169,155 @@ class OffloadStats:
     phase: str = "prefill"
 
     def as_dict(self) -> dict[str, int]:
-        out = {"hits": self.hits, "misses": self.misses, "evictions": self.evictions}
+        out = {"hits": self.hits, "misses": self.misses, "on_host": self.on_host, "evictions": self.evictions}
         for name in ("bytes_in", "tokens", "forwards"):
             out.update({f"{name}_{phase}": n for phase, n in getattr(self, name).items()})
         return out
 
 
-class Copier:
-    """Host -> device expert copies. On CUDA they run on a side stream after the compute stream's
-    earlier work (which may still read an evicted slot), and the compute stream waits for them."""
+@dataclass(frozen=True)
+class Link:
+    """Measured at start: host -> device bytes/s (pinned), and the host's seconds for one expert
+    on one row and for each further row (`host_experts`)."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Each (device slot, host expert) pair; the compute stream may use the slots on return."""
-        if self.stream is None:
-            for dst, src in pairs:
-                dst.copy_(src)
-            return
-        compute = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(compute)
-        with torch.cuda.stream(self.stream):
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
-        compute.wait_stream(self.stream)
+    h2d_bytes_per_s: float
+    host_expert_s: float
+    host_row_s: float
 
 
-class ExpertCache:
-    """One MoE layer's routed experts: all of them in host memory, `slots` resident on the device.
+@dataclass(frozen=True)
+class Policy:
+    """Per forward: chunks of at least `stream_tokens` tokens prefetch the next layer's experts
+    before its routing is known. In shorter ones, misses routed to at most `cpu_rows` rows may be
+    computed on the host: all of them without `costs`, else as many as balance the two sides
+    (`ExpertCache.split`), from `costs` = (seconds to copy an expert, host seconds for an expert
+    on one row, for each further row)."""
 
-    host gate_up [E, 2I, H], down [E, H, I] (pinned on CUDA); device gate_up [S, 2I, H], down [S, H, I].
-    Eviction takes the least recently used slot, the least used expert among equals, and never
-    one the chunk being prepared needs."""
+    stream_tokens: int
+    cpu_rows: int = 0
+    costs: tuple[float, float, float] | None = None
 
-    def __init__(
-        self,
-        gate_up: torch.Tensor,
-        down: torch.Tensor,
-        slots: int,
-        device: torch.device,
-        stats: OffloadStats,
-        copier: Copier,
-    ):
-        self.host_gate_up, self.host_down = gate_up, down
-        self.gate_up = torch.zeros(
-            (slots, *gate_up.shape[1:]), dtype=gate_up.dtype, device=device
-        )  # [S, 2I, H]
-        self.down = torch.zeros((slots, *down.shape[1:]), dtype=down.dtype, device=device)  # [S, H, I]
-        self.stats, self.copier = stats, copier
-        self.expert_bytes = gate_up[0].nbytes + down[0].nbytes
-        self.expert_in = [-1] * slots  # the expert each slot holds
-        self.slot_of = [-1] * gate_up.shape[0]  # the slot holding each expert
-        self.slot_table = torch.full((gate_up.shape[0],), -1, dtype=torch.long, device=device)  # slot_of on the device
-        self.last_used = [0] * slots
-        self.uses = [0] * gate_up.shape[0]  # forwards that routed to each expert
-        self.clock = 0
+    @staticmethod
+    def coverage_tokens(c: ModelConfig, share: float = 0.9) -> int:
+        """Tokens after which a chunk routes to `share` of the experts (uniform routing:
+        1 - (1 - k/E)^T of them)."""
+        if c.num_experts_per_tok >= c.num_experts:
+            return 1
+        return math.ceil(math.log(1 - share) / math.log(1 - c.num_experts_per_tok / c.num_experts))
 
-    @property
-    def slots(self) -> int:
-        return len(self.expert_in)
+    @classmethod
+    def measured(cls, c: ModelConfig, link: Link, expert_bytes: int) -> Policy:
+        """The costs of `link` for experts of `expert_bytes`; any miss may go to the host, the
+        balance decides (myopic: a copied expert may also hit in later steps)."""
+        costs = (expert_bytes / link.h2d_bytes_per_s, link.host_expert_s, link.host_row_s)
+        return cls(cls.coverage_tokens(c), cpu_rows=1 << 16, costs=costs)
 
-    def run(
-        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, moe_experts: Callable
-    ) -> torch.Tensor:
-        """`moe_experts(x [T, H], weights [T, k], ids [T, k], gate_up, down)` on the slot buffers.
-        A chunk that routes to more experts than there are slots runs in groups of experts, each
-        group's token x expert assignments as rows of their own (k = 1), summed in fp32."""
-        groups = self.prepare(ids)
-        if len(groups) == 1:
-            self.load(groups[0])
-            return moe_experts(x, weights, self.remap(ids), self.gate_up, self.down)
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for group in groups:
-            self.load(group)
-            rows, cols = torch.isin(ids, torch.as_tensor(group, device=ids.device)).nonzero(as_tuple=True)
-            y = moe_experts(
-                x[rows], weights[rows, cols, None], self.remap(ids[rows, cols, None]), self.gate_up, self.down
-            )
-            out.index_add_(0, rows, y.float())
-        return out.to(x.dtype)
 
-    def prepare(self, ids: torch.Tensor) -> list[list[int]]:
-        """The experts `ids` [T, k] routes to, in groups of at most `slots`: those already resident
-        first (a hit is never evicted before its use). Counts the hits; `load` each group in turn."""
-        needed = cast(list[int], ids.unique().tolist())
-        self.clock += 1
-        for expert in needed:
-            self.uses[expert] += 1
-        resident = [e for e in needed if self.slot_of[e] >= 0]
-        self.stats.hits += len(resident)
-        ordered = resident + [e for e in needed if self.slot_of[e] < 0]
-        return [ordered[i : i + self.slots] for i in range(0, len(ordered), self.slots)]
+def measure_link(cache: ExpertCache, repeat: int = 5) -> Link:
+    """Time one expert's host -> device copy and its host compute on 1 and 16 rows (medians)."""
 
-    def load(self, group: list[int]) -> None:
-        """Make every expert of `group` (at most `slots`) resident, evicting only experts outside it."""
-        keep, copies = set(group), []
-        for expert in group:
-            if self.slot_of[expert] < 0:
-                slot = self._victim(keep)
-                if (old := self.expert_in[slot]) >= 0:
-                    self.slot_of[old] = -1
-                    self.stats.evictions += 1
-                self.expert_in[slot], self.slot_of[expert] = expert, slot
-                copies += [
-                    (self.gate_up[slot], self.host_gate_up[expert]),
-                    (self.down[slot], self.host_down[expert]),
-                ]
-            self.last_used[self.slot_of[expert]] = self.clock
-        if copies:
-            self.slot_table = torch.as_tensor(self.slot_of, device=self.gate_up.device)  # changes only with copies
-            self.copier.copy(copies)
-            self.stats.misses += len(copies) // 2
-            self.stats.bytes_in[self.stats.phase] += len(copies) // 2 * self.expert_bytes
+    def median(fn) -> float:
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return sorted(times)[len(times) // 2]
 
-    def remap(self, ids: torch.Tensor) -> torch.Tensor:
-        """Expert ids -> slot ids (every expert in `ids` resident)."""
-        return self.slot_table[ids]
+    scratch = tuple(torch.empty_like(p[0]) for p in cache.parts)
+    sync = torch.cuda.synchronize if cache.device.type == "cuda" else (lambda: None)
 
-    def _victim(self, keep: set[int]) -> int:
-        """An empty slot, else the least recently used one (least used expert among equals) outside `keep`."""
-        free = [s for s in range(self.slots) if self.expert_in[s] not in keep]
-        return min(
-            free, key=lambda s: (self.expert_in[s] >= 0, self.last_used[s], self.uses[self.expert_in[s]])
-        )
+    def copy() -> None:
+        for dst, src in zip(scratch, cache.host, strict=True):
+            dst.copy_(src[0], non_blocking=True)
+        sync()
+
+    gate_up, down = (w[0] for w in cache.assemble(tuple(p[:1] for p in cache.host)))
+    x = torch.randn(16, gate_up.shape[1], dtype=torch.float32)
+    ones = torch.ones(16)
+    one = median(lambda: host_experts(x[:1], ones[:1], gate_up, down))
+    sixteen = median(lambda: host_experts(x, ones, gate_up, down))
+    seconds = median(copy)
+    return Link(cache.expert_bytes / max(seconds, 1e-9), one, max(sixteen - one, 0.0) / 15)
 
 
 class ExpertOffload:
-    """Every MoE layer's `ExpertCache`, their shared counters and copy stream."""
+    """Every MoE layer's `ExpertCache`, their shared counters, copy lane and policy."""
 
-    def __init__(self, caches: dict[int, ExpertCache], stats: OffloadStats, plan: Plan):
-        self.caches, self.stats, self.plan = caches, stats, plan
+    def __init__(self, caches: dict[int, ExpertCache], stats: OffloadStats, plan: Plan, config: ModelConfig):
+        self.caches, self.stats, self.plan, self.config = caches, stats, plan, config
+        order = [caches[i] for i in sorted(caches)]
+        for cache, following in zip(order, [*order[1:], None], strict=True):
+            cache.next = following
+        self.link: Link | None = None
+        self.policy = Policy(Policy.coverage_tokens(config))
+        if self.holds_all:  # the budget holds every expert: copied in once, then never chosen
+            for cache in order:
+                cache.hold_all()
 
     @property
     def nbytes(self) -> int:
         """Device bytes of the expert slots."""
-        return sum(c.gate_up.nbytes + c.down.nbytes for c in self.caches.values())
+        return sum(c.nbytes for c in self.caches.values())
 
     @property
     def host_bytes(self) -> int:
-        return sum(c.host_gate_up.nbytes + c.host_down.nbytes for c in self.caches.values())
+        return sum(c.host_bytes for c in self.caches.values())
+
+    @property
+    def holds_all(self) -> bool:
+        """Whether every expert has a slot: nothing is fetched, so decode may be graph-captured."""
+        return self.plan.slots >= self.config.num_experts
+
+    def calibrate(self) -> Policy:
+        """Measure the link on the first layer's experts and choose the policy from it."""
+        first = self.caches[min(self.caches)]
+        self.link = measure_link(first)
+        self.policy = Policy.measured(self.config, self.link, first.expert_bytes)
+        return self.policy
 
     @contextlib.contextmanager
     def phase(self, name: str, tokens: int) -> Iterator[None]:
-        """Count the copies of one forward under `name` ("prefill" or "decode") of `tokens` tokens."""
+        """One forward of `tokens` tokens under `name` ("prefill" or "decode"): its copies are
+        counted there, and the policy set for its token count (see the module docstring)."""
         self.stats.phase = name
         self.stats.tokens[name] += tokens
         self.stats.forwards[name] += 1
+        stream = tokens >= self.policy.stream_tokens and self.plan.slots < self.config.num_experts
+        for cache in self.caches.values():
+            cache.prefetch_next = cache.slots // 2 if stream else 0
+            cache.cpu_rows, cache.costs = (0, None) if stream else (self.policy.cpu_rows, self.policy.costs)
+        if stream:
+            first = self.caches[min(self.caches)]
+            first.prefetch(first.slots // 2)  # overlaps the embedding and the first layer's attention
         try:
             yield
         finally:
             self.stats.phase = "prefill"
+            for cache in self.caches.values():
+                cache.prefetch_next = 0
+
+    def make_room(self, states: int) -> None:
+        """Decode slots grow to `states` bytes: when the plan's other parts no longer leave its
+        expert slots within the budget, every layer gets fewer slots (their memory freed before
+        the slots grow). Raises `BudgetError` below top_k slots per layer."""
+        p = self.plan
+        if states <= p.states:
+            return
+        rest = p.budget - p.dense - states - p.workspace
+        slots = min(p.slots, max(rest, 0) // (p.expert_bytes * p.layers))
+        if slots < self.config.num_experts_per_tok:
+            raise BudgetError(
+                f"--gpu-memory {_size(p.budget)}: decode slots of {_size(states)} leave room for {slots} experts "
+                f"per layer, fewer than top_k = {self.config.num_experts_per_tok}"
+            )
+        if slots < p.slots:
+            for cache in self.caches.values():
+                cache.resize(slots)
+            first = next(iter(self.caches.values()))
+            if first.device.type == "cuda":
+                torch.cuda.empty_cache()  # the freed slots leave the reserved memory before the growth
+        self.plan = dataclasses.replace(p, states=states, slots=slots)
 
     def reset_stats(self) -> None:
         """Zero the counters (the cache contents stay): after warm-up, so metrics count requests only."""
@@ -298,17 +325,50 @@ class ExpertOffload:
         self.stats.__dict__.update(fresh.__dict__)
 
 
+def expert_store(model: HybridForCausalLM, layer: int) -> tuple[tuple[torch.Tensor, ...], Callable]:
+    """One layer's routed experts as (stacked parts, leading dim the expert; their `assemble`):
+    the bf16 pair itself, or the parts of quantized stacks (`quantized_store`)."""
+    experts = cast("DecoderLayer", model.model.layers[layer]).mlp.experts
+    assert experts is not None
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if hasattr(gate_up, "parts"):
+        return quantized_store(gate_up, down)
+    return (gate_up.detach(), down.detach()), tuple
+
+
+def expert_bytes(model: HybridForCausalLM) -> int:
+    """Bytes of one routed expert (every part's row)."""
+    return sum(p[0].nbytes for p in expert_store(model, 0)[0])
+
+
+def quantized_store(gate_up: Any, down: Any) -> tuple[tuple[torch.Tensor, ...], Callable]:
+    """Quantized stacks (`QuantWeight`s of engine/ops/gpu/quant.py, whose `parts` lead with the
+    expert) as one expert store for `ExpertCache`: every part in one tuple, and the `assemble`
+    that makes them `QuantWeight`s again over any number of experts (the slots, or one expert on
+    the host, where `dequantize` gives the host path its weights)."""
+    split = len(gate_up.parts)
+
+    def assemble(parts: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
+        experts = parts[0].shape[0]
+        return (
+            dataclasses.replace(gate_up, shape=(experts, *gate_up.shape[1:]), parts=tuple(parts[:split])),
+            dataclasses.replace(down, shape=(experts, *down.shape[1:]), parts=tuple(parts[split:])),
+        )
+
+    return (*gate_up.parts, *down.parts), assemble
+
+
 def install(model: HybridForCausalLM, device: torch.device, plan: Plan) -> ExpertOffload:
     """Move each MoE layer's routed experts out of `model` (still on the host) into host tensors,
     pinned when `device` is CUDA, and give the layer an `ExpertCache` of `plan.slots` slots on
     `device`. The model then holds only the dense parts, to be moved to `device` as usual."""
-    stats, copier = OffloadStats(), Copier(device)
+    stats, lane = OffloadStats(), Lane(device)
     caches = {}
     for layer in cast("list[DecoderLayer]", model.model.layers):
-        moe = layer.mlp
-        gate_up, down = moe.experts.gate_up_proj.detach(), moe.experts.down_proj.detach()
+        parts, assemble = expert_store(model, layer.layer)
         if device.type == "cuda":
-            gate_up, down = gate_up.pin_memory(), down.pin_memory()
-        moe.offload = caches[layer.layer] = ExpertCache(gate_up, down, plan.slots, device, stats, copier)
-        moe.experts = None
-    return ExpertOffload(caches, stats, plan)
+            parts = tuple(p.pin_memory() for p in parts)
+        cache = ExpertCache(parts, plan.slots, device, stats, lane, assemble)
+        layer.mlp.offload = caches[layer.layer] = cache
+        layer.mlp.experts = None
+    return ExpertOffload(caches, stats, plan, model.config)

@@ -48,17 +48,26 @@ def initial_capacity(device: torch.device) -> int:
     return MIN_CAPACITY.get(device.type, 256)
 
 
+def starting_capacity(device: torch.device) -> int:
+    """Tokens per slot after `Runner.warmup`: room for the largest prefill bucket as well."""
+    return max(initial_capacity(device), bucket(PREFILL_BUCKETS[-1]))
+
+
 class Runner:
     def __init__(self, model: HybridForCausalLM, kernels: Kernels, use_graph: bool = False,
-                 before_overwrite: Callable[[], None] | None = None):
+                 before_overwrite: Callable[[], None] | None = None,
+                 before_allocate: Callable[[int, int], None] | None = None):
         """`before_overwrite` runs before a slot's contents are replaced (on a GPU: wait for the
-        host copies that may still read the previous owner's KV)."""
+        host copies that may still read the previous owner's KV); `before_allocate(slots,
+        capacity)` before buffers of that size replace the old ones (an expert cache shrinks there
+        to keep a memory budget; the old buffers are freed before the new ones are made)."""
         self.model, self.kernels = model, kernels
         self.c = model.config
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
         self.use_graph = use_graph
         self.before_overwrite = before_overwrite or (lambda: None)
+        self.before_allocate = before_allocate or (lambda slots, capacity: None)
         self.slots = 0  # sequence slots; slot `self.slots` is the scratch slot padding rows use
         self.capacity = 0
         self.buffers: SlotBuffers | None = None
@@ -188,8 +197,10 @@ class Runner:
     def _allocate(self, slots: int, capacity: int) -> None:
         """Buffers for `slots` sequences (+ the scratch slot) of `capacity` tokens; every owner
         first gets private copies, and is bound again at its next step."""
+        self.before_allocate(slots, capacity)
         for slot in range(self.slots):
             self._release(slot)
+        self.buffers, self.views, self.graphs, self.pool = None, [], {}, None  # freed before the new ones exist
         c, dev, n = self.c, self.device, slots + 1
         kv_shape = (n, capacity, c.num_key_value_heads, c.head_dim)
         self.buffers = SlotBuffers(
@@ -206,7 +217,6 @@ class Runner:
         self.inputs = torch.zeros(3, bucket(slots), dtype=torch.long, device=dev)  # token ids, positions, slots per row
         self.prefill_inputs = torch.zeros(3 + PREFILL_BUCKETS[-1], dtype=torch.long, device=dev)  # slot, start, count, ids
         self.arange = torch.arange(PREFILL_BUCKETS[-1], device=dev)
-        self.graphs, self.pool = {}, None
 
     def _owner(self, slot: int) -> SequenceState | None:
         ref = self.owners[slot]

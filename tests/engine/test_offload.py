@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from engine import Engine, SamplingParams
+from engine.expert_cache import ExpertCache, Lane
 from engine.feed import Feed
-from engine.offload import BudgetError, Copier, ExpertCache, GiB, OffloadStats, dense_bytes, plan, state_bytes
+from engine.offload import BudgetError, GiB, OffloadStats, dense_bytes, plan, state_bytes
 from engine.ops.moe import experts_loop
+from engine.runner import starting_capacity
 from engine.snapshot import concat_chain
 
 TOL = 1e-5
@@ -25,7 +27,7 @@ def budget_gib(engine: Engine, slots: int, max_running: int = 4) -> float:
         1 << 50,
         engine.dtype,
         max_running,
-        capacity=256,
+        capacity=starting_capacity(engine.device),
         tokens=4096,
     )
     return (p.budget_for(slots) + p.expert_bytes // 2) / GiB
@@ -106,7 +108,11 @@ def test_counters_under_the_smallest_cache(preset_dirs, tiny):
 def _cache(num_experts: int, slots: int, stats: OffloadStats) -> ExpertCache:
     torch.manual_seed(0)
     gate_up, down = torch.randn(num_experts, 16, 8), torch.randn(num_experts, 8, 8)
-    return ExpertCache(gate_up, down, slots, torch.device("cpu"), stats, Copier(torch.device("cpu")))
+    return ExpertCache((gate_up, down), slots, torch.device("cpu"), stats, Lane(torch.device("cpu")))
+
+
+def _counts(num_experts: int, *experts: int) -> list[int]:
+    return [int(e in experts) for e in range(num_experts)]
 
 
 def test_eviction_by_recency_then_frequency_never_a_needed_expert():
@@ -114,7 +120,9 @@ def test_eviction_by_recency_then_frequency_never_a_needed_expert():
     cache = _cache(8, 3, stats)
 
     def step(*experts: int) -> None:
-        cache.load(cache.prepare(torch.tensor([experts]))[0])
+        groups, on_host = cache.prepare(_counts(8, *experts))
+        assert len(groups) == 1 and not on_host
+        cache._load(groups[0], busy=[])
 
     step(0, 1)
     step(0, 2)  # 0 and 2 used last, 0 twice
@@ -128,16 +136,41 @@ def test_eviction_by_recency_then_frequency_never_a_needed_expert():
     assert stats.bytes_in["prefill"] == 7 * cache.expert_bytes
 
 
-def test_a_chunk_routed_to_more_experts_than_slots_is_exact():
-    cache = _cache(8, 2, OffloadStats())
-    torch.manual_seed(1)
-    x = torch.randn(50, 8)
-    weights, ids = torch.rand(50, 3), torch.stack([torch.randperm(8)[:3] for _ in range(50)])
-    assert len(cache.prepare(ids)) == 4  # 8 experts in groups of 2
-    want = experts_loop(x, weights, ids, cache.host_gate_up, cache.host_down)
+def _routing(tokens: int, num_experts: int, top_k: int, seed: int):
+    torch.manual_seed(seed)
+    x = torch.randn(tokens, 8)
+    weights = torch.rand(tokens, top_k)
+    ids = torch.stack([torch.randperm(num_experts)[:top_k] for _ in range(tokens)])
+    return x, weights, ids
+
+
+def test_a_chunk_routed_to_more_experts_than_slots_runs_in_double_buffered_groups():
+    cache = _cache(8, 4, OffloadStats())
+    x, weights, ids = _routing(50, 8, 3, seed=1)
+    groups, _ = cache.prepare(torch.bincount(ids.flatten(), minlength=8).tolist())
+    assert [len(g) for g in groups] == [2, 2, 2, 2]  # halves of the slots, alternating
+    want = experts_loop(x, weights, ids, *cache.host)
     torch.testing.assert_close(
         cache.run(x, weights, ids, experts_loop), want, rtol=1e-6, atol=1e-6
-    )  # summation order only
+    )  # summation order
+
+
+def test_a_group_never_evicts_the_group_computed_before_it():
+    """While group j computes, group j+1's copies go to the other half of the slots."""
+    cache = _cache(8, 4, OffloadStats())
+    loads = []
+    real_load = cache._load
+
+    def load(group, busy):
+        before = {e: cache.slot_of[e] for e in busy}
+        real_load(group, busy)
+        assert {e: cache.slot_of[e] for e in busy} == before  # busy experts kept their slots
+        loads.append((list(group), list(busy)))
+
+    cache._load = load
+    x, weights, ids = _routing(40, 8, 2, seed=2)
+    cache.run(x, weights, ids, experts_loop)
+    assert [busy for _, busy in loads[1:]] == [group for group, _ in loads[:-1]]
 
 
 def test_budget_below_the_dense_weights_is_a_clear_error(preset_dirs, tiny):

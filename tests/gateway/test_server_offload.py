@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from engine.offload import GiB, dense_bytes, plan
+from engine.runner import starting_capacity
 from gateway.serve import add_arguments, config_from_args
 from tests.conftest import start_server
 
@@ -16,7 +17,15 @@ TURNS = ["List the files under src/ and say which one parses flags.", "Now expla
 
 
 def _budget_gib(engine, slots: int) -> float:
-    p = plan(engine.config, dense_bytes(engine.model), 1 << 50, engine.dtype, 4, capacity=256, tokens=4096)
+    p = plan(
+        engine.config,
+        dense_bytes(engine.model),
+        1 << 50,
+        engine.dtype,
+        4,
+        starting_capacity(engine.device),
+        4096,
+    )
     return (p.budget_for(slots) + p.expert_bytes // 2) / GiB
 
 
@@ -64,6 +73,7 @@ def test_offloaded_server_answers_as_without(live_server, offloaded):
         _metric(offloaded, "ft_expert_cache_misses_total"),
     )
     assert misses > 0 and hits > 0
+    assert _metric(offloaded, "ft_expert_cache_on_host_total") == 0  # the CPU simulation copies every miss
     expert = engine.offload.plan.expert_bytes
     moved = sum(
         _metric(offloaded, f'ft_expert_cache_bytes_in_total{{phase="{p}"}}') for p in ("prefill", "decode")

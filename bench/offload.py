@@ -1,0 +1,369 @@
+"""Expert offload under a GPU memory budget: prefill and decode speed, the expert cache's hit rate,
+bytes over the host link, peak reserved memory, and a recorded session replayed per capture policy.
+
+    FT_MATERIALISE=1 python bench/offload.py --preset qwen3.6-35b-a3b --device cuda --budgets 8,12,24
+    python bench/offload.py --preset tiny --device cpu --budgets 0.145 --context 256 --decode-steps 8  # CPU smoke
+
+With bf16 experts, 8 GiB holds the 35B-A3B shape's dense parts, one sequence's slots and top_k
+experts per layer only with 4096-token prefill chunks (`FT_PREFILL_CHUNK=4096`: a smaller workspace);
+a budget that cannot is reported as a row naming the numbers.
+
+Each budget runs in a child process of its own (a fresh engine: peak reserved memory per budget,
+and the 256-expert weights are held once in host memory). Per budget: prefill tokens/s of one
+`--context`-token prompt, decode tokens/s at batch 1, hits / (hits + misses + host-computed) per
+phase, bytes host -> device per prefill and per decoded token, and the same times projected to a
+PCIe 4.0 x16 link (`--pcie` bytes/s, 25 GB/s): every byte's copy time moved from the measured link
+to that one, t + bytes x (1/pcie - 1/link) (exact where the copies are on the critical path, as in
+decode; an upper bound where they overlap compute). Then `--traces` replayed (`ft replay`'s driver,
+recorded answers teacher-forced) with the policies of `--policies` on the same engine: worst TTFT
+after a tool and TTFT at new user turns (requests after the first whose last message is not a
+tool result). `--llama-server` adds llama-server with its experts on the CPU (`--n-cpu-moe`, from a
+GGUF export of the preset: chat traces only, see bench/llamacpp.py). Prints tables, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/engine.py would shadow the `engine` package
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+PCIE4_X16 = 25e9  # bytes/s a consumer PCIe 4.0 x16 link sustains host -> device
+DEFAULT_TRACE = "traces/sessions/small-bugfix.recording.jsonl"
+
+
+def ids_for(n: int) -> list[int]:
+    return [1000 + (i * 7919) % 50_000 for i in range(n)]
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def project(seconds: float, moved: int, link: float, pcie: float) -> float:
+    """`seconds` with the copy time of `moved` bytes moved from a `link` to a `pcie` bytes/s link."""
+    return seconds + moved * (1 / pcie - 1 / link)
+
+
+def hit_rate(before: dict, after: dict) -> float | None:
+    d = {k: after[k] - before[k] for k in ("hits", "misses", "on_host")}
+    total = sum(d.values())
+    return round(d["hits"] / total, 4) if total else None
+
+
+def measure(engine, device: str, context: int, steps: int) -> dict:
+    """Prefill of `context` tokens, then `steps` decode steps at batch 1."""
+    from engine import SamplingParams  # noqa: PLC0415
+
+    offload = engine.offload
+    stats = offload.stats.as_dict
+    state = engine.new_state()
+    before = stats()
+    sync(device)
+    start = time.perf_counter()
+    result = engine.prefill(state, ids_for(context))
+    sync(device)
+    prefill_s = time.perf_counter() - start
+    mid = stats()
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1)  # no stop tokens: every step runs
+    sync(device)
+    start = time.perf_counter()
+    events = list(engine.generate(state, result.logits, params))
+    sync(device)
+    decode_s = time.perf_counter() - start
+    after = stats()
+    decoded = len(events) - 1  # the first token came from the prefill's logits
+    return {
+        "prefill_tokens": context,
+        "prefill_s": prefill_s,
+        "prefill_tok_s": context / prefill_s,
+        "prefill_bytes": mid["bytes_in_prefill"] - before["bytes_in_prefill"],
+        "prefill_hit_rate": hit_rate(before, mid),
+        "decode_steps": decoded,
+        "decode_s": decode_s,
+        "decode_tok_s": decoded / decode_s,
+        "decode_bytes_per_token": (after["bytes_in_decode"] - mid["bytes_in_decode"]) / max(decoded, 1),
+        "decode_hit_rate": hit_rate(mid, after),
+        "decode_on_host": after["on_host"] - mid["on_host"],
+    }
+
+
+def replay(engine, args, budget: float) -> dict:
+    """Each policy over `args.traces` on a fresh store, with this engine (adapters/replay.py)."""
+    from adapters.replay import load_traces, run_policy, serve_in_thread  # noqa: PLC0415
+    from adapters.replay_report import summarize  # noqa: PLC0415
+    from gateway.runtime import ServeConfig  # noqa: PLC0415
+
+    traces = load_traces([Path(p) for p in args.traces])
+    out = {}
+    for policy in args.policies.split(","):
+        config = ServeConfig(  # one live sequence: those kept after their answer hold KV outside the plan
+            preset=args.preset,
+            device=args.device,
+            policy=policy,
+            max_running=1,
+            live_sequences=1,
+            gpu_memory_gib=budget,
+        )
+        with serve_in_thread(config, engine) as server:
+            run = run_policy(server.url, policy, traces, args.limit, server.wait_idle, False, lambda: None)
+        user = [r.client_ttft_ms for r in run.rows if r.index > 0 and not r.after_tool_result]
+        summary = summarize(run)
+        out[policy] = {
+            "worst_after_tool_ms": summary.worst_after_tool_ms,
+            "user_turn_ttft_ms": user,
+            "worst_user_turn_ms": max(user, default=None),
+            "prefilled_tokens": summary.prefilled_tokens,
+            "p50_ttft_ms": summary.p50_ttft_ms,
+            "seconds": summary.seconds,
+        }
+    return out
+
+
+def run_budget(args) -> dict:
+    """One budget in this process (the child)."""
+    from engine import Engine  # noqa: PLC0415
+    from engine.offload import BudgetError  # noqa: PLC0415
+
+    budget = float(args.budgets)
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    try:
+        engine = Engine.from_preset(args.preset, device=args.device, gpu_memory_gib=budget, max_running=1)
+    except BudgetError as exc:  # a row saying why (e.g. bf16 experts at 8 GiB: try FT_PREFILL_CHUNK=4096)
+        return {"budget_gib": budget, "error": str(exc)}
+    load_s = time.perf_counter() - started
+    engine.warmup(max_batch=1)
+    offload = engine.offload
+    link = offload.link
+    link_bw = link.h2d_bytes_per_s if link is not None else float("nan")
+    out = {
+        "budget_gib": budget,
+        "load_s": load_s,
+        "plan": {
+            k: getattr(offload.plan, k) for k in ("dense", "states", "workspace", "expert_bytes", "slots")
+        },
+        "experts": engine.config.num_experts,
+        "policy": {"stream_tokens": offload.policy.stream_tokens, "cpu_rows": offload.policy.cpu_rows},
+        "link": None
+        if link is None
+        else {
+            "h2d_bytes_per_s": link.h2d_bytes_per_s,
+            "host_expert_s": link.host_expert_s,
+            "host_row_s": link.host_row_s,
+        },
+        **measure(engine, args.device, args.context, args.decode_steps),
+    }
+    if link is not None:
+        out["prefill_s_pcie4"] = project(out["prefill_s"], out["prefill_bytes"], link_bw, args.pcie)
+        per_token = out["decode_s"] / max(out["decode_steps"], 1)
+        out["decode_tok_s_pcie4"] = 1 / project(per_token, out["decode_bytes_per_token"], link_bw, args.pcie)
+    if args.device == "cuda":  # the plan covers the decode slots, not the KV that sequences keep on their own
+        out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        out["within_budget"] = out["peak_reserved_bytes"] <= budget * (1 << 30)
+    if args.traces:
+        out["replay"] = replay(engine, args, budget)
+        if args.device == "cuda":  # live sequences and restored states included
+            out["peak_reserved_replay_bytes"] = torch.cuda.max_memory_reserved()
+    return out
+
+
+def llama_side(args) -> dict:
+    """llama-server with every layer's experts on the CPU, the same traces (chat ones)."""
+    from adapters.readers import read_trace  # noqa: PLC0415
+    from adapters.replay import http_wait_idle  # noqa: PLC0415
+    from peer.compare import llama_sample, summarise  # noqa: PLC0415
+    from peer.compare import replay as llama_replay
+    from peer.gguf_export import preset_gguf  # noqa: PLC0415
+    from peer.llama_server import PEER_HOME, LlamaServer, build  # noqa: PLC0415
+
+    materialise = args.device if os.environ.get("FT_MATERIALISE") == "1" else None
+    gguf = preset_gguf(args.preset, PEER_HOME / "models", args.gguf_dtype, materialise)
+    cuda = args.device == "cuda"
+    out = {}
+    for path in args.traces:
+        for trace in read_trace(path):
+            if trace.protocol != "chat":
+                continue
+            server = LlamaServer(
+                gguf,
+                ctx_size=args.llama_ctx,
+                threads=args.threads,
+                gpu_layers=999 if cuda else None,
+                binary=build(cuda=cuda),
+                extra=["--n-cpu-moe", "999"],
+                log_path=PEER_HOME / "llama-server-offload.log",
+            )
+            with server:
+                samples = llama_replay(server.url, trace, llama_sample, between=http_wait_idle(server.url))
+            s = summarise(samples)
+            out[trace.session_id] = {
+                "worst_after_tool_ms": s.worst_ttft_after_tool_ms,
+                "user_turn_ttft_ms": [x.ttft_ms for x in samples[1:] if not x.after_tool_result],
+            }
+    return out
+
+
+def child(args, budget: str) -> dict:
+    """Run one budget in a fresh interpreter; its JSON result."""
+    out = Path(args.json).with_suffix(f".{budget}.json")
+    argv = [sys.executable, __file__, "--child", "--budgets", budget, "--json", str(out)]
+    for name in ("preset", "device", "context", "decode_steps", "pcie", "policies", "limit"):
+        if (value := getattr(args, name)) is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    argv += ["--traces", *args.traces] if args.traces else ["--no-replay"]
+    code = subprocess.run(argv).returncode
+    if code != 0 or not out.exists():  # a crash (out of memory, a kernel failure) is a row, not the end
+        return {
+            "budget_gib": float(budget),
+            "error": f"the child process exited with {code} (its output above)",
+        }
+    result = json.loads(out.read_text())
+    out.unlink()
+    return result
+
+
+def gib(n: float | None) -> str:
+    return "-" if n is None else f"{n / (1 << 30):.2f}"
+
+
+def ms(n: float | None) -> str:
+    return "-" if n is None else f"{n:,.0f}"
+
+
+def tables(results: list[dict], llama: dict | None, console: Console) -> None:
+    t = Table(title="expert offload: speed, cache, link")
+    for col in (
+        "budget GiB",
+        "slots/E",
+        "prefill tok/s",
+        "PCIe4 proj.",
+        "prefill GiB moved",
+        "prefill hit",
+        "decode tok/s",
+        "PCIe4 proj.",
+        "MiB/token",
+        "decode hit",
+        "host experts",
+        "link GB/s",
+        "peak GiB",
+        "peak replay",
+    ):
+        t.add_column(col, justify="right")
+    for r in results:
+        if "error" in r:
+            console.print(f"[bold]{r['budget_gib']:g} GiB[/]: {r['error']}")
+            continue
+        link = r["link"]["h2d_bytes_per_s"] / 1e9 if r.get("link") else None
+        t.add_row(
+            f"{r['budget_gib']:g}",
+            f"{r['plan']['slots']}/{r['experts']}",
+            f"{r['prefill_tok_s']:,.0f}",
+            f"{r['prefill_tokens'] / r['prefill_s_pcie4']:,.0f}" if "prefill_s_pcie4" in r else "-",
+            gib(r["prefill_bytes"]),
+            str(r["prefill_hit_rate"]),
+            f"{r['decode_tok_s']:.1f}",
+            f"{r['decode_tok_s_pcie4']:.1f}" if "decode_tok_s_pcie4" in r else "-",
+            f"{r['decode_bytes_per_token'] / (1 << 20):.1f}",
+            str(r["decode_hit_rate"]),
+            str(r["decode_on_host"]),
+            "-" if link is None else f"{link:.1f}",
+            gib(r.get("peak_reserved_bytes")),
+            gib(r.get("peak_reserved_replay_bytes")),
+        )
+    console.print(t)
+    if not any("replay" in r for r in results):
+        return
+    t = Table(title="replay: TTFT (ms) per policy")
+    for col in (
+        "budget GiB",
+        "policy",
+        "worst after a tool",
+        "worst at a user turn",
+        "user turns",
+        "prefilled",
+    ):
+        t.add_column(col, justify="right")
+    for r in results:
+        for policy, p in r.get("replay", {}).items():
+            t.add_row(
+                f"{r['budget_gib']:g}",
+                policy,
+                ms(p["worst_after_tool_ms"]),
+                ms(p["worst_user_turn_ms"]),
+                " ".join(ms(x) for x in p["user_turn_ttft_ms"]),
+                f"{p['prefilled_tokens']:,}",
+            )
+    for session, p in (llama or {}).items():
+        t.add_row(
+            "-",
+            f"llama.cpp --n-cpu-moe ({session})",
+            ms(p["worst_after_tool_ms"]),
+            ms(max(p["user_turn_ttft_ms"], default=None)),
+            " ".join(ms(x) for x in p["user_turn_ttft_ms"]),
+            "-",
+        )
+    console.print(t)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="qwen3.6-35b-a3b")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--budgets", default="8,12,24", help="GiB, comma-separated")
+    p.add_argument("--context", type=int, default=8192, help="prefill tokens")
+    p.add_argument("--decode-steps", type=int, default=64)
+    p.add_argument("--pcie", type=float, default=PCIE4_X16, help="bytes/s of the projected link")
+    p.add_argument("--traces", nargs="*", default=[DEFAULT_TRACE])
+    p.add_argument("--no-replay", action="store_true")
+    p.add_argument("--policies", default="anchor,prefix,none")
+    p.add_argument("--limit", type=int, default=None, help="requests per trace")
+    p.add_argument("--llama-server", action="store_true", help="also llama-server with --n-cpu-moe")
+    p.add_argument("--gguf-dtype", default="bf16")
+    p.add_argument("--llama-ctx", type=int, default=65536)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--json", default="bench/offload.json")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.no_replay:
+        args.traces = []
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        Path(args.json).write_text(json.dumps(run_budget(args), indent=2))
+        return 0
+    console = Console(width=200)
+    results = [child(args, budget) for budget in args.budgets.split(",")]
+    llama = llama_side(args) if args.llama_server else None
+    tables(results, llama, console)
+    meta = {
+        "preset": args.preset,
+        "device": args.device,
+        "context": args.context,
+        "pcie_bytes_per_s": args.pcie,
+        "traces": args.traces,
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+    }
+    Path(args.json).write_text(
+        json.dumps({"meta": meta, "budgets": results, "llama_server": llama}, indent=2)
+    )
+    console.print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,319 @@
+"""One MoE layer's routed experts: all in host memory, a few resident in device slots.
+
+An expert is a tuple of tensors (`parts`), each stacked on a leading expert dim: the bf16 stacks
+(gate_up [E, 2I, H], down [E, H, I]) or the field arrays of quantized stacks (`QuantWeight.parts`).
+The host keeps every expert ([E, ...] per part, pinned on CUDA), the device `slots` of them
+([S, ...] per part); `assemble(parts)` turns stacks of parts back into what `moe_experts` takes
+(default: the bf16 pair itself; for quantized stacks, `QuantWeight`s over the same parts).
+
+A forward's experts run in groups (`run`): those resident first (a hit is never evicted before
+its use), then the misses. When they all fit the slots they are one group and one call; otherwise
+groups of half the slots alternate between two halves, so that the copy of group j+1 (on the copy
+stream) overlaps the compute of group j. Events order each copy after the last compute that read
+its slot and each compute after the copies into its slots; nothing waits on the host except the
+one read of the routing that choosing experts needs. Some misses may instead be computed on the
+host from the host copy while the others are copied (`split`), and `prefetch` fills half the
+slots before the routing is known (`ExpertOffload` decides when: engine/offload.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from engine.offload import OffloadStats
+
+Parts = tuple[torch.Tensor, ...]
+
+
+class Lane:
+    """Host -> device copies on a side stream, ordered with the compute stream by events. On the
+    CPU (the split simulated) copies are synchronous and events are None."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: list[Any]) -> Any:
+        """Copy each (device, host) pair once every event of `after` (compute that read the
+        destinations) has completed; an event that completes with the copies."""
+        if self.stream is None:
+            for dst, src in pairs:
+                dst.copy_(src)
+            return None
+        for event in {id(e): e for e in after if e is not None}.values():
+            self.stream.wait_event(event)
+        with torch.cuda.stream(self.stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done
+
+    def record(self) -> Any:
+        """An event of the compute stream's work so far."""
+        if self.stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def wait(self, events: list[Any]) -> None:
+        """The compute stream waits for `events` (copies into slots it is about to read)."""
+        if self.stream is None:
+            return
+        compute = torch.cuda.current_stream(self.device)
+        for event in {id(e): e for e in events if e is not None}.values():  # a group's copies share one
+            compute.wait_event(event)
+
+
+def dense(w: Any) -> torch.Tensor:
+    """A stack as a plain tensor (quantized stacks dequantized: the host path's weights)."""
+    return w.dequantize() if hasattr(w, "dequantize") else w
+
+
+def host_experts(
+    x: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """One expert on host rows: x [n, H], weights [n] -> [n, H] in fp32, computed in the weights'
+    dtype (bf16 GEMMs accumulate in fp32), so within that dtype's rounding of the device path."""
+    x = x.to(gate_up.dtype)
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down).float() * weights.float()[:, None]
+
+
+class ExpertCache:
+    """Eviction takes the least recently used slot, the least used expert among equals, and
+    never one the group being loaded or the group being computed needs."""
+
+    def __init__(
+        self,
+        host: Parts,
+        slots: int,
+        device: torch.device,
+        stats: OffloadStats,
+        lane: Lane,
+        assemble: Callable[[Parts], tuple[Any, Any]] = tuple,
+    ):  # type: ignore[assignment]
+        self.host, self.assemble, self.stats, self.lane = host, assemble, stats, lane
+        self.device = device
+        self.num_experts = host[0].shape[0]
+        self.parts = tuple(
+            torch.zeros((slots, *p.shape[1:]), dtype=p.dtype, device=device) for p in host
+        )  # [S, ...]
+        self.expert_bytes = sum(p[0].nbytes for p in host)
+        self.cpu_rows = 0  # misses routed to at most this many rows may be computed on the host
+        self.costs: tuple[float, float, float] | None = None  # see `split`
+        self.expert_in = [-1] * slots  # the expert each slot holds
+        self.slot_of = [-1] * self.num_experts  # the slot holding each expert
+        self.slot_table = torch.full(
+            (self.num_experts,), -1, dtype=torch.long, device=device
+        )  # slot_of on the device
+        self.last_used = [0] * slots
+        self.uses = [0] * self.num_experts  # forwards that routed to each expert
+        self.copied = [None] * slots  # event: the copy into each slot
+        self.read = [None] * slots  # event: the last compute that read each slot
+        self.clock = 0
+        self.holds_all = False  # every expert resident for good (`hold_all`)
+        self.next: ExpertCache | None = None  # the following layer's cache
+        self.prefetch_next = 0  # slots of the following layer to fill when this layer starts
+
+    @property
+    def slots(self) -> int:
+        return len(self.expert_in)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(p.nbytes for p in self.host)
+
+    def run(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, moe_experts: Callable
+    ) -> torch.Tensor:
+        """`moe_experts(x [T, H], weights [T, k], slot ids [T, k], *assemble(slot parts))` -> [T, H].
+        Groups after the first (and host-computed experts) run on their own assignments as rows
+        (k = 1), summed in fp32. With every expert resident (`hold_all`) nothing is chosen or
+        copied: no host sync, so a CUDA graph may hold the call."""
+        if self.holds_all:
+            return moe_experts(x, weights, self.slot_table[ids], *self.assemble(self.parts))
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "offloaded experts cannot run inside a CUDA graph: the slots change between replays"
+            )
+        if self.next is not None and self.prefetch_next:
+            self.next.prefetch(self.prefetch_next)  # before this layer's routing is read: overlaps it
+        counts = torch.bincount(ids.flatten(), minlength=self.num_experts).tolist()  # the one host sync
+        groups, on_host = self.prepare(counts)
+        if not on_host and len(groups) == 1:
+            self._load(groups[0], busy=[])
+            self.lane.wait([self.copied[self.slot_of[e]] for e in groups[0]])
+            out = moe_experts(x, weights, self.slot_table[ids], *self.assemble(self.parts))
+            self._read(groups[0])
+            return out
+        # assignments sorted by (group, expert): each group's rows are one range of `order`
+        ordered = [e for g in [*groups, on_host] for e in g]
+        rank = torch.empty(self.num_experts, dtype=torch.long)
+        rank[ordered] = torch.arange(len(ordered))
+        order = torch.argsort(
+            self._staged(rank).to(ids.device, non_blocking=True)[ids.flatten()], stable=True
+        )
+        bounds, lo = [], 0
+        for group in [*groups, on_host]:
+            bounds.append((lo, lo + sum(counts[e] for e in group)))
+            lo = bounds[-1][1]
+        top_k, flat_w, flat_ids = ids.shape[1], weights.flatten(), ids.flatten()
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if on_host:  # rows to the host first: the device groups below then overlap the host's work
+            picked = order[bounds[-1][0] : bounds[-1][1]]
+            host_rows = (
+                picked // top_k,
+                x[picked // top_k].cpu(),
+                flat_w[picked].cpu(),
+                flat_ids[picked].cpu(),
+            )
+        if groups:
+            self._load(groups[0], busy=[])
+        for j, group in enumerate(groups):
+            if j + 1 < len(groups):
+                self._load(groups[j + 1], busy=group)  # overlaps this group's compute
+            self.lane.wait([self.copied[self.slot_of[e]] for e in group])
+            picked = order[bounds[j][0] : bounds[j][1]]
+            y = moe_experts(
+                x[picked // top_k],
+                flat_w[picked, None],
+                self.slot_table[flat_ids[picked, None]],
+                *self.assemble(self.parts),
+            )
+            self._read(group)
+            out.index_add_(0, picked // top_k, y.float())
+        if on_host:
+            out.index_add_(0, host_rows[0], self._host_compute(*host_rows[1:]).to(x.device))
+        return out.to(x.dtype)
+
+    def prepare(self, counts: list[int]) -> tuple[list[list[int]], list[int]]:
+        """From the rows routed to each expert: device groups of the experts needed (resident
+        first; all in one group when they fit the slots, else groups of half the slots) and the
+        misses computed on the host (`split`). Counts hits and host experts;
+        `run` loads each group as it comes."""
+        needed = [e for e, n in enumerate(counts) if n]
+        self.clock += 1
+        for expert in needed:
+            self.uses[expert] += 1
+        resident = [e for e in needed if self.slot_of[e] >= 0]
+        misses = [e for e in needed if self.slot_of[e] < 0]
+        on_host = self.split(misses, counts)
+        self.stats.hits += len(resident)
+        self.stats.on_host += len(on_host)
+        ordered = resident + [e for e in misses if e not in on_host]
+        size = self.slots if len(ordered) <= self.slots else max(1, self.slots // 2)
+        return [ordered[i : i + size] for i in range(0, len(ordered), size)], on_host
+
+    def split(self, misses: list[int], counts: list[int]) -> list[int]:
+        """The misses to compute on the host: those of at most `cpu_rows` rows; with `costs`
+        (copy seconds per expert, host seconds per expert on one row and per further row) only as
+        many, fewest rows first, as keep the host's total within the time of the copies left (the
+        two run at once: the device groups are queued before the host starts)."""
+        candidates = sorted((e for e in misses if counts[e] <= self.cpu_rows), key=lambda e: counts[e])
+        if self.costs is None:
+            return candidates
+        copy_s, first_s, row_s = self.costs
+        on_host, host_s, copies = [], 0.0, len(misses)
+        for expert in candidates:
+            cost = first_s + (counts[expert] - 1) * row_s
+            if host_s + cost > (copies - 1) * copy_s:
+                break
+            on_host.append(expert)
+            host_s, copies = host_s + cost, copies - 1
+        return on_host
+
+    def prefetch(self, count: int) -> None:
+        """Before this layer's routing is known (a chunk that routes to nearly every expert):
+        fill `count` least recently used slots with the most used experts not resident."""
+        wanted = sorted(
+            (e for e in range(self.num_experts) if self.slot_of[e] < 0), key=lambda e: -self.uses[e]
+        )
+        self._load(wanted[:count], busy=[])
+
+    # -- slots
+
+    def _load(self, group: list[int], busy: list[int]) -> None:
+        """Make every expert of `group` resident, evicting only experts outside `group` and
+        `busy`; each copy waits for the last compute that read its slot."""
+        keep, pairs, after = {*group, *busy}, [], []
+        slots = []
+        for expert in group:
+            if self.slot_of[expert] < 0:
+                slot = self._victim(keep)
+                if (old := self.expert_in[slot]) >= 0:
+                    self.slot_of[old] = -1
+                    self.stats.evictions += 1
+                self.expert_in[slot], self.slot_of[expert] = expert, slot
+                pairs += [(dst[slot], src[expert]) for dst, src in zip(self.parts, self.host, strict=True)]
+                after.append(self.read[slot])
+                slots.append(slot)
+            self.last_used[self.slot_of[expert]] = self.clock
+        if slots:
+            self.slot_table.copy_(
+                self._staged(torch.as_tensor(self.slot_of)), non_blocking=True
+            )  # with copies only
+            done = self.lane.copy(pairs, after)
+            for slot in slots:
+                self.copied[slot] = done
+            self.stats.misses += len(slots)
+            self.stats.bytes_in[self.stats.phase] += len(slots) * self.expert_bytes
+
+    def _staged(self, t: torch.Tensor) -> torch.Tensor:
+        """A small host tensor to copy in without a host sync: pinned on CUDA (the pinned
+        allocator keeps it until the copy ran), where a pageable source may wait for the stream."""
+        return t.pin_memory() if self.device.type == "cuda" else t
+
+    def _read(self, group: list[int]) -> None:
+        event = self.lane.record()
+        for expert in group:
+            self.read[self.slot_of[expert]] = event
+
+    def _victim(self, keep: set[int]) -> int:
+        """An empty slot, else the least recently used one (least used expert among equals) outside `keep`."""
+        free = [s for s in range(self.slots) if self.expert_in[s] not in keep]
+        return min(
+            free, key=lambda s: (self.expert_in[s] >= 0, self.last_used[s], self.uses[self.expert_in[s]])
+        )
+
+    def _host_compute(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The host path: host rows x [n, H], weights [n], expert ids [n] -> [n, H] fp32."""
+        out = torch.zeros(x.shape, dtype=torch.float32)
+        for expert in ids.unique().tolist():
+            rows = (ids == expert).nonzero()[:, 0]
+            gate_up, down = (
+                dense(w)[0] for w in self.assemble(tuple(p[expert : expert + 1] for p in self.host))
+            )
+            out[rows] = host_experts(x[rows], weights[rows], gate_up, down)
+        return out
+
+    def hold_all(self) -> None:
+        """Copy every expert in once, for good (there are as many slots as experts)."""
+        assert self.slots >= self.num_experts
+        self._load(list(range(self.num_experts)), busy=[])
+        self.lane.wait(self.copied)  # now: no event from outside a graph capture is waited on later
+        self.copied = [None] * self.slots
+        self.holds_all = True
+
+    def resize(self, slots: int) -> None:
+        """`slots` empty slots instead of the current ones; the old slots' memory is freed first
+        (after every copy into them), so the two never coexist."""
+        self.holds_all = False
+        self.lane.wait(self.copied)
+        self.parts = ()
+        self.parts = tuple(
+            torch.zeros((slots, *p.shape[1:]), dtype=p.dtype, device=self.device) for p in self.host
+        )
+        self.expert_in, self.slot_of = [-1] * slots, [-1] * self.num_experts
+        self.slot_table.fill_(-1)
+        self.last_used, self.copied, self.read = [0] * slots, [None] * slots, [None] * slots

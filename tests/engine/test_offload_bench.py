@@ -1,0 +1,56 @@
+"""`bench/offload.py --preset tiny` on the CPU: one budget in its child process, the table and the
+JSON with speed, link bytes and a short replay per policy."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.offload import GiB, dense_bytes, plan
+from engine.runner import starting_capacity
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "offload.py"
+
+
+@pytest.mark.slow  # about 50 s on 2 cores: a child process, a load, a warm-up and two replays
+def test_bench_smoke_run_on_the_cpu(tiny, tmp_path, ft_home):
+    p = plan(
+        tiny.config, dense_bytes(tiny.model), 1 << 50, tiny.dtype, 1, starting_capacity(tiny.device), 4096
+    )
+    budget = (p.budget_for(4) + p.expert_bytes // 2) / GiB  # 4 of 8 experts per layer
+    out = tmp_path / "offload.json"
+    argv = [
+        sys.executable,
+        str(BENCH),
+        "--preset",
+        "tiny",
+        "--device",
+        "cpu",
+        "--budgets",
+        f"{budget:.6f}",
+        "--context",
+        "64",
+        "--decode-steps",
+        "4",
+        "--limit",
+        "3",
+        "--policies",
+        "anchor,none",
+        "--json",
+        str(out),
+    ]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "expert offload" in proc.stdout and "worst after a tool" in proc.stdout
+    result = json.loads(out.read_text())
+    (run,) = result["budgets"]
+    assert run["plan"]["slots"] == 4 and run["experts"] == 8
+    assert run["prefill_tokens"] == 64 and run["prefill_bytes"] > 0 and run["decode_steps"] == 4
+    assert 0 <= run["decode_hit_rate"] <= 1
+    anchor, none = run["replay"]["anchor"], run["replay"]["none"]
+    assert anchor["prefilled_tokens"] < none["prefilled_tokens"]  # request 3 restores request 2's anchors
+    assert anchor["worst_after_tool_ms"] > 0

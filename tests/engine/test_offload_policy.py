@@ -1,0 +1,308 @@
+"""What a forward does with the host link under offload, on the CPU (the split simulated): the next
+layer's experts prefetched in long chunks, misses computed on the host in short ones, the expert
+cache shrinking as the decode slots grow, and experts stored as any tuple of per-expert parts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from engine import Engine, SamplingParams
+from engine.config import ModelConfig
+from engine.expert_cache import ExpertCache, Lane
+from engine.offload import GiB, Link, OffloadStats, Policy, dense_bytes, plan, state_bytes
+from engine.ops.moe import experts_loop
+from engine.presets import preset_config
+from engine.runner import starting_capacity
+
+TOL = 1e-5
+
+
+def budget_gib(engine: Engine, slots: int, max_running: int) -> float:
+    p = plan(
+        engine.config,
+        dense_bytes(engine.model),
+        1 << 50,
+        engine.dtype,
+        max_running,
+        capacity=starting_capacity(engine.device),
+        tokens=4096,
+    )
+    return (p.budget_for(slots) + p.expert_bytes // 2) / GiB
+
+
+def _load(preset_dirs, tiny, slots: int, max_running: int = 4) -> Engine:
+    engine = Engine.load(
+        preset_dirs["tiny"], gpu_memory_gib=budget_gib(tiny, slots, max_running), max_running=max_running
+    )
+    assert engine.offload is not None and engine.offload.plan.slots == slots
+    return engine
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, 5000) for _ in range(n)]
+
+
+def _trace(engine: Engine) -> list[tuple[str, int]]:
+    """Log each layer's expert run and prefetch, in order."""
+    log: list[tuple[str, int]] = []
+    assert engine.offload is not None
+    for layer, cache in engine.offload.caches.items():
+        run, prefetch = cache.run, cache.prefetch
+        cache.run = lambda *a, _run=run, _l=layer: (log.append(("run", _l)), _run(*a))[1]
+        cache.prefetch = lambda n, _p=prefetch, _l=layer: (log.append(("prefetch", _l)), _p(n))[1]
+    return log
+
+
+def test_coverage_tokens():
+    c = ModelConfig.from_dict(preset_config("qwen3.6-35b-a3b"))
+    assert Policy.coverage_tokens(c) == 73  # 1 - (1 - 8/256)^73 >= 0.9 > 1 - (1 - 8/256)^72
+    tiny = ModelConfig.from_dict(preset_config("tiny"))
+    assert Policy.coverage_tokens(tiny) == 9
+
+
+def test_policy_from_the_link():
+    c = ModelConfig.from_dict(preset_config("qwen3.6-35b-a3b"))
+    policy = Policy.measured(c, Link(h2d_bytes_per_s=50e9, host_expert_s=1e-3, host_row_s=1e-4), 6 << 20)
+    assert policy.costs == ((6 << 20) / 50e9, 1e-3, 1e-4) and policy.stream_tokens == 73
+
+
+def test_host_and_copies_balanced():
+    """Misses go to the host, fewest rows first, while the host's total stays within the time of
+    the copies left: here copies of 1 s, the host 2 s an expert and 0.5 s a further row."""
+    cache = ExpertCache(
+        (torch.randn(8, 16, 8), torch.randn(8, 8, 8)),
+        4,
+        torch.device("cpu"),
+        OffloadStats(),
+        Lane(torch.device("cpu")),
+    )
+    cache.cpu_rows, cache.costs = 1 << 16, (1.0, 2.0, 0.5)
+    counts = [1, 1, 3, 1, 1, 1, 1, 1]
+    assert cache.split(list(range(8)), counts) == [0, 1]  # 2 <= 7 copies left, 4 <= 6, 6 > 5
+    assert cache.split([2, 5], counts) == []  # 2 s on the host against 1 s of copies
+    cache.costs = (1.0, 0.1, 0.1)
+    assert cache.split(list(range(8)), counts) == [0, 1, 3, 4, 5, 6, 7]  # 0.7 s <= one copy left
+    cache.costs = None
+    no_costs = cache.split([0, 1, 2, 3], [1, 1, 3, 2, 0, 0, 0, 0])
+    assert no_costs == [0, 1, 3, 2]  # every miss of at most cpu_rows rows, fewest first
+
+
+def test_long_chunks_prefetch_the_next_layer_before_its_routing(preset_dirs, tiny):
+    engine = _load(preset_dirs, tiny, slots=4)
+    offload = engine.offload
+    assert offload is not None and offload.policy.stream_tokens == 9
+    log = _trace(engine)
+    state = engine.new_state()
+    engine.prefill(state, _prompt(40, 1))
+    layers = sorted(offload.caches)
+    want = [("prefetch", layers[0])]
+    for layer, following in zip(layers, [*layers[1:], None], strict=True):
+        want += [("run", layer)] + ([("prefetch", following)] if following is not None else [])
+    assert log == want
+    log.clear()
+    engine.prefill(state, _prompt(5, 2))  # below stream_tokens: only routed experts, after routing
+    engine.decode(state, 77)
+    assert log == [("run", layer) for layer in layers] * 2
+
+
+def test_prefetch_and_double_buffered_groups_match_no_offload(preset_dirs, tiny):
+    """Prefill chunks long enough to prefetch, with groups of half the slots, then decode."""
+    engine = _load(preset_dirs, tiny, slots=4)
+    tokens = _prompt(300, 3)
+    out = {}
+    for name, eng in (("plain", tiny), ("offload", engine)):
+        state = eng.new_state()
+        res = eng.prefill(state, tokens, all_logits=True)
+        events = list(eng.generate(state, res.logits[-1], SamplingParams(temperature=0.0, max_tokens=5)))
+        out[name] = (res.logits, [e.token_id for e in events])
+    assert out["offload"][1] == out["plain"][1]
+    assert (out["plain"][0] - out["offload"][0]).abs().max().item() <= TOL
+    stats = engine.offload.stats
+    assert stats.misses > 0 and stats.on_host == 0
+
+
+def test_misses_computed_on_the_host_match_no_offload(preset_dirs, tiny):
+    engine = _load(preset_dirs, tiny, slots=2)
+    offload = engine.offload
+    offload.policy = Policy(stream_tokens=offload.policy.stream_tokens, cpu_rows=3)
+    tokens = _prompt(6, 4)  # a short suffix: below stream_tokens
+    out = {}
+    for name, eng in (("plain", tiny), ("offload", engine)):
+        state = eng.new_state()
+        logits = eng.prefill(state, tokens, all_logits=True).logits
+        out[name] = torch.cat([logits, eng.feed(state, [11, 12, 13, 14])])
+    assert (out["plain"] - out["offload"]).abs().max().item() <= TOL
+    stats = offload.stats.as_dict()
+    assert stats["on_host"] > 0
+    needed = stats["hits"] + stats["misses"] + stats["on_host"]
+    assert needed >= 5 * len(offload.caches) * 2  # each of the 5 forwards: top_k or more per layer
+
+
+def test_host_rows_only_for_misses_with_few_rows():
+    cache = ExpertCache(
+        (torch.randn(8, 16, 8), torch.randn(8, 8, 8)),
+        4,
+        torch.device("cpu"),
+        OffloadStats(),
+        Lane(torch.device("cpu")),
+    )
+    cache.cpu_rows = 2
+    cache._load([0], busy=[])
+    groups, on_host = cache.prepare([5, 1, 2, 3, 0, 0, 0, 1])
+    assert on_host == [1, 7, 2]  # misses with at most two rows, fewest first; 0 is resident, 3 has three rows
+    assert groups == [[0, 3]]
+
+
+def test_experts_as_any_tuple_of_parts():
+    """Gate, up and down as three parts, assembled into the pair `moe_experts` takes (as quantized
+    stacks' field arrays are assembled into `QuantWeight`s)."""
+    torch.manual_seed(5)
+    gate, up, down = torch.randn(8, 8, 8), torch.randn(8, 8, 8), torch.randn(8, 8, 8)
+    cache = ExpertCache(
+        (gate, up, down),
+        3,
+        torch.device("cpu"),
+        OffloadStats(),
+        Lane(torch.device("cpu")),
+        assemble=lambda p: (torch.cat([p[0], p[1]], dim=1), p[2]),
+    )
+    assert cache.expert_bytes == 3 * 8 * 8 * 4
+    cache.cpu_rows = 1
+    x, weights = torch.randn(30, 8), torch.rand(30, 2)
+    ids = torch.stack([torch.randperm(7)[:2] for _ in range(30)])
+    ids[0, 0] = 7  # expert 7 on one row only: on the host
+    want = experts_loop(x, weights, ids, torch.cat([gate, up], dim=1), down)
+    torch.testing.assert_close(cache.run(x, weights, ids, experts_loop), want, rtol=1e-5, atol=1e-5)
+    assert cache.stats.on_host == 1
+
+
+def test_decode_slots_growing_shrink_the_expert_cache(preset_dirs, tiny):
+    """One running sequence past the slots' first capacity: the expert slots shrink first, the
+    plan's total stays within the budget and the logits stay those without offload."""
+    engine = _load(preset_dirs, tiny, slots=8, max_running=1)
+    offload = engine.offload
+    engine.runner.warmup(1)  # the slots the plan counted: capacity for the largest prefill bucket
+    budget, start = offload.plan.budget, engine.runner.capacity
+    assert start == starting_capacity(engine.device) == 512 and offload.plan.slots == 8
+    tokens = _prompt(start - 10, 6)
+    out = {}
+    for name, eng in (("plain", tiny), ("offload", engine)):
+        state = eng.new_state()
+        eng.prefill(state, tokens)
+        out[name] = eng.feed(state, list(range(300, 320)))  # past 512 tokens: capacity 512 -> 1024
+    assert engine.runner.capacity == 2 * start
+    assert not offload.holds_all  # 8 of 8 slots before the growth: fetching from now on
+    p = offload.plan
+    assert (
+        p.states
+        == state_bytes(engine.config, engine.dtype, engine.runner.slots, 2 * start)
+        == engine.runner.nbytes
+    )
+    grown = p.states - state_bytes(engine.config, engine.dtype, 1, start)
+    assert p.slots == 8 - -(-grown // (p.expert_bytes * p.layers)) >= 2  # the fewest slots given up
+    assert p.budget_for(p.slots) <= budget and offload.nbytes == p.slots * p.expert_bytes * p.layers
+    assert (out["plain"] - out["offload"]).abs().max().item() <= TOL
+
+
+def test_growth_beyond_the_budget_is_a_clear_error(preset_dirs, tiny):
+    from engine.offload import BudgetError
+
+    engine = _load(preset_dirs, tiny, slots=2, max_running=1)
+    engine.runner.warmup(1)
+    state = engine.new_state()
+    engine.prefill(state, _prompt(engine.runner.capacity - 10, 7))
+    with pytest.raises(BudgetError, match="fewer than top_k = 2"):
+        engine.feed(state, list(range(20)))
+
+
+class DeferredLane(Lane):
+    """A copy stream simulated on the CPU: copies land only when the compute side waits for their
+    event (in issue order, as on one stream), so a compute that reads a slot without waiting for
+    its copy reads the slot's previous expert."""
+
+    def __init__(self):
+        super().__init__(torch.device("cpu"))
+        self.queue: list[tuple[object, list]] = []
+
+    def copy(self, pairs, after):
+        event = object()
+        self.queue.append((event, [(dst, src.clone()) for dst, src in pairs]))
+        return event
+
+    def wait(self, events):
+        wanted = {id(e) for e in events if e is not None}
+        while wanted and self.queue:
+            event, pairs = self.queue.pop(0)
+            for dst, src in pairs:
+                dst.copy_(src)
+            wanted.discard(id(event))
+
+
+def test_every_compute_waits_for_the_copies_into_its_slots(preset_dirs, tiny):
+    engine = _load(preset_dirs, tiny, slots=4)
+    lane = DeferredLane()
+    for cache in engine.offload.caches.values():
+        cache.lane = lane
+    tokens = _prompt(120, 8)
+    out = {}
+    for name, eng in (("plain", tiny), ("offload", engine)):
+        state = eng.new_state()
+        logits = eng.prefill(state, tokens, all_logits=True).logits  # prefetch + double-buffered groups
+        out[name] = torch.cat(
+            [logits, eng.prefill(state, tokens[:5], all_logits=True).logits, eng.feed(state, [21, 22, 23])]
+        )
+    assert (out["plain"] - out["offload"]).abs().max().item() <= TOL
+
+
+def test_quantized_stacks_as_the_expert_store():
+    """FP8 stacks (`QuantWeight`): their parts are the store, slots and host path alike."""
+    quant = pytest.importorskip("engine.ops.gpu.quant")
+    from engine.offload import quantized_store
+
+    torch.manual_seed(9)
+    experts, hidden, inter = 8, 128, 128
+    gate_up = quant.pack_fp8(
+        torch.randn(experts, 2 * inter, hidden).to(torch.float8_e4m3fn), torch.rand(experts, 2, 1) + 0.5
+    )
+    down = quant.pack_fp8(
+        torch.randn(experts, hidden, inter).to(torch.float8_e4m3fn), torch.rand(experts, 1, 1) + 0.5
+    )
+    parts, assemble = quantized_store(gate_up, down)
+    cache = ExpertCache(
+        parts, 3, torch.device("cpu"), OffloadStats(), Lane(torch.device("cpu")), assemble=assemble
+    )
+    assert cache.expert_bytes * experts == gate_up.nbytes + down.nbytes
+    cache.cpu_rows = 1
+
+    def dequantizing(x, weights, ids, gu, dn):  # what quant.grouped computes, in plain torch
+        assert gu.shape[0] == dn.shape[0] == 3  # run on the slots
+        return experts_loop(x, weights, ids, gu.dequantize(), dn.dequantize())
+
+    x, weights = torch.randn(40, hidden), torch.rand(40, 2)
+    ids = torch.stack([torch.randperm(7)[:2] for _ in range(40)])
+    ids[0, 0] = 7  # one row: on the host, from the dequantized host copy
+    want = experts_loop(x, weights, ids, gate_up.dequantize(), down.dequantize())
+    torch.testing.assert_close(cache.run(x, weights, ids, dequantizing), want, rtol=1e-5, atol=1e-4)
+    assert cache.stats.on_host == 1 and cache.stats.misses >= 7
+
+
+def test_a_budget_for_every_expert_copies_them_once(preset_dirs, tiny):
+    """Every expert has a slot: copied in at start, never chosen again (no host sync, so a GPU
+    captures decode in graphs again); exact, and fetching resumes once growth takes slots away."""
+    engine = _load(preset_dirs, tiny, slots=8)
+    offload = engine.offload
+    layers = len(offload.caches)
+    assert offload.holds_all and all(c.holds_all for c in offload.caches.values())
+    assert offload.stats.misses == 8 * layers
+    tokens = _prompt(60, 10)
+    out = {}
+    for name, eng in (("plain", tiny), ("offload", engine)):
+        state = eng.new_state()
+        logits = eng.prefill(state, tokens, all_logits=True).logits
+        out[name] = torch.cat([logits, eng.feed(state, [31, 32, 33])])
+    assert (out["plain"] - out["offload"]).abs().max().item() <= TOL
+    assert (offload.stats.hits, offload.stats.misses) == (0, 8 * layers)  # nothing chosen, nothing copied
