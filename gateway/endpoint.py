@@ -138,7 +138,10 @@ class _Run:
         def emit(item: object) -> None:
             loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
-        self.generation = Generation(rt, plan, emit, self.cancel, received, planned, call_ids(protocol))
+        self.generation = Generation(
+            plan, rt.checkpoints, rt.renderer, rt.memo, rt.metrics, device=rt.engine.device,
+            forced_decode=rt.config.forced_decode, emit=emit, cancel=self.cancel, received_at=received,
+            planned_at=planned, call_id=call_ids(protocol))
         drain.check()
         future = rt.scheduler.start(self.generation.steps(), self.cancel, lambda: self.generation.answered)
         future.add_done_callback(lambda f: emit(_Done(None if (e := f.exception()) is None else typed(e))))

@@ -13,6 +13,7 @@ from pathlib import Path
 from checkpoint_store import CheckpointStore, StoreConfig
 from engine import Engine
 from gateway.anchors import root_anchor
+from gateway.checkpoints import Checkpoints
 from gateway.live import LiveSequences
 from gateway.memo import MemoFile, TokenMemo
 from gateway.metrics import Metrics
@@ -68,12 +69,14 @@ class Runtime:
     recorder: Recorder | None = None
     replay: ReplayOutputs | None = None
     started_at: float = field(default_factory=time.time)
-    live: LiveSequences = field(init=False)  # sequences left at a state checkpoint (worker only)
+    checkpoints: Checkpoints = field(init=False)  # every request's checkpoint steps (worker only)
 
     def __post_init__(self) -> None:
-        self.live = LiveSequences(self.config.live_sequences)
         self.scheduler = Scheduler(self.engine, self.config.max_running, self.config.max_queue)
         self.store_queue = StoreQueue(self.store)
+        live = LiveSequences(self.config.live_sequences)  # sequences left at a state checkpoint
+        self.checkpoints = Checkpoints(self.engine, self.store, self.store_queue, live, self.metrics,
+                                       self.config.policy, self.root, self.scheduler)
 
     @property
     def idle(self) -> bool:
