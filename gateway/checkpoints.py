@@ -41,22 +41,27 @@ class Checkpoints:
         and the number of tokens it covers. When a live sequence sits at that prefix's end or deeper
         (the previous answer, or the precomputed history, that this request extends), it is continued
         in place: the same state with no copy (on a GPU: no host-to-device transfer of the prefix).
-        Checkpoints of `chain` still on their way into the store are waited for, no others."""
+        Checkpoints of `chain` still on their way into the store are waited for, no others; the
+        match is recomputed only after such a wait (only this thread queues checkpoints, so with
+        none of `chain` queued before the match, the match is final)."""
         if self.policy == "none" or not chain:
             return self.engine.new_state(), 0
+        queued = self.store_queue.holds(chain)
         count = self.store.longest_restorable(list(chain))
         live = self.live.take(chain, ends, count)
         if live is not None:
             self.metrics.add_tokens(continued=live.length)
             return live, live.length
-        self.store_queue.wait_for(chain)
-        for _ in range(3):  # the disk writer may evict between the match and the load: retry shorter
+        if queued:
+            self.store_queue.wait_for(chain)
             count = self.store.longest_restorable(list(chain))
+        for _ in range(3):  # the disk writer may evict between the match and the load: retry shorter
             if count == 0:
                 break
             records = self.store.load_records(list(chain[:count]))  # deltas, not joined: copied into place once
             if records is not None:
                 return self.engine.restore(records), ends[count - 1]
+            count = self.store.longest_restorable(list(chain))
         return self.engine.new_state(), 0
 
     def prefill(
