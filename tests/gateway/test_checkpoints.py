@@ -8,7 +8,6 @@ import threading
 
 import pytest
 
-from gateway.plan import make_plan
 from gateway.protocols import chat
 from gateway.runtime import ServeConfig, build_runtime
 
@@ -24,7 +23,7 @@ def test_restore_waits_for_its_queued_chain_and_matches_once_when_none_is_queued
     rt = runtime
     body = {"model": "tiny", "messages": [{"role": "system", "content": "You read logs."},
                                           {"role": "user", "content": "line of the log\n" * 40}]}
-    plan = make_plan(rt, chat.parse_request(body))
+    plan = rt.planner.plan(chat.parse_request(body))
     # the store writer holds its first put until the restore has matched once (the real store,
     # paused): the prompt's checkpoints are then certainly queued when the restore starts
     gate, put = threading.Event(), rt.store.put
