@@ -22,7 +22,6 @@ from gateway.drain import Drain
 from gateway.errors import ClientGone, PayloadTooLarge, error_event, typed
 from gateway.events import Event, collect
 from gateway.generation import Answered, Generation, Started
-from gateway.plan import make_plan
 from gateway.protocol import Protocol, call_ids
 from gateway.protocols import BadRequest
 from gateway.record import AssistantOutput, RecordLine, Timings
@@ -96,7 +95,7 @@ async def generate(request: Request, protocol: Protocol) -> Response:
     drain.check()
     body = await read_json(request, body_limit(rt))
     conv = protocol.parse(body)
-    plan = await anyio.to_thread.run_sync(make_plan, rt, conv)
+    plan = await anyio.to_thread.run_sync(rt.planner.plan, conv)
     run = _Run(rt, plan, protocol, received, drain, request)
     first = await run.first()
     headers = {
@@ -138,7 +137,10 @@ class _Run:
         def emit(item: object) -> None:
             loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
-        self.generation = Generation(rt, plan, emit, self.cancel, received, planned, call_ids(protocol))
+        self.generation = Generation(
+            plan, rt.checkpoints, rt.renderer, rt.memo, rt.metrics, device=rt.engine.device,
+            forced_decode=rt.config.forced_decode, emit=emit, cancel=self.cancel, received_at=received,
+            planned_at=planned, call_id=call_ids(protocol))
         drain.check()
         future = rt.scheduler.start(self.generation.steps(), self.cancel, lambda: self.generation.answered)
         future.add_done_callback(lambda f: emit(_Done(None if (e := f.exception()) is None else typed(e))))

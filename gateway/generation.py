@@ -10,18 +10,25 @@ import threading
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
+
+import msgspec
 
 from engine import Decoding, Feed, PrefillResult, SequenceState
-from gateway import checkpoints
+from gateway.checkpoints import Checkpoints
 from gateway.conversation import Message, ToolCall
 from gateway.events import Event, Finish, FinishReason, Usage, collect
+from gateway.memo import TokenMemo
+from gateway.metrics import Metrics
 from gateway.parsers import QwenParser
 from gateway.parsers.stop import StopMatcher
 from gateway.plan import Plan
 from gateway.policy import keeps_generation_end, precomputes
-from gateway.runtime import Runtime
+from gateway.render import Renderer, Segment
 from gateway.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("gateway.generation")
 
@@ -47,46 +54,54 @@ class Generation:
     """One request's work on the engine worker, driven step by step by the scheduler: restore
     the longest checkpointed prefix, prefill the rest (checkpoints go to the store queue), decode
     or teacher-force with every token batched among the other running requests, then checkpoint
-    the generation's end. `steps()` yields each feed it needs run; events go to the request's
-    async side through `emit`. `received_at`, `planned_at`: perf_counter times of the request's
-    arrival and of its plan."""
+    the generation's end and schedule the next turn's precompute. `steps()` yields each feed it
+    needs run; events go to the request's async side through `emit`. `received_at`, `planned_at`:
+    perf_counter times of the request's arrival and of its plan.
 
-    def __init__(self, rt: Runtime, plan: Plan, emit: Callable[[Started | Event | Answered], None],
+    It is given exactly what it reads of the server, so its dependencies show: `checkpoints` (the
+    steps that touch the store), the `renderer` and `memo` (parsing the output, rendering the next
+    turn), the `metrics`, the engine's `device` (sampling) and `forced_decode` (see `_decode`)."""
+
+    def __init__(self, plan: Plan, checkpoints: Checkpoints, renderer: Renderer, memo: TokenMemo, metrics: Metrics,
+                 *, device: torch.device, forced_decode: str, emit: Callable[[Started | Event | Answered], None],
                  cancel: threading.Event, received_at: float, planned_at: float, call_id: Callable[[], str]):
-        self.rt, self.plan, self.emit, self.cancel = rt, plan, emit, cancel
+        self.plan, self.checkpoints, self.renderer, self.memo, self.metrics = plan, checkpoints, renderer, memo, metrics
+        self.device, self.forced_decode = device, forced_decode
+        self.emit, self.cancel = emit, cancel
         self.received_at, self.planned_at, self.call_id = received_at, planned_at, call_id
         self.events: list[Event] = []
         self.answered = False  # the answer is sent; what remains checkpoints its end
 
     def steps(self) -> Generator[Feed, None, list[Event]]:
         """Returns every event emitted (for the recorder)."""
-        rt, plan = self.rt, self.plan
+        plan, checkpoints = self.plan, self.checkpoints
         t_start = time.perf_counter()
-        state, cached = checkpoints.restore(rt, plan.chain[:-1], plan.ends)
+        state, cached = checkpoints.restore(plan.chain[:-1], plan.ends)
         t_restored = time.perf_counter()
-        result = yield from checkpoints.prefill(rt, state, plan.segments, plan.chain, plan.ends, cached)
+        result = yield from checkpoints.prefill(state, plan.segments, plan.chain, plan.ends, cached)
         t_first = time.perf_counter()
         phases = {"plan": self.planned_at - self.received_at, "queue": t_start - self.planned_at,
                   "restore": t_restored - t_start, "prefill": t_first - t_restored}
         started = Started(cached, plan.prompt_len - cached, t_first - self.received_at, phases)
-        rt.metrics.observe_ttft(started.ttft_s)
-        rt.metrics.add_tokens(prefilled=started.prefill_tokens, reused=cached)
+        self.metrics.observe_ttft(started.ttft_s)
+        self.metrics.add_tokens(prefilled=started.prefill_tokens, reused=cached)
         self.emit(started)
         self._send([Usage(plan.prompt_len, cached, started.prefill_tokens)])
         stops = StopMatcher(plan.conv.params.stop)
         generated, finish = yield from self._decode(state, result.logits, stops)
-        reasoning_tokens = _reasoning_tokens(rt, generated)
+        reasoning_tokens = self._reasoning_tokens(generated)
         self._send([Finish(finish, stops.hit),
                     Usage(plan.prompt_len, cached, started.prefill_tokens, len(generated), reasoning_tokens)])
-        rt.metrics.add_tokens(generated=len(generated))
-        message = _remember(rt, plan, generated, self.events) if finish != "cancelled" else None
+        self.metrics.add_tokens(generated=len(generated))
+        message = self._remember(generated) if finish != "cancelled" else None
         self.emit(ANSWERED)  # the client has its whole answer; what follows only prepares the next request
         self.answered = True
         if message is not None:
-            if keeps_generation_end(rt.config.policy):
-                yield from checkpoints.generation_end(rt, plan, state, generated)
-            if precomputes(rt.config.policy) and not message.tool_calls:
-                checkpoints.schedule_precompute(rt, plan.conv, message)
+            if keeps_generation_end(checkpoints.policy):
+                segments = self.renderer.generation_segments(generated, len(plan.conv.messages))
+                yield from checkpoints.save_generation_end(state, segments, plan.prompt_len, plan.chain[-1], generated)
+            if precomputes(checkpoints.policy) and not message.tool_calls:
+                checkpoints.schedule_precompute(self._next_turn_segments(message))
         return self.events
 
     def _send(self, events: list[Event]) -> None:
@@ -98,15 +113,15 @@ class Generation:
         """Sampled tokens, or the forced ones. Forced tokens after the first are fed in one feed
         (`--forced-decode prefill`, the default: same state, no per-token decode cost) or one
         decode step each (`steps`: what generating them would have cost)."""
-        rt, plan, conv = self.rt, self.plan, self.plan.conv
+        plan, conv, tokenizer = self.plan, self.plan.conv, self.renderer.tokenizer
         tools = {t.name: t.parameters for t in conv.tools if t.kind == "function"}
         custom = [t.name for t in conv.tools if t.kind == "custom"]
         parser = QwenParser(tools, custom_tools=custom, reasoning=conv.params.enable_thinking, call_id=self.call_id)
-        eos = set(rt.renderer.tokenizer.eos_ids)
-        detok = IncrementalDetokenizer(rt.renderer.tokenizer, skip_ids=frozenset(eos))
+        eos = set(tokenizer.eos_ids)
+        detok = IncrementalDetokenizer(tokenizer, skip_ids=frozenset(eos))
         forced = plan.forced_ids
-        decoding = Decoding(plan.sampling, rt.engine.device, forced)
-        forced_in_one_feed = bool(forced) and rt.config.forced_decode == "prefill"
+        decoding = Decoding(plan.sampling, self.device, forced)
+        forced_in_one_feed = bool(forced) and self.forced_decode == "prefill"
         generated: list[int] = []
         while True:
             ev = decoding.next(logits)
@@ -128,10 +143,30 @@ class Generation:
         self._send(stops.filter(parser.feed(detok.flush()) + parser.close()) + stops.flush())
         return generated, "stop" if ev.token_id in eos or ev.finish_reason == "stop" else "length"
 
+    def _reasoning_tokens(self, generated: list[int]) -> int:
+        think_end = self.renderer.tokenizer.special_ids.get("</think>")
+        return generated.index(think_end) if think_end in generated else 0
 
-def _reasoning_tokens(rt: Runtime, generated: list[int]) -> int:
-    think_end = rt.renderer.tokenizer.special_ids.get("</think>")
-    return generated.index(think_end) if think_end in generated else 0
+    def _remember(self, generated: list[int]) -> Message | None:
+        """The complete assistant message, its tokens remembered before the client can send it back
+        (None when truncated: not a message the client will send back as it is)."""
+        eos = self.renderer.tokenizer.eos_ids
+        if not generated or generated[-1] != eos[0]:
+            return None
+        message = assistant_message(self.events)
+        self.memo.remember(message, generated, self.plan.memo_handle)
+        return message
+
+    def _next_turn_segments(self, reply: Message) -> list[Segment]:
+        """The history as the next request (a new user message after `reply`) will render it:
+        Qwen's template then drops the reasoning of this turn."""
+        conv = self.plan.conv
+        probe = Message(role="user", content="\u2063")
+        future = msgspec.structs.replace(conv, messages=(*conv.messages, reply, probe), forced_output=None)
+        segments = self.renderer.render(future, self.memo)
+        probe_index = len(conv.messages) + 1
+        return [s for s in segments if (s.message_index is None and s.kind in ("system", "tools"))
+                or (s.message_index is not None and s.message_index < probe_index)]
 
 
 def assistant_message(events: list[Event]) -> Message:
@@ -143,14 +178,3 @@ def assistant_message(events: list[Event]) -> Message:
         calls.append(ToolCall(id=call.call_id, name=call.name, arguments=args if isinstance(args, dict) else None,
                               input=args if isinstance(args, str) else None))
     return Message(role="assistant", reasoning=collected.reasoning, content=collected.text, tool_calls=tuple(calls))
-
-
-def _remember(rt: Runtime, plan: Plan, generated: list[int], events) -> Message | None:
-    """The complete assistant message, its tokens remembered before the client can send it back
-    (None when truncated: not a message the client will send back as it is)."""
-    eos = rt.renderer.tokenizer.eos_ids
-    if not generated or generated[-1] != eos[0]:
-        return None
-    message = assistant_message(events)
-    rt.memo.remember(message, generated, plan.memo_handle)
-    return message

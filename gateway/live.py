@@ -1,5 +1,5 @@
 """Live sequences: states the engine worker left at a checkpoint, continued in place by the
-request that extends them (see `gateway.checkpoints.restore`)."""
+request that extends them (see `gateway.checkpoints.Checkpoints.restore`)."""
 
 from __future__ import annotations
 

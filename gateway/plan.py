@@ -11,9 +11,10 @@ from engine import SamplingParams
 from gateway.anchors import anchor_chain, boundaries
 from gateway.conversation import Conversation, Message, ToolCall
 from gateway.errors import ContextLengthExceeded
-from gateway.render import Segment, segment_ids
-from gateway.runtime import Runtime
-from gateway.volatile import normalize
+from gateway.memo import TokenMemo
+from gateway.render import Renderer, Segment, segment_ids
+from gateway.replay_outputs import ReplayOutputs
+from gateway.volatile import VolatileRules, normalize
 
 
 @dataclass
@@ -43,29 +44,41 @@ def forced_message(conv: Conversation) -> Message | None:
     return Message(role="assistant", reasoning=forced.reasoning or "", content=forced.content or "", tool_calls=calls)
 
 
-def make_plan(rt: Runtime, conv: Conversation) -> Plan:
-    conv = normalize(conv, rt.volatile_rules)
-    if conv.forced_output is None and rt.replay is not None and conv.tools:
-        forced = rt.replay.take()
-        if forced is not None:
-            conv = msgspec.structs.replace(conv, forced_output=forced)
-    segments = rt.renderer.render(conv, rt.memo)
-    prompt_ids = segment_ids(segments)
-    max_context = rt.engine.max_context
-    if len(prompt_ids) >= max_context:
-        raise ContextLengthExceeded(len(prompt_ids), max_context)
-    message = forced_message(conv)
-    forced_ids = rt.renderer.render_generation(conv, message) if message is not None else None
-    p = conv.params
-    limits = [p.max_tokens or rt.config.default_max_tokens, max_context - len(prompt_ids), rt.config.max_tokens_cap]
-    sampling = SamplingParams(
-        max_tokens=min(n for n in limits if n is not None),
-        temperature=1.0 if p.temperature is None else p.temperature,
-        top_p=1.0 if p.top_p is None else p.top_p,
-        top_k=p.top_k or 0,
-        seed=p.seed,
-        stop_token_ids=frozenset(rt.renderer.tokenizer.eos_ids),
-        vocab_limit=rt.renderer.tokenizer.vocab_size,
-    )
-    return Plan(conv, segments, anchor_chain(segments, rt.root), boundaries(segments), prompt_ids, sampling,
-                forced_ids, rt.memo.issue_handle())
+class Planner:
+    """Turns a parsed request into its `Plan`. Built once per server from exactly what planning
+    reads: the renderer and token memo (the segments), the root anchor (the chain), the rules for
+    volatile fields, the recorded outputs a replay forces, the model's context and the
+    `max_tokens` default and cap. Any thread (it runs off the event loop, before the worker)."""
+
+    def __init__(self, renderer: Renderer, memo: TokenMemo, root: bytes, volatile_rules: VolatileRules,
+                 replay: ReplayOutputs | None, max_context: int, default_max_tokens: int, max_tokens_cap: int | None):
+        self.renderer, self.memo, self.root, self.volatile_rules = renderer, memo, root, volatile_rules
+        self.replay, self.max_context = replay, max_context
+        self.default_max_tokens, self.max_tokens_cap = default_max_tokens, max_tokens_cap
+
+    def plan(self, conv: Conversation) -> Plan:
+        conv = normalize(conv, self.volatile_rules)
+        if conv.forced_output is None and self.replay is not None and conv.tools:
+            forced = self.replay.take()
+            if forced is not None:
+                conv = msgspec.structs.replace(conv, forced_output=forced)
+        segments = self.renderer.render(conv, self.memo)
+        prompt_ids = segment_ids(segments)
+        max_context = self.max_context
+        if len(prompt_ids) >= max_context:
+            raise ContextLengthExceeded(len(prompt_ids), max_context)
+        message = forced_message(conv)
+        forced_ids = self.renderer.render_generation(conv, message) if message is not None else None
+        p = conv.params
+        limits = [p.max_tokens or self.default_max_tokens, max_context - len(prompt_ids), self.max_tokens_cap]
+        sampling = SamplingParams(
+            max_tokens=min(n for n in limits if n is not None),
+            temperature=1.0 if p.temperature is None else p.temperature,
+            top_p=1.0 if p.top_p is None else p.top_p,
+            top_k=p.top_k or 0,
+            seed=p.seed,
+            stop_token_ids=frozenset(self.renderer.tokenizer.eos_ids),
+            vocab_limit=self.renderer.tokenizer.vocab_size,
+        )
+        return Plan(conv, segments, anchor_chain(segments, self.root), boundaries(segments), prompt_ids, sampling,
+                    forced_ids, self.memo.issue_handle())

@@ -1,5 +1,7 @@
 """Everything a running server holds: settings, engine, store, renderer, memo, scheduler,
-metrics and recorder. Built once by `build_runtime`; the app reads it, nothing is global."""
+metrics and recorder, and what each request is given from them: the `Planner` (its plan) and
+the `Checkpoints` (its checkpoint steps on the worker). Built once by `build_runtime`; only the
+app's wiring reads it (a request's work is given the parts it uses), nothing is global."""
 
 from __future__ import annotations
 
@@ -13,9 +15,11 @@ from pathlib import Path
 from checkpoint_store import CheckpointStore, StoreConfig
 from engine import Engine
 from gateway.anchors import root_anchor
+from gateway.checkpoints import Checkpoints
 from gateway.live import LiveSequences
 from gateway.memo import MemoFile, TokenMemo
 from gateway.metrics import Metrics
+from gateway.plan import Planner
 from gateway.recorder import Recorder
 from gateway.render import Renderer, load_renderer
 from gateway.replay_outputs import ReplayOutputs
@@ -68,12 +72,17 @@ class Runtime:
     recorder: Recorder | None = None
     replay: ReplayOutputs | None = None
     started_at: float = field(default_factory=time.time)
-    live: LiveSequences = field(init=False)  # sequences left at a state checkpoint (worker only)
+    planner: Planner = field(init=False)  # a request's plan, off the event loop
+    checkpoints: Checkpoints = field(init=False)  # every request's checkpoint steps (worker only)
 
     def __post_init__(self) -> None:
-        self.live = LiveSequences(self.config.live_sequences)
         self.scheduler = Scheduler(self.engine, self.config.max_running, self.config.max_queue)
         self.store_queue = StoreQueue(self.store)
+        self.planner = Planner(self.renderer, self.memo, self.root, self.volatile_rules, self.replay,
+                               self.engine.max_context, self.config.default_max_tokens, self.config.max_tokens_cap)
+        live = LiveSequences(self.config.live_sequences)  # sequences left at a state checkpoint
+        self.checkpoints = Checkpoints(self.engine, self.store, self.store_queue, live, self.metrics,
+                                       self.config.policy, self.root, self.scheduler)
 
     @property
     def idle(self) -> bool:

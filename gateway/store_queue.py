@@ -37,10 +37,15 @@ class StoreQueue:
             self._queued.update(anchors)
             self._cond.notify_all()
 
+    def holds(self, chain: Sequence[bytes]) -> bool:
+        """Whether a checkpoint of `chain` is still queued or being stored."""
+        with self._cond:
+            return any(a in self._queued for a in chain)
+
     def wait_for(self, chain: Sequence[bytes]) -> None:
         """Return once no checkpoint of `chain` is still queued (or the thread has stopped)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._stopped or not any(a in self._queued for a in chain))
+            self._cond.wait_for(lambda: self._stopped or not self.holds(chain))
 
     @property
     def idle(self) -> bool:

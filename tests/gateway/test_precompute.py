@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.checkpoints import PRECOMPUTE_STEP, precompute
+from gateway.checkpoints import PRECOMPUTE_STEP
 from gateway.protocols import chat
 from gateway.runtime import ServeConfig, build_runtime
 
@@ -29,7 +29,7 @@ def long_history(rt):
 
 
 def run(rt, segments) -> int:
-    return rt.scheduler.background(precompute(rt, segments)).result(timeout=300)
+    return rt.checkpoints.schedule_precompute(segments).result(timeout=300)
 
 
 def test_precompute_stops_for_a_live_request_and_resumes_from_its_checkpoints(runtime, monkeypatch):
