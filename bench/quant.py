@@ -17,8 +17,9 @@ Per format: resident weight bytes (`Engine.memory()`), file size, load seconds, 
 one sequence (`--prefill`, 8K), decode tok/s at batch 1 and 4 (runner steps at `--context`).
 `llama`: llama-server (CUDA build, every layer on the GPU, on a GPU) on the same Q4_K_M file:
 prefill and batch-1 decode from its /completion timings. `replay-ft` / `replay-llama`: a committed
-session replayed on `ft serve --model FILE.gguf` (the recorded answers teacher-forced, as the agent
-ran it) and on llama-server (1-token probes, bench/llamacpp.py's way), worst TTFT after a tool.
+session replayed on our gateway over the Q4_K_M engine (in this process, `ft serve --model FILE.gguf`'s
+runtime; the recorded answers teacher-forced, as the agent ran it) and on llama-server over the same
+file (1-token probes, bench/llamacpp.py's way): worst TTFT after a tool.
 
 Results merge into `--json` part by part, so the parts can run in separate processes (each under a
 time limit); the table covers every part the file holds, with the issue's targets beside the figures.
@@ -42,7 +43,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/engine.py would 
 
 import torch  # noqa: E402
 
-PARTS = ("bf16", "fp8", "q4_k_m", "llama", "replay-ft", "replay-llama")
+PARTS = ("bf16", "fp8", "q4_k_m", "replay-ft", "llama", "replay-llama")  # the order they run in
 FORMATS = ("bf16", "fp8", "q4_k_m")
 GB = 1e9
 
@@ -169,7 +170,8 @@ def bench_decode(eng, context: int, batch: int, steps: int) -> dict:
             "tok_s_per_sequence": 1 / seconds, "tok_s": batch / seconds}  # fmt: skip
 
 
-def bench_format(fmt: str, args) -> dict:
+def bench_format(fmt: str, args, keep: dict) -> dict:
+    """One format's figures; its engine is left in `keep` when the replay on our side follows."""
     start = time.perf_counter()
     eng, file_bytes, remove = load_format(fmt, args)
     load_s = time.perf_counter() - start
@@ -183,6 +185,8 @@ def bench_format(fmt: str, args) -> dict:
     for d in row["decode"]:
         print(f"{fmt}: decode B={d['batch']} at {d['context']}: {d['tok_s']:.1f} tok/s", flush=True)
     row["memory"] = eng.memory()
+    if fmt == "q4_k_m" and "replay-ft" in args.parts:
+        keep["q4_k_m"] = eng
     del eng
     release()
     if remove is not None:
@@ -248,34 +252,30 @@ def bench_llama(args) -> dict:
 # -- replay
 
 
-def bench_replay(side: str, args) -> dict:
-    """The committed session on one server, fresh: ours with the recorded answers forced (waiting for
-    background work between requests, as the agent ran), llama-server with 1-token probes."""
+def session_traces(args) -> list:
     import msgspec  # noqa: PLC0415
 
     from adapters.readers import read_trace  # noqa: PLC0415
-    from adapters.replay import http_wait_idle  # noqa: PLC0415
-    from peer.compare import gateway_forced_sample, llama_sample, replay, summarise  # noqa: PLC0415
-    from peer.ft_server import FtServer  # noqa: PLC0415
-    from peer.gguf_random import random_gguf  # noqa: PLC0415
-    from peer.llama_server import PEER_HOME  # noqa: PLC0415
 
-    path = random_gguf(args.preset, PEER_HOME / "models")
     traces = [t for t in read_trace(args.replay) if t.protocol == "chat" and t.requests]
     if args.max_requests:
         traces = [msgspec.structs.replace(t, requests=t.requests[: args.max_requests]) for t in traces]
-    if side == "replay-ft":
-        make = lambda: FtServer(model=path, extra=["--device", args.device, *args.ft_arg],  # noqa: E731
-                                log_path=PEER_HOME / "ft-serve-quant.log")  # fmt: skip
-    else:
-        make = lambda: llama_server(args, path, args.ctx)  # noqa: E731
+    return traces
+
+
+def replay_sessions(side: str, args, serve) -> dict:
+    """Each session on a fresh server from `serve()` (a context manager with `url`), timed from its start."""
+    import msgspec  # noqa: PLC0415
+
+    from peer.compare import gateway_forced_sample, llama_sample, replay, summarise  # noqa: PLC0415
+
     sessions = {}
-    for trace in traces:
+    for trace in session_traces(args):
         start = time.perf_counter()
-        with make() as server:
+        with serve() as server:
             start_s = time.perf_counter() - start
             if side == "replay-ft":
-                samples = replay(server.url, trace, gateway_forced_sample, between=http_wait_idle(server.url))
+                samples = replay(server.url, trace, gateway_forced_sample, between=server.wait_idle)
             else:
                 samples = replay(server.url, trace, llama_sample)
         summary = msgspec.to_builtins(summarise(samples))
@@ -284,6 +284,27 @@ def bench_replay(side: str, args) -> dict:
         print(f"{side} {trace.session_id}: worst TTFT after a tool {summary['worst_ttft_after_tool_ms']:.0f} ms, "
               f"total {summary['total_ttft_ms'] / 1e3:.1f} s", flush=True)  # fmt: skip
     return {"trace": str(args.replay), "max_requests": args.max_requests, "sessions": sessions}
+
+
+def replay_ft(args, eng) -> dict:
+    """The committed session on our gateway, in this process, over the Q4_K_M engine (`ft serve
+    --model FILE.gguf`'s runtime on the loaded model): each request with its recorded answer forced
+    and streamed, the next sent once the worker is idle (background precompute done), as the agent ran."""
+    from gateway.embedded import serve_in_thread  # noqa: PLC0415
+    from gateway.runtime import ServeConfig  # noqa: PLC0415
+
+    config = ServeConfig(model_dir=eng.model_dir, device=args.device, ram_cache_gib=args.ram_cache)
+    eng.warmup(max_batch=config.max_running)  # what `ft serve` does before serving
+    return replay_sessions("replay-ft", args, lambda: serve_in_thread(config, eng))
+
+
+def replay_llama(args) -> dict:
+    """The committed session on llama-server over the same file, 1-token probes (bench/llamacpp.py's way)."""
+    from peer.gguf_random import random_gguf  # noqa: PLC0415
+    from peer.llama_server import PEER_HOME  # noqa: PLC0415
+
+    path = random_gguf(args.preset, PEER_HOME / "models")
+    return replay_sessions("replay-llama", args, lambda: llama_server(args, path, args.ctx))
 
 
 # -- report
@@ -361,7 +382,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ctx", type=int, default=32768, help="replay: llama-server context size")
     p.add_argument("--threads", type=int, default=8, help="llama-server CPU threads")
     p.add_argument("--llama-arg", action="append", default=[], metavar="ARG", help="extra llama-server argument (repeat)")
-    p.add_argument("--ft-arg", action="append", default=[], metavar="ARG", help="extra `ft serve` argument (repeat)")
+    p.add_argument("--ram-cache", type=float, default=48.0, help="replay: our checkpoints' RAM tier, GiB")
     p.add_argument("--keep-fp8", action="store_true", help="keep the FP8 folder (~36 GB at this shape) after its part")
     p.add_argument("--json", type=Path, default=Path("bench/quant.json"), help="results, merged into what it holds")
     p.add_argument("--markdown", type=Path)
@@ -388,13 +409,17 @@ def main(argv: list[str] | None = None) -> int:
     result |= same | {"device_name": torch.cuda.get_device_name() if args.device != "cpu" else "cpu",
                       "torch": torch.__version__, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}  # fmt: skip
     result.setdefault("commands", []).append(" ".join(["python", "bench/quant.py", *argv]))
-    for part in args.parts:
+    keep: dict = {}  # the Q4_K_M engine, from its part to our replay
+    for part in sorted(args.parts, key=PARTS.index):
         if part in FORMATS:
-            result.setdefault("formats", {})[part] = bench_format(part, args)
+            result.setdefault("formats", {})[part] = bench_format(part, args, keep)
+        elif part == "replay-ft":
+            result[part] = replay_ft(args, keep.pop("q4_k_m", None) or load_format("q4_k_m", args)[0])
+            release()
         elif part == "llama":
             result["llama"] = bench_llama(args)
         else:
-            result[part] = bench_replay(part, args)
+            result[part] = replay_llama(args)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({**result, "targets": targets(result)}, indent=2))  # after each part
     text = table(result)
