@@ -71,7 +71,11 @@ def ids_for(n: int, seed: int) -> list[int]:
 
 
 def folder_bytes(path: Path) -> int:
-    return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return (
+        path.stat().st_size
+        if path.is_file()
+        else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    )
 
 
 def write_fp8_preset(preset: str, out: Path, device: str) -> Path:
@@ -79,7 +83,14 @@ def write_fp8_preset(preset: str, out: Path, device: str) -> Path:
     as an HF folder one ~2 GB shard at a time (host memory holds one shard); `out` if it exists."""
     from safetensors.torch import save_file  # noqa: PLC0415
 
-    from engine.presets import PRESET_REVISION, QWEN36_EOS, SHARD_BYTES, fp8_checkpoint, materialise, unstack_experts  # noqa: PLC0415
+    from engine.presets import (  # noqa: PLC0415
+        PRESET_REVISION,
+        QWEN36_EOS,
+        SHARD_BYTES,
+        fp8_checkpoint,
+        materialise,
+        unstack_experts,
+    )
 
     if (out / "config.json").is_file():
         return out
@@ -100,7 +111,11 @@ def write_fp8_preset(preset: str, out: Path, device: str) -> Path:
         weight_map |= _save_shard(shard, tmp, len(set(weight_map.values())) + 1, save_file)
     del state_dict
     (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    config = {**raw, "quantization_config": {**quant, "modules_to_not_convert": kept}, "ft_preset_revision": PRESET_REVISION}
+    config = {
+        **raw,
+        "quantization_config": {**quant, "modules_to_not_convert": kept},
+        "ft_preset_revision": PRESET_REVISION,
+    }
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": QWEN36_EOS}))
     tmp.rename(out)
@@ -128,6 +143,7 @@ def checkpoint_bytes(preset: str) -> int:
 def load_format(fmt: str, args) -> tuple[object, int, Path | None]:
     """(engine, file bytes, path to remove after the part) for one format, by the engine's normal loading path."""
     from engine import Engine  # noqa: PLC0415
+    from engine.presets import default_model_dir  # noqa: PLC0415
     from peer.gguf_random import random_gguf  # noqa: PLC0415
     from peer.llama_server import PEER_HOME  # noqa: PLC0415
 
@@ -136,7 +152,9 @@ def load_format(fmt: str, args) -> tuple[object, int, Path | None]:
         source = eng.model_dir
         return eng, folder_bytes(source) if source else checkpoint_bytes(args.preset), None
     if fmt == "fp8":
-        folder = write_fp8_preset(args.preset, PEER_HOME / "models" / f"{args.preset}-fp8-bench", args.device)
+        folder = write_fp8_preset(
+            args.preset, PEER_HOME / "models" / default_model_dir(args.preset, "fp8").name, args.device
+        )
         return Engine.load(folder, args.device), folder_bytes(folder), None if args.keep_fp8 else folder
     path = random_gguf(args.preset, PEER_HOME / "models")
     return Engine.load(path, args.device), folder_bytes(path), None
@@ -178,7 +196,10 @@ def bench_format(fmt: str, args, keep: dict) -> dict:
     memory = eng.memory()
     row = {"format": fmt, "dtype": str(eng.dtype), "device": str(eng.device), "file_bytes": file_bytes,
            "weights_bytes": memory["weights"], "weights_vs_file": memory["weights"] / file_bytes, "load_s": load_s}  # fmt: skip
-    print(f"{fmt}: loaded in {load_s:.1f} s, {memory['weights'] / GB:.2f} GB resident, file {file_bytes / GB:.2f} GB", flush=True)
+    print(
+        f"{fmt}: loaded in {load_s:.1f} s, {memory['weights'] / GB:.2f} GB resident, file {file_bytes / GB:.2f} GB",
+        flush=True,
+    )
     row["prefill"] = bench_prefill(eng, args.prefill)
     print(f"{fmt}: prefill {args.prefill}: {row['prefill']['tok_s']:.0f} tok/s", flush=True)
     row["decode"] = [bench_decode(eng, args.context, b, args.steps) for b in args.batches]
@@ -328,7 +349,15 @@ def targets(result: dict) -> list[dict]:
     def ratio(name, a, b, goal, at_most=False):
         value = a / b if a is not None and b else None
         met = None if value is None else (value <= goal if at_most else value >= goal)
-        return {"target": name, "measured": a, "reference": b, "ratio": value, "goal": goal, "at_most": at_most, "met": met}
+        return {
+            "target": name,
+            "measured": a,
+            "reference": b,
+            "ratio": value,
+            "goal": goal,
+            "at_most": at_most,
+            "met": met,
+        }
 
     pre = lambda row: row["prefill"]["tok_s"] if row else None  # noqa: E731
     return [
@@ -358,33 +387,53 @@ def table(result: dict) -> str:
     if llama := result.get("llama"):
         lines.append(f"| q4_k_m (llama.cpp) | Q4_K_M | {llama['file_bytes'] / GB:.2f} | — | — | {llama['load_s']:.0f} "
                      f"| {llama['prefill']['tok_s']:.0f} | {llama['decode']['tok_s']:.1f} | — |")  # fmt: skip
-    lines += ["", "| target (issue 13) | measured | reference | ratio | goal | met |", "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| target (issue 13) | measured | reference | ratio | goal | met |",
+        "|---|---|---|---|---|---|",
+    ]
     for t in targets(result):
         goal = ("≤ " if t["at_most"] else "≥ ") + f"{t['goal']:g}"
         met = "—" if t["met"] is None else ("yes" if t["met"] else "**no**")
-        lines.append(f"| {t['target']} | {num(t['measured'], '.4g')} | {num(t['reference'], '.4g')} | {num(t['ratio'], '.2f')} | {goal} | {met} |")
+        lines.append(
+            f"| {t['target']} | {num(t['measured'], '.4g')} | {num(t['reference'], '.4g')} | {num(t['ratio'], '.2f')} | {goal} | {met} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--kernels", action="store_true", help="run bench/quant_kernels.py instead (the other options are its own)")
+    p.add_argument(
+        "--kernels",
+        action="store_true",
+        help="run bench/quant_kernels.py instead (the other options are its own)",
+    )
     p.add_argument("--preset", default="qwen3.6-35b-a3b")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)} (default: all)")
+    p.add_argument(
+        "--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)} (default: all)"
+    )
     p.add_argument("--prefill", type=int, default=8192, help="prefill: tokens of one sequence")
-    p.add_argument("--context", type=int, default=4096, help="decode: tokens of each sequence before decoding")
+    p.add_argument(
+        "--context", type=int, default=4096, help="decode: tokens of each sequence before decoding"
+    )
     p.add_argument("--steps", type=int, default=64, help="decode: timed steps")
     p.add_argument("--batches", type=ints, default=[1, 4], help="decode: sequences decoded together")
     p.add_argument("--replay", type=Path, default=Path("traces/sessions/small-bugfix.recording.jsonl"))
     p.add_argument("--max-requests", type=int, help="replay: the first N requests of each session")
     p.add_argument("--ctx", type=int, default=32768, help="replay: llama-server context size")
     p.add_argument("--threads", type=int, default=8, help="llama-server CPU threads")
-    p.add_argument("--llama-arg", action="append", default=[], metavar="ARG", help="extra llama-server argument (repeat)")
+    p.add_argument(
+        "--llama-arg", action="append", default=[], metavar="ARG", help="extra llama-server argument (repeat)"
+    )
     p.add_argument("--ram-cache", type=float, default=48.0, help="replay: our checkpoints' RAM tier, GiB")
-    p.add_argument("--keep-fp8", action="store_true", help="keep the FP8 folder (~36 GB at this shape) after its part")
-    p.add_argument("--json", type=Path, default=Path("bench/quant.json"), help="results, merged into what it holds")
+    p.add_argument(
+        "--keep-fp8", action="store_true", help="keep the FP8 folder (~36 GB at this shape) after its part"
+    )
+    p.add_argument(
+        "--json", type=Path, default=Path("bench/quant.json"), help="results, merged into what it holds"
+    )
     p.add_argument("--markdown", type=Path)
     args = p.parse_args(argv)
     args.parts = [x for x in args.parts.split(",") if x]
@@ -403,7 +452,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("FT_MATERIALISE", "1" if args.device != "cpu" else "0")
     result = json.loads(args.json.read_text()) if args.json.is_file() else {}
-    same = {"preset": args.preset, "device": args.device, "prefill": args.prefill, "context": args.context, "steps": args.steps}
+    same = {
+        "preset": args.preset,
+        "device": args.device,
+        "prefill": args.prefill,
+        "context": args.context,
+        "steps": args.steps,
+    }
     if any(result.get(k) != v for k, v in same.items()):
         result = {}  # another configuration: start over
     result |= same | {"device_name": torch.cuda.get_device_name() if args.device != "cpu" else "cpu",
