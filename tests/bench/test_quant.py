@@ -1,4 +1,4 @@
-"""bench/quant.py on the CPU with the tiny preset: each part runs by the engine's normal loading
+"""bench/quant.py, through `bench/llamacpp_h200.sh quant`, on the CPU with the tiny preset: each part runs by the engine's normal loading
 path, the JSON holds its figures and merges parts run in separate processes, the table shows the
 issue's targets beside them."""
 
@@ -31,20 +31,24 @@ SMALL = [
 ]
 
 
-def bench(tmp_path: Path, *args: str, peer_home: Path | None = None) -> str:
+def bench(tmp_path: Path, parts: str, *args: str, peer_home: Path | None = None) -> str:
+    """`bench/llamacpp_h200.sh quant` (the H200 command) with the tiny preset on the CPU: the script's
+    own arguments come first, so these override them."""
     env = dict(os.environ)  # the session's FT_HOME (tests/conftest.py): the tiny preset is written once
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # the script runs python3
     if peer_home is not None:
         env["FT_PEER_HOME"] = str(peer_home)
     run = subprocess.run(
-        [sys.executable, "bench/quant.py", *SMALL, "--json", str(tmp_path / "quant.json"), *args],
+        ["bash", "bench/llamacpp_h200.sh", "quant", str(tmp_path / "quant.json"), parts, *SMALL, *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
+    assert (tmp_path / "quant.md").read_text() in run.stdout  # the table, also beside the JSON
     return run.stdout
 
 
 def test_bf16_and_fp8_parts(tmp_path):
-    out = bench(tmp_path, "--parts", "bf16,fp8", peer_home=tmp_path / "peer")
+    out = bench(tmp_path, "bf16,fp8", peer_home=tmp_path / "peer")
     result = json.loads((tmp_path / "quant.json").read_text())
     assert set(result["formats"]) == {"bf16", "fp8"}
     for row in result["formats"].values():
@@ -60,10 +64,8 @@ def test_bf16_and_fp8_parts(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not server_binary().is_file(), reason="llama-server not built (.peer/build)")
 def test_q4_k_m_llama_and_replays_merge_into_the_same_json(tmp_path):
-    bench(tmp_path, "--parts", "bf16")
-    out = bench(
-        tmp_path, "--parts", "q4_k_m,replay-ft,llama,replay-llama", "--threads", "2", "--max-requests", "3"
-    )
+    bench(tmp_path, "bf16")
+    out = bench(tmp_path, "q4_k_m,replay-ft,llama,replay-llama", "--threads", "2", "--max-requests", "3")
     result = json.loads((tmp_path / "quant.json").read_text())
     assert set(result["formats"]) == {"bf16", "q4_k_m"} and len(result["commands"]) == 2
     q4 = result["formats"]["q4_k_m"]
