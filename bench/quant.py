@@ -97,6 +97,7 @@ def write_fp8_preset(preset: str, out: Path, device: str) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    make_room(tmp, int(0.55 * checkpoint_bytes(preset)), preset)
     _, raw, state_dict = materialise(preset, device)
     shard: dict[str, torch.Tensor] = {}
     weight_map, kept, quant = {}, [], {}
@@ -120,6 +121,23 @@ def write_fp8_preset(preset: str, out: Path, device: str) -> Path:
     (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": QWEN36_EOS}))
     tmp.rename(out)
     return out
+
+
+def make_room(folder: Path, need: int, preset: str) -> None:
+    """`need` bytes free under `folder`, if need be by removing the cached random Q4_K_M of the preset
+    (rewritten in about a minute when a later part needs it): at the 35B shape the FP8 folder (~36 GB)
+    and the GGUF (~21 GB) may not both fit a 64 GiB disk."""
+    from peer.gguf_random import random_gguf_path  # noqa: PLC0415
+    from peer.llama_server import PEER_HOME  # noqa: PLC0415
+
+    gguf = random_gguf_path(preset, PEER_HOME / "models")
+    if shutil.disk_usage(folder).free < need and gguf.is_file():
+        print(f"{need / GB:.1f} GB needed for the FP8 folder: removing {gguf}", flush=True)
+        gguf.unlink()
+    if shutil.disk_usage(folder).free < need:
+        raise OSError(
+            f"{folder}: {need / GB:.1f} GB needed, {shutil.disk_usage(folder).free / GB:.1f} GB free"
+        )
 
 
 def _save_shard(shard: dict[str, torch.Tensor], folder: Path, number: int, save_file) -> dict[str, str]:
@@ -210,6 +228,8 @@ def bench_format(fmt: str, args, keep: dict) -> dict:
         keep["q4_k_m"] = eng
     del eng
     release()
+    if torch.cuda.is_available():  # what the next part starts with (a leak would show here)
+        row["gpu_allocated_after_bytes"] = torch.cuda.memory_allocated()
     if remove is not None:
         shutil.rmtree(remove, ignore_errors=True)
     return row

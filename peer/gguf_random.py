@@ -20,6 +20,7 @@ import argparse
 import functools
 import math
 import re
+import shutil
 from pathlib import Path
 
 import gguf
@@ -179,6 +180,14 @@ def write_random_gguf(preset: str, out: str | Path, seed: int = 0) -> Path:
     if missing:
         raise RuntimeError(f"no preset values for the unquantized tensors {missing[:4]}")
     out.parent.mkdir(parents=True, exist_ok=True)
+    need = sum(
+        math.prod(shapes[n]) // gguf.GGML_QUANT_SIZES[t][0] * gguf.GGML_QUANT_SIZES[t][1]
+        for n, t in types.items()
+    )
+    if shutil.disk_usage(out.parent).free < need:
+        raise OSError(
+            f"{out.parent}: {need / 1e9:.1f} GB needed for {out.name}, {shutil.disk_usage(out.parent).free / 1e9:.1f} GB free"
+        )
     tmp = out.with_name(out.name + ".tmp")
     w = open_writer(c, raw, tmp, gguf.LlamaFileType.MOSTLY_Q4_K_M, f"{preset}-random-q4_k_m")
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -209,9 +218,13 @@ def write_random_gguf(preset: str, out: str | Path, seed: int = 0) -> Path:
     return out
 
 
+def random_gguf_path(preset: str, models_dir: Path) -> Path:
+    return models_dir / f"{default_model_dir(preset).name}-random{REVISION}-q4_k_m.gguf"
+
+
 def random_gguf(preset: str, models_dir: Path) -> Path:
     """The random Q4_K_M GGUF of preset `preset` in `models_dir`, written on first use."""
-    out = models_dir / f"{default_model_dir(preset).name}-random{REVISION}-q4_k_m.gguf"
+    out = random_gguf_path(preset, models_dir)
     return out if out.is_file() else write_random_gguf(preset, out)
 
 
