@@ -100,16 +100,18 @@ def write_fp8_preset(preset: str, out: Path, device: str) -> Path:
     make_room(tmp, int(0.55 * checkpoint_bytes(preset)), preset)
     _, raw, state_dict = materialise(preset, device)
     shard: dict[str, torch.Tensor] = {}
-    weight_map, kept, quant = {}, [], {}
+    weight_map, kept, quant, size, saved = {}, [], {}, 0, 0
     for name, tensor in unstack_experts(state_dict).items():
         part, quant = fp8_checkpoint({name: tensor})
         kept += quant["modules_to_not_convert"]
         shard |= {n: t.contiguous().cpu() for n, t in part.items()}
-        if sum(t.nbytes for t in shard.values()) >= SHARD_BYTES:
-            weight_map |= _save_shard(shard, tmp, len(set(weight_map.values())) + 1, save_file)
-            shard = {}
+        size += sum(t.nbytes for t in part.values())
+        if size >= SHARD_BYTES:
+            saved += 1
+            weight_map |= _save_shard(shard, tmp, saved, save_file)
+            shard, size = {}, 0
     if shard:
-        weight_map |= _save_shard(shard, tmp, len(set(weight_map.values())) + 1, save_file)
+        weight_map |= _save_shard(shard, tmp, saved + 1, save_file)
     del state_dict
     (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     config = {
