@@ -1,7 +1,7 @@
 """Quantized weights at the full 256-expert 35B-A3B shape (issue 13): bf16, FP8 and Q4_K_M side by
 side in our engine, and llama-server on the same Q4_K_M file.
 
-    FT_MATERIALISE=1 python bench/quant.py [--parts bf16,fp8,q4_k_m,llama,replay-ft,replay-llama] \
+    FT_MATERIALISE=1 python bench/quant.py [--llama] [--parts bf16,fp8,q4_k_m,replay-ft,llama,replay-llama] \
         [--replay traces/sessions/small-bugfix.recording.jsonl] [--json bench/quant.json]
     python bench/quant.py --kernels [--json …]    # the kernels alone: bench/quant_kernels.py
 
@@ -15,7 +15,7 @@ the engine does with them, whatever that is.
 
 Per format: resident weight bytes (`Engine.memory()`), file size, load seconds, prefill tok/s of
 one sequence (`--prefill`, 8K), decode tok/s at batch 1 and 4 (runner steps at `--context`).
-`llama`: llama-server (CUDA build, every layer on the GPU, on a GPU) on the same Q4_K_M file:
+With `--llama` (or these parts named): `llama`, llama-server (CUDA build, every layer on the GPU) on the same Q4_K_M file:
 prefill and batch-1 decode from its /completion timings. `replay-ft` / `replay-llama`: a committed
 session replayed on our gateway over the Q4_K_M engine (in this process, `ft serve --model FILE.gguf`'s
 runtime; the recorded answers teacher-forced, as the agent ran it) and on llama-server over the same
@@ -45,6 +45,7 @@ import torch  # noqa: E402
 
 PARTS = ("bf16", "fp8", "q4_k_m", "replay-ft", "llama", "replay-llama")  # the order they run in
 FORMATS = ("bf16", "fp8", "q4_k_m")
+LLAMA_PARTS = ("replay-ft", "llama", "replay-llama")  # --llama
 GB = 1e9
 
 
@@ -434,7 +435,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--preset", default="qwen3.6-35b-a3b")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument(
-        "--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)} (default: all)"
+        "--parts", default=",".join(FORMATS), help=f"comma list of {', '.join(PARTS)} (default: the formats)"
+    )
+    p.add_argument(
+        "--llama", action="store_true", help=f"also {', '.join(LLAMA_PARTS)}: llama-server on the Q4_K_M file"
     )
     p.add_argument("--prefill", type=int, default=8192, help="prefill: tokens of one sequence")
     p.add_argument(
@@ -458,7 +462,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--markdown", type=Path)
     args = p.parse_args(argv)
-    args.parts = [x for x in args.parts.split(",") if x]
+    args.parts = list(
+        dict.fromkeys([x for x in args.parts.split(",") if x] + list(LLAMA_PARTS if args.llama else ()))
+    )
     unknown = set(args.parts) - set(PARTS)
     if unknown:
         p.error(f"unknown parts {sorted(unknown)}; parts: {', '.join(PARTS)}")
