@@ -15,11 +15,12 @@ the engine does with them, whatever that is.
 
 Per format: resident weight bytes (`Engine.memory()`), file size, load seconds, prefill tok/s of
 one sequence (`--prefill`, 8K), decode tok/s at batch 1 and 4 (runner steps at `--context`).
-With `--llama` (or these parts named): `llama`, llama-server (CUDA build, every layer on the GPU) on the same Q4_K_M file:
-prefill and batch-1 decode from its /completion timings. `replay-ft` / `replay-llama`: a committed
-session replayed on our gateway over the Q4_K_M engine (in this process, `ft serve --model FILE.gguf`'s
-runtime; the recorded answers teacher-forced, as the agent ran it) and on llama-server over the same
-file (1-token probes, bench/llamacpp.py's way): worst TTFT after a tool.
+With `--llama` (or these parts named): `llama`, llama-server (CUDA build, every layer on the GPU)
+on the same Q4_K_M file, prefill and batch-1 decode from its /completion timings; `replay-ft` /
+`replay-llama`, a committed session replayed on our gateway over the Q4_K_M engine (in this process,
+`ft serve --model FILE.gguf`'s runtime; the recorded answers teacher-forced, as the agent ran it)
+and on llama-server over the same file (1-token probes, bench/llamacpp.py's way): worst TTFT after
+a tool.
 
 Results merge into `--json` part by part, so the parts can run in separate processes (each under a
 time limit); the table covers every part the file holds, with the issue's targets beside the figures.
