@@ -1,125 +1,517 @@
-"""Quantized-weight kernels (engine/ops/gpu/quant.py) against bf16 torch matmuls, at the shapes of the
-35B-A3B model, on a GPU: decode GEMV (1 row), prefill GEMM (4096 rows), and the expert-grouped GEMM
-of an MoE layer (4096 tokens x top-8 of 256 experts). Resident bytes per format, time per call,
-weight bytes read per second, and the largest relative error against `x @ w.dequantize().T`.
+"""Quantized weights at the full 256-expert 35B-A3B shape (issue 13): bf16, FP8 and Q4_K_M side by
+side in our engine, and llama-server on the same Q4_K_M file.
 
-    python bench/quant.py [--json bench/quant.json]
+    FT_MATERIALISE=1 python bench/quant.py [--llama] [--parts bf16,fp8,q4_k_m,replay-ft,llama,replay-llama] \
+        [--replay traces/sessions/small-bugfix.recording.jsonl] [--json bench/quant.json]
+    python bench/quant.py --kernels [--json …]    # the kernels alone: bench/quant_kernels.py
+
+Weights without downloads. `bf16`: the preset's random weights (FT_MATERIALISE=1 builds them in GPU
+memory; on the CPU the preset's own dtype). `fp8`: the same weights block-quantized as Qwen's -FP8
+releases are (`presets.fp8_checkpoint`), written as an HF folder shard by shard from the device they
+were built on, removed after the part. `q4_k_m`: a GGUF of random blocks with llama-quantize's tensor
+types and layout (`peer.gguf_random`, ~21 GB at this shape, cached under .peer/models). Each is
+loaded by the engine's normal path (`Engine.from_preset` / `Engine.load`), so this measures what
+the engine does with them, whatever that is.
+
+Per format: resident weight bytes (`Engine.memory()`), file size, load seconds, prefill tok/s of
+one sequence (`--prefill`, 8K), decode tok/s at batch 1 and 4 (runner steps at `--context`).
+With `--llama` (or these parts named): `llama`, llama-server (CUDA build, every layer on the GPU)
+on the same Q4_K_M file, prefill and batch-1 decode from its /completion timings; `replay-ft` /
+`replay-llama`, a committed session replayed on our gateway over the Q4_K_M engine (in this process,
+`ft serve --model FILE.gguf`'s runtime; the recorded answers teacher-forced, as the agent ran it)
+and on llama-server over the same file (1-token probes, bench/llamacpp.py's way): worst TTFT after
+a tool.
+
+Results merge into `--json` part by part, so the parts can run in separate processes (each under a
+time limit); the table covers every part the file holds, with the issue's targets beside the figures.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import gc
 import json
+import os
+import random
+import runpy
+import shutil
 import sys
+import time
 from pathlib import Path
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/engine.py would shadow the `engine` package
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import triton.testing  # noqa: E402
 
-from engine.ops.gpu import quant  # noqa: E402
-from engine.ops.gpu.moe import group_by_expert  # noqa: E402
-from engine.quant import fp8  # noqa: E402
-from engine.quant.ggml import T, block_shape  # noqa: E402
-
-LINEARS = {"attn q_proj [8192, 2048]": (8192, 2048), "shared gate_up [1024, 2048]": (1024, 2048),
-           "lm_head [248320, 2048]": (248320, 2048)}  # fmt: skip
-EXPERTS = (256, 1024, 2048)  # gate_up of one MoE layer: [E, 2I, H]
+PARTS = ("bf16", "fp8", "q4_k_m", "replay-ft", "llama", "replay-llama")  # the order they run in
+FORMATS = ("bf16", "fp8", "q4_k_m")
+LLAMA_PARTS = ("replay-ft", "llama", "replay-llama")  # --llama
+GB = 1e9
 
 
-def random_weight(fmt, shape, device) -> quant.QuantWeight:
-    """Random quants with sane scales (speed does not depend on the values)."""
-    gen = np.random.default_rng(0)
-    if fmt == "fp8":
-        w = torch.randn(shape, device=device)
-        return quant.pack_fp8(*fp8.quantize(w))
-    block, size = block_shape(fmt)
-    raw = gen.integers(0, 256, (int(np.prod(shape)) // block, size), dtype=np.uint8)
-    at = {T.Q8_0: [0], T.Q4_K: [0, 2], T.Q6_K: [208]}[fmt]
-    for a in at:
-        raw[:, a : a + 2] = (
-            (gen.random((raw.shape[0], 1), dtype=np.float32) * 0.01).astype(np.float16).view(np.uint8)
-        )
-    return quant.pack_ggml(torch.from_numpy(raw).reshape(*shape[:-1], -1), fmt, shape).to(device)
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
-def bench_one(fn, reference, weight_bytes):
-    ms = triton.testing.do_bench(fn, warmup=5, rep=50)
-    out = fn()
-    err = ((out.float() - reference).abs().max() / reference.abs().max()).item()
-    return {"ms": ms, "GB/s": weight_bytes / ms / 1e6, "max_rel_err": err}
+def timed(device: torch.device, fn) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--json", type=Path)
-    args = p.parse_args()
-    dev = "cuda"
-    rows = []
-    for name, shape in LINEARS.items():
-        for m in (1, 4096):
-            x = torch.randn(m, shape[1], device=dev, dtype=torch.bfloat16)
-            bf16 = torch.randn(shape, device=dev, dtype=torch.bfloat16)
-            r = bench_one(lambda x=x, bf16=bf16: x @ bf16.T, (x @ bf16.T).float(), bf16.numel() * 2)
-            rows.append({"op": name, "rows": m, "format": "bf16", "bytes": bf16.numel() * 2, **r})
-            for fmt in (T.Q8_0, T.Q4_K, T.Q6_K, "fp8"):
-                w = random_weight(fmt, shape, dev)
-                ref = x.float() @ w.dequantize().T
-                r = bench_one(lambda x=x, w=w: quant.linear(x, w), ref, w.nbytes)
-                rows.append(
-                    {"op": name, "rows": m, "format": getattr(fmt, "name", fmt), "bytes": w.nbytes, **r}
-                )
-            del bf16
-    tokens, top_k = 4096, 8
-    x = torch.randn(tokens, EXPERTS[2], device=dev, dtype=torch.bfloat16)
-    ids = torch.rand(tokens, EXPERTS[0], device=dev).topk(top_k, dim=-1).indices
-    order, offs = group_by_expert(ids, EXPERTS[0])
-    bf16 = torch.randn(EXPERTS, device=dev, dtype=torch.bfloat16)
-    xs = x[order // top_k]
-    grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
-    ref = grouped_mm(xs, bf16.transpose(1, 2), offs=offs).float()
-    r = bench_one(lambda b=bf16: grouped_mm(xs, b.transpose(1, 2), offs=offs), ref, bf16.numel() * 2)
-    rows.append(
-        {
-            "op": "experts gate_up [256, 1024, 2048]",
-            "rows": tokens * top_k,
-            "format": "bf16",
-            "bytes": bf16.numel() * 2,
-            **r,
-        }
+def ids_for(n: int, seed: int) -> list[int]:
+    """Random ids below Qwen3.6's special tokens."""
+    r = random.Random(seed)
+    return [r.randrange(248_000) for _ in range(n)]
+
+
+# -- weights
+
+
+def folder_bytes(path: Path) -> int:
+    return (
+        path.stat().st_size
+        if path.is_file()
+        else sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     )
-    del bf16
-    for fmt in (T.Q8_0, T.Q4_K, "fp8"):
-        w = random_weight(fmt, EXPERTS, dev)
-        deq = w.dequantize()
-        ref = torch.cat(
-            [
-                xs[s:e].float() @ deq[i].T
-                for i, (s, e) in enumerate(zip([0, *offs[:-1].tolist()], offs.tolist(), strict=True))
-            ]
+
+
+def write_fp8_preset(preset: str, out: Path, device: str) -> Path:
+    """Preset `preset` built on `device`, block-quantized to FP8 (`presets.fp8_checkpoint`) and written
+    as an HF folder one ~2 GB shard at a time (host memory holds one shard); `out` if it exists."""
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    from engine.presets import (  # noqa: PLC0415
+        PRESET_REVISION,
+        QWEN36_EOS,
+        SHARD_BYTES,
+        fp8_checkpoint,
+        materialise,
+        unstack_experts,
+    )
+
+    if (out / "config.json").is_file():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    make_room(tmp, int(0.55 * checkpoint_bytes(preset)), preset)
+    _, raw, state_dict = materialise(preset, device)
+    shard: dict[str, torch.Tensor] = {}
+    weight_map, kept, quant, size, saved = {}, [], {}, 0, 0
+    for name, tensor in unstack_experts(state_dict).items():
+        part, quant = fp8_checkpoint({name: tensor})
+        kept += quant["modules_to_not_convert"]
+        shard |= {n: t.contiguous().cpu() for n, t in part.items()}
+        size += sum(t.nbytes for t in part.values())
+        if size >= SHARD_BYTES:
+            saved += 1
+            weight_map |= _save_shard(shard, tmp, saved, save_file)
+            shard, size = {}, 0
+    if shard:
+        weight_map |= _save_shard(shard, tmp, saved + 1, save_file)
+    del state_dict
+    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = {
+        **raw,
+        "quantization_config": {**quant, "modules_to_not_convert": kept},
+        "ft_preset_revision": PRESET_REVISION,
+    }
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": QWEN36_EOS}))
+    tmp.rename(out)
+    return out
+
+
+def make_room(folder: Path, need: int, preset: str) -> None:
+    """`need` bytes free under `folder`, if need be by removing the cached random Q4_K_M of the preset
+    (rewritten in about a minute when a later part needs it): at the 35B shape the FP8 folder (~36 GB)
+    and the GGUF (~21 GB) may not both fit a 64 GiB disk."""
+    from peer.gguf_random import random_gguf_path  # noqa: PLC0415
+    from peer.llama_server import PEER_HOME  # noqa: PLC0415
+
+    gguf = random_gguf_path(preset, PEER_HOME / "models")
+    if shutil.disk_usage(folder).free < need and gguf.is_file():
+        print(f"{need / GB:.1f} GB needed for the FP8 folder: removing {gguf}", flush=True)
+        gguf.unlink()
+    if shutil.disk_usage(folder).free < need:
+        raise OSError(
+            f"{folder}: {need / GB:.1f} GB needed, {shutil.disk_usage(folder).free / GB:.1f} GB free"
         )
-        del deq
-        r = bench_one(lambda w=w: quant.grouped(x, w, order, offs, top_k), ref, w.nbytes)
-        rows.append(
-            {
-                "op": "experts gate_up [256, 1024, 2048]",
-                "rows": tokens * top_k,
-                "format": getattr(fmt, "name", fmt),
-                "bytes": w.nbytes,
-                **r,
-            }
+
+
+def _save_shard(shard: dict[str, torch.Tensor], folder: Path, number: int, save_file) -> dict[str, str]:
+    name = f"model-{number:05d}.safetensors"
+    save_file(shard, str(folder / name), metadata={"format": "pt"})
+    return dict.fromkeys(shard, name)
+
+
+def checkpoint_bytes(preset: str) -> int:
+    """The preset's weights in its own dtype: what an HF folder of it holds (without writing one)."""
+    from engine.config import ModelConfig  # noqa: PLC0415
+    from engine.model import HybridForCausalLM  # noqa: PLC0415
+    from engine.presets import preset_config  # noqa: PLC0415
+
+    raw = preset_config(preset)
+    with torch.device("meta"):
+        params = HybridForCausalLM(ModelConfig.from_dict(raw)).state_dict().values()
+    return sum(p.numel() for p in params) * getattr(torch, raw["dtype"]).itemsize
+
+
+def load_format(fmt: str, args) -> tuple[object, int, Path | None]:
+    """(engine, file bytes, path to remove after the part) for one format, by the engine's normal loading path."""
+    from engine import Engine  # noqa: PLC0415
+    from engine.presets import default_model_dir  # noqa: PLC0415
+    from peer.gguf_random import random_gguf  # noqa: PLC0415
+    from peer.llama_server import PEER_HOME  # noqa: PLC0415
+
+    if fmt == "bf16":
+        eng = Engine.from_preset(args.preset, args.device)
+        source = eng.model_dir
+        return eng, folder_bytes(source) if source else checkpoint_bytes(args.preset), None
+    if fmt == "fp8":
+        folder = write_fp8_preset(
+            args.preset, PEER_HOME / "models" / default_model_dir(args.preset, "fp8").name, args.device
         )
-    print(f"{'op':36} {'rows':>6} {'format':>6} {'MB':>8} {'ms':>9} {'GB/s':>8} {'rel err':>9}")
-    for row in rows:
-        print(
-            f"{row['op']:36} {row['rows']:>6} {row['format']:>6} {row['bytes'] / 1e6:>8.1f} {row['ms']:>9.4f} "
-            f"{row['GB/s']:>8.0f} {row['max_rel_err']:>9.2e}"
+        return Engine.load(folder, args.device), folder_bytes(folder), None if args.keep_fp8 else folder
+    path = random_gguf(args.preset, PEER_HOME / "models")
+    return Engine.load(path, args.device), folder_bytes(path), None
+
+
+# -- our engine
+
+
+def bench_prefill(eng, tokens: int) -> dict:
+    ids = ids_for(tokens, tokens)
+    eng.prefill(eng.new_state(), ids)  # compile and autotune at this shape
+    seconds = min(timed(eng.device, lambda: eng.prefill(eng.new_state(), ids)) for _ in range(2))
+    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
+
+
+def bench_decode(eng, context: int, batch: int, steps: int) -> dict:
+    """`batch` sequences of `context` tokens decoded together, one runner step per token of each."""
+    from engine import Feed  # noqa: PLC0415
+
+    states = [eng.new_state() for _ in range(batch)]
+    for i, state in enumerate(states):
+        eng.prefill(state, ids_for(context, 10 + i))
+
+    def run(n: int) -> None:
+        for t in range(n):
+            eng.step([(Feed(s, [1000 + t + i]), 1) for i, s in enumerate(states)])
+
+    run(4)  # the batch bucket's graph is captured here
+    seconds = timed(eng.device, lambda: run(steps)) / steps
+    return {"batch": batch, "context": context, "steps": steps, "ms_per_step": seconds * 1e3,
+            "tok_s_per_sequence": 1 / seconds, "tok_s": batch / seconds}  # fmt: skip
+
+
+def bench_format(fmt: str, args, keep: dict) -> dict:
+    """One format's figures; its engine is left in `keep` when the replay on our side follows."""
+    start = time.perf_counter()
+    eng, file_bytes, remove = load_format(fmt, args)
+    load_s = time.perf_counter() - start
+    memory = eng.memory()
+    row = {"format": fmt, "dtype": str(eng.dtype), "device": str(eng.device), "file_bytes": file_bytes,
+           "weights_bytes": memory["weights"], "weights_vs_file": memory["weights"] / file_bytes, "load_s": load_s}  # fmt: skip
+    print(
+        f"{fmt}: loaded in {load_s:.1f} s, {memory['weights'] / GB:.2f} GB resident, file {file_bytes / GB:.2f} GB",
+        flush=True,
+    )
+    row["prefill"] = bench_prefill(eng, args.prefill)
+    print(f"{fmt}: prefill {args.prefill}: {row['prefill']['tok_s']:.0f} tok/s", flush=True)
+    row["decode"] = [bench_decode(eng, args.context, b, args.steps) for b in args.batches]
+    for d in row["decode"]:
+        print(f"{fmt}: decode B={d['batch']} at {d['context']}: {d['tok_s']:.1f} tok/s", flush=True)
+    row["memory"] = eng.memory()
+    if fmt == "q4_k_m" and "replay-ft" in args.parts:
+        keep["q4_k_m"] = eng
+    del eng
+    release()
+    if torch.cuda.is_available():  # what the next part starts with (a leak would show here)
+        row["gpu_allocated_after_bytes"] = torch.cuda.memory_allocated()
+    if remove is not None:
+        shutil.rmtree(remove, ignore_errors=True)
+    return row
+
+
+def release() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+# -- llama-server
+
+
+def llama_server(args, path: Path, ctx: int, parallel: int = 1):
+    from peer.llama_server import PEER_HOME, LlamaServer, build  # noqa: PLC0415
+
+    cuda = args.device != "cpu"
+    extra = list(args.llama_arg)
+    if not cuda:  # its CPU repacking of quantized weights crashed llama-server 11434 at start here
+        extra.append("--no-repack")
+    return LlamaServer(path, ctx_size=ctx, threads=args.threads, parallel=parallel, gpu_layers=999 if cuda else None,
+                       binary=build(cuda=cuda), extra=extra, log_path=PEER_HOME / "llama-server-quant.log")  # fmt: skip
+
+
+def completion_timings(url: str, ids: list[int], n_predict: int) -> dict:
+    import httpx  # noqa: PLC0415
+
+    body = {"prompt": ids, "n_predict": n_predict, "temperature": 0, "top_k": 1, "cache_prompt": False,
+            "ignore_eos": True}  # fmt: skip
+    r = httpx.post(url + "/completion", json=body, timeout=3600)
+    r.raise_for_status()
+    return r.json()["timings"]
+
+
+def bench_llama(args) -> dict:
+    """llama-server on the Q4_K_M file: prompt tok/s of one `--prefill` prompt and generation tok/s
+    after a `--context` prompt, best of two after a warm-up request."""
+    from peer.gguf_random import random_gguf  # noqa: PLC0415
+    from peer.llama_server import PEER_HOME  # noqa: PLC0415
+
+    path = random_gguf(args.preset, PEER_HOME / "models")
+    ctx = max(args.prefill, args.context + args.steps) + 256
+    start = time.perf_counter()
+    with llama_server(args, path, ctx) as server:
+        load_s = time.perf_counter() - start
+        completion_timings(server.url, ids_for(256, 1), 8)
+        prefill = [completion_timings(server.url, ids_for(args.prefill, args.prefill), 1) for _ in range(2)]
+        decode = [completion_timings(server.url, ids_for(args.context, 3), args.steps) for _ in range(2)]
+    best_prefill = max(prefill, key=lambda t: t["prompt_per_second"])
+    best_decode = max(decode, key=lambda t: t["predicted_per_second"])
+    row = {"file_bytes": folder_bytes(path), "load_s": load_s, "llama_args": args.llama_arg,
+           "prefill": {"tokens": args.prefill, "tok_s": best_prefill["prompt_per_second"], "timings": best_prefill},
+           "decode": {"batch": 1, "context": args.context, "steps": args.steps,
+                      "tok_s": best_decode["predicted_per_second"], "timings": best_decode}}  # fmt: skip
+    print(f"llama.cpp: prefill {args.prefill}: {row['prefill']['tok_s']:.0f} tok/s; decode B=1 at {args.context}: "
+          f"{row['decode']['tok_s']:.1f} tok/s", flush=True)  # fmt: skip
+    return row
+
+
+# -- replay
+
+
+def session_traces(args) -> list:
+    import msgspec  # noqa: PLC0415
+
+    from adapters.readers import read_trace  # noqa: PLC0415
+
+    traces = [t for t in read_trace(args.replay) if t.protocol == "chat" and t.requests]
+    if args.max_requests:
+        traces = [msgspec.structs.replace(t, requests=t.requests[: args.max_requests]) for t in traces]
+    return traces
+
+
+def replay_sessions(side: str, args, serve) -> dict:
+    """Each session on a fresh server from `serve()` (a context manager with `url`), timed from its start."""
+    import msgspec  # noqa: PLC0415
+
+    from peer.compare import gateway_forced_sample, llama_sample, replay, summarise  # noqa: PLC0415
+
+    sessions = {}
+    for trace in session_traces(args):
+        start = time.perf_counter()
+        with serve() as server:
+            start_s = time.perf_counter() - start
+            if side == "replay-ft":
+                samples = replay(server.url, trace, gateway_forced_sample, between=server.wait_idle)
+            else:
+                samples = replay(server.url, trace, llama_sample)
+        summary = msgspec.to_builtins(summarise(samples))
+        sessions[trace.session_id] = {"server_start_s": start_s, "summary": summary,
+                                      "samples": msgspec.to_builtins(samples)}  # fmt: skip
+        print(f"{side} {trace.session_id}: worst TTFT after a tool {summary['worst_ttft_after_tool_ms']:.0f} ms, "
+              f"total {summary['total_ttft_ms'] / 1e3:.1f} s", flush=True)  # fmt: skip
+    return {"trace": str(args.replay), "max_requests": args.max_requests, "sessions": sessions}
+
+
+def replay_ft(args, eng) -> dict:
+    """The committed session on our gateway, in this process, over the Q4_K_M engine (`ft serve
+    --model FILE.gguf`'s runtime on the loaded model): each request with its recorded answer forced
+    and streamed, the next sent once the worker is idle (background precompute done), as the agent ran."""
+    from gateway.embedded import serve_in_thread  # noqa: PLC0415
+    from gateway.runtime import ServeConfig  # noqa: PLC0415
+
+    config = ServeConfig(model_dir=eng.model_dir, device=args.device, ram_cache_gib=args.ram_cache)
+    eng.warmup(max_batch=config.max_running)  # what `ft serve` does before serving
+    return replay_sessions("replay-ft", args, lambda: serve_in_thread(config, eng))
+
+
+def replay_llama(args) -> dict:
+    """The committed session on llama-server over the same file, 1-token probes (bench/llamacpp.py's way)."""
+    from peer.gguf_random import random_gguf  # noqa: PLC0415
+    from peer.llama_server import PEER_HOME  # noqa: PLC0415
+
+    path = random_gguf(args.preset, PEER_HOME / "models")
+    return replay_sessions("replay-llama", args, lambda: llama_server(args, path, args.ctx))
+
+
+# -- report
+
+
+def worst_after_tool(part: dict | None) -> float | None:
+    if not part:
+        return None
+    return max(s["summary"]["worst_ttft_after_tool_ms"] for s in part["sessions"].values())
+
+
+def decode_tok_s(row: dict | None, batch: int) -> float | None:
+    return next((d["tok_s"] for d in (row or {}).get("decode", []) if d["batch"] == batch), None)
+
+
+def targets(result: dict) -> list[dict]:
+    """The issue's targets, each as measured / reference against the ratio it asks for."""
+    f, llama = result.get("formats", {}), result.get("llama")
+    bf16, fp8, q4 = f.get("bf16"), f.get("fp8"), f.get("q4_k_m")
+
+    def ratio(name, a, b, goal, at_most=False):
+        value = a / b if a is not None and b else None
+        met = None if value is None else (value <= goal if at_most else value >= goal)
+        return {
+            "target": name,
+            "measured": a,
+            "reference": b,
+            "ratio": value,
+            "goal": goal,
+            "at_most": at_most,
+            "met": met,
+        }
+
+    pre = lambda row: row["prefill"]["tok_s"] if row else None  # noqa: E731
+    return [
+        ratio("Q4_K_M decode B=1 vs llama.cpp (tok/s)", decode_tok_s(q4, 1), llama and llama["decode"]["tok_s"], 1.5),
+        ratio("Q4_K_M prefill vs llama.cpp (tok/s)", pre(q4), pre(llama), 1.0),
+        ratio("Q4_K_M resident weights vs file (bytes)", q4 and q4["weights_bytes"], q4 and q4["file_bytes"], 1.05, True),
+        ratio("FP8 prefill vs bf16 (tok/s)", pre(fp8), pre(bf16), 1.3),
+        ratio("FP8 decode B=1 vs bf16 (tok/s)", decode_tok_s(fp8, 1), decode_tok_s(bf16, 1), 1.5),
+        ratio("FP8 decode B=4 vs bf16 (tok/s)", decode_tok_s(fp8, 4), decode_tok_s(bf16, 4), 1.5),
+        ratio("replay worst TTFT after a tool, ours vs llama.cpp (ms)", worst_after_tool(result.get("replay-ft")),
+              worst_after_tool(result.get("replay-llama")), 1.0, True),
+    ]  # fmt: skip
+
+
+def table(result: dict) -> str:
+    def num(x, fmt=".0f"):
+        return "—" if x is None else format(x, fmt)
+
+    lines = [f"preset {result['preset']} on {result['device_name']}; prefill {result['prefill']} tokens, decode at "
+             f"{result['context']} ({result['steps']} steps)", "",
+             "| format | weights | file GB | resident GB | resident/file | load s | prefill tok/s | decode B=1 tok/s | decode B=4 tok/s |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for fmt, r in result.get("formats", {}).items():
+        lines.append(f"| {fmt} (ours) | {r['dtype'].removeprefix('torch.')} | {r['file_bytes'] / GB:.2f} | {r['weights_bytes'] / GB:.2f} "
+                     f"| {r['weights_vs_file']:.2f} | {r['load_s']:.0f} | {r['prefill']['tok_s']:.0f} | {num(decode_tok_s(r, 1), '.1f')} "
+                     f"| {num(decode_tok_s(r, 4), '.1f')} |")  # fmt: skip
+    if llama := result.get("llama"):
+        lines.append(f"| q4_k_m (llama.cpp) | Q4_K_M | {llama['file_bytes'] / GB:.2f} | — | — | {llama['load_s']:.0f} "
+                     f"| {llama['prefill']['tok_s']:.0f} | {llama['decode']['tok_s']:.1f} | — |")  # fmt: skip
+    lines += [
+        "",
+        "| target (issue 13) | measured | reference | ratio | goal | met |",
+        "|---|---|---|---|---|---|",
+    ]
+    for t in targets(result):
+        goal = ("≤ " if t["at_most"] else "≥ ") + f"{t['goal']:g}"
+        met = "—" if t["met"] is None else ("yes" if t["met"] else "**no**")
+        lines.append(
+            f"| {t['target']} | {num(t['measured'], '.4g')} | {num(t['reference'], '.4g')} | {num(t['ratio'], '.2f')} | {goal} | {met} |"
         )
-    if args.json:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=2))
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--kernels",
+        action="store_true",
+        help="run bench/quant_kernels.py instead (the other options are its own)",
+    )
+    p.add_argument("--preset", default="qwen3.6-35b-a3b")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument(
+        "--parts", default=",".join(FORMATS), help=f"comma list of {', '.join(PARTS)} (default: the formats)"
+    )
+    p.add_argument(
+        "--llama", action="store_true", help=f"also {', '.join(LLAMA_PARTS)}: llama-server on the Q4_K_M file"
+    )
+    p.add_argument("--prefill", type=int, default=8192, help="prefill: tokens of one sequence")
+    p.add_argument(
+        "--context", type=int, default=4096, help="decode: tokens of each sequence before decoding"
+    )
+    p.add_argument("--steps", type=int, default=64, help="decode: timed steps")
+    p.add_argument("--batches", type=ints, default=[1, 4], help="decode: sequences decoded together")
+    p.add_argument("--replay", type=Path, default=Path("traces/sessions/small-bugfix.recording.jsonl"))
+    p.add_argument("--max-requests", type=int, help="replay: the first N requests of each session")
+    p.add_argument("--ctx", type=int, default=32768, help="replay: llama-server context size")
+    p.add_argument("--threads", type=int, default=8, help="llama-server CPU threads")
+    p.add_argument(
+        "--llama-arg", action="append", default=[], metavar="ARG", help="extra llama-server argument (repeat)"
+    )
+    p.add_argument("--ram-cache", type=float, default=48.0, help="replay: our checkpoints' RAM tier, GiB")
+    p.add_argument(
+        "--keep-fp8", action="store_true", help="keep the FP8 folder (~36 GB at this shape) after its part"
+    )
+    p.add_argument(
+        "--json", type=Path, default=Path("bench/quant.json"), help="results, merged into what it holds"
+    )
+    p.add_argument("--markdown", type=Path)
+    args = p.parse_args(argv)
+    args.parts = list(
+        dict.fromkeys([x for x in args.parts.split(",") if x] + list(LLAMA_PARTS if args.llama else ()))
+    )
+    unknown = set(args.parts) - set(PARTS)
+    if unknown:
+        p.error(f"unknown parts {sorted(unknown)}; parts: {', '.join(PARTS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--kernels" in argv:
+        sys.argv = [str(Path(__file__).with_name("quant_kernels.py")), *(a for a in argv if a != "--kernels")]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+        return 0
+    args = parse_args(argv)
+    os.environ.setdefault("FT_MATERIALISE", "1" if args.device != "cpu" else "0")
+    result = json.loads(args.json.read_text()) if args.json.is_file() else {}
+    same = {
+        "preset": args.preset,
+        "device": args.device,
+        "prefill": args.prefill,
+        "context": args.context,
+        "steps": args.steps,
+    }
+    if any(result.get(k) != v for k, v in same.items()):
+        result = {}  # another configuration: start over
+    result |= same | {"device_name": torch.cuda.get_device_name() if args.device != "cpu" else "cpu",
+                      "torch": torch.__version__, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}  # fmt: skip
+    result.setdefault("commands", []).append(" ".join(["python", "bench/quant.py", *argv]))
+    keep: dict = {}  # the Q4_K_M engine, from its part to our replay
+    for part in sorted(args.parts, key=PARTS.index):
+        if part in FORMATS:
+            result.setdefault("formats", {})[part] = bench_format(part, args, keep)
+        elif part == "replay-ft":
+            result[part] = replay_ft(args, keep.pop("q4_k_m", None) or load_format("q4_k_m", args)[0])
+            release()
+        elif part == "llama":
+            result["llama"] = bench_llama(args)
+        else:
+            result[part] = replay_llama(args)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({**result, "targets": targets(result)}, indent=2))  # after each part
+    text = table(result)
+    print(text)
+    if args.markdown:
+        args.markdown.write_text(text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

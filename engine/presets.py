@@ -7,6 +7,7 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -114,10 +115,12 @@ def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, device, dtype
     return t.to(dtype)
 
 
-def materialise(name: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, seed: int = 0):
+def materialise(name: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, seed: int = 0,
+                only: Callable[[str], bool] | None = None):
     """The preset's config and in-memory (stacked-expert) state dict, built directly on `device`
     (so the 35B shape can live in GPU memory without touching disk). The values are those of the
-    preset's own dtype (what `write_preset` stores), cast to `dtype` if another is asked for.
+    preset's own dtype (what `write_preset` stores), cast to `dtype` if another is asked for; with
+    `only`, just the parameters whose names it accepts (the same values as in the whole build).
     They depend on the device's random generator: built on a GPU they differ from the CPU's (and
     so from the written folder); compare across devices by moving one build's tensors."""
     from engine.model import HybridForCausalLM  # noqa: PLC0415
@@ -129,6 +132,8 @@ def materialise(name: str, device: str | torch.device = "cpu", dtype: torch.dtyp
         shapes = {n: tuple(p.shape) for n, p in HybridForCausalLM(config).state_dict().items()}
     state_dict = {}
     for param, shape in shapes.items():
+        if only is not None and not only(param):
+            continue
         gen = torch.Generator(device=device).manual_seed(_seed(param, seed))
         state_dict[param] = _init(param, shape, gen, device, own, config.num_hidden_layers).to(dtype or own)
     return config, raw, state_dict

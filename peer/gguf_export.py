@@ -87,6 +87,31 @@ def to_numpy(name: str, t: torch.Tensor, dtype: str) -> tuple[np.ndarray, gguf.G
     return t.bfloat16().contiguous().view(torch.int16).cpu().numpy(), gguf.GGMLQuantizationType.BF16
 
 
+def open_writer(
+    c: ModelConfig,
+    raw: dict,
+    path: Path,
+    file_type: gguf.LlamaFileType,
+    name: str,
+    chat_template: str | None = None,
+    split_tensors: int = 0,
+) -> gguf.GGUFWriter:
+    """A writer for `path` holding the model's metadata, vocabulary and chat template (ours by
+    default), to which the tensors are added next."""
+    if c.arch not in GGUF_ARCH:
+        raise ValueError(f"no GGUF architecture for {c.arch}")
+    if c.linear_key_head_dim != c.linear_value_head_dim and c.arch == "qwen3_5_moe":
+        raise ValueError("llama.cpp's qwen35moe needs equal DeltaNet key and value head sizes")
+    template = (
+        chat_template if chat_template is not None else (TEMPLATE.read_text() if TEMPLATE.is_file() else None)
+    )
+    w = gguf.GGUFWriter(str(path), GGUF_ARCH[c.arch], split_max_tensors=split_tensors)
+    add_hparams(w, c, raw, name)
+    w.add_file_type(file_type)
+    add_vocab(w, qwen_vocab(c.vocab_size), template)
+    return w
+
+
 def write_gguf(
     c: ModelConfig,
     raw: dict,
@@ -104,19 +129,11 @@ def write_gguf(
     if dtype in LLAMA_QUANTIZE:
         source = write_gguf(c, raw, state_dict, out.with_name(out.name + ".f32.tmp"), "f32", chat_template)
         return requantize(source, out, dtype)
-    if c.arch not in GGUF_ARCH:
-        raise ValueError(f"no GGUF architecture for {c.arch}")
-    if c.linear_key_head_dim != c.linear_value_head_dim and c.arch == "qwen3_5_moe":
-        raise ValueError("llama.cpp's qwen35moe needs equal DeltaNet key and value head sizes")
-    template = (
-        chat_template if chat_template is not None else (TEMPLATE.read_text() if TEMPLATE.is_file() else None)
-    )
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp") if not split_tensors else out
-    w = gguf.GGUFWriter(str(tmp), GGUF_ARCH[c.arch], split_max_tensors=split_tensors)
-    add_hparams(w, c, raw, raw.get("ft_preset") or out.stem)
-    w.add_file_type(FILE_TYPES[dtype])
-    add_vocab(w, qwen_vocab(c.vocab_size), template)
+    w = open_writer(
+        c, raw, tmp, FILE_TYPES[dtype], raw.get("ft_preset") or out.stem, chat_template, split_tensors
+    )
     for name, tensor in to_gguf(c, state_dict):  # (GGUF name, fp32 tensor) for every weight
         array, qtype = to_numpy(name, tensor, dtype)
         plain = qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)

@@ -6,6 +6,7 @@ tells its own quantized arithmetic apart from what the file says.
 
     python -m peer.identity --preset tiny [--tokens 16] [--dtype f32]
     python -m peer.identity --preset small --dtype q4_k_m
+    python -m peer.identity --preset small --dtype random-q4_k_m   # random blocks, no llama-quantize
     FT_MATERIALISE=1 python -m peer.identity --preset qwen3.6-35b-a3b-e64 --device cuda --dtype bf16
     FT_MATERIALISE=1 python -m peer.identity --preset qwen3.6-35b-a3b-e64 --device cuda --dtype f32 --engine-dtype float32
 
@@ -25,9 +26,11 @@ import torch
 from engine import Engine
 from gateway.tokenizer import QwenTokenizer
 from peer.gguf_export import LLAMA_QUANTIZE, export_dequantized, preset_gguf
+from peer.gguf_random import random_gguf
 from peer.llama_server import PEER_HOME, LlamaServer, build
 
-QUANTIZED = ("q8_0", *LLAMA_QUANTIZE)
+RANDOM = "random-q4_k_m"  # a Q4_K_M file of random blocks at the preset's shape (peer.gguf_random)
+QUANTIZED = ("q8_0", *LLAMA_QUANTIZE, RANDOM)
 PROMPT = "<|im_start|>user\nWrite a short poem about the sea.<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -95,7 +98,10 @@ def run(
 ) -> dict:
     cuda = device != "cpu"
     materialise = os.environ.get("FT_MATERIALISE") == "1"
-    gguf_path = preset_gguf(preset, PEER_HOME / "models", dtype, device if materialise else None)
+    if dtype == RANDOM:
+        gguf_path = random_gguf(preset, PEER_HOME / "models")
+    else:
+        gguf_path = preset_gguf(preset, PEER_HOME / "models", dtype, device if materialise else None)
     binary = build(cuda=cuda)
     ids = QwenTokenizer().encode(PROMPT)
     # our engine: fp32 on the CPU; on a GPU the preset's dtype unless asked (a f32 GGUF of a bf16
