@@ -17,7 +17,7 @@ from engine.feed import Feed, PrefillResult
 from engine.loader import build_model, fingerprint, load_folder, place
 from engine.model import HybridForCausalLM
 from engine.ops import Kernels, kernels_for
-from engine.runner import PREFILL_BUCKETS, Runner, bucket, starting_capacity
+from engine.runner import GRAPH_CAPACITY, PREFILL_BUCKETS, Runner, bucket, starting_capacity
 from engine.sampling import Decoding, SamplingParams, TokenEvent
 from engine.snapshot import Snapshot
 from engine.state import KVCache, SequenceState
@@ -45,12 +45,13 @@ class Engine:
         self.kernels: Kernels = kernels_for(self.device)
         make_runtime = getattr(self.kernels, "runtime", None)  # device extras: host copies
         self.runtime = make_runtime(model) if make_runtime is not None else None
+        graphs = self.device.type == "cuda" and os.environ.get("FT_CUDA_GRAPHS", "1") != "0"
         self.runner = Runner(
             model, self.kernels,
-            use_graph=self.device.type == "cuda" and (offload is None or offload.holds_all)
-            and os.environ.get("FT_CUDA_GRAPHS", "1") != "0",
+            use_graph=graphs and (offload is None or offload.holds_all),
             before_overwrite=self.runtime.wait_copies if self.runtime is not None else None,
             before_allocate=self._make_room if offload is not None else None,
+            capacity=GRAPH_CAPACITY if graphs and offload is None else None,
         )
         self.slot_prefill = self.runner.use_graph  # short prefills on the sequence's slot (a graph per bucket)
 

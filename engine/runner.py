@@ -31,6 +31,7 @@ from engine.ops import Kernels
 from engine.state import SequenceState
 
 MIN_CAPACITY = {"cuda": 4096, "cpu": 256}  # tokens per slot at first; doubles as sequences grow
+GRAPH_CAPACITY = 16384  # at first when graphs run and no budget counts it: a growth recaptures every graph
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)  # token counts of the captured prefills
 
 
@@ -56,16 +57,19 @@ def starting_capacity(device: torch.device) -> int:
 class Runner:
     def __init__(self, model: HybridForCausalLM, kernels: Kernels, use_graph: bool = False,
                  before_overwrite: Callable[[], None] | None = None,
-                 before_allocate: Callable[[int, int], None] | None = None):
+                 before_allocate: Callable[[int, int], None] | None = None, capacity: int | None = None):
         """`before_overwrite` runs before a slot's contents are replaced (on a GPU: wait for the
         host copies that may still read the previous owner's KV); `before_allocate(slots,
         capacity)` before buffers of that size replace the old ones (an expert cache shrinks there
-        to keep a memory budget; the old buffers are freed before the new ones are made)."""
+        to keep a memory budget; the old buffers are freed before the new ones are made).
+        `capacity`: tokens per slot at first (default `initial_capacity`); growing later
+        recaptures every graph, ~0.1-0.3 s each, inside the request that grew them."""
         self.model, self.kernels = model, kernels
         self.c = model.config
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
         self.use_graph = use_graph
+        self.min_capacity = capacity or initial_capacity(self.device)
         self.before_overwrite = before_overwrite or (lambda: None)
         self.before_allocate = before_allocate or (lambda slots, capacity: None)
         self.slots = 0  # sequence slots; slot `self.slots` is the scratch slot padding rows use
@@ -76,6 +80,7 @@ class Runner:
         self.used: list[int] = []  # step count of each slot's last use (least recently used is evicted)
         self.steps = 0
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.warmed: set[tuple[str, int]] = set()  # graphs captured before (their kernels are compiled)
         self.pool = None
 
     @torch.no_grad()
@@ -166,8 +171,9 @@ class Runner:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # warm-up: Triton compiles and autotunes outside the capture
-                for _ in range(2):
+                for _ in range(1 if (kind, rows) in self.warmed else 2):  # once more after the buffers grew
                     self._forward(kind, rows)
+            self.warmed.add((kind, rows))
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             # thread_local: a capture while serving (the slots grew) must not be invalidated by the
@@ -192,7 +198,7 @@ class Runner:
         the next bucket, capacity to the next power of two) when they are too small."""
         if sequences > self.slots or length > self.capacity:
             self._allocate(max(self.slots, bucket(sequences)),
-                           max(self.capacity, initial_capacity(self.device), bucket(length)))
+                           max(self.capacity, self.min_capacity, bucket(length)))
 
     def _allocate(self, slots: int, capacity: int) -> None:
         """Buffers for `slots` sequences (+ the scratch slot) of `capacity` tokens; every owner
