@@ -39,7 +39,7 @@ from engine.quant.ggml import T  # noqa: E402
 from tests.engine.test_quant_gguf import random_blocks  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
-GGML = [T.Q8_0, T.Q4_K, T.Q6_K]
+GGML = [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 
 
 def ggml_weight(qtype, shape, seed=0) -> tuple[quant.QuantWeight, torch.Tensor]:
@@ -108,7 +108,7 @@ def test_gemm_with_identity_returns_the_weights_exactly():
 
 
 @in_this_process
-@pytest.mark.parametrize("fmt", [T.Q4_K, "fp8"], ids=["Q4_K", "fp8"])
+@pytest.mark.parametrize("fmt", [T.Q4_K, T.Q5_K, "fp8"], ids=["Q4_K", "Q5_K", "fp8"])
 def test_grouped_experts_equal_per_expert_matmuls(fmt):
     from engine.ops.gpu.moe import group_by_expert
 
