@@ -20,6 +20,7 @@ they equal it to fp32 summation order.
 from __future__ import annotations
 
 import math
+
 import torch
 import triton
 import triton.language as tl
@@ -30,12 +31,17 @@ from engine.quant.ggml import T, k_scale_min
 Q8_0, Q4_K, Q6_K, FP8, Q5_K = 0, 1, 2, 3, 4
 FORMATS = {T.Q8_0: Q8_0, T.Q4_K: Q4_K, T.Q5_K: Q5_K, T.Q6_K: Q6_K}
 NAMES = {Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", FP8: "FP8"}
-FIELDS = {  # the packed arrays of each format, [.., N, ·] (rows first, as the weight)
-    Q8_0: ("qs", "d"),  # int8 [.., N, K], fp16 [.., N, K/32]
-    Q4_K: ("qs", "sc", "mn", "dd"),  # nibbles [.., N, K/2], 6-bit scales and mins as bytes [.., N, K/32], fp16 d, dmin
-    Q5_K: ("qs", "qh", "scmn", "dd"),  # Q4_K's nibbles, fifth bits [.., N, K/8], scale and min [.., N, K/32, 2], d, dmin
-    Q6_K: ("ql", "qh", "sc", "d"),  # nibbles [.., N, K/2], 2-bit highs [.., N, K/4], int8 [.., N, K/16], fp16 [.., N, K/256]
-    FP8: ("w", "scale"),  # e4m3 [.., N, K], fp32 [.., ceil(N/128), ceil(K/128)]
+# The packed arrays of each format, rows first as in the weight: Q8_0 int8 [.., N, K] and fp16
+# [.., N, K/32]; Q4_K nibbles [.., N, K/2], 6-bit scales and mins as bytes [.., N, K/32] each, fp16
+# (d, dmin) [.., N, K/256, 2]; Q5_K the same nibbles, fifth bits [.., N, K/8], (scale, min)
+# [.., N, K/32, 2], (d, dmin); Q6_K nibbles [.., N, K/2], 2-bit highs [.., N, K/4], int8 scales
+# [.., N, K/16], fp16 [.., N, K/256]; FP8 e4m3 [.., N, K], fp32 [.., ceil(N/128), ceil(K/128)].
+FIELDS = {
+    Q8_0: ("qs", "d"),
+    Q4_K: ("qs", "sc", "mn", "dd"),
+    Q5_K: ("qs", "qh", "scmn", "dd"),
+    Q6_K: ("ql", "qh", "sc", "d"),
+    FP8: ("w", "scale"),
 }
 BLOCK_K = {Q8_0: 32, Q4_K: 256, Q5_K: 256, Q6_K: 256, FP8: 128}  # K must be a multiple of the format's block
 GEMV_ROWS = 4  # up to this many rows of x, the GEMV kernel
@@ -172,7 +178,9 @@ def stack(weights: list[QuantWeight]) -> QuantWeight:
     return QuantWeight(first.fmt, (len(weights), *first.shape), parts, first.dtype)
 
 
-def pack_ggml(raw: torch.Tensor, qtype, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> QuantWeight:
+def pack_ggml(
+    raw: torch.Tensor, qtype, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+) -> QuantWeight:
     """GGML rows (uint8 [.., N, row bytes], as in the file) → a `QuantWeight` standing for `dtype`."""
     fmt = FORMATS[qtype]
     n, k = shape[-2:]
@@ -200,7 +208,9 @@ def pack_ggml(raw: torch.Tensor, qtype, shape: tuple[int, ...], dtype: torch.dty
                                     b[:, 208:].contiguous().view(torch.float16).reshape(*lead, k // 256)), dtype)  # fmt: skip
 
 
-def pack_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32) -> QuantWeight:
+def pack_fp8(
+    weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> QuantWeight:
     """Qwen FP8: e4m3 [.., N, K] with [128, 128]-block scales (kept as fp32)."""
     return QuantWeight(FP8, tuple(weight.shape), (weight.contiguous(), scale_inv.float().contiguous()), dtype)
 
