@@ -20,6 +20,7 @@ they equal it to fp32 summation order.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -48,6 +49,9 @@ GEMV_ROWS = 4  # up to this many rows of x, the GEMV kernel
 GEMV_CHUNK = {Q8_0: 32, Q4_K: 64, Q5_K: 64, Q6_K: 128, FP8: 128}  # columns per GEMV step: one group of scales
 DEQUANT_ROWS = 64  # above this many rows (bf16), dequantize once and use cuBLAS
 FP8_ROWS = 128  # rows per FP8 scale block
+# Triton's interpreter (the CPU tests) runs one program after another, at a fixed cost each: there
+# the GEMV kernel runs with wider row blocks (a [248320, H] lm_head in 31 programs, not 7760).
+GEMV_BLOCK_N = 8192 if os.environ.get("TRITON_INTERPRET") == "1" else 32
 
 
 class QuantWeight(nn.Module):
@@ -439,8 +443,8 @@ def dequantize_to(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
     n, k = w.shape[-2:]
     experts = math.prod(w.shape[:-2])
     out = torch.empty(w.shape, dtype=dtype, device=w.parts[0].device)
-    bk = _block_k(k)
-    _dequant_kernel[(experts * triton.cdiv(n, 64), k // bk)](*_padded(w), out, n, k, FMT=w.fmt, BN=64, BK=bk)
+    bn, bk = 64, _block_k(k)
+    _dequant_kernel[(experts * triton.cdiv(n, bn), k // bk)](*_padded(w), out, n, k, FMT=w.fmt, BN=bn, BK=bk)
     return out
 
 
@@ -448,7 +452,7 @@ def _gemv(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """Few rows: split K so that the grid fills the GPU even for a narrow weight."""
     m, k = x.shape
     n = w.shape[0]
-    bn, chunk = 32, GEMV_CHUNK[w.fmt]
+    bn, chunk = GEMV_BLOCK_N, GEMV_CHUNK[w.fmt]
     blocks = triton.cdiv(n, bn)
     split = 1
     while blocks * split < 1024 and k % (2 * split * chunk) == 0:
