@@ -30,6 +30,7 @@ from engine.gguf_layout import (
     NEXT_FUSED,
     from_gguf,
     from_gguf_global,
+    permute_value_heads,
 )
 from engine.loader import CheckpointError, aligned, build_model, fingerprint, place
 from engine.model import HybridForCausalLM
@@ -227,20 +228,32 @@ def packed(model: GGUFModel, name: str, dtype: torch.dtype) -> Any:
     return pack_ggml(raw, t.tensor_type, tuple(t.shape), dtype)
 
 
-def kept(c: ModelConfig, key: str) -> bool:
-    """Whether a block tensor may stay quantized: not Qwen3.5's `ssm_out` with more value heads than
-    key heads, whose columns (the quantized rows) hold the heads in the file's tiled order."""
-    tiled = c.arch == "qwen3_5_moe" and c.linear_num_value_heads != c.linear_num_key_heads
-    return not (tiled and key == "ssm_out.weight")
+def tiled_columns(c: ModelConfig) -> torch.Tensor | None:
+    """Qwen3.5 with more value heads than key heads: where each column of the file's `ssm_out`
+    (value heads in tiled order along its rows) sits among the model's columns; else None."""
+    if c.arch != "qwen3_5_moe" or c.linear_num_value_heads == c.linear_num_key_heads:
+        return None
+    key = "linear_attn.out_proj.weight"
+    ours = permute_value_heads(c, key, torch.arange(c.linear_value_dim).view(1, -1), inverse=True)[0]
+    return torch.argsort(ours)  # ours[j]: the file's column of our column j
 
 
 def from_gguf_packed(c: ModelConfig, layer: int, tensors: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
-    """`from_gguf` for a block some of whose tensors are `QuantWeight`s. Their transforms only move
-    rows (head reorders, the experts' gate ‖ up, Qwen3-Next's q, k, v, z merge), so each packed
+    """`from_gguf` for a block some of whose tensors are `QuantWeight`s. Their transforms move rows
+    (head reorders, the experts' gate ‖ up, Qwen3-Next's q, k, v, z merge) but for Qwen3.5's
+    `ssm_out`, whose columns are reordered (kept with `tiled_columns`), so each other packed
     tensor goes through `from_gguf` as a probe (int64 [.., N, 1] of source * PROBE + row) and
     every output made of probes is gathered from the packed sources' rows (`resolve`). Fused
     pairs with one part dequantized are dequantized whole."""
-    tensors = dict(tensors)
+    from engine.ops.gpu.quant import QuantWeight  # noqa: PLC0415 (Triton: only for kept weights)
+
+    tensors, extra = dict(tensors), {}
+    out_proj, columns = tensors.get("ssm_out.weight"), tiled_columns(c)
+    if isinstance(out_proj, QuantWeight) and columns is not None:  # its blocks cannot move: x's columns do
+        del tensors["ssm_out.weight"]
+        extra[f"model.layers.{layer}.linear_attn.out_proj.weight"] = QuantWeight(
+            out_proj.fmt, out_proj.shape, out_proj.parts, out_proj.dtype, columns
+        )
     for group in (FUSED, NEXT_FUSED):
         present = [k for k in group if k in tensors]
         if any(not isinstance(tensors[k], torch.Tensor) for k in present) and any(
@@ -256,7 +269,7 @@ def from_gguf_packed(c: ModelConfig, layer: int, tensors: dict[str, Any], dtype:
         rows = torch.arange(w.shape[-2], dtype=torch.int64) + _index(sources, w) * PROBE
         probes[key] = rows.view(-1, 1).expand(*w.shape[:-2], -1, 1)
     out = from_gguf(c, layer, probes)
-    return {name: resolve(t, sources, dtype) if t.dtype == torch.int64 else t for name, t in out.items()}
+    return {name: resolve(t, sources, dtype) if t.dtype == torch.int64 else t for name, t in out.items()} | extra
 
 
 def _index(sources: list, w: Any) -> int:
@@ -306,10 +319,7 @@ def read_gguf_state_dict(
     for layer, names in sorted(blocks.items()):
         keys = {name: name.split(".", 2)[2] for name in names}
         if keep_quantized:
-            loaded = {
-                key: packed(model, name, dtype) if kept(config, key) else tensor(model, name)
-                for name, key in keys.items()
-            }
+            loaded = {key: packed(model, name, dtype) for name, key in keys.items()}
             ours = from_gguf_packed(config, layer, loaded, dtype)
         else:
             ours = from_gguf(config, layer, {key: tensor(model, name) for name, key in keys.items()})

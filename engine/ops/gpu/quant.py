@@ -60,12 +60,17 @@ class QuantWeight(nn.Module):
     it moves with its model (`.to(device)`: never `.to(dtype)`, which would cast its fp16 scales)
     and counts in `parameters()` / `buffers()` walks (resident bytes: `nbytes`)."""
 
+    columns: torch.Tensor | None
+
     def __init__(self, fmt: int, shape: tuple[int, ...], parts: tuple[torch.Tensor, ...],
-                 dtype: torch.dtype = torch.float32):  # fmt: skip
+                 dtype: torch.dtype = torch.float32, columns: torch.Tensor | None = None):  # fmt: skip
+        """`columns` [K]: where the file's columns (the packed order) sit in the model's, when they
+        differ (Qwen3.5's DeltaNet out_proj in GGUF): x's columns are gathered into the file's order."""
         super().__init__()
         self.fmt, self.shape, self.dtype = fmt, tuple(shape), dtype
         for name, part in zip(FIELDS[fmt], parts, strict=True):
             self.register_buffer(name, part, persistent=False)
+        self.register_buffer("columns", columns, persistent=False)
 
     @property
     def parts(self) -> tuple[torch.Tensor, ...]:
@@ -83,7 +88,16 @@ class QuantWeight(nn.Module):
         return f"{NAMES[self.fmt]}, shape={list(self.shape)}, dtype={self.dtype}"
 
     def dequantize(self) -> torch.Tensor:
-        """fp32 [.., N, K]: the reference the kernels are tested against (plain torch)."""
+        """fp32 [.., N, K] in the model's column order."""
+        w = self._dequantize()
+        if self.columns is None:
+            return w
+        out = torch.empty_like(w)
+        out[..., self.columns] = w
+        return out
+
+    def _dequantize(self) -> torch.Tensor:
+        """fp32 [.., N, K] in the packed order: the reference the kernels are tested against (plain torch)."""
         n, k = self.shape[-2:]
         if self.fmt == Q8_0:
             qs, d = self.parts
@@ -118,7 +132,7 @@ class QuantWeight(nn.Module):
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ self.T (see `linear`)."""
-        return linear(x, self)
+        return linear(x if self.columns is None else x.index_select(-1, self.columns), self)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] of a 2-D weight, dequantized to `dtype` [T, K]: an embedding lookup
@@ -141,7 +155,7 @@ class QuantWeight(nn.Module):
         else:
             dim = len(self.shape) - 2  # every GGML field has the weight's rows at this dim
             parts = tuple(p.narrow(dim, start, length) for p in self.parts)
-        return QuantWeight(self.fmt, (*self.shape[:-2], length, self.shape[-1]), parts, self.dtype)
+        return QuantWeight(self.fmt, (*self.shape[:-2], length, self.shape[-1]), parts, self.dtype, self.columns)
 
     def take_rows(self, index: torch.Tensor) -> QuantWeight:
         """Rows `index` (a permutation or selection, GGML formats: rows are independent), copied."""
@@ -149,7 +163,7 @@ class QuantWeight(nn.Module):
             raise ValueError("FP8 rows share 128-row scale blocks: they cannot be reordered")
         dim = len(self.shape) - 2
         parts = tuple(p.index_select(dim, index.to(p.device)) for p in self.parts)
-        return QuantWeight(self.fmt, (*self.shape[:-2], index.numel(), self.shape[-1]), parts, self.dtype)
+        return QuantWeight(self.fmt, (*self.shape[:-2], index.numel(), self.shape[-1]), parts, self.dtype, self.columns)
 
 
 def can_concat(weights: list[QuantWeight]) -> bool:
@@ -157,7 +171,7 @@ def can_concat(weights: list[QuantWeight]) -> bool:
     leading dims, and (FP8) every part but the last a whole number of scale blocks of rows."""
     first = weights[0]
     if any(w.fmt != first.fmt or w.shape[:-2] != first.shape[:-2] or w.shape[-1] != first.shape[-1]
-           for w in weights):  # fmt: skip
+           or w.columns is not None for w in weights):  # fmt: skip
         return False
     return first.fmt != FP8 or all(w.shape[-2] % FP8_ROWS == 0 for w in weights[:-1])
 
@@ -452,7 +466,7 @@ def _gemv(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """Few rows: split K so that the grid fills the GPU even for a narrow weight."""
     m, k = x.shape
     n = w.shape[0]
-    bn, chunk = GEMV_BLOCK_N, GEMV_CHUNK[w.fmt]
+    bn, chunk = min(GEMV_BLOCK_N, max(16, triton.next_power_of_2(n))), GEMV_CHUNK[w.fmt]
     blocks = triton.cdiv(n, bn)
     split = 1
     while blocks * split < 1024 and k % (2 * split * chunk) == 0:
