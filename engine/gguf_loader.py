@@ -32,7 +32,7 @@ from engine.gguf_layout import (
     from_gguf_global,
     permute_value_heads,
 )
-from engine.loader import CheckpointError, aligned, build_model, fingerprint, place
+from engine.loader import CheckpointError, aligned, build_model, fingerprint, one_way, place
 from engine.model import HybridForCausalLM
 from engine.quant.ggml import SUPPORTED, T, as_bytes, dequantize
 
@@ -321,6 +321,9 @@ def read_gguf_state_dict(
         if keep_quantized:
             loaded = {key: packed(model, name, dtype) for name, key in keys.items()}
             ours = from_gguf_packed(config, layer, loaded, dtype)
+            experts = [f"model.layers.{layer}.mlp.experts.{p}" for p in ("gate_up_proj", "down_proj")]
+            if all(name in ours for name in experts):
+                ours[experts[0]], ours[experts[1]] = one_way(ours[experts[0]], ours[experts[1]])
         else:
             ours = from_gguf(config, layer, {key: tensor(model, name) for name, key in keys.items()})
         out |= {k: aligned(v.to(dtype).contiguous()) if isinstance(v, torch.Tensor) else v for k, v in ours.items()}

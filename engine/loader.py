@@ -119,10 +119,15 @@ def stack_experts(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{prefix}: expert indices are not 0..{len(order) - 1}")
         gate_up = stack([cat_rows([projs["gate_proj"][e], projs["up_proj"][e]]) for e in order])
         down = stack([projs["down_proj"][e] for e in order])
-        if isinstance(gate_up, torch.Tensor) or isinstance(down, torch.Tensor):  # the experts run one way
-            gate_up, down = dense(gate_up), dense(down)
-        out[f"{prefix}.gate_up_proj"], out[f"{prefix}.down_proj"] = gate_up, down
+        out[f"{prefix}.gate_up_proj"], out[f"{prefix}.down_proj"] = one_way(gate_up, down)
     return out
+
+
+def one_way(gate_up, down) -> tuple:
+    """A layer's expert stacks, both kept quantized or both dense: the experts run one way."""
+    if isinstance(gate_up, torch.Tensor) != isinstance(down, torch.Tensor):
+        return dense(gate_up), dense(down)
+    return gate_up, down
 
 
 def dense(w) -> torch.Tensor:

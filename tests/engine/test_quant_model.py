@@ -77,6 +77,11 @@ class Models(dict):
                 path = write_kquant_gguf(config, raw, state_dict, root / "kmix.gguf")
         elif name == "fp8":
             path = write_preset("tiny", root / "tiny-fp8", fmt="fp8")
+        elif name == "llama-q4_k_m":  # llama.cpp's: rows of 64 fall back to Q5_0 / Q5_1 / Q8_0
+            from peer.gguf_export import preset_gguf  # noqa: PLC0415
+            from peer.llama_server import PEER_HOME  # noqa: PLC0415
+
+            path = preset_gguf("tiny", PEER_HOME / "models", "q4_k_m")
         else:
             preset = "tiny-next" if name.startswith("next") else "tiny"
             path = export_gguf(presets[preset], root / f"{preset}-q8_0.gguf", "q8_0")
@@ -105,10 +110,14 @@ def quantized_weights(engine: Engine) -> dict[int, int]:
 
 
 @in_this_process
-@pytest.mark.parametrize("name", ["q8_0", pytest.param("next-q8_0", marks=pytest.mark.slow), "fp8", "kmix"])
+@pytest.mark.parametrize("name", [
+    "q8_0", pytest.param("next-q8_0", marks=pytest.mark.slow), "fp8", "kmix",
+    pytest.param("llama-q4_k_m", marks=[pytest.mark.slow, pytest.mark.skipif("not llama_quantize_built()")]),
+])  # fmt: skip
 def test_quantized_logits_equal_the_dequantized_models(models, name):
     """Prefill (GEMM, grouped experts) and decode (GEMV, the runner's slot path) on the kept weights
-    give the logits of the fp32 model dequantized at load."""
+    give the logits of the fp32 model dequantized at load. llama.cpp's Q4_K_M of tiny keeps only its
+    Q8_0 tensors packed (Q5_0 / Q5_1 are dequantized): fusions of packed and plain parts."""
     q, d = pair(models[name])
     formats = quantized_weights(q)
     expected = {"fp8": {quant.FP8}, "kmix": {quant.Q4_K, quant.Q5_K, quant.Q6_K, quant.Q8_0}}.get(name, {quant.Q8_0})
@@ -211,3 +220,23 @@ def test_fusion_joins_what_lines_up_and_keeps_the_rest_apart(case):
     assert torch.equal(torch.cat([dense(p.weight) for p in parts]), want)  # each part: a view of the fused rows
     storages = {t.untyped_storage().data_ptr() for t in owner.buffers()}
     assert all(t.untyped_storage().data_ptr() in storages for p in parts for t in p.buffers())
+
+
+def llama_quantize_built() -> bool:
+    from peer.llama_server import quantize_binary  # noqa: PLC0415
+
+    return quantize_binary().is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not llama_quantize_built(), reason="llama-quantize not built (.peer/)")
+def test_llama_cpp_q4_k_m_preset_stays_at_the_files_size():
+    """llama.cpp's own Q4_K_M of the `small` preset (`ft model init --format gguf-q4_k_m`): every
+    tensor is a K-quant or f32, so the kept weights are the file's tensor bytes within 5% (measured:
+    1.014x on the CPU, 0.338x of the model dequantized to bf16). Loading only: no kernel runs."""
+    from peer.gguf_export import preset_gguf  # noqa: PLC0415
+    from peer.llama_server import PEER_HOME  # noqa: PLC0415
+
+    path = preset_gguf("small", PEER_HOME / "models", "q4_k_m")
+    weights, file = Engine.load(path, keep_quantized=True).memory()["weights"], tensor_bytes(path)
+    assert abs(weights - file) <= 0.05 * file, (weights, file)
