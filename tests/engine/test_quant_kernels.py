@@ -109,11 +109,12 @@ def test_gemm_with_identity_returns_the_weights_exactly():
 
 @in_this_process
 @pytest.mark.parametrize("fmt", [T.Q4_K, T.Q5_K, "fp8"], ids=["Q4_K", "Q5_K", "fp8"])
-def test_grouped_experts_equal_per_expert_matmuls(fmt):
+@pytest.mark.parametrize("tokens", [23, 1])  # prefill; decode (fewer assignments than experts)
+def test_grouped_experts_equal_per_expert_matmuls(fmt, tokens):
     from engine.ops.gpu.moe import group_by_expert
 
     dtype = torch.bfloat16 if CUDA else torch.float32
-    num_experts, top_k, tokens = 6, 2, 23
+    num_experts, top_k = 6, 2
     w, reference = weights(fmt, (num_experts, 64, 256))
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(tokens, 256, generator=gen).to(dtype)

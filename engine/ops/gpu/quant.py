@@ -501,13 +501,14 @@ def grouped(
     """MoE prefill: y[j] = x[order[j] // top_k] @ w[e(j)].T for the j-th assignment in expert order
     (`order`, `offs` [E] int32 ends of each expert's rows, from `moe.group_by_expert`). Returns
     [len(order), N] in expert order. Tiles are laid out on the device: an upper bound of
-    len(order) / BM + E tiles, the empty ones return at once (no host sync)."""
+    len(order) / BM + min(len(order), E) tiles (decode: a few, not one per expert), the empty ones
+    return at once (no host sync)."""
     num_experts, n, k = w.shape
     bm = 32
     ends = offs.long()
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     tiles_per = (ends - starts + bm - 1) // bm  # [E]
-    max_tiles = triton.cdiv(order.numel(), bm) + num_experts
+    max_tiles = triton.cdiv(order.numel(), bm) + min(order.numel(), num_experts)  # a partial tile per used expert
     last = torch.cumsum(tiles_per, 0)  # one past each expert's last tile
     t = torch.arange(max_tiles, device=x.device)
     expert = torch.searchsorted(last, t, right=True).clamp(max=num_experts - 1)
