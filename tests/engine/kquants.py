@@ -107,7 +107,9 @@ def mix_type(name: str, t: torch.Tensor) -> T:
     return T.Q4_K
 
 
-def write_kquant_gguf(config, raw: dict, state_dict: dict[str, torch.Tensor], out: Path, choose=mix_type) -> Path:
+def write_kquant_gguf(
+    config, raw: dict, state_dict: dict[str, torch.Tensor], out: Path, choose=mix_type
+) -> Path:
     """`peer.gguf_export.write_gguf` with every matrix llama.cpp would quantize in `choose(name, t)`."""
     import peer.gguf_export as export  # noqa: PLC0415
 

@@ -35,9 +35,22 @@ GROUPS = {  # each run in its own interpreter process, within ~30 s
 def test_quantized_model_in_triton_interpreter_process(group):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     select = ["-k", GROUPS[group], "-m", "not slow"] if group in GROUPS else ["-m", "slow"]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "900", *select, __file__]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--timeout",
+        "900",
+        *select,
+        __file__,
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0 and " passed" in done.stdout and " failed" not in done.stdout, done.stdout[-4000:]
+    assert done.returncode == 0 and " passed" in done.stdout and " failed" not in done.stdout, done.stdout[
+        -4000:
+    ]
 
 
 from engine import Engine  # noqa: E402
@@ -97,14 +110,20 @@ def models(tmp_path_factory, preset_dirs) -> Models:
 
 
 def pair(path: Path) -> tuple[Engine, Engine]:
-    return Engine.load(path, keep_quantized=True), Engine.load(path, dtype=torch.float32, keep_quantized=False)
+    return Engine.load(path, keep_quantized=True), Engine.load(
+        path, dtype=torch.float32, keep_quantized=False
+    )
 
 
 def quantized_weights(engine: Engine) -> dict[int, int]:
     """Count of `QuantWeight`s per format among the model's HF-named weights (not the fused ones)."""
     counts: dict[int, int] = {}
     for name, module in engine.model.named_modules():
-        if isinstance(module, quant.QuantWeight) and name.rsplit(".", 1)[-1] in ("weight", "gate_up_proj", "down_proj"):
+        if isinstance(module, quant.QuantWeight) and name.rsplit(".", 1)[-1] in (
+            "weight",
+            "gate_up_proj",
+            "down_proj",
+        ):
             counts[module.fmt] = counts.get(module.fmt, 0) + 1
     return counts
 
@@ -120,7 +139,9 @@ def test_quantized_logits_equal_the_dequantized_models(models, name):
     Q8_0 tensors packed (Q5_0 / Q5_1 are dequantized): fusions of packed and plain parts."""
     q, d = pair(models[name])
     formats = quantized_weights(q)
-    expected = {"fp8": {quant.FP8}, "kmix": {quant.Q4_K, quant.Q5_K, quant.Q6_K, quant.Q8_0}}.get(name, {quant.Q8_0})
+    expected = {"fp8": {quant.FP8}, "kmix": {quant.Q4_K, quant.Q5_K, quant.Q6_K, quant.Q8_0}}.get(
+        name, {quant.Q8_0}
+    )
     assert set(formats) == expected, formats
     sq, sd = q.new_state(), d.new_state()
     lq, ld = q.prefill(sq, IDS).logits, d.prefill(sd, IDS).logits
@@ -179,7 +200,9 @@ def ggml(qtype, rows: int, seed: int) -> quant.QuantWeight:
 
 
 def fp8_weight(rows: int, seed: int) -> quant.QuantWeight:
-    return quant.pack_fp8(*fp8.quantize(torch.randn(rows, 256, generator=torch.Generator().manual_seed(seed))))
+    return quant.pack_fp8(
+        *fp8.quantize(torch.randn(rows, 256, generator=torch.Generator().manual_seed(seed)))
+    )
 
 
 def dense(w) -> torch.Tensor:
@@ -188,7 +211,9 @@ def dense(w) -> torch.Tensor:
 
 def fused_kinds(fused) -> list:
     ws = fused.weights() if isinstance(fused, Concat) else [fused]
-    return [("dense", w.shape[0]) if isinstance(w, torch.Tensor) else (quant.NAMES[w.fmt], w.shape[0]) for w in ws]
+    return [
+        ("dense", w.shape[0]) if isinstance(w, torch.Tensor) else (quant.NAMES[w.fmt], w.shape[0]) for w in ws
+    ]
 
 
 CASES = {
@@ -197,10 +222,18 @@ CASES = {
         [lambda: ggml(T.Q4_K, 64, 0), lambda: ggml(T.Q6_K, 32, 1), lambda: ggml(T.Q6_K, 16, 2)],
         [("Q4_K", 64), ("Q6_K", 48)],
     ),
-    "fp8 rows off a scale block": ([lambda: fp8_weight(64, 0), lambda: fp8_weight(128, 1)], [("FP8", 64), ("FP8", 128)]),
+    "fp8 rows off a scale block": (
+        [lambda: fp8_weight(64, 0), lambda: fp8_weight(128, 1)],
+        [("FP8", 64), ("FP8", 128)],
+    ),
     "fp8 on scale blocks": ([lambda: fp8_weight(128, 0), lambda: fp8_weight(64, 1)], [("FP8", 192)]),
     "plain beside quantized": (
-        [lambda: torch.randn(8, 256), lambda: ggml(T.Q8_0, 32, 1), lambda: ggml(T.Q8_0, 32, 2), lambda: torch.randn(1, 256)],
+        [
+            lambda: torch.randn(8, 256),
+            lambda: ggml(T.Q8_0, 32, 1),
+            lambda: ggml(T.Q8_0, 32, 2),
+            lambda: torch.randn(1, 256),
+        ],
         [("dense", 8), ("Q8_0", 64), ("dense", 1)],
     ),
 }
@@ -217,7 +250,9 @@ def test_fusion_joins_what_lines_up_and_keeps_the_rest_apart(case):
     assert fused_kinds(owner.in_proj) == kinds
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(9))
     assert torch.allclose(matmul(x, owner.in_proj), x @ want.T, atol=1e-4, rtol=1e-5)
-    assert torch.equal(torch.cat([dense(p.weight) for p in parts]), want)  # each part: a view of the fused rows
+    assert torch.equal(
+        torch.cat([dense(p.weight) for p in parts]), want
+    )  # each part: a view of the fused rows
     storages = {t.untyped_storage().data_ptr() for t in owner.buffers()}
     assert all(t.untyped_storage().data_ptr() in storages for p in parts for t in p.buffers())
 

@@ -155,7 +155,9 @@ class QuantWeight(nn.Module):
         else:
             dim = len(self.shape) - 2  # every GGML field has the weight's rows at this dim
             parts = tuple(p.narrow(dim, start, length) for p in self.parts)
-        return QuantWeight(self.fmt, (*self.shape[:-2], length, self.shape[-1]), parts, self.dtype, self.columns)
+        return QuantWeight(
+            self.fmt, (*self.shape[:-2], length, self.shape[-1]), parts, self.dtype, self.columns
+        )
 
     def take_rows(self, index: torch.Tensor) -> QuantWeight:
         """Rows `index` (a permutation or selection, GGML formats: rows are independent), copied."""
@@ -163,7 +165,9 @@ class QuantWeight(nn.Module):
             raise ValueError("FP8 rows share 128-row scale blocks: they cannot be reordered")
         dim = len(self.shape) - 2
         parts = tuple(p.index_select(dim, index.to(p.device)) for p in self.parts)
-        return QuantWeight(self.fmt, (*self.shape[:-2], index.numel(), self.shape[-1]), parts, self.dtype, self.columns)
+        return QuantWeight(
+            self.fmt, (*self.shape[:-2], index.numel(), self.shape[-1]), parts, self.dtype, self.columns
+        )
 
 
 def can_concat(weights: list[QuantWeight]) -> bool:
@@ -508,7 +512,8 @@ def grouped(
     ends = offs.long()
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     tiles_per = (ends - starts + bm - 1) // bm  # [E]
-    max_tiles = triton.cdiv(order.numel(), bm) + min(order.numel(), num_experts)  # a partial tile per used expert
+    used = min(order.numel(), num_experts)  # experts with rows: at most one partial tile each
+    max_tiles = triton.cdiv(order.numel(), bm) + used
     last = torch.cumsum(tiles_per, 0)  # one past each expert's last tile
     t = torch.arange(max_tiles, device=x.device)
     expert = torch.searchsorted(last, t, right=True).clamp(max=num_experts - 1)
