@@ -128,3 +128,17 @@ def test_grouped_experts_equal_per_expert_matmuls(fmt, tokens):
         [x[j // top_k].float() @ reference[e].T for j, e in zip(order.tolist(), flat.tolist(), strict=True)]
     )
     close(got, want, dtype)
+
+
+@in_this_process
+@pytest.mark.parametrize("fmt", FMTS, ids=IDS)
+def test_expert_gemv_equals_per_assignment_matmuls(fmt):
+    """MoE decode: each (token, chosen expert) row through the GEMV kernel, only those experts read."""
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    w, reference = weights(fmt, (5, 128, 256))
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 256, generator=gen).to(dtype)
+    rows, experts = torch.tensor([0, 0, 1, 2, 2, 1]), torch.tensor([4, 1, 0, 4, 3, 1])
+    got = quant.gemv_experts(x.to(DEVICE), w.to(DEVICE), rows.to(DEVICE), experts.to(DEVICE)).cpu()
+    want = torch.stack([x[r].float() @ reference[e].T for r, e in zip(rows.tolist(), experts.tolist(), strict=True)])
+    close(got, want, dtype)

@@ -70,7 +70,7 @@ KMIX = _config(
     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=256,
     vocab_size=2048, max_position_embeddings=65536,
 )  # fmt: skip
-IDS = [1000 + 7 * i for i in range(6)]
+IDS = [1000 + 7 * i for i in range(20)]  # 40 expert rows: the grouped kernels (decode: the expert GEMV)
 
 
 class Models(dict):

@@ -108,6 +108,8 @@ def experts_quantized(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     expert order through `quant.grouped` twice, the routing weight folded in before the down
     projection, summed per token in fp32. No host sync: decode runs inside the CUDA graph."""
     num_tokens, top_k = ids.shape
+    if ids.numel() <= DECODE_ROWS and quant.gemv_fits(gate_up) and quant.gemv_fits(down):
+        return _experts_quantized_decode(x, weights, ids, gate_up, down)
     order, offs = group_by_expert(ids, gate_up.shape[0])
     gate, up = quant.grouped(x, gate_up, order, offs, top_k).chunk(2, dim=-1)  # [T*k, I] each, expert order
     act = F.silu(gate) * up * weights.flatten()[order, None]
@@ -116,6 +118,17 @@ def experts_quantized(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     out = torch.empty_like(ys)
     out[order] = ys
     return out.view(num_tokens, top_k, -1).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+def _experts_quantized_decode(x, weights, ids, gate_up, down) -> torch.Tensor:
+    """A few tokens: one GEMV row per (token, chosen expert), reading only the chosen experts."""
+    num_tokens, top_k = ids.shape
+    flat = ids.flatten()
+    slots = torch.arange(flat.numel(), device=x.device)
+    gate, up = quant.gemv_experts(x, gate_up, slots // top_k, flat).chunk(2, dim=-1)  # [T*k, I] each
+    act = F.silu(gate) * up * weights.flatten()[:, None]
+    ys = quant.gemv_experts(act, down, slots, flat)  # [T*k, H]
+    return ys.view(num_tokens, top_k, -1).sum(1, dtype=torch.float32).to(x.dtype)
 
 
 experts_decode = Checked("moe_decode", _experts_triton, _experts_gathered)

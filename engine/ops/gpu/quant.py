@@ -371,26 +371,32 @@ def _dot_fp8(X, P0, P1, row, m, k0, N, K):
 
 @triton.jit
 def _gemv_kernel(
-    X, P0, P1, P2, P3, PART, M, N, K, K_SPLIT, FMT: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr
+    X, P0, P1, P2, P3, PART, XROW, EXPERT, M, N, K, K_SPLIT,
+    FMT: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, GROUPED: tl.constexpr,
 ):  # fmt: skip
-    """Program (n-block, split, row): one row of x against BN weight rows over the columns
+    """Program (n-block, split, row m): one row of x against BN weight rows over the columns
     [split * K_SPLIT, (split + 1) * K_SPLIT), a format-sized chunk at a time (each block's scales
-    loaded once); fp32 partial sums into PART [S, M, N]."""
+    loaded once); fp32 partial sums into PART [S, M, N]. GROUPED (experts [E, N, K]): row m is x's
+    row XROW[m] against expert EXPERT[m]'s weight."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     row = tl.minimum(n, N - 1).to(tl.int64)
     split, m = tl.program_id(1), tl.program_id(2)
+    xm = m
+    if GROUPED:
+        xm = tl.load(XROW + m)
+        row += tl.load(EXPERT + m).to(tl.int64) * N
     acc = tl.zeros([BN], tl.float32)
     for k0 in range(split * K_SPLIT, (split + 1) * K_SPLIT, CHUNK):
         if FMT == 0:
-            acc += _dot_q8_0(X, P0, P1, row, m, k0, K)
+            acc += _dot_q8_0(X, P0, P1, row, xm, k0, K)
         elif FMT == 1:
-            acc += _dot_q4_k(X, P0, P1, P2, P3, row, m, k0, K)
+            acc += _dot_q4_k(X, P0, P1, P2, P3, row, xm, k0, K)
         elif FMT == 2:
-            acc += _dot_q6_k(X, P0, P1, P2, P3, row, m, k0, K)
+            acc += _dot_q6_k(X, P0, P1, P2, P3, row, xm, k0, K)
         elif FMT == 4:
-            acc += _dot_q5_k(X, P0, P1, P2, P3, row, m, k0, K)
+            acc += _dot_q5_k(X, P0, P1, P2, P3, row, xm, k0, K)
         else:
-            acc += _dot_fp8(X, P0, P1, row, m, k0, N, K)
+            acc += _dot_fp8(X, P0, P1, row, xm, k0, N, K)
     tl.store(PART + (split * M + m) * N + n, acc, mask=n < N)
 
 
@@ -466,18 +472,38 @@ def dequantize_to(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def _gemv(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
-    """Few rows: split K so that the grid fills the GPU even for a narrow weight."""
-    m, k = x.shape
-    n = w.shape[0]
+def _gemv(
+    x: torch.Tensor, w: QuantWeight, rows: torch.Tensor | None = None, experts: torch.Tensor | None = None
+):
+    """Few rows: split K so that the grid fills the GPU even for a narrow weight. With `rows` and
+    `experts` [M] (w: a stack [E, N, K]): output row j is x[rows[j]] @ w[experts[j]].T."""
+    grouped = rows is not None
+    m, (n, k) = (rows.numel() if grouped else x.shape[0]), w.shape[-2:]
     bn, chunk = min(GEMV_BLOCK_N, max(16, triton.next_power_of_2(n))), GEMV_CHUNK[w.fmt]
     blocks = triton.cdiv(n, bn)
     split = 1
-    while blocks * split < 1024 and k % (2 * split * chunk) == 0:
+    while blocks * split * (m if grouped else 1) < 1024 and k % (2 * split * chunk) == 0:
         split *= 2
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    _gemv_kernel[(blocks, split, m)](x, *_padded(w), part, m, n, k, k // split, FMT=w.fmt, BN=bn, CHUNK=chunk)
+    index = (
+        (rows.to(torch.int32), experts.to(torch.int32)) if grouped else (x, x)
+    )  # (unread when not grouped)
+    _gemv_kernel[(blocks, split, m)](x, *_padded(w), part, *index, m, n, k, k // split,
+                                     FMT=w.fmt, BN=bn, CHUNK=chunk, GROUPED=grouped)  # fmt: skip
     return part.sum(0).to(x.dtype)
+
+
+def gemv_fits(w: QuantWeight) -> bool:
+    """Whether the GEMV kernel takes `w`: rows of whole chunks (and FP8 experts of whole scale blocks)."""
+    return w.shape[-1] % GEMV_CHUNK[w.fmt] == 0 and (w.fmt != FP8 or w.shape[-2] % FP8_ROWS == 0)
+
+
+def gemv_experts(x: torch.Tensor, w: QuantWeight, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """MoE decode: y[j] = x[rows[j]] @ w[experts[j]].T for a few assignments j (w: [E, N, K],
+    `gemv_fits`); only the chosen experts' weights are read. Returns [len(rows), N] in x's dtype."""
+    if not gemv_fits(w):
+        raise ValueError(f"{NAMES[w.fmt]} experts {list(w.shape)}: rows or columns off the GEMV's blocks")
+    return _gemv(x.contiguous(), w, rows, experts)
 
 
 def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
