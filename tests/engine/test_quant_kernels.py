@@ -140,5 +140,7 @@ def test_expert_gemv_equals_per_assignment_matmuls(fmt):
     x = torch.randn(3, 256, generator=gen).to(dtype)
     rows, experts = torch.tensor([0, 0, 1, 2, 2, 1]), torch.tensor([4, 1, 0, 4, 3, 1])
     got = quant.gemv_experts(x.to(DEVICE), w.to(DEVICE), rows.to(DEVICE), experts.to(DEVICE)).cpu()
-    want = torch.stack([x[r].float() @ reference[e].T for r, e in zip(rows.tolist(), experts.tolist(), strict=True)])
+    want = torch.stack(
+        [x[r].float() @ reference[e].T for r, e in zip(rows.tolist(), experts.tolist(), strict=True)]
+    )
     close(got, want, dtype)

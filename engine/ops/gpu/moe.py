@@ -103,7 +103,9 @@ def _experts_gathered(x, weights, ids, gate_up, down):
     return ys.view(num_tokens, top_k, -1).sum(1).to(x.dtype)
 
 
-def experts_quantized(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up, down) -> torch.Tensor:
+def experts_quantized(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up, down
+) -> torch.Tensor:
     """Experts over `QuantWeight` stacks (gate_up [E, 2I, H], down [E, H, I]): the assignments in
     expert order through `quant.grouped` twice, the routing weight folded in before the down
     projection, summed per token in fp32. No host sync: decode runs inside the CUDA graph."""
