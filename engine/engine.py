@@ -57,19 +57,23 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
-             gpu_memory_gib: float | None = None, max_running: int = 4) -> Engine:
+             gpu_memory_gib: float | None = None, max_running: int = 4, keep_quantized: bool | None = None) -> Engine:
         """With `gpu_memory_gib`, the routed experts stay in host memory and the device holds the
         dense parts, the decode slots of `max_running` sequences and an expert cache within that
-        budget (`engine.offload`); a budget that cannot is a `BudgetError`."""
+        budget (`engine.offload`); a budget that cannot is a `BudgetError`. `keep_quantized`: a
+        quantized model's weights stay packed and run through the Triton kernels (default: on a
+        GPU without offload, or FT_KEEP_QUANTIZED=1; on the CPU they run in Triton's interpreter)."""
         target = torch.device(device)
+        if keep_quantized is None and os.environ.get("FT_KEEP_QUANTIZED"):
+            keep_quantized = os.environ["FT_KEEP_QUANTIZED"] == "1"
         if gpu_memory_gib is None:
-            model, fp = load_folder(model_dir, target, dtype)
+            model, fp = load_folder(model_dir, target, dtype, keep_quantized)
             return cls(model, fp, Path(model_dir))
         from engine.gguf_loader import is_gguf  # noqa: PLC0415 (it imports the loader)
 
         if dtype is None and target.type != "cpu" and is_gguf(model_dir):
             dtype = torch.bfloat16  # what a GGUF dequantizes to on a GPU (load_gguf's default there)
-        model, fp = load_folder(model_dir, torch.device("cpu"), dtype)
+        model, fp = load_folder(model_dir, torch.device("cpu"), dtype, keep_quantized=False)  # offload: dense
         return cls.offloaded(model, fp, target, gpu_memory_gib, max_running, Path(model_dir))
 
     @classmethod
@@ -88,7 +92,8 @@ class Engine:
 
     @classmethod
     def from_preset(cls, name: str, device: str = "cpu", dtype: torch.dtype | None = None,
-                    gpu_memory_gib: float | None = None, max_running: int = 4) -> Engine:
+                    gpu_memory_gib: float | None = None, max_running: int = 4,
+                    keep_quantized: bool | None = None) -> Engine:
         """Load preset `name`, writing it under FT_HOME first if needed; on a GPU the weights may be
         built in device memory instead (`FT_MATERIALISE=1`, used for the 35B shape; in host memory
         with `gpu_memory_gib`)."""
@@ -100,11 +105,12 @@ class Engine:
             if gpu_memory_gib is not None:
                 return cls.offloaded(model, fp, torch.device(device), gpu_memory_gib, max_running)
             return cls(model, fp)
-        return cls.load(ensure_preset(name), device, dtype, gpu_memory_gib, max_running)
+        return cls.load(ensure_preset(name), device, dtype, gpu_memory_gib, max_running, keep_quantized)
 
     def memory(self) -> dict[str, int]:
         """Resident bytes on the engine's device: the weights (each storage once: fused projections
-        are views) and the decode slots (KV and states of the sequences being decoded)."""
+        are views; weights kept quantized count their packed arrays, `QuantWeight.nbytes`) and the
+        decode slots (KV and states of the sequences being decoded)."""
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in [*self.model.parameters(), *self.model.buffers()]}
         memory = {"weights": sum(storages.values()), "decode_slots": self.runner.nbytes}

@@ -27,12 +27,14 @@ from engine.gguf_layout import (
     GGUF_GLOBAL_NAMES,
     GGUF_LAYER_NAMES,
     HF_ARCH,
+    NEXT_FUSED,
     from_gguf,
     from_gguf_global,
+    permute_value_heads,
 )
-from engine.loader import CheckpointError, aligned, build_model, fingerprint, place
+from engine.loader import CheckpointError, aligned, build_model, fingerprint, one_way, place
 from engine.model import HybridForCausalLM
-from engine.quant.ggml import SUPPORTED, dequantize
+from engine.quant.ggml import SUPPORTED, T, as_bytes, dequantize
 
 SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -204,39 +206,139 @@ def config_dict(model: GGUFModel) -> dict:
     return raw
 
 
+PACKED = frozenset({T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K})  # the types kept quantized (engine/ops/gpu/quant.py)
+PROBE = 1 << 32  # a row probe's value: source * PROBE + row
+
+
 def tensor(model: GGUFModel, name: str) -> torch.Tensor:
     """One tensor, dequantized to fp32 in PyTorch order (`ne` reversed)."""
     t = model.tensors[name]
     return dequantize(model.files[name].tensor_bytes(t), t.tensor_type, t.shape, torch.float32, name)
 
 
+def packed(model: GGUFModel, name: str, dtype: torch.dtype) -> Any:
+    """One tensor kept quantized (`QuantWeight` standing for `dtype`) where its type is packed and it
+    is a matrix (or a stack of them), else dequantized to fp32 as `tensor`."""
+    t = model.tensors[name]
+    if t.tensor_type not in PACKED or len(t.shape) < 2:
+        return tensor(model, name)
+    from engine.ops.gpu.quant import pack_ggml  # noqa: PLC0415 (Triton: only for kept weights)
+
+    raw = as_bytes(model.files[name].tensor_bytes(t)).clone().reshape(*t.shape[:-1], -1)  # off the mapped file
+    return pack_ggml(raw, t.tensor_type, tuple(t.shape), dtype)
+
+
+def tiled_columns(c: ModelConfig) -> torch.Tensor | None:
+    """Qwen3.5 with more value heads than key heads: where each column of the file's `ssm_out`
+    (value heads in tiled order along its rows) sits among the model's columns; else None."""
+    if c.arch != "qwen3_5_moe" or c.linear_num_value_heads == c.linear_num_key_heads:
+        return None
+    key = "linear_attn.out_proj.weight"
+    ours = permute_value_heads(c, key, torch.arange(c.linear_value_dim).view(1, -1), inverse=True)[0]
+    return torch.argsort(ours)  # ours[j]: the file's column of our column j
+
+
+def from_gguf_packed(c: ModelConfig, layer: int, tensors: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """`from_gguf` for a block some of whose tensors are `QuantWeight`s. Their transforms move rows
+    (head reorders, the experts' gate ‖ up, Qwen3-Next's q, k, v, z merge) but for Qwen3.5's
+    `ssm_out`, whose columns are reordered (kept with `tiled_columns`), so each other packed
+    tensor goes through `from_gguf` as a probe (int64 [.., N, 1] of source * PROBE + row) and
+    every output made of probes is gathered from the packed sources' rows (`resolve`). Fused
+    pairs with one part dequantized are dequantized whole."""
+    from engine.ops.gpu.quant import QuantWeight  # noqa: PLC0415 (Triton: only for kept weights)
+
+    tensors, extra = dict(tensors), {}
+    out_proj, columns = tensors.get("ssm_out.weight"), tiled_columns(c)
+    if isinstance(out_proj, QuantWeight) and columns is not None:  # its blocks cannot move: x's columns do
+        del tensors["ssm_out.weight"]
+        extra[f"model.layers.{layer}.linear_attn.out_proj.weight"] = QuantWeight(
+            out_proj.fmt, out_proj.shape, out_proj.parts, out_proj.dtype, columns
+        )
+    for group in (FUSED, NEXT_FUSED):
+        present = [k for k in group if k in tensors]
+        if any(not isinstance(tensors[k], torch.Tensor) for k in present) and any(
+            isinstance(tensors[k], torch.Tensor) for k in present
+        ):
+            tensors.update({k: _dense(tensors[k]) for k in present})
+    sources = [w for w in tensors.values() if not isinstance(w, torch.Tensor)]
+    probes = {}
+    for key, w in tensors.items():
+        if isinstance(w, torch.Tensor):
+            probes[key] = w
+            continue
+        rows = torch.arange(w.shape[-2], dtype=torch.int64) + _index(sources, w) * PROBE
+        probes[key] = rows.view(-1, 1).expand(*w.shape[:-2], -1, 1)
+    out = from_gguf(c, layer, probes)
+    return {name: resolve(t, sources, dtype) if t.dtype == torch.int64 else t for name, t in out.items()} | extra
+
+
+def _index(sources: list, w: Any) -> int:
+    return next(i for i, s in enumerate(sources) if s is w)
+
+
+def _dense(w: Any) -> torch.Tensor:
+    return w.dequantize() if not isinstance(w, torch.Tensor) else w
+
+
+def resolve(probe: torch.Tensor, sources: list, dtype: torch.dtype) -> Any:
+    """The weight a probe [.., N, 1] stands for: the rows it names of its sources, still packed
+    where the sources concatenate (`quant.can_concat`), else dequantized (fp32)."""
+    from engine.ops.gpu import quant  # noqa: PLC0415
+
+    rows = probe.reshape(-1, probe.shape[-2])[0]  # the same rows in every expert
+    used = sorted(set((rows // PROBE).tolist()))
+    weights = [sources[i] for i in used]
+    offsets = dict(zip(used, torch.tensor([0] + [w.shape[-2] for w in weights]).cumsum(0).tolist(), strict=False))
+    index = torch.tensor([offsets[int(s)] for s in rows // PROBE]) + rows % PROBE
+    if not quant.can_concat(weights):
+        return torch.cat([w.dequantize() for w in weights], dim=-2).index_select(-2, index)
+    base = weights[0] if len(weights) == 1 else quant.concat_rows(weights)
+    if torch.equal(index, torch.arange(base.shape[-2])):
+        return base
+    return base.take_rows(index)
+
+
 def read_gguf_state_dict(
-    model: GGUFModel, config: ModelConfig, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
+    model: GGUFModel, config: ModelConfig, dtype: torch.dtype, keep_quantized: bool = False
+) -> dict[str, Any]:
     """Our in-memory state dict (stacked experts), one block at a time: fp32 while transformed,
-    then cast to `dtype`."""
+    then cast to `dtype`; with `keep_quantized`, the Q8_0 / Q4_K / Q5_K / Q6_K matrices stay
+    packed (`QuantWeight`s standing for `dtype`; the embedding's rows are dequantized as read)."""
     blocks: dict[int, list[str]] = {}
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {}
     for name in model.tensors:
         if (block := BLOCK_NAME.match(name)) is None:
-            ours, t = from_gguf_global(name, tensor(model, name))
-            out[ours] = aligned(t.to(dtype))
+            w = packed(model, name, dtype) if keep_quantized else tensor(model, name)
+            if isinstance(w, torch.Tensor):
+                ours, t = from_gguf_global(name, w)
+                out[ours] = aligned(t.to(dtype))
+            else:
+                out[GGUF_GLOBAL_NAMES[name]] = w
         elif int(block[1]) < config.num_hidden_layers:
             blocks.setdefault(int(block[1]), []).append(name)
     for layer, names in sorted(blocks.items()):
-        fp32 = {name.split(".", 2)[2]: tensor(model, name) for name in names}
-        out |= {k: aligned(v.to(dtype).contiguous()) for k, v in from_gguf(config, layer, fp32).items()}
+        keys = {name: name.split(".", 2)[2] for name in names}
+        if keep_quantized:
+            loaded = {key: packed(model, name, dtype) for name, key in keys.items()}
+            ours = from_gguf_packed(config, layer, loaded, dtype)
+            experts = [f"model.layers.{layer}.mlp.experts.{p}" for p in ("gate_up_proj", "down_proj")]
+            if all(name in ours for name in experts):
+                ours[experts[0]], ours[experts[1]] = one_way(ours[experts[0]], ours[experts[1]])
+        else:
+            ours = from_gguf(config, layer, {key: tensor(model, name) for name, key in keys.items()})
+        out |= {k: aligned(v.to(dtype).contiguous()) if isinstance(v, torch.Tensor) else v for k, v in ours.items()}
     return out
 
 
 def load_gguf(
-    path: str | Path, device: torch.device, dtype: torch.dtype | None = None
+    path: str | Path, device: torch.device, dtype: torch.dtype | None = None, keep_quantized: bool = False
 ) -> tuple[HybridForCausalLM, str]:
     """The model of a GGUF file (or split, or folder) on `device`, dequantized to `dtype`
-    (default: fp32 on the CPU, bf16 on a GPU), and its fingerprint."""
+    (default: fp32 on the CPU, bf16 on a GPU) or, with `keep_quantized`, its Q8_0 / K-quant
+    matrices kept packed; and its fingerprint."""
     model = open_gguf(path)
     config = ModelConfig.from_dict(config_dict(model))
     dtype = dtype or (torch.float32 if device.type == "cpu" else torch.bfloat16)
-    state_dict = read_gguf_state_dict(model, config, dtype)
+    state_dict = read_gguf_state_dict(model, config, dtype, keep_quantized)
     hybrid = build_model(config, state_dict)
     return place(hybrid, device), fingerprint(config, state_dict)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 import xxhash
@@ -42,11 +43,12 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def read_state_dict(folder: Path, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+def read_state_dict(folder: Path, dtype: torch.dtype | None, keep_quantized: bool = False) -> dict[str, Any]:
     """Every tensor of the text model; FP8 checkpoints (`engine.quant.fp8`) are dequantized to
-    `dtype`, by default the checkpoint's own (`dtype` / `torch_dtype` in config.json)."""
-    fp8 = fp8_pairing(folder, dtype)
-    raw: dict[str, torch.Tensor] = {}
+    `dtype`, by default the checkpoint's own (`dtype` / `torch_dtype` in config.json), or with
+    `keep_quantized` packed (`QuantWeight`, engine/ops/gpu/quant.py) standing for that dtype."""
+    fp8 = fp8_pairing(folder, dtype, keep_quantized)
+    raw: dict[str, Any] = {}
     for path in safetensors_files(folder):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
@@ -60,14 +62,16 @@ def read_state_dict(folder: Path, dtype: torch.dtype | None) -> dict[str, torch.
                     name_out, tensor = paired
                 elif tensor.dtype == torch.float8_e4m3fn:
                     raise CheckpointError(f"{name}: an fp8 tensor, but config.json has no fp8 quantization_config")
-                tensor = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
-                raw[name_out] = aligned(tensor)
+                if isinstance(tensor, torch.Tensor):
+                    tensor = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+                    tensor = aligned(tensor)
+                raw[name_out] = tensor
     if fp8 is not None and fp8.unpaired():
         raise CheckpointError(f"fp8 weights and scales without their other half: {', '.join(fp8.unpaired()[:8])}")
     return stack_experts(raw)
 
 
-def fp8_pairing(folder: Path, dtype: torch.dtype | None) -> fp8_quant.Pairing | None:
+def fp8_pairing(folder: Path, dtype: torch.dtype | None, keep_quantized: bool = False) -> fp8_quant.Pairing | None:
     """The FP8 reader for a folder whose config.json says `quant_method: fp8`, else None."""
     path = folder / "config.json"
     config = json.loads(path.read_text()) if path.is_file() else {}
@@ -79,7 +83,12 @@ def fp8_pairing(folder: Path, dtype: torch.dtype | None) -> fp8_quant.Pairing | 
         return None
     text = config.get("text_config") or config
     default = text.get("dtype") or text.get("torch_dtype") or config.get("torch_dtype") or "bfloat16"
-    return fp8_quant.Pairing(block, dtype or getattr(torch, default))
+    pack = None
+    if keep_quantized:
+        from engine.ops.gpu.quant import pack_fp8  # noqa: PLC0415 (Triton: only for kept weights)
+
+        pack = pack_fp8
+    return fp8_quant.Pairing(block, dtype or getattr(torch, default), pack)
 
 
 def aligned(tensor: torch.Tensor, alignment: int = 64) -> torch.Tensor:
@@ -108,14 +117,50 @@ def stack_experts(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         order = sorted(projs["gate_proj"])
         if order != list(range(len(order))) or any(sorted(p) != order for p in projs.values()):
             raise CheckpointError(f"{prefix}: expert indices are not 0..{len(order) - 1}")
-        gate_up = [torch.cat([projs["gate_proj"][e], projs["up_proj"][e]], dim=0) for e in order]
-        out[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
-        out[f"{prefix}.down_proj"] = torch.stack([projs["down_proj"][e] for e in order])
+        gate_up = stack([cat_rows([projs["gate_proj"][e], projs["up_proj"][e]]) for e in order])
+        down = stack([projs["down_proj"][e] for e in order])
+        out[f"{prefix}.gate_up_proj"], out[f"{prefix}.down_proj"] = one_way(gate_up, down)
     return out
 
 
-def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> HybridForCausalLM:
-    """Check names and shapes against the architecture, then adopt the tensors without copying."""
+def one_way(gate_up, down) -> tuple:
+    """A layer's expert stacks, both kept quantized or both dense: the experts run one way."""
+    if isinstance(gate_up, torch.Tensor) != isinstance(down, torch.Tensor):
+        return dense(gate_up), dense(down)
+    return gate_up, down
+
+
+def dense(w) -> torch.Tensor:
+    """A weight as a tensor: a `QuantWeight` dequantized to the dtype it stands for."""
+    return w if isinstance(w, torch.Tensor) else w.dequantize().to(w.dtype)
+
+
+def cat_rows(weights: list) -> Any:
+    """Weights [.., N_i, K] → one [.., sum N_i, K]: still quantized where their blocks line up
+    (`quant.can_concat`), else dequantized."""
+    if all(isinstance(w, torch.Tensor) for w in weights):
+        return torch.cat(weights, dim=-2)
+    from engine.ops.gpu import quant  # noqa: PLC0415
+
+    if all(isinstance(w, quant.QuantWeight) for w in weights) and quant.can_concat(weights):
+        return quant.concat_rows(weights)
+    return torch.cat([dense(w) for w in weights], dim=-2)
+
+
+def stack(weights: list) -> Any:
+    """Expert weights [N, K] → [E, N, K]: quantized if all are, in one format, else dequantized."""
+    if all(isinstance(w, torch.Tensor) for w in weights):
+        return torch.stack(weights)
+    from engine.ops.gpu import quant  # noqa: PLC0415
+
+    if all(isinstance(w, quant.QuantWeight) and w.fmt == weights[0].fmt for w in weights):
+        return quant.stack(weights)
+    return torch.stack([dense(w) for w in weights])
+
+
+def build_model(config: ModelConfig, state_dict: dict[str, Any]) -> HybridForCausalLM:
+    """Check names and shapes against the architecture, then adopt the tensors without copying.
+    A `QuantWeight` (a weight kept quantized) takes its parameter's place under the same name."""
     with torch.device("meta"):
         model = HybridForCausalLM(config)
     expected = {name: p.shape for name, p in model.state_dict().items()}
@@ -130,7 +175,14 @@ def build_model(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> Hyb
     for name, shape in expected.items():
         if tuple(state_dict[name].shape) != tuple(shape):
             raise CheckpointError(f"{name}: shape {tuple(state_dict[name].shape)}, expected {tuple(shape)}")
-    model.load_state_dict(state_dict, assign=True, strict=True)
+    packed = {name: w for name, w in state_dict.items() if not isinstance(w, torch.Tensor)}
+    for name, w in packed.items():
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner)
+        delattr(module, attr)
+        module.add_module(attr, w)
+    tensors = {name: t for name, t in state_dict.items() if name not in packed}
+    model.load_state_dict(tensors, assign=True, strict=not packed)  # strict: the names were checked above
     model.requires_grad_(False).fuse_projections()
     return model.eval()
 
@@ -149,23 +201,28 @@ def fingerprint(config: ModelConfig, state_dict: dict[str, torch.Tensor]) -> str
     """Stable id of config + weights: names, shapes, dtypes and the first bytes of every tensor."""
     h = xxhash.xxh3_128(repr(config).encode())
     for name in sorted(state_dict):
-        tensor = state_dict[name]
-        h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-        head = tensor.detach().flatten()[:256].float().cpu()
-        h.update(head.numpy().tobytes())
+        weight = state_dict[name]
+        h.update(f"{name}:{tuple(weight.shape)}:{weight.dtype}".encode())
+        parts = (weight,) if isinstance(weight, torch.Tensor) else weight.parts  # kept quantized: its arrays
+        for tensor in parts:
+            head = tensor.detach().flatten()[:256].float().cpu()
+            h.update(head.numpy().tobytes())
     return h.hexdigest()
 
 
 def load_folder(
-    folder: str | Path, device: torch.device, dtype: torch.dtype | None = None
+    folder: str | Path, device: torch.device, dtype: torch.dtype | None = None, keep_quantized: bool | None = None
 ) -> tuple[HybridForCausalLM, str]:
-    """An HF folder, or a GGUF model (a `.gguf` file, a split, a folder of them: `engine.gguf_loader`)."""
+    """An HF folder, or a GGUF model (a `.gguf` file, a split, a folder of them: `engine.gguf_loader`).
+    `keep_quantized` (default: on a CUDA device): quantized weights stay packed in memory and run
+    through the Triton kernels (engine/ops/gpu/quant.py); else they are dequantized at load."""
     from engine.gguf_loader import is_gguf, load_gguf  # noqa: PLC0415 (it builds on this module)
 
+    keep = device.type == "cuda" if keep_quantized is None else keep_quantized
     if is_gguf(folder):
-        return load_gguf(folder, device, dtype)
+        return load_gguf(folder, device, dtype, keep)
     folder = Path(folder)
     config = ModelConfig.from_folder(folder)
-    state_dict = read_state_dict(folder, dtype)
+    state_dict = read_state_dict(folder, dtype, keep)
     model = build_model(config, state_dict)
     return place(model, device), fingerprint(config, state_dict)

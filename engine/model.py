@@ -11,7 +11,7 @@ from torch import nn
 
 from engine.batch import Batch, SlotBatch, SlotPrefill, Span, Spans
 from engine.config import ModelConfig
-from engine.ops import Kernels
+from engine.ops import Kernels, moe_experts_quantized
 from engine.ops.moe import route
 from engine.ops.rope import apply_rope, rope_cos_sin
 
@@ -19,17 +19,89 @@ if TYPE_CHECKING:
     from engine.expert_cache import ExpertCache
 
 
+def matmul(x: torch.Tensor, w) -> torch.Tensor:
+    """x [T, K] @ w.T → [T, N] for a weight of any kind: a tensor (`F.linear`), a `QuantWeight`
+    (its Triton kernels, engine/ops/gpu/quant.py) or a `Concat` of parts that could not be one."""
+    return F.linear(x, w) if isinstance(w, torch.Tensor) else w.linear(x)
+
+
+def embed(w, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` [T] of the embedding table `w` (a tensor, or a `QuantWeight` whose rows are
+    dequantized when read) → [T, H]."""
+    return F.embedding(ids, w) if isinstance(w, torch.Tensor) else w.rows(ids)
+
+
+class Concat(nn.Module):
+    """Projections that read the same input but cannot share one weight (quantized in different
+    formats, FP8 rows off a scale block, a plain part beside quantized ones): one matmul per
+    weight, the outputs concatenated."""
+
+    def __init__(self, weights: list):
+        super().__init__()
+        self.count = len(weights)
+        for i, w in enumerate(weights):
+            if isinstance(w, torch.Tensor):
+                self.register_buffer(f"w{i}", w, persistent=False)
+            else:
+                self.add_module(f"w{i}", w)
+
+    def weights(self) -> list:
+        return [getattr(self, f"w{i}") for i in range(self.count)]
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([matmul(x, w) for w in self.weights()], dim=-1)
+
+
+def _joins(run: list[nn.Module], w) -> bool:
+    """Whether weight `w` can be concatenated row-wise to the weights of `run`."""
+    first = run[0].weight
+    if isinstance(first, torch.Tensor) or isinstance(w, torch.Tensor):
+        return isinstance(first, torch.Tensor) and isinstance(w, torch.Tensor)
+    from engine.ops.gpu.quant import can_concat  # noqa: PLC0415 (Triton: only with quantized weights)
+
+    return can_concat([*(m.weight for m in run), w])
+
+
+def _fuse_run(run: list[nn.Module]):
+    """One weight for the modules of `run`, each module's weight becoming a view of it."""
+    if len(run) == 1:
+        return run[0].weight
+    if isinstance(run[0].weight, torch.Tensor):
+        fused = torch.cat([m.weight for m in run])
+        view = lambda lo, rows: nn.Parameter(fused[lo : lo + rows], requires_grad=False)  # noqa: E731
+    else:
+        from engine.ops.gpu.quant import concat_rows  # noqa: PLC0415
+
+        fused = concat_rows([m.weight for m in run])
+        view = fused.narrow_rows
+    lo = 0
+    for m in run:
+        rows = m.weight.shape[-2]
+        m.weight = view(lo, rows)
+        lo += rows
+    return fused
+
+
 def fuse(module: nn.Module, name: str, parts: list[nn.Module]) -> None:
     """Register `name` as the row-wise concatenation of the parts' weights and make each part's
     weight a view of it: projections that read the same input run as one GEMM (one GEMV in decode),
-    with no second copy of the weights and the HF parameter names unchanged."""
-    fused = torch.cat([m.weight for m in parts])
-    lo = 0
+    with no second copy of the weights and the HF parameter names unchanged. Quantized weights
+    join when their format's blocks line up (`quant.can_concat`); where consecutive parts cannot,
+    each run of those that can is one weight of a `Concat`."""
+    runs: list[list[nn.Module]] = []
     for m in parts:
-        rows = m.weight.shape[0]
-        m.weight = nn.Parameter(fused[lo : lo + rows], requires_grad=False)
-        lo += rows
-    module.register_buffer(name, fused, persistent=False)
+        if runs and _joins(runs[-1], m.weight):
+            runs[-1].append(m)
+        else:
+            runs.append([m])
+    weights = [_fuse_run(run) for run in runs]
+    fused = weights[0] if len(weights) == 1 else Concat(weights)
+    module._buffers.pop(name, None)  # fused again after a move: the old one goes
+    module._modules.pop(name, None)
+    if isinstance(fused, torch.Tensor):
+        module.register_buffer(name, fused, persistent=False)
+    else:
+        module.add_module(name, fused)
 
 
 class Weight(nn.Module):
@@ -86,7 +158,7 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, batch: Batch, layer: int, kernels: Kernels) -> torch.Tensor:
         length = x.shape[0]
-        q, k, v = F.linear(x, self.qkv).split(self.splits, dim=-1)
+        q, k, v = matmul(x, self.qkv).split(self.splits, dim=-1)
         q, gate = q.view(length, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = apply_rope(self.q_norm(q, None, kernels)[1], *rope)  # [T, Hq, D]
         k = apply_rope(self.k_norm(k.view(length, -1, self.head_dim), None, kernels)[1], *rope)  # [T, Hkv, D]
@@ -108,7 +180,7 @@ class Attention(nn.Module):
                 outs.append(kernels.causal_attention(q[lo:hi], keys, values))
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
         out = out.reshape(length, -1)
-        return self.o_proj(out * torch.sigmoid(gate.reshape(length, -1)))
+        return matmul(out * torch.sigmoid(gate.reshape(length, -1)), self.o_proj.weight)
 
 
 class GatedDeltaNet(nn.Module):
@@ -137,7 +209,7 @@ class GatedDeltaNet(nn.Module):
     def project(self, x: torch.Tensor):
         """x [T, H] -> mixed qkv [T, conv_dim] (q ‖ k ‖ v), z [T, Hv*Dv], b [T, Hv], a [T, Hv]."""
         c = self.c
-        return F.linear(x, self.in_proj).split([c.conv_dim, c.linear_value_dim, c.linear_num_value_heads, c.linear_num_value_heads], dim=-1)
+        return matmul(x, self.in_proj).split([c.conv_dim, c.linear_value_dim, c.linear_num_value_heads, c.linear_num_value_heads], dim=-1)
 
     def forward(self, x, batch: Batch, layer: int, kernels: Kernels):
         """x [T, H] of all sequences -> out [T, H] and, per span, its captures [(conv, rec)]."""
@@ -155,7 +227,7 @@ class GatedDeltaNet(nn.Module):
             out = parts[0][0] if len(parts) == 1 else torch.cat([o for o, _ in parts])
             captures = [caps for _, caps in parts]
         out = kernels.gated_rms_norm(out, z.view(length, -1, c.linear_value_head_dim), self.norm.weight, c.rms_norm_eps)
-        return self.out_proj(out.reshape(length, -1)), captures
+        return matmul(out.reshape(length, -1), self.out_proj.weight), captures
 
     def _split(self, mixed: torch.Tensor):
         """mixed [T, conv_dim] after the conv -> q, k [T, Hk, Dk], v [T, Hv, Dv]."""
@@ -224,7 +296,7 @@ class NextGatedDeltaNet(GatedDeltaNet):
         c, length = self.c, x.shape[0]
         group = c.linear_num_value_heads // c.linear_num_key_heads
         dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
-        qkvz, ba = F.linear(x, self.in_proj).split([self.in_proj_qkvz.weight.shape[0], self.in_proj_ba.weight.shape[0]], dim=-1)
+        qkvz, ba = matmul(x, self.in_proj).split([self.in_proj_qkvz.weight.shape[0], self.in_proj_ba.weight.shape[0]], dim=-1)
         q, k, v, z = qkvz.reshape(length, c.linear_num_key_heads, -1).split([dk, dk, group * dv, group * dv], dim=-1)  # [T, Hk, ...]
         b, a = ba.reshape(length, c.linear_num_key_heads, -1).split([group, group], dim=-1)
         mixed = torch.cat([q.reshape(length, -1), k.reshape(length, -1), v.reshape(length, -1)], dim=-1)
@@ -262,14 +334,16 @@ class SparseMoe(nn.Module):
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         c = self.c
         splits = [c.num_experts, c.shared_expert_intermediate_size, c.shared_expert_intermediate_size, 1]
-        router, gate, up, shared_gate = F.linear(x, self.in_proj).split(splits, dim=-1)
+        router, gate, up, shared_gate = matmul(x, self.in_proj).split(splits, dim=-1)
         weights, ids = route(router, c.num_experts_per_tok, c.norm_topk_prob, x.dtype)
         if self.offload is not None:
             routed = self.offload.run(x, weights, ids, kernels.moe_experts)
         else:
             assert self.experts is not None
-            routed = kernels.moe_experts(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
-        return routed + torch.sigmoid(shared_gate) * self.shared_expert.down_proj(F.silu(gate) * up)
+            gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+            experts = kernels.moe_experts if isinstance(gate_up, torch.Tensor) else moe_experts_quantized
+            routed = experts(x, weights, ids, gate_up, down)
+        return routed + torch.sigmoid(shared_gate) * matmul(F.silu(gate) * up, self.shared_expert.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -322,7 +396,7 @@ class HybridForCausalLM(nn.Module):
         c = self.config
         batch = Spans(batch) if isinstance(batch, list) else batch
         rope = rope_cos_sin(batch.positions(ids.device), c.rotary_dim, c.rope_theta, self.lm_head.weight.dtype)
-        x, h = self.model.embed_tokens(ids), None  # [T, H]: the residual stream, the last layer's output
+        x, h = embed(self.model.embed_tokens.weight, ids), None  # [T, H]: the residual stream, the last layer's output
         spans = batch.spans if isinstance(batch, Spans) else []
         captures: list[list[dict[str, torch.Tensor]]] = [[{} for _ in s.capture_at] for s in spans]
         for layer in cast(list[DecoderLayer], self.model.layers):
@@ -342,4 +416,4 @@ class HybridForCausalLM(nn.Module):
             layer.mlp.fuse()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return matmul(hidden, self.lm_head.weight).float()

@@ -11,6 +11,8 @@ the linear weights (attention, DeltaNet in/out projections, experts, shared expe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 FP8 = torch.float8_e4m3fn
@@ -76,6 +78,12 @@ def dequantize(
     weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = BLOCK, name: str = "weight"
 ) -> torch.Tensor:
     """FP8 weight [.., N, K] and its block scales → fp32 [.., N, K]."""
+    check(weight, scale_inv, block, name)
+    return weight.float() * expand_scales(scale_inv, tuple(weight.shape), block)
+
+
+def check(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], name: str) -> None:
+    """An e4m3 weight with scales covering it in `block` blocks, else `FP8ConfigError`."""
     if weight.dtype != FP8:
         raise FP8ConfigError(f"{name}: dtype {weight.dtype}, expected {FP8} beside its weight_scale_inv")
     if tuple(scale_inv.shape) != scale_shape(tuple(weight.shape), block):
@@ -83,7 +91,6 @@ def dequantize(
             f"{name}: weight_scale_inv {tuple(scale_inv.shape)} does not cover {tuple(weight.shape)} "
             f"in {list(block)} blocks"
         )
-    return weight.float() * expand_scales(scale_inv, tuple(weight.shape), block)
 
 
 def quantize(
@@ -103,10 +110,11 @@ def quantize(
 
 class Pairing:
     """Pairs FP8 weights with their scales while a checkpoint is read (the two may sit in
-    different shards) and hands back each weight dequantized to `dtype` once both are seen."""
+    different shards) and hands back each weight dequantized to `dtype` once both are seen, or,
+    with `pack`, `pack(weight, scale_inv, dtype)` (kept quantized: `engine.ops.gpu.quant.pack_fp8`)."""
 
-    def __init__(self, block: tuple[int, int], dtype: torch.dtype):
-        self.block, self.dtype = block, dtype
+    def __init__(self, block: tuple[int, int], dtype: torch.dtype, pack: Callable | None = None):
+        self.block, self.dtype, self.pack = block, dtype, pack
         self.pending: dict[str, torch.Tensor] = {}
 
     @staticmethod
@@ -119,6 +127,9 @@ class Pairing:
         if weight not in self.pending or weight + SCALE_SUFFIX not in self.pending:
             return None
         q, scale = self.pending.pop(weight), self.pending.pop(weight + SCALE_SUFFIX)
+        if self.pack is not None and self.block == BLOCK:
+            check(q, scale, self.block, weight)
+            return weight, self.pack(q, scale, self.dtype)
         return weight, dequantize(q, scale, self.block, weight).to(self.dtype)
 
     def unpaired(self) -> list[str]:

@@ -39,7 +39,7 @@ from engine.quant.ggml import T  # noqa: E402
 from tests.engine.test_quant_gguf import random_blocks  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
-GGML = [T.Q8_0, T.Q4_K, T.Q6_K]
+GGML = [T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
 
 
 def ggml_weight(qtype, shape, seed=0) -> tuple[quant.QuantWeight, torch.Tensor]:
@@ -108,12 +108,13 @@ def test_gemm_with_identity_returns_the_weights_exactly():
 
 
 @in_this_process
-@pytest.mark.parametrize("fmt", [T.Q4_K, "fp8"], ids=["Q4_K", "fp8"])
-def test_grouped_experts_equal_per_expert_matmuls(fmt):
+@pytest.mark.parametrize("fmt", [T.Q4_K, T.Q5_K, "fp8"], ids=["Q4_K", "Q5_K", "fp8"])
+@pytest.mark.parametrize("tokens", [23, 1])  # prefill; decode (fewer assignments than experts)
+def test_grouped_experts_equal_per_expert_matmuls(fmt, tokens):
     from engine.ops.gpu.moe import group_by_expert
 
     dtype = torch.bfloat16 if CUDA else torch.float32
-    num_experts, top_k, tokens = 6, 2, 23
+    num_experts, top_k = 6, 2
     w, reference = weights(fmt, (num_experts, 64, 256))
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(tokens, 256, generator=gen).to(dtype)
@@ -125,5 +126,21 @@ def test_grouped_experts_equal_per_expert_matmuls(fmt):
     flat = ids.flatten()[order]
     want = torch.stack(
         [x[j // top_k].float() @ reference[e].T for j, e in zip(order.tolist(), flat.tolist(), strict=True)]
+    )
+    close(got, want, dtype)
+
+
+@in_this_process
+@pytest.mark.parametrize("fmt", FMTS, ids=IDS)
+def test_expert_gemv_equals_per_assignment_matmuls(fmt):
+    """MoE decode: each (token, chosen expert) row through the GEMV kernel, only those experts read."""
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    w, reference = weights(fmt, (5, 128, 256))
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 256, generator=gen).to(dtype)
+    rows, experts = torch.tensor([0, 0, 1, 2, 2, 1]), torch.tensor([4, 1, 0, 4, 3, 1])
+    got = quant.gemv_experts(x.to(DEVICE), w.to(DEVICE), rows.to(DEVICE), experts.to(DEVICE)).cpu()
+    want = torch.stack(
+        [x[r].float() @ reference[e].T for r, e in zip(rows.tolist(), experts.tolist(), strict=True)]
     )
     close(got, want, dtype)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from engine.ops.gpu import quant
 from engine.ops.gpu.checked import Checked
 from engine.ops.moe import experts_loop
 
@@ -100,6 +101,36 @@ def _experts_gathered(x, weights, ids, gate_up, down):
     ys = torch.bmm(F.silu(gate) * up, down[flat].transpose(1, 2))[:, 0]  # [T*k, H]
     ys = ys.float() * weights.flatten()[:, None].float()
     return ys.view(num_tokens, top_k, -1).sum(1).to(x.dtype)
+
+
+def experts_quantized(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up, down
+) -> torch.Tensor:
+    """Experts over `QuantWeight` stacks (gate_up [E, 2I, H], down [E, H, I]): the assignments in
+    expert order through `quant.grouped` twice, the routing weight folded in before the down
+    projection, summed per token in fp32. No host sync: decode runs inside the CUDA graph."""
+    num_tokens, top_k = ids.shape
+    if ids.numel() <= DECODE_ROWS and quant.gemv_fits(gate_up) and quant.gemv_fits(down):
+        return _experts_quantized_decode(x, weights, ids, gate_up, down)
+    order, offs = group_by_expert(ids, gate_up.shape[0])
+    gate, up = quant.grouped(x, gate_up, order, offs, top_k).chunk(2, dim=-1)  # [T*k, I] each, expert order
+    act = F.silu(gate) * up * weights.flatten()[order, None]
+    rows = torch.arange(order.numel(), device=x.device)  # act's rows are already in expert order
+    ys = quant.grouped(act, down, rows, offs)  # [T*k, H]
+    out = torch.empty_like(ys)
+    out[order] = ys
+    return out.view(num_tokens, top_k, -1).sum(1, dtype=torch.float32).to(x.dtype)
+
+
+def _experts_quantized_decode(x, weights, ids, gate_up, down) -> torch.Tensor:
+    """A few tokens: one GEMV row per (token, chosen expert), reading only the chosen experts."""
+    num_tokens, top_k = ids.shape
+    flat = ids.flatten()
+    slots = torch.arange(flat.numel(), device=x.device)
+    gate, up = quant.gemv_experts(x, gate_up, slots // top_k, flat).chunk(2, dim=-1)  # [T*k, I] each
+    act = F.silu(gate) * up * weights.flatten()[:, None]
+    ys = quant.gemv_experts(act, down, slots, flat)  # [T*k, H]
+    return ys.view(num_tokens, top_k, -1).sum(1, dtype=torch.float32).to(x.dtype)
 
 
 experts_decode = Checked("moe_decode", _experts_triton, _experts_gathered)

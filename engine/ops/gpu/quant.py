@@ -1,4 +1,4 @@
-"""Matmuls over weights kept quantized in memory: GGML Q8_0, Q4_K, Q6_K and Qwen's block FP8.
+"""Matmuls over weights kept quantized in memory: GGML Q8_0, Q4_K, Q5_K, Q6_K and Qwen's block FP8.
 
 A `QuantWeight` holds one linear weight [N, K] (or a stack of experts [E, N, K]) repacked from the
 file's blocks into separate arrays per field (quants, sub-block scales, super-block scales), the
@@ -19,49 +19,102 @@ they equal it to fp32 summation order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import os
 
 import torch
 import triton
 import triton.language as tl
+from torch import nn
 
 from engine.quant.ggml import T, k_scale_min
 
-Q8_0, Q4_K, Q6_K, FP8 = 0, 1, 2, 3
-FORMATS = {T.Q8_0: Q8_0, T.Q4_K: Q4_K, T.Q6_K: Q6_K}
-BLOCK_K = {Q8_0: 32, Q4_K: 256, Q6_K: 256, FP8: 128}  # K must be a multiple of the format's block
+Q8_0, Q4_K, Q6_K, FP8, Q5_K = 0, 1, 2, 3, 4
+FORMATS = {T.Q8_0: Q8_0, T.Q4_K: Q4_K, T.Q5_K: Q5_K, T.Q6_K: Q6_K}
+NAMES = {Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", FP8: "FP8"}
+# The packed arrays of each format, rows first as in the weight: Q8_0 int8 [.., N, K] and fp16
+# [.., N, K/32]; Q4_K nibbles [.., N, K/2], 6-bit scales and mins as bytes [.., N, K/32] each, fp16
+# (d, dmin) [.., N, K/256, 2]; Q5_K the same nibbles, fifth bits [.., N, K/8], (scale, min)
+# [.., N, K/32, 2], (d, dmin); Q6_K nibbles [.., N, K/2], 2-bit highs [.., N, K/4], int8 scales
+# [.., N, K/16], fp16 [.., N, K/256]; FP8 e4m3 [.., N, K], fp32 [.., ceil(N/128), ceil(K/128)].
+FIELDS = {
+    Q8_0: ("qs", "d"),
+    Q4_K: ("qs", "sc", "mn", "dd"),
+    Q5_K: ("qs", "qh", "scmn", "dd"),
+    Q6_K: ("ql", "qh", "sc", "d"),
+    FP8: ("w", "scale"),
+}
+BLOCK_K = {Q8_0: 32, Q4_K: 256, Q5_K: 256, Q6_K: 256, FP8: 128}  # K must be a multiple of the format's block
 GEMV_ROWS = 4  # up to this many rows of x, the GEMV kernel
-GEMV_CHUNK = {Q8_0: 32, Q4_K: 64, Q6_K: 128, FP8: 128}  # columns per GEMV step: one group of scales
+GEMV_CHUNK = {Q8_0: 32, Q4_K: 64, Q5_K: 64, Q6_K: 128, FP8: 128}  # columns per GEMV step: one group of scales
 DEQUANT_ROWS = 64  # above this many rows (bf16), dequantize once and use cuBLAS
+FP8_ROWS = 128  # rows per FP8 scale block
+# Triton's interpreter (the CPU tests) runs one program after another, at a fixed cost each: there
+# the GEMV kernel runs with wider row blocks (a [248320, H] lm_head in 31 programs, not 7760).
+GEMV_BLOCK_N = 8192 if os.environ.get("TRITON_INTERPRET") == "1" else 32
 
 
-@dataclass
-class QuantWeight:
-    """Packed weight [.., N, K]: `parts` are the format's field arrays (see `pack_ggml`, `pack_fp8`)."""
+class QuantWeight(nn.Module):
+    """A packed weight [.., N, K] standing for a dense one of `dtype` (what the model computes in:
+    `linear` returns x's dtype, `rows` this one). Its field arrays (`FIELDS[fmt]`) are buffers, so
+    it moves with its model (`.to(device)`: never `.to(dtype)`, which would cast its fp16 scales)
+    and counts in `parameters()` / `buffers()` walks (resident bytes: `nbytes`)."""
 
-    fmt: int
-    shape: tuple[int, ...]
-    parts: tuple[torch.Tensor, ...]
+    columns: torch.Tensor | None
+
+    def __init__(self, fmt: int, shape: tuple[int, ...], parts: tuple[torch.Tensor, ...],
+                 dtype: torch.dtype = torch.float32, columns: torch.Tensor | None = None):  # fmt: skip
+        """`columns` [K]: where the file's columns (the packed order) sit in the model's, when they
+        differ (Qwen3.5's DeltaNet out_proj in GGUF): x's columns are gathered into the file's order."""
+        super().__init__()
+        self.fmt, self.shape, self.dtype = fmt, tuple(shape), dtype
+        for name, part in zip(FIELDS[fmt], parts, strict=True):
+            self.register_buffer(name, part, persistent=False)
+        self.register_buffer("columns", columns, persistent=False)
+
+    @property
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        return tuple(self._buffers[name] for name in FIELDS[self.fmt])  # type: ignore[misc]
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
 
     @property
     def nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parts)
 
-    def to(self, device: torch.device | str) -> QuantWeight:
-        return QuantWeight(self.fmt, self.shape, tuple(p.to(device) for p in self.parts))
+    def extra_repr(self) -> str:
+        return f"{NAMES[self.fmt]}, shape={list(self.shape)}, dtype={self.dtype}"
 
     def dequantize(self) -> torch.Tensor:
-        """fp32 [.., N, K]: the reference the kernels are tested against (plain torch)."""
+        """fp32 [.., N, K] in the model's column order."""
+        w = self._dequantize()
+        if self.columns is None:
+            return w
+        out = torch.empty_like(w)
+        out[..., self.columns] = w
+        return out
+
+    def _dequantize(self) -> torch.Tensor:
+        """fp32 [.., N, K] in the packed order: the reference the kernels are tested against (plain torch)."""
         n, k = self.shape[-2:]
         if self.fmt == Q8_0:
             qs, d = self.parts
             return (qs.float().unflatten(-1, (-1, 32)) * d.float()[..., None]).flatten(-2)
-        if self.fmt == Q4_K:
-            qs, sc, mn, dd = self.parts
+        if self.fmt in (Q4_K, Q5_K):
+            if self.fmt == Q4_K:
+                qs, sc, mn, dd = self.parts
+            else:
+                qs, qh, scmn, dd = self.parts
+                sc, mn = scmn.unbind(-1)
             q = qs.unflatten(-1, (-1, 32)).unsqueeze(-2)
-            q = torch.cat([q & 0x0F, q >> 4], dim=-2).flatten(-3, -2).float()  # [.., N, K/32, 32]
+            q = torch.cat([q & 0x0F, q >> 4], dim=-2).flatten(-3, -2)  # [.., N, K/32, 32]
+            if self.fmt == Q5_K:  # sub-block j of a super-block takes bit j of its 32 qh bytes
+                high = qh.unflatten(-1, (-1, 32)).unsqueeze(-2)  # [.., N, K/256, 1, 32]
+                q = q | (torch.cat([(high >> j) & 1 for j in range(8)], dim=-2).flatten(-3, -2) << 4)
             d, dmin = dd.float().repeat_interleave(8, dim=-2).unbind(-1)  # [.., N, K/32]
-            return ((d * sc.float())[..., None] * q - (dmin * mn.float())[..., None]).flatten(-2)
+            return ((d * sc.float())[..., None] * q.float() - (dmin * mn.float())[..., None]).flatten(-2)
         if self.fmt == Q6_K:
             ql, qh, sc, d = self.parts
             low = ql.unflatten(-1, (-1, 64)).unsqueeze(-2)
@@ -77,9 +130,80 @@ class QuantWeight:
         s = scale.float().repeat_interleave(128, dim=-2).repeat_interleave(128, dim=-1)
         return w.float() * s[..., :n, :k]
 
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] @ self.T (see `linear`)."""
+        return linear(x if self.columns is None else x.index_select(-1, self.columns), self)
 
-def pack_ggml(raw: torch.Tensor, qtype, shape: tuple[int, ...]) -> QuantWeight:
-    """GGML rows (uint8 [.., N, row bytes], as in the file) → a `QuantWeight`."""
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [T] of a 2-D weight, dequantized to `dtype` [T, K]: an embedding lookup
+        (the rows' blocks gathered, then the reference dequantization; no host sync)."""
+        if self.fmt == FP8:
+            w, scale = self.parts
+            s = scale[ids // FP8_ROWS].repeat_interleave(128, dim=-1)[:, : self.shape[-1]]
+            return (w[ids].float() * s).to(self.dtype)
+        picked = QuantWeight(self.fmt, (ids.numel(), self.shape[-1]), tuple(p[ids] for p in self.parts))
+        return picked.dequantize().to(self.dtype)
+
+    def narrow_rows(self, start: int, length: int) -> QuantWeight:
+        """Rows [start, start + length) as views of this weight's arrays (FP8: `start` on a block)."""
+        if self.fmt == FP8:
+            w, scale = self.parts
+            if start % FP8_ROWS:
+                raise ValueError(f"FP8 rows from {start}: not on a {FP8_ROWS}-row scale block")
+            blocks = (start + length + FP8_ROWS - 1) // FP8_ROWS - start // FP8_ROWS
+            parts = (w.narrow(-2, start, length), scale.narrow(-2, start // FP8_ROWS, blocks))
+        else:
+            dim = len(self.shape) - 2  # every GGML field has the weight's rows at this dim
+            parts = tuple(p.narrow(dim, start, length) for p in self.parts)
+        return QuantWeight(
+            self.fmt, (*self.shape[:-2], length, self.shape[-1]), parts, self.dtype, self.columns
+        )
+
+    def take_rows(self, index: torch.Tensor) -> QuantWeight:
+        """Rows `index` (a permutation or selection, GGML formats: rows are independent), copied."""
+        if self.fmt == FP8:
+            raise ValueError("FP8 rows share 128-row scale blocks: they cannot be reordered")
+        dim = len(self.shape) - 2
+        parts = tuple(p.index_select(dim, index.to(p.device)) for p in self.parts)
+        return QuantWeight(
+            self.fmt, (*self.shape[:-2], index.numel(), self.shape[-1]), parts, self.dtype, self.columns
+        )
+
+
+def can_concat(weights: list[QuantWeight]) -> bool:
+    """Whether the weights' rows can be stacked into one weight of their format: the same format and
+    leading dims, and (FP8) every part but the last a whole number of scale blocks of rows."""
+    first = weights[0]
+    if any(w.fmt != first.fmt or w.shape[:-2] != first.shape[:-2] or w.shape[-1] != first.shape[-1]
+           or w.columns is not None for w in weights):  # fmt: skip
+        return False
+    return first.fmt != FP8 or all(w.shape[-2] % FP8_ROWS == 0 for w in weights[:-1])
+
+
+def concat_rows(weights: list[QuantWeight]) -> QuantWeight:
+    """One weight [.., sum N, K] of `weights` (`can_concat`), in a fresh copy."""
+    if not can_concat(weights):
+        raise ValueError(f"cannot concatenate {[(NAMES[w.fmt], w.shape) for w in weights]}")
+    first = weights[0]
+    dim = len(first.shape) - 2
+    parts = tuple(torch.cat(fields, dim=dim) for fields in zip(*(w.parts for w in weights), strict=True))
+    rows = sum(w.shape[-2] for w in weights)
+    return QuantWeight(first.fmt, (*first.shape[:-2], rows, first.shape[-1]), parts, first.dtype)
+
+
+def stack(weights: list[QuantWeight]) -> QuantWeight:
+    """Weights [N, K] of one format → one [E, N, K] (experts)."""
+    first = weights[0]
+    if any(w.fmt != first.fmt or w.shape != first.shape for w in weights):
+        raise ValueError("stacked weights differ in format or shape")
+    parts = tuple(torch.stack(fields) for fields in zip(*(w.parts for w in weights), strict=True))
+    return QuantWeight(first.fmt, (len(weights), *first.shape), parts, first.dtype)
+
+
+def pack_ggml(
+    raw: torch.Tensor, qtype, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+) -> QuantWeight:
+    """GGML rows (uint8 [.., N, row bytes], as in the file) → a `QuantWeight` standing for `dtype`."""
     fmt = FORMATS[qtype]
     n, k = shape[-2:]
     if k % BLOCK_K[fmt]:
@@ -88,23 +212,29 @@ def pack_ggml(raw: torch.Tensor, qtype, shape: tuple[int, ...]) -> QuantWeight:
     if fmt == Q8_0:
         b = raw.reshape(*lead, k // 32, 34)
         return QuantWeight(fmt, shape, (b[..., 2:].contiguous().view(torch.int8).reshape(*lead, k),
-                                        b[..., :2].contiguous().view(torch.float16).reshape(*lead, k // 32)))  # fmt: skip
-    if fmt == Q4_K:
-        b = raw.reshape(-1, 144)
+                                        b[..., :2].contiguous().view(torch.float16).reshape(*lead, k // 32)), dtype)  # fmt: skip
+    if fmt in (Q4_K, Q5_K):
+        b = raw.reshape(-1, 144 if fmt == Q4_K else 176)
         sc, mn = k_scale_min(b[:, 4:16])
-        dd = b[:, :4].contiguous().view(torch.float16)  # [.., 2]: d, dmin
-        return QuantWeight(fmt, shape, (b[:, 16:].reshape(*lead, k // 2).contiguous(), sc.reshape(*lead, k // 32),
-                                        mn.reshape(*lead, k // 32), dd.reshape(*lead, k // 256, 2)))  # fmt: skip
+        dd = b[:, :4].contiguous().view(torch.float16).reshape(*lead, k // 256, 2)  # d, dmin
+        if fmt == Q4_K:
+            return QuantWeight(fmt, shape, (b[:, 16:].reshape(*lead, k // 2).contiguous(), sc.reshape(*lead, k // 32),
+                                            mn.reshape(*lead, k // 32), dd), dtype)  # fmt: skip
+        return QuantWeight(fmt, shape, (b[:, 48:].reshape(*lead, k // 2).contiguous(),
+                                        b[:, 16:48].reshape(*lead, k // 8).contiguous(),
+                                        torch.stack([sc, mn], dim=-1).reshape(*lead, k // 32, 2), dd), dtype)  # fmt: skip
     b = raw.reshape(-1, 210)
     return QuantWeight(fmt, shape, (b[:, :128].reshape(*lead, k // 2).contiguous(),
                                     b[:, 128:192].reshape(*lead, k // 4).contiguous(),
                                     b[:, 192:208].contiguous().view(torch.int8).reshape(*lead, k // 16),
-                                    b[:, 208:].contiguous().view(torch.float16).reshape(*lead, k // 256)))  # fmt: skip
+                                    b[:, 208:].contiguous().view(torch.float16).reshape(*lead, k // 256)), dtype)  # fmt: skip
 
 
-def pack_fp8(weight: torch.Tensor, scale_inv: torch.Tensor) -> QuantWeight:
+def pack_fp8(
+    weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> QuantWeight:
     """Qwen FP8: e4m3 [.., N, K] with [128, 128]-block scales (kept as fp32)."""
-    return QuantWeight(FP8, tuple(weight.shape), (weight.contiguous(), scale_inv.float().contiguous()))
+    return QuantWeight(FP8, tuple(weight.shape), (weight.contiguous(), scale_inv.float().contiguous()), dtype)
 
 
 @triton.jit
@@ -126,6 +256,17 @@ def _dequant(P0, P1, P2, P3, e, n, k, N, K, FMT: tl.constexpr):
         q = ((byte >> (((kk // 32) % 2) * 4).to(tl.uint8)) & 0x0F).to(tl.float32)
         sc = tl.load(P1 + row * (K // 32) + k // 32).to(tl.float32)
         mn = tl.load(P2 + row * (K // 32) + k // 32).to(tl.float32)
+        d = _f16(tl.load(P3 + (row * (K // 256) + k // 256) * 2))
+        dmin = _f16(tl.load(P3 + (row * (K // 256) + k // 256) * 2 + 1))
+        w = (d * sc) * q - dmin * mn
+    elif FMT == 4:  # Q5_K: Q4_K's nibbles, and the fifth bit j of sub-block j in byte s*32 + l of qh
+        kk = k % 256
+        byte = tl.load(P0 + row * (K // 2) + (k // 256) * 128 + (kk // 64) * 32 + kk % 32)
+        low = (byte >> (((kk // 32) % 2) * 4).to(tl.uint8)) & 0x0F
+        high = (tl.load(P1 + row * (K // 8) + (k // 256) * 32 + kk % 32) >> (kk // 32).to(tl.uint8)) & 1
+        q = (low | (high << 4)).to(tl.float32)
+        sc = tl.load(P2 + (row * (K // 32) + k // 32) * 2).to(tl.float32)
+        mn = tl.load(P2 + (row * (K // 32) + k // 32) * 2 + 1).to(tl.float32)
         d = _f16(tl.load(P3 + (row * (K // 256) + k // 256) * 2))
         dmin = _f16(tl.load(P3 + (row * (K // 256) + k // 256) * 2 + 1))
         w = (d * sc) * q - dmin * mn
@@ -159,6 +300,28 @@ def _dot_q4_k(X, P0, P1, P2, P3, row, m, k0, K):
     dmin = tl.load(P3 + (row * (K // 256) + k0 // 256) * 2 + 1).to(tl.float32)
     lo = (d * sc0)[:, None] * (byte & 0x0F).to(tl.float32) - (dmin * mn0)[:, None]
     hi = (d * sc1)[:, None] * (byte >> 4).to(tl.float32) - (dmin * mn1)[:, None]
+    x_lo = tl.load(X + m * K + k0 + col).to(tl.float32)
+    x_hi = tl.load(X + m * K + k0 + 32 + col).to(tl.float32)
+    return tl.sum(lo * x_lo[None, :], 1) + tl.sum(hi * x_hi[None, :], 1)
+
+
+@triton.jit
+def _dot_q5_k(X, P0, P1, P2, P3, row, m, k0, K):
+    """Q5_K, 64 columns from k0: Q4_K's two sub-blocks of nibbles, plus their fifth bits (bits j
+    and j + 1 of the super-block's 32 qh bytes, j = the first sub-block)."""
+    col = tl.arange(0, 32)
+    byte = tl.load(P0 + row[:, None] * (K // 2) + (k0 // 256) * 128 + ((k0 % 256) // 64) * 32 + col[None, :])
+    qh = tl.load(P1 + row[:, None] * (K // 8) + (k0 // 256) * 32 + col[None, :])
+    j = (k0 % 256) // 32
+    sub = (row * (K // 32) + k0 // 32) * 2
+    sc0, sc1 = tl.load(P2 + sub).to(tl.float32), tl.load(P2 + sub + 2).to(tl.float32)
+    mn0, mn1 = tl.load(P2 + sub + 1).to(tl.float32), tl.load(P2 + sub + 3).to(tl.float32)
+    d = tl.load(P3 + (row * (K // 256) + k0 // 256) * 2).to(tl.float32)
+    dmin = tl.load(P3 + (row * (K // 256) + k0 // 256) * 2 + 1).to(tl.float32)
+    q_lo = ((byte & 0x0F) | (((qh >> j) & 1) << 4)).to(tl.float32)
+    q_hi = ((byte >> 4) | (((qh >> (j + 1)) & 1) << 4)).to(tl.float32)
+    lo = (d * sc0)[:, None] * q_lo - (dmin * mn0)[:, None]
+    hi = (d * sc1)[:, None] * q_hi - (dmin * mn1)[:, None]
     x_lo = tl.load(X + m * K + k0 + col).to(tl.float32)
     x_hi = tl.load(X + m * K + k0 + 32 + col).to(tl.float32)
     return tl.sum(lo * x_lo[None, :], 1) + tl.sum(hi * x_hi[None, :], 1)
@@ -208,24 +371,32 @@ def _dot_fp8(X, P0, P1, row, m, k0, N, K):
 
 @triton.jit
 def _gemv_kernel(
-    X, P0, P1, P2, P3, PART, M, N, K, K_SPLIT, FMT: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr
+    X, P0, P1, P2, P3, PART, XROW, EXPERT, M, N, K, K_SPLIT,
+    FMT: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, GROUPED: tl.constexpr,
 ):  # fmt: skip
-    """Program (n-block, split, row): one row of x against BN weight rows over the columns
+    """Program (n-block, split, row m): one row of x against BN weight rows over the columns
     [split * K_SPLIT, (split + 1) * K_SPLIT), a format-sized chunk at a time (each block's scales
-    loaded once); fp32 partial sums into PART [S, M, N]."""
+    loaded once); fp32 partial sums into PART [S, M, N]. GROUPED (experts [E, N, K]): row m is x's
+    row XROW[m] against expert EXPERT[m]'s weight."""
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     row = tl.minimum(n, N - 1).to(tl.int64)
     split, m = tl.program_id(1), tl.program_id(2)
+    xm = m
+    if GROUPED:
+        xm = tl.load(XROW + m)
+        row += tl.load(EXPERT + m).to(tl.int64) * N
     acc = tl.zeros([BN], tl.float32)
     for k0 in range(split * K_SPLIT, (split + 1) * K_SPLIT, CHUNK):
         if FMT == 0:
-            acc += _dot_q8_0(X, P0, P1, row, m, k0, K)
+            acc += _dot_q8_0(X, P0, P1, row, xm, k0, K)
         elif FMT == 1:
-            acc += _dot_q4_k(X, P0, P1, P2, P3, row, m, k0, K)
+            acc += _dot_q4_k(X, P0, P1, P2, P3, row, xm, k0, K)
         elif FMT == 2:
-            acc += _dot_q6_k(X, P0, P1, P2, P3, row, m, k0, K)
+            acc += _dot_q6_k(X, P0, P1, P2, P3, row, xm, k0, K)
+        elif FMT == 4:
+            acc += _dot_q5_k(X, P0, P1, P2, P3, row, xm, k0, K)
         else:
-            acc += _dot_fp8(X, P0, P1, row, m, k0, N, K)
+            acc += _dot_fp8(X, P0, P1, row, xm, k0, N, K)
     tl.store(PART + (split * M + m) * N + n, acc, mask=n < N)
 
 
@@ -270,8 +441,15 @@ def _gemm_kernel(
     )
 
 
+def _block_k(k: int) -> int:
+    """Columns per GEMM / dequantization step: 64, or 32 for the narrow rows Q8_0 and FP8 allow."""
+    if k % 32:
+        raise ValueError(f"quantized matmul: K={k} is not a multiple of 32")
+    return 64 if k % 64 == 0 else 32
+
+
 def _launch_gemm(x, w, rows, tile_expert, tile_start, tile_end, n, k, out, bm):
-    bn, bk = 64, 64
+    bn, bk = 64, _block_k(k)
     parts = _padded(w)
     grid = (tile_start.numel(), triton.cdiv(n, bn))
     ieee = x.dtype == torch.float32
@@ -287,24 +465,45 @@ def _padded(w: QuantWeight) -> tuple[torch.Tensor, ...]:
 def dequantize_to(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
     """The whole weight [.., N, K] in `dtype`, by the kernels' own dequantization (a transient copy)."""
     n, k = w.shape[-2:]
-    experts = int(torch.tensor(w.shape[:-2]).prod()) if len(w.shape) > 2 else 1
+    experts = math.prod(w.shape[:-2])
     out = torch.empty(w.shape, dtype=dtype, device=w.parts[0].device)
-    _dequant_kernel[(experts * triton.cdiv(n, 64), k // 64)](*_padded(w), out, n, k, FMT=w.fmt, BN=64, BK=64)
+    bn, bk = 64, _block_k(k)
+    _dequant_kernel[(experts * triton.cdiv(n, bn), k // bk)](*_padded(w), out, n, k, FMT=w.fmt, BN=bn, BK=bk)
     return out
 
 
-def _gemv(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
-    """Few rows: split K so that the grid fills the GPU even for a narrow weight."""
-    m, k = x.shape
-    n = w.shape[0]
-    bn, chunk = 32, GEMV_CHUNK[w.fmt]
+def _gemv(
+    x: torch.Tensor, w: QuantWeight, rows: torch.Tensor | None = None, experts: torch.Tensor | None = None
+):
+    """Few rows: split K so that the grid fills the GPU even for a narrow weight. With `rows` and
+    `experts` [M] (w: a stack [E, N, K]): output row j is x[rows[j]] @ w[experts[j]].T."""
+    grouped = rows is not None
+    m, (n, k) = (rows.numel() if grouped else x.shape[0]), w.shape[-2:]
+    bn, chunk = min(GEMV_BLOCK_N, max(16, triton.next_power_of_2(n))), GEMV_CHUNK[w.fmt]
     blocks = triton.cdiv(n, bn)
     split = 1
-    while blocks * split < 1024 and k % (2 * split * chunk) == 0:
+    while blocks * split * (m if grouped else 1) < 1024 and k % (2 * split * chunk) == 0:
         split *= 2
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    _gemv_kernel[(blocks, split, m)](x, *_padded(w), part, m, n, k, k // split, FMT=w.fmt, BN=bn, CHUNK=chunk)
+    index = (
+        (rows.to(torch.int32), experts.to(torch.int32)) if grouped else (x, x)
+    )  # (unread when not grouped)
+    _gemv_kernel[(blocks, split, m)](x, *_padded(w), part, *index, m, n, k, k // split,
+                                     FMT=w.fmt, BN=bn, CHUNK=chunk, GROUPED=grouped)  # fmt: skip
     return part.sum(0).to(x.dtype)
+
+
+def gemv_fits(w: QuantWeight) -> bool:
+    """Whether the GEMV kernel takes `w`: rows of whole chunks (and FP8 experts of whole scale blocks)."""
+    return w.shape[-1] % GEMV_CHUNK[w.fmt] == 0 and (w.fmt != FP8 or w.shape[-2] % FP8_ROWS == 0)
+
+
+def gemv_experts(x: torch.Tensor, w: QuantWeight, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """MoE decode: y[j] = x[rows[j]] @ w[experts[j]].T for a few assignments j (w: [E, N, K],
+    `gemv_fits`); only the chosen experts' weights are read. Returns [len(rows), N] in x's dtype."""
+    if not gemv_fits(w):
+        raise ValueError(f"{NAMES[w.fmt]} experts {list(w.shape)}: rows or columns off the GEMV's blocks")
+    return _gemv(x.contiguous(), w, rows, experts)
 
 
 def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
@@ -312,8 +511,6 @@ def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     `GEMV_ROWS` rows (decode), the tiled kernel up to `DEQUANT_ROWS`, above that one transient
     dequantized copy and a cuBLAS GEMM (prefill: the copy costs far less than the GEMM)."""
     n, k = w.shape
-    if k % 64:
-        raise ValueError(f"quantized linear: K={k} is not a multiple of 64")
     x = x.contiguous()
     m = x.shape[0]
     if m <= GEMV_ROWS and k % GEMV_CHUNK[w.fmt] == 0:
@@ -334,13 +531,15 @@ def grouped(
     """MoE prefill: y[j] = x[order[j] // top_k] @ w[e(j)].T for the j-th assignment in expert order
     (`order`, `offs` [E] int32 ends of each expert's rows, from `moe.group_by_expert`). Returns
     [len(order), N] in expert order. Tiles are laid out on the device: an upper bound of
-    len(order) / BM + E tiles, the empty ones return at once (no host sync)."""
+    len(order) / BM + min(len(order), E) tiles (decode: a few, not one per expert), the empty ones
+    return at once (no host sync)."""
     num_experts, n, k = w.shape
     bm = 32
     ends = offs.long()
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     tiles_per = (ends - starts + bm - 1) // bm  # [E]
-    max_tiles = triton.cdiv(order.numel(), bm) + num_experts
+    used = min(order.numel(), num_experts)  # experts with rows: at most one partial tile each
+    max_tiles = triton.cdiv(order.numel(), bm) + used
     last = torch.cumsum(tiles_per, 0)  # one past each expert's last tile
     t = torch.arange(max_tiles, device=x.device)
     expert = torch.searchsorted(last, t, right=True).clamp(max=num_experts - 1)
