@@ -20,7 +20,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PRESET=qwen3.6-35b-a3b-e64
 case "${1:-}" in build | run | sessions | identity | quant) ;; *) sed -n 2,18p "$0" && exit 2 ;; esac
-if [ -d .whl ]; then
+if [ -d .whl ] && command -v nvidia-smi >/dev/null; then # the H200's wheels (py3.12), not for a CPU machine
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD
 fi

@@ -402,7 +402,7 @@ def table(result: dict) -> str:
 
     lines = [f"preset {result['preset']} on {result['device_name']}; prefill {result['prefill']} tokens, decode at "
              f"{result['context']} ({result['steps']} steps)", "",
-             "| format | weights | file GB | resident GB | resident/file | load s | prefill tok/s | decode B=1 tok/s | decode B=4 tok/s |",
+             "| format | activations | file GB | resident GB | resident/file | load s | prefill tok/s | decode B=1 tok/s | decode B=4 tok/s |",
              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for fmt, r in result.get("formats", {}).items():
         lines.append(f"| {fmt} (ours) | {r['dtype'].removeprefix('torch.')} | {r['file_bytes'] / GB:.2f} | {r['weights_bytes'] / GB:.2f} "

@@ -23,6 +23,11 @@ from engine.snapshot import Snapshot
 from engine.state import KVCache, SequenceState
 
 PREFILL_CHUNK: int | None = int(os.environ["FT_PREFILL_CHUNK"]) if os.environ.get("FT_PREFILL_CHUNK") else None
+# A sequence prefilled alone runs on its slot in pieces of the largest bucket up to this many tokens:
+# a 512-token replay takes 29 ms on the H200 at the 35B shape, the eager forward ~100 ms of launches
+# plus ~25 us a token, so pieces win up to ~3K tokens (with several sequences, one eager forward
+# over all their chunks wins sooner: there only a single bucket runs on the slot).
+SLOT_PREFILL_ALONE = 2048
 DEFAULT_CHUNK = {"cuda": 8192, "cpu": 4096}  # tokens per forward: bigger GEMMs on a GPU (bench/RESULTS.md)
 
 
@@ -174,7 +179,7 @@ class Engine:
                 feed.done, feed.result = 1, PrefillResult(row, [])
             parts = [(feed, count) for feed, count in parts if feed.is_prefill]
         for feed, count in parts:
-            if self._fits_slot(feed, count):
+            if self._fits_slot(feed, count, SLOT_PREFILL_ALONE if len(parts) == 1 else PREFILL_BUCKETS[-1]):
                 self._slot_prefill(feed, count)
         parts = [(feed, count) for feed, count in parts if feed.result is None]
         if not parts:
@@ -203,22 +208,25 @@ class Engine:
             if feed.all_logits:
                 self._finish(feed, self.model.logits(torch.cat(feed.hidden)))
 
-    def _fits_slot(self, feed: Feed, count: int) -> bool:
-        """Whether the feed's last `count` tokens can run as captured slot prefills: few enough and
-        only the last position's logits wanted."""
-        return self.slot_prefill and count == feed.remaining and count <= PREFILL_BUCKETS[-1] and not feed.all_logits
+    def _fits_slot(self, feed: Feed, count: int, limit: int) -> bool:
+        """Whether the feed's last `count` tokens can run as captured slot prefills: at most `limit`
+        and only the last position's logits wanted."""
+        return self.slot_prefill and count == feed.remaining and count <= limit and not feed.all_logits
 
     def _slot_prefill(self, feed: Feed, count: int) -> None:
-        """The feed's last `count` tokens on its slot: one graph replay per piece between the
-        positions that need DeltaNet states (a KV-only capture is read from the slot afterwards)."""
-        base = feed.start + feed.done
-        cuts = [p for p in feed.capture_at if p > base and (feed.state_at is None or p in feed.state_at)]
+        """The feed's last `count` tokens on its slot: one graph replay per piece of at most the
+        largest bucket, cut where DeltaNet states are captured (a KV-only capture is read from the
+        slot afterwards)."""
+        base, end = feed.start + feed.done, feed.start + feed.done + count
+        cuts = {p for p in feed.capture_at if p > base and (feed.state_at is None or p in feed.state_at)}
         with self._phase("prefill", count):
-            for end in sorted({*cuts, base + count}):
-                logits = self.runner.prefill(feed.state, feed.token_ids[feed.done : end - feed.start])
-                feed.done = end - feed.start
-                if end in cuts:
-                    feed.captured[end] = self._to_host(self._states(feed.state))
+            while feed.start + feed.done < end:
+                at = feed.start + feed.done
+                stop = min([p for p in cuts if p > at] + [at + PREFILL_BUCKETS[-1], end])
+                logits = self.runner.prefill(feed.state, feed.token_ids[feed.done : stop - feed.start])
+                feed.done = stop - feed.start
+                if stop in cuts:
+                    feed.captured[stop] = self._to_host(self._states(feed.state))
         self._finish(feed, logits)
 
     def _states(self, state: SequenceState) -> dict[str, torch.Tensor]:
