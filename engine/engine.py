@@ -67,7 +67,8 @@ class Engine:
         dense parts, the decode slots of `max_running` sequences and an expert cache within that
         budget (`engine.offload`); a budget that cannot is a `BudgetError`. `keep_quantized`: a
         quantized model's weights stay packed and run through the Triton kernels (default: on a
-        GPU without offload, or FT_KEEP_QUANTIZED=1; on the CPU they run in Triton's interpreter)."""
+        GPU, offloaded experts included, or FT_KEEP_QUANTIZED=1; on the CPU they run in Triton's
+        interpreter)."""
         target = torch.device(device)
         if keep_quantized is None and os.environ.get("FT_KEEP_QUANTIZED"):
             keep_quantized = os.environ["FT_KEEP_QUANTIZED"] == "1"
@@ -78,7 +79,9 @@ class Engine:
 
         if dtype is None and target.type != "cpu" and is_gguf(model_dir):
             dtype = torch.bfloat16  # what a GGUF dequantizes to on a GPU (load_gguf's default there)
-        model, fp = load_folder(model_dir, torch.device("cpu"), dtype, keep_quantized=False)  # offload: dense
+        if keep_quantized is None:  # the experts then live and move in their quantized form
+            keep_quantized = target.type == "cuda"
+        model, fp = load_folder(model_dir, torch.device("cpu"), dtype, keep_quantized)
         return cls.offloaded(model, fp, target, gpu_memory_gib, max_running, Path(model_dir))
 
     @classmethod

@@ -3,6 +3,7 @@ parameter names identical to the HF checkpoints (`model.layers.N.linear_attn.in_
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -336,14 +337,20 @@ class SparseMoe(nn.Module):
         splits = [c.num_experts, c.shared_expert_intermediate_size, c.shared_expert_intermediate_size, 1]
         router, gate, up, shared_gate = matmul(x, self.in_proj).split(splits, dim=-1)
         weights, ids = route(router, c.num_experts_per_tok, c.norm_topk_prob, x.dtype)
-        if self.offload is not None:
-            routed = self.offload.run(x, weights, ids, kernels.moe_experts)
+        run = partial(routed_experts, kernels)
+        if self.offload is not None:  # the stacks of its device slots, whichever kind they are
+            routed = self.offload.run(x, weights, ids, run)
         else:
             assert self.experts is not None
-            gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-            experts = kernels.moe_experts if isinstance(gate_up, torch.Tensor) else moe_experts_quantized
-            routed = experts(x, weights, ids, gate_up, down)
+            routed = run(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
         return routed + torch.sigmoid(shared_gate) * matmul(F.silu(gate) * up, self.shared_expert.down_proj.weight)
+
+
+def routed_experts(kernels: Kernels, x, weights, ids, gate_up, down) -> torch.Tensor:
+    """Routed experts over stacks of either kind: dense tensors (the device's kernels) or
+    `QuantWeight`s (the quantized kernels)."""
+    op = kernels.moe_experts if isinstance(gate_up, torch.Tensor) else moe_experts_quantized
+    return op(x, weights, ids, gate_up, down)
 
 
 class DecoderLayer(nn.Module):

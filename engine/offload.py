@@ -110,7 +110,7 @@ def dense_bytes(model: HybridForCausalLM) -> int:
     storages = {
         t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
         for name, t in named
-        if not name.endswith(EXPERT_PARAMS)
+        if not name.endswith(EXPERT_PARAMS) and not any(f"{e}." in name for e in EXPERT_PARAMS)  # a quantized stack's parts
     }
     return sum(storages.values())
 
@@ -348,12 +348,11 @@ def quantized_store(gate_up: Any, down: Any) -> tuple[tuple[torch.Tensor, ...], 
     the host, where `dequantize` gives the host path its weights)."""
     split = len(gate_up.parts)
 
+    def like(w: Any, parts: tuple[torch.Tensor, ...]) -> Any:
+        return type(w)(w.fmt, (parts[0].shape[0], *w.shape[1:]), parts, w.dtype, w.columns)
+
     def assemble(parts: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
-        experts = parts[0].shape[0]
-        return (
-            dataclasses.replace(gate_up, shape=(experts, *gate_up.shape[1:]), parts=tuple(parts[:split])),
-            dataclasses.replace(down, shape=(experts, *down.shape[1:]), parts=tuple(parts[split:])),
-        )
+        return like(gate_up, parts[:split]), like(down, parts[split:])
 
     return (*gate_up.parts, *down.parts), assemble
 

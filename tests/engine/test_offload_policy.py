@@ -12,25 +12,13 @@ import torch
 from engine import Engine, SamplingParams
 from engine.config import ModelConfig
 from engine.expert_cache import ExpertCache, Lane
-from engine.offload import GiB, Link, OffloadStats, Policy, dense_bytes, plan, state_bytes
+from engine.offload import Link, OffloadStats, Policy, state_bytes
 from engine.ops.moe import experts_loop
 from engine.presets import preset_config
 from engine.runner import starting_capacity
+from tests.engine.test_offload import budget_gib
 
 TOL = 1e-5
-
-
-def budget_gib(engine: Engine, slots: int, max_running: int) -> float:
-    p = plan(
-        engine.config,
-        dense_bytes(engine.model),
-        1 << 50,
-        engine.dtype,
-        max_running,
-        capacity=starting_capacity(engine.device),
-        tokens=4096,
-    )
-    return (p.budget_for(slots) + p.expert_bytes // 2) / GiB
 
 
 def _load(preset_dirs, tiny, slots: int, max_running: int = 4) -> Engine:

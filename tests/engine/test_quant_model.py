@@ -275,3 +275,27 @@ def test_llama_cpp_q4_k_m_preset_stays_at_the_files_size():
     path = preset_gguf("small", PEER_HOME / "models", "q4_k_m")
     weights, file = Engine.load(path, keep_quantized=True).memory()["weights"], tensor_bytes(path)
     assert abs(weights - file) <= 0.05 * file, (weights, file)
+
+
+@in_this_process
+def test_offloaded_q8_0_experts_stay_quantized_and_give_the_same_logits(models):
+    """`--gpu-memory` on a quantized model: the routed experts live on the host and in the expert
+    slots in their packed form (3 slots of tiny's 8 per layer: misses fetched every layer), and
+    prefill and decode give the logits of the same model without offload."""
+    from engine import offload  # noqa: PLC0415
+    from engine.runner import starting_capacity  # noqa: PLC0415
+
+    whole = Engine.load(models["q8_0"], keep_quantized=True)
+    size = offload.expert_bytes(whole.model)
+    budget = offload.plan(whole.config, offload.dense_bytes(whole.model), 1 << 50, whole.dtype, 4,
+                          starting_capacity(whole.device), 4096, size).budget_for(3) + size // 2  # fmt: skip
+    offloaded = Engine.load(models["q8_0"], keep_quantized=True, gpu_memory_gib=budget / offload.GiB)
+    assert offloaded.offload is not None and offloaded.offload.plan.slots == 3
+    cache = next(iter(offloaded.offload.caches.values()))
+    assert all(p.dtype in (torch.int8, torch.float16) for p in cache.parts)  # Q8_0's quants and scales
+    assert size < offload.expert_bytes(Engine.load(models["q8_0"], dtype=torch.float32).model) / 3
+    sa, sb = whole.new_state(), offloaded.new_state()
+    assert (whole.prefill(sa, IDS).logits - offloaded.prefill(sb, IDS).logits).abs().max().item() <= 1e-5
+    for token in (11, 12):
+        assert (whole.decode(sa, token) - offloaded.decode(sb, token)).abs().max().item() <= 1e-5
+    assert offloaded.offload.stats.misses > 3 * len(offloaded.offload.caches)
