@@ -2,6 +2,7 @@
 bytes over the host link, peak reserved memory, and a recorded session replayed per capture policy.
 
     FT_MATERIALISE=1 python bench/offload.py --preset qwen3.6-35b-a3b --device cuda --budgets 8,12,24
+    python bench/offload.py --preset qwen3.6-35b-a3b --q4-k-m --budgets 8    # experts packed, as the issue asks
     python bench/offload.py --preset tiny --device cpu --budgets 0.145 --context 256 --decode-steps 8  # CPU smoke
 
 With bf16 experts, 8 GiB holds the 35B-A3B shape's dense parts, one sequence's slots and top_k
@@ -98,6 +99,14 @@ def measure(engine, device: str, context: int, steps: int) -> dict:
     }
 
 
+def q4_k_m_file(preset: str) -> Path:
+    """The preset as a random Q4_K_M GGUF (llama-quantize's types and layout), written on first use."""
+    from peer.gguf_random import random_gguf  # noqa: PLC0415
+    from peer.llama_server import PEER_HOME  # noqa: PLC0415
+
+    return random_gguf(preset, PEER_HOME / "models")
+
+
 def replay(engine, args, budget: float) -> dict:
     """Each policy over `args.traces` on a fresh store, with this engine (adapters/replay.py)."""
     from adapters.replay import load_traces, run_policy, serve_in_thread  # noqa: PLC0415
@@ -109,6 +118,7 @@ def replay(engine, args, budget: float) -> dict:
     for policy in args.policies.split(","):
         config = ServeConfig(  # one live sequence: those kept after their answer hold KV outside the plan
             preset=args.preset,
+            model_dir=q4_k_m_file(args.preset) if args.q4_k_m else None,
             device=args.device,
             policy=policy,
             max_running=1,
@@ -140,7 +150,10 @@ def run_budget(args) -> dict:
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
     try:
-        engine = Engine.from_preset(args.preset, device=args.device, gpu_memory_gib=budget, max_running=1)
+        if args.q4_k_m:
+            engine = Engine.load(q4_k_m_file(args.preset), args.device, gpu_memory_gib=budget, max_running=1)
+        else:
+            engine = Engine.from_preset(args.preset, device=args.device, gpu_memory_gib=budget, max_running=1)
     except BudgetError as exc:  # a row saying why (e.g. bf16 experts at 8 GiB: try FT_PREFILL_CHUNK=4096)
         return {"budget_gib": budget, "error": str(exc)}
     load_s = time.perf_counter() - started
@@ -189,7 +202,7 @@ def llama_side(args) -> dict:
     from peer.llama_server import PEER_HOME, LlamaServer, build  # noqa: PLC0415
 
     materialise = args.device if os.environ.get("FT_MATERIALISE") == "1" else None
-    gguf = preset_gguf(args.preset, PEER_HOME / "models", args.gguf_dtype, materialise)
+    gguf = q4_k_m_file(args.preset) if args.q4_k_m else preset_gguf(args.preset, PEER_HOME / "models", args.gguf_dtype, materialise)
     cuda = args.device == "cuda"
     out = {}
     for path in args.traces:
@@ -223,6 +236,7 @@ def child(args, budget: str) -> dict:
         if (value := getattr(args, name)) is not None:
             argv += [f"--{name.replace('_', '-')}", str(value)]
     argv += ["--traces", *args.traces] if args.traces else ["--no-replay"]
+    argv += ["--q4-k-m"] if args.q4_k_m else []
     code = subprocess.run(argv).returncode
     if code != 0 or not out.exists():  # a crash (out of memory, a kernel failure) is a row, not the end
         return {
@@ -320,6 +334,9 @@ def tables(results: list[dict], llama: dict | None, console: Console) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen3.6-35b-a3b")
+    p.add_argument("--q4-k-m", action="store_true",
+                   help="the preset's random Q4_K_M GGUF (peer.gguf_random, written once under .peer/models) "
+                        "instead of its bf16 weights: the experts offloaded in their packed form")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--budgets", default="8,12,24", help="GiB, comma-separated")
     p.add_argument("--context", type=int, default=8192, help="prefill tokens")
@@ -352,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     tables(results, llama, console)
     meta = {
         "preset": args.preset,
+        "weights": "random Q4_K_M GGUF" if args.q4_k_m else "bf16",
         "device": args.device,
         "context": args.context,
         "pcie_bytes_per_s": args.pcie,
