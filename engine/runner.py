@@ -92,7 +92,7 @@ class Runner:
         rows = bucket(count) if self.use_graph else count
         pad = rows - count  # padding rows: token 0 at position 0 of the scratch slot
         host = torch.tensor([[*tokens, *[0] * pad], [s.length for s in states] + [0] * pad, slots + [self.slots] * pad])
-        logits = self._run("decode", rows, host, self.inputs[:, :rows])[:count]
+        logits = self._run("decode", rows, host, self.inputs[:, :rows])[:count].clone()
         for state in states:
             self._advance(state, 1)
         return logits
@@ -109,7 +109,7 @@ class Runner:
         self._reserve(1, state.length + rows)  # padding rows are written too: room for the whole bucket
         slot = self._assign([state])[0]
         host = torch.tensor([slot, state.length, count, *tokens, *[0] * (rows - count)])
-        logits = self._run("prefill", rows, host, self.prefill_inputs[: 3 + rows])[0]
+        logits = self._run("prefill", rows, host, self.prefill_inputs[: 3 + rows])[0].clone()
         self._advance(state, count)
         return logits
 
@@ -141,14 +141,15 @@ class Runner:
 
     def _run(self, kind: str, rows: int, host: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
         """Copy a step's host inputs into the static inputs and run it: a graph replay (captured at
-        first use) or the eager forward. The logits are the caller's to keep."""
+        first use) or the eager forward. A graph's logits are overwritten by its next replay: the
+        caller copies the rows it keeps."""
         if not self.use_graph:
             inputs.copy_(host.view_as(inputs))
             return self._forward(kind, rows)
         graph, out = self._graph(kind, rows)
         inputs.copy_(host.view_as(inputs))  # one small pageable copy: done before the host writes the next step's
         graph.replay()
-        return out.clone()
+        return out
 
     def _forward(self, kind: str, rows: int) -> torch.Tensor:
         """The model's forward over the static inputs of a `rows`-row step: a decode step's logits
