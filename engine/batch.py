@@ -105,22 +105,19 @@ class SlotPrefill:
     buffers: SlotBuffers
     meta: torch.Tensor  # [3] long: slot, start position, valid tokens
     arange: torch.Tensor  # [rows] long: 0..rows-1
+    slot: torch.Tensor = field(init=False)  # [1] views of meta
+    start: torch.Tensor = field(init=False)
+    count: torch.Tensor = field(init=False)
+    valid: torch.Tensor = field(init=False)
+    pos: torch.Tensor = field(init=False)
 
-    @property
-    def slot(self) -> torch.Tensor:
-        return self.meta[0:1]
-
-    @property
-    def start(self) -> torch.Tensor:
-        return self.meta[1:2]
-
-    @property
-    def valid(self) -> torch.Tensor:
-        """[rows] bool: which rows are real tokens."""
-        return self.arange < self.meta[2]
+    def __post_init__(self) -> None:  # once per forward, not once per layer that reads them
+        self.slot, self.start, self.count = self.meta[0:1], self.meta[1:2], self.meta[2:3]
+        self.valid = self.arange < self.count  # [rows] bool: which rows are real tokens
+        self.pos = self.start + self.arange  # [rows] absolute positions
 
     def positions(self, device: torch.device) -> torch.Tensor:
-        return self.meta[1] + self.arange
+        return self.pos
 
     def wait_for(self, layer: int) -> None:
         return None  # the runner waits for restores when it binds a state to a slot

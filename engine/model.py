@@ -170,7 +170,7 @@ class Attention(nn.Module):
             out = kernels.decode_attention(q, keys, values, batch.index, batch.pos + 1)
         elif isinstance(batch, SlotPrefill):  # a few tokens of one slot: their KV rows written in place
             keys, values = batch.buffers.k[layer], batch.buffers.v[layer]
-            rows = (batch.slot.expand(length), batch.positions(x.device))
+            rows = (batch.slot.expand(length), batch.pos)
             keys.index_put_(rows, k)
             values.index_put_(rows, v)
             out = kernels.slot_prefill_attention(q, keys, values, batch.slot, batch.start)
@@ -264,7 +264,7 @@ class GatedDeltaNet(nn.Module):
         mixed_out, _, _ = kernels.causal_conv(mixed, conv_state, weight, [])
         inputs = torch.cat([conv_state, mixed.transpose(0, 1)], dim=1)  # [C, K-1+T]: state after n tokens at [n, n+K-1)
         width = conv_state.shape[1]
-        conv_slots.index_copy_(0, batch.slot, inputs.index_select(1, batch.meta[2] + batch.arange[:width])[None])
+        conv_slots.index_copy_(0, batch.slot, inputs.index_select(1, batch.count + batch.arange[:width])[None])
         q, k, v = self._split(mixed_out)
         out, rec, _ = kernels.chunk_gated_delta_rule(q, k, v, g, beta, rec_slots[batch.slot][0], [])
         rec_slots.index_copy_(0, batch.slot, rec[None])

@@ -160,8 +160,9 @@ class Runner:
             hidden, _ = self.model(ids, SlotBatch(self.buffers, index, pos), self.kernels)
             return self.model.logits(hidden)
         meta, ids = self.prefill_inputs[:3], self.prefill_inputs[3 : 3 + rows]
-        hidden, _ = self.model(ids, SlotPrefill(self.buffers, meta, self.arange[:rows]), self.kernels)
-        return self.model.logits(hidden.index_select(0, meta[2:3] - 1))
+        batch = SlotPrefill(self.buffers, meta, self.arange[:rows])
+        hidden, _ = self.model(ids, batch, self.kernels)
+        return self.model.logits(hidden.index_select(0, batch.count - 1))
 
     def _graph(self, kind: str, rows: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         if (kind, rows) not in self.graphs:  # captured on the scratch slot
