@@ -35,7 +35,8 @@ from typing import Any
 import httpx
 import msgspec
 
-from adapters.replay import is_output_delta, parse_server_timing, sse_data, stream_error
+from adapters.replay import is_output_delta, sse_data, stream_error
+from adapters.replay import send as replay_send
 from adapters.replay_report import percentile
 from adapters.trace import Trace, TraceRequest
 from gateway.plan import forced_message
@@ -117,7 +118,8 @@ def plan_sessions(traces: list[Trace], k: int, renderer: Renderer) -> list[Sessi
     """K sessions over `traces` in turn; every reuse of a trace gets a nonce of its own."""
     if not traces:
         raise ValueError("no chat traces to replay")
-    lengths = [[answer_tokens(r, renderer) for r in t.requests] for t in traces]  # a nonce never changes an answer
+    # a nonce never changes an answer
+    lengths = [[answer_tokens(r, renderer) for r in t.requests] for t in traces]
     sessions = []
     for number in range(k):
         trace = traces[number % len(traces)]
@@ -139,12 +141,13 @@ class Streamed(msgspec.Struct):
     headers: dict[str, str]
 
 
-def stream_chat(client: httpx.Client, url: str, body: dict[str, Any]) -> Streamed:
-    """POST a streaming chat request; the time to the first output delta and to the end."""
+def stream_chat(client: httpx.Client, body: dict[str, Any]) -> Streamed:
+    """POST a streaming chat request (to the client's base URL); the time to the first output
+    delta and to the end, and every event (llama-server's `timings` come in the last)."""
     started = time.perf_counter()
     first: float | None = None
     events = []
-    with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(
                 f"HTTP {response.status_code}: {response.read().decode(errors='replace')[:300]}"
@@ -177,32 +180,30 @@ def stream_body(request: TraceRequest, n: int, model: str) -> dict[str, Any]:
     }
 
 
-Sender = Callable[
-    [httpx.Client, str, TraceRequest, int], dict[str, Any]
-]  # -> Turn fields after answer_tokens
+Sender = Callable[[httpx.Client, TraceRequest, int], dict[str, Any]]  # -> Turn fields after answer_tokens
 
 
-def ft_send(client: httpx.Client, url: str, request: TraceRequest, n: int) -> dict[str, Any]:
-    """Ours: the recorded answer teacher-forced, streamed."""
-    body = {**stream_body(request, n, "ft"), "ft_forced_output": request.output.to_forced()}
-    s = stream_chat(client, url, body)
-    processed, reused = int(s.headers["x-prefill-tokens"]), int(s.headers["x-cached-tokens"])
+def ft_send(client: httpx.Client, request: TraceRequest, n: int) -> dict[str, Any]:
+    """Ours: the recorded answer teacher-forced, streamed (the replay's own client, `replay.send`)."""
+    m = replay_send(
+        client, msgspec.structs.replace(request, body={**request.body, "model": "ft", "max_tokens": n})
+    )
     return dict(
-        ttft_ms=s.ttft_ms,
-        total_ms=s.total_ms,
-        server_ms=float(s.headers["x-server-ttft-ms"]),
-        prompt_tokens=processed + reused,
-        processed=processed,
-        reused=reused,
-        output_tokens=usage_of(s.events).get("completion_tokens", 0),
-        phases=parse_server_timing(s.headers.get("server-timing", "")),
+        ttft_ms=m.client_ttft_ms,
+        total_ms=m.total_ms,
+        server_ms=m.server_ttft_ms,
+        prompt_tokens=m.prefilled + m.cached,
+        processed=m.prefilled,
+        reused=m.cached,
+        output_tokens=m.output_tokens,
+        phases=m.server_timing,
     )
 
 
-def llama_send(client: httpx.Client, url: str, request: TraceRequest, n: int) -> dict[str, Any]:
+def llama_send(client: httpx.Client, request: TraceRequest, n: int) -> dict[str, Any]:
     """llama-server: `n` tokens decoded whatever they are (`ignore_eos`), its prompt cache on."""
     body = {**stream_body(request, n, "peer"), "temperature": 0, "ignore_eos": True, "cache_prompt": True}
-    s = stream_chat(client, url, body)
+    s = stream_chat(client, body)
     t = next((e["timings"] for e in reversed(s.events) if e.get("timings")), None)
     if t is None:
         raise RuntimeError("llama-server sent no timings")
@@ -230,13 +231,13 @@ def run_sessions(
 
     def one(session: Session) -> list[Turn]:
         turns = []
-        with httpx.Client(timeout=3600) as client:
+        with httpx.Client(base_url=url, timeout=3600) as client:
             start.wait()
             for i, (request, n) in enumerate(zip(session.requests, session.answer_tokens, strict=True)):
                 if i:
                     time.sleep(tool_gap)
                 sent = 1000 * (time.perf_counter() - t0)
-                fields = send(client, url, request, n)
+                fields = send(client, request, n)
                 turns.append(
                     Turn(session.number, i, request.after_tool_result, sent, answer_tokens=n, **fields)
                 )
@@ -248,8 +249,6 @@ def run_sessions(
         start.wait()
         turns = [t for f in futures for t in f.result()]
     return turns, time.perf_counter() - t0
-
-
 
 
 def summarise_run(turns: list[Turn], wall_s: float) -> RunSummary:

@@ -64,9 +64,9 @@ def test_two_sessions_at_once(server, trace):
 
     both_in_flight = threading.Barrier(2, timeout=120)
 
-    def send(client, url, request, n):  # each request waits for the other session's: both run at once
+    def send(client, request, n):  # each request waits for the other session's: both run at once
         both_in_flight.wait()
-        return ft_send(client, url, request, n)
+        return ft_send(client, request, n)
 
     turns, wall = run_sessions(server.url, sessions, send, GAP)
 
