@@ -138,7 +138,6 @@ class Streamed(msgspec.Struct):
     ttft_ms: float
     total_ms: float
     events: list[dict[str, Any]]
-    headers: dict[str, str]
 
 
 def stream_chat(client: httpx.Client, body: dict[str, Any]) -> Streamed:
@@ -158,9 +157,8 @@ def stream_chat(client: httpx.Client, body: dict[str, Any]) -> Streamed:
             if (message := stream_error("chat", event)) is not None:
                 raise RuntimeError(f"stream error: {message}")
             events.append(event)
-        headers = dict(response.headers)
     ended = time.perf_counter()
-    return Streamed(1000 * ((first or ended) - started), 1000 * (ended - started), events, headers)
+    return Streamed(1000 * ((first or ended) - started), 1000 * (ended - started), events)
 
 
 def usage_of(events: list[dict[str, Any]]) -> dict[str, Any]:
