@@ -291,11 +291,13 @@ class ExpertCache:
         out = torch.zeros(x.shape, dtype=torch.float32)
         for expert in ids.unique().tolist():
             rows = (ids == expert).nonzero()[:, 0]
-            gate_up, down = (
-                dense(w)[0] for w in self.assemble(tuple(p[expert : expert + 1] for p in self.host))
-            )
-            out[rows] = host_experts(x[rows], weights[rows], gate_up, down)
+            out[rows] = host_experts(x[rows], weights[rows], *self.host_weights(expert))
         return out
+
+    def host_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert's (gate_up [2I, H], down [H, I]) from its host copy, quantized ones dequantized."""
+        gate_up, down = self.assemble(tuple(p[expert : expert + 1] for p in self.host))
+        return dense(gate_up)[0], dense(down)[0]
 
     def hold_all(self) -> None:
         """Copy every expert in once, for good (there are as many slots as experts)."""

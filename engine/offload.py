@@ -232,7 +232,7 @@ def measure_link(cache: ExpertCache, repeat: int = 5) -> Link:
             dst.copy_(src[0], non_blocking=True)
         sync()
 
-    gate_up, down = (w[0] for w in cache.assemble(tuple(p[:1] for p in cache.host)))
+    gate_up, down = cache.host_weights(0)
     x = torch.randn(16, gate_up.shape[1], dtype=torch.float32)
     ones = torch.ones(16)
     one = median(lambda: host_experts(x[:1], ones[:1], gate_up, down))
