@@ -104,14 +104,8 @@ def request_of(protocol: str, history: list[tuple[str, str]], max_tokens: int) -
 class Session(threading.Thread):
     def __init__(self, index: int, url: str, until: float, report: Report, lock: threading.Lock, args):
         super().__init__(name=f"session-{index}", daemon=True)
-        self.index, self.url, self.until, self.report, self.lock, self.args = (
-            index,
-            url,
-            until,
-            report,
-            lock,
-            args,
-        )
+        self.index, self.url, self.until = index, url, until
+        self.report, self.lock, self.args = report, lock, args
         self.protocol = PROTOCOLS[index % len(PROTOCOLS)]
 
     def run(self) -> None:
@@ -168,8 +162,10 @@ class Session(threading.Thread):
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    return serve_process(["--preset", args.preset, "--ram-cache", str(args.ram_cache), "--max-running", str(args.max_running)],
-                         timeout=300)
+    return serve_process(
+        ["--preset", args.preset, "--ram-cache", str(args.ram_cache), "--max-running", str(args.max_running)],
+        timeout=300,
+    )
 
 
 def run(args) -> dict:
