@@ -110,7 +110,7 @@ def dense_bytes(model: HybridForCausalLM) -> int:
     storages = {
         t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
         for name, t in named
-        if not name.endswith(EXPERT_PARAMS) and not any(f"{e}." in name for e in EXPERT_PARAMS)  # a quantized stack's parts
+        if not any(e in name for e in EXPERT_PARAMS)  # the stacks, or a quantized stack's parts
     }
     return sum(storages.values())
 
