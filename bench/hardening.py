@@ -31,6 +31,7 @@ import httpx
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/engine.py would shadow the engine package
 
 from adapters.replay import http_wait_idle  # noqa: E402
+from bench.load import rss_mib  # noqa: E402
 from gateway.embedded import serve_process  # noqa: E402
 
 MiB = 1 << 20
@@ -49,10 +50,7 @@ class Server:
         self.peak_mib = 0.0
 
     def rss_mib(self) -> float:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-        return 0.0
+        return rss_mib(self.proc.pid)
 
     def generated(self) -> int:
         for line in httpx.get(self.url + "/metrics").text.splitlines():
