@@ -534,6 +534,9 @@ def grouped(
     len(order) / BM + min(len(order), E) tiles (decode: a few, not one per expert), the empty ones
     return at once (no host sync)."""
     num_experts, n, k = w.shape
+    if order.numel() > DEQUANT_ROWS and x.dtype == torch.bfloat16:  # before the tiles: this path has none
+        grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
+        return grouped_mm(x[order // top_k], dequantize_to(w, x.dtype).transpose(1, 2), offs=offs)
     bm = 32
     ends = offs.long()
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
@@ -547,9 +550,6 @@ def grouped(
     tile_end = torch.minimum(tile_start + bm, ends[expert])
     tile_end = torch.where(t < last[-1], tile_end, tile_start)  # past the last tile: empty
     expert, tile_start, tile_end = (v.to(torch.int32) for v in (expert, tile_start, tile_end))
-    if order.numel() > DEQUANT_ROWS and x.dtype == torch.bfloat16:
-        grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
-        return grouped_mm(x[order // top_k], dequantize_to(w, x.dtype).transpose(1, 2), offs=offs)
     rows = (order // top_k).to(torch.int32)
     out = torch.empty(order.numel(), n, dtype=x.dtype, device=x.device)
     return _launch_gemm(x.contiguous(), w, rows, expert, tile_start, tile_end, n, k, out, bm)
