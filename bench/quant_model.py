@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/engine.py would shadow the `engine` package
 
 import torch  # noqa: E402
 
+from bench.gpu import wall  # noqa: E402
 from engine import Engine  # noqa: E402
 from engine.gguf_file import read_gguf  # noqa: E402
 
@@ -32,23 +32,15 @@ def preset_file(preset: str, out: Path) -> Path:
     return write_kquant_gguf(config, raw, state_dict, out)
 
 
-def timed(fn) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
 def measure(engine: Engine, prompt: list[int], steps: int) -> dict:
     engine.warmup(1)
     engine.prefill(engine.new_state(), prompt)  # kernels tuned for this length
-    prefill_s = timed(lambda: engine.prefill(engine.new_state(), prompt))
+    prefill_s = wall(lambda: engine.prefill(engine.new_state(), prompt))
     state = engine.new_state()
     logits = engine.prefill(state, prompt).logits
     tokens = [1000 + i for i in range(steps)]
     engine.feed(state, tokens[:4])
-    decode_s = timed(lambda: engine.feed(state, tokens[4:]))
+    decode_s = wall(lambda: engine.feed(state, tokens[4:]))
     return {"weights_bytes": engine.memory()["weights"], "prefill_tok_s": len(prompt) / prefill_s,
             "decode_tok_s": (steps - 4) / decode_s, "logits": logits.float().cpu()}  # fmt: skip
 
