@@ -283,7 +283,7 @@ class ExpertOffload:
         self.stats.phase = name
         self.stats.tokens[name] += tokens
         self.stats.forwards[name] += 1
-        stream = tokens >= self.policy.stream_tokens and self.plan.slots < self.config.num_experts
+        stream = tokens >= self.policy.stream_tokens and not self.holds_all
         for cache in self.caches.values():
             cache.prefetch_next = cache.slots // 2 if stream else 0
             cache.cpu_rows, cache.costs = (0, None) if stream else (self.policy.cpu_rows, self.policy.costs)
