@@ -10,18 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from engine.offload import GiB, dense_bytes, plan
-from engine.runner import starting_capacity
+from tests.engine.test_offload import budget_gib
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "offload.py"
 
 
 @pytest.mark.slow  # about 50 s on 2 cores: a child process, a load, a warm-up and two replays
 def test_bench_smoke_run_on_the_cpu(tiny, tmp_path, ft_home):
-    p = plan(
-        tiny.config, dense_bytes(tiny.model), 1 << 50, tiny.dtype, 1, starting_capacity(tiny.device), 4096
-    )
-    budget = (p.budget_for(4) + p.expert_bytes // 2) / GiB  # 4 of 8 experts per layer
+    budget = budget_gib(tiny, 4, max_running=1)  # 4 of 8 experts per layer
     out = tmp_path / "offload.json"
     argv = [
         sys.executable,
