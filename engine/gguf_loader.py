@@ -266,14 +266,10 @@ def from_gguf_packed(c: ModelConfig, layer: int, tensors: dict[str, Any], dtype:
         if isinstance(w, torch.Tensor):
             probes[key] = w
             continue
-        rows = torch.arange(w.shape[-2], dtype=torch.int64) + _index(sources, w) * PROBE
+        rows = torch.arange(w.shape[-2], dtype=torch.int64) + sources.index(w) * PROBE
         probes[key] = rows.view(-1, 1).expand(*w.shape[:-2], -1, 1)
     out = from_gguf(c, layer, probes)
     return {name: resolve(t, sources, dtype) if t.dtype == torch.int64 else t for name, t in out.items()} | extra
-
-
-def _index(sources: list, w: Any) -> int:
-    return next(i for i, s in enumerate(sources) if s is w)
 
 
 def _dense(w: Any) -> torch.Tensor:
