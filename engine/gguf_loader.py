@@ -224,7 +224,9 @@ def packed(model: GGUFModel, name: str, dtype: torch.dtype) -> Any:
         return tensor(model, name)
     from engine.ops.gpu.quant import pack_ggml  # noqa: PLC0415 (Triton: only for kept weights)
 
-    raw = as_bytes(model.files[name].tensor_bytes(t)).clone().reshape(*t.shape[:-1], -1)  # off the mapped file
+    raw = (
+        as_bytes(model.files[name].tensor_bytes(t)).clone().reshape(*t.shape[:-1], -1)
+    )  # off the mapped file
     return pack_ggml(raw, t.tensor_type, tuple(t.shape), dtype)
 
 
@@ -238,7 +240,9 @@ def tiled_columns(c: ModelConfig) -> torch.Tensor | None:
     return torch.argsort(ours)  # ours[j]: the file's column of our column j
 
 
-def from_gguf_packed(c: ModelConfig, layer: int, tensors: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+def from_gguf_packed(
+    c: ModelConfig, layer: int, tensors: dict[str, Any], dtype: torch.dtype
+) -> dict[str, Any]:
     """`from_gguf` for a block some of whose tensors are `QuantWeight`s. Their transforms move rows
     (head reorders, the experts' gate ‖ up, Qwen3-Next's q, k, v, z merge) but for Qwen3.5's
     `ssm_out`, whose columns are reordered (kept with `tiled_columns`), so each other packed
@@ -269,7 +273,9 @@ def from_gguf_packed(c: ModelConfig, layer: int, tensors: dict[str, Any], dtype:
         rows = torch.arange(w.shape[-2], dtype=torch.int64) + sources.index(w) * PROBE
         probes[key] = rows.view(-1, 1).expand(*w.shape[:-2], -1, 1)
     out = from_gguf(c, layer, probes)
-    return {name: resolve(t, sources, dtype) if t.dtype == torch.int64 else t for name, t in out.items()} | extra
+    return {
+        name: resolve(t, sources, dtype) if t.dtype == torch.int64 else t for name, t in out.items()
+    } | extra
 
 
 def _dense(w: Any) -> torch.Tensor:
@@ -284,7 +290,9 @@ def resolve(probe: torch.Tensor, sources: list, dtype: torch.dtype) -> Any:
     rows = probe.reshape(-1, probe.shape[-2])[0]  # the same rows in every expert
     used = sorted(set((rows // PROBE).tolist()))
     weights = [sources[i] for i in used]
-    offsets = dict(zip(used, torch.tensor([0] + [w.shape[-2] for w in weights]).cumsum(0).tolist(), strict=False))
+    offsets = dict(
+        zip(used, torch.tensor([0] + [w.shape[-2] for w in weights]).cumsum(0).tolist(), strict=False)
+    )
     index = torch.tensor([offsets[int(s)] for s in rows // PROBE]) + rows % PROBE
     if not quant.can_concat(weights):
         return torch.cat([w.dequantize() for w in weights], dim=-2).index_select(-2, index)
@@ -322,7 +330,10 @@ def read_gguf_state_dict(
                 ours[experts[0]], ours[experts[1]] = one_way(ours[experts[0]], ours[experts[1]])
         else:
             ours = from_gguf(config, layer, {key: tensor(model, name) for name, key in keys.items()})
-        out |= {k: aligned(v.to(dtype).contiguous()) if isinstance(v, torch.Tensor) else v for k, v in ours.items()}
+        out |= {
+            k: aligned(v.to(dtype).contiguous()) if isinstance(v, torch.Tensor) else v
+            for k, v in ours.items()
+        }
     return out
 
 
