@@ -81,9 +81,14 @@ class InternalError(GatewayError):
         super().__init__(f"internal error ({type(cause).__name__})")
 
 
+def is_typed(exc: BaseException) -> bool:
+    """Whether `exc` is one of the errors the handlers answer by type (anything else is a bug)."""
+    return isinstance(exc, GatewayError | BadRequest)
+
+
 def typed(exc: BaseException) -> BaseException:
     """`exc` as one of the gateway's typed errors (answered by the handlers, never re-raised)."""
-    if isinstance(exc, GatewayError | BadRequest):
+    if is_typed(exc):
         return exc
     error = InternalError(exc)
     error.__cause__ = exc

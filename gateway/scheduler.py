@@ -22,8 +22,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from engine import Engine, Feed
-from gateway.errors import ClientGone, GatewayError, Overloaded
-from gateway.protocols import BadRequest
+from gateway.errors import ClientGone, Overloaded, is_typed
 
 log = logging.getLogger("gateway.scheduler")
 BACKGROUND_STEP_TOKENS = 1024  # tokens per step of background work (precompute): bounds the wait of a new request
@@ -50,7 +49,7 @@ class Task:
         except StopIteration as done:
             self.future.set_result(done.value)
         except BaseException as exc:  # noqa: BLE001 (delivered to whoever awaits the task)
-            if not isinstance(exc, GatewayError | BadRequest):  # a bug: its client sees only a 500
+            if not is_typed(exc):  # a bug: its client sees only a 500
                 log.exception("task failed")
             self.future.set_exception(exc)
         self.feed = None
