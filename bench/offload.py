@@ -183,17 +183,19 @@ def run_budget(args) -> dict:
         per_token = out["decode_s"] / max(out["decode_steps"], 1)
         out["decode_tok_s_pcie4"] = 1 / project(per_token, out["decode_bytes_per_token"], link_bw, args.pcie)
     if args.device == "cuda":  # the plan covers the decode slots, not the KV that sequences keep on their own
-        out["peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
+        out["peak_reserved_bytes"] = offload.peak_reserved()
         out["within_budget"] = out["peak_reserved_bytes"] <= budget * (1 << 30)
     if args.traces:
         out["replay"] = replay(engine, args, budget)
         if args.device == "cuda":  # live sequences and restored states included
-            out["peak_reserved_replay_bytes"] = torch.cuda.max_memory_reserved()
+            out["peak_reserved_replay_bytes"] = offload.peak_reserved()
     return out
 
 
 def llama_side(args) -> dict:
     """llama-server with every layer's experts on the CPU, the same traces (chat ones)."""
+    import msgspec  # noqa: PLC0415
+
     from adapters.readers import read_trace  # noqa: PLC0415
     from adapters.replay import http_wait_idle  # noqa: PLC0415
     from peer.compare import llama_sample, summarise  # noqa: PLC0415
@@ -202,13 +204,19 @@ def llama_side(args) -> dict:
     from peer.llama_server import PEER_HOME, LlamaServer, build  # noqa: PLC0415
 
     materialise = args.device if os.environ.get("FT_MATERIALISE") == "1" else None
-    gguf = q4_k_m_file(args.preset) if args.q4_k_m else preset_gguf(args.preset, PEER_HOME / "models", args.gguf_dtype, materialise)
+    gguf = (
+        q4_k_m_file(args.preset)
+        if args.q4_k_m
+        else preset_gguf(args.preset, PEER_HOME / "models", args.gguf_dtype, materialise)
+    )
     cuda = args.device == "cuda"
     out = {}
     for path in args.traces:
         for trace in read_trace(path):
             if trace.protocol != "chat":
                 continue
+            if args.limit:  # the requests our side replays
+                trace = msgspec.structs.replace(trace, requests=trace.requests[: args.limit])
             server = LlamaServer(
                 gguf,
                 ctx_size=args.llama_ctx,
@@ -334,11 +342,16 @@ def tables(results: list[dict], llama: dict | None, console: Console) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="qwen3.6-35b-a3b")
-    p.add_argument("--q4-k-m", action="store_true",
-                   help="the preset's random Q4_K_M GGUF (peer.gguf_random, written once under .peer/models) "
-                        "instead of its bf16 weights: the experts offloaded in their packed form")
+    p.add_argument(
+        "--q4-k-m",
+        action="store_true",
+        help="the preset's random Q4_K_M GGUF (peer.gguf_random, written once under .peer/models) "
+        "instead of its bf16 weights: the experts offloaded in their packed form",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--budgets", default="8,12,24", help="GiB, comma-separated")
+    p.add_argument(
+        "--budgets", default="8,12,24", help="GiB, comma-separated ('' with --llama-server: its side only)"
+    )
     p.add_argument("--context", type=int, default=8192, help="prefill tokens")
     p.add_argument("--decode-steps", type=int, default=64)
     p.add_argument("--pcie", type=float, default=PCIE4_X16, help="bytes/s of the projected link")
@@ -364,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(run_budget(args), indent=2))
         return 0
     console = Console(width=200)
-    results = [child(args, budget) for budget in args.budgets.split(",")]
+    results = [child(args, budget) for budget in args.budgets.split(",") if budget]
     llama = llama_side(args) if args.llama_server else None
     tables(results, llama, console)
     meta = {

@@ -129,8 +129,22 @@ class Engine:
     def _make_room(self, slots: int, capacity: int) -> None:
         assert self.offload is not None
         self.offload.make_room(expert_offload.state_bytes(self.config, self.dtype, slots, capacity))
+        self._eager_if_fetching()
+
+    def _eager_if_fetching(self) -> None:
+        assert self.offload is not None
         if not self.offload.holds_all:  # experts are fetched from now on: no graph may hold a step
             self.runner.use_graph = self.slot_prefill = False
+
+    def _fit_budget(self, parts: Sequence[tuple[Feed, int]]) -> None:
+        """Under a memory budget on a GPU: room for a prefill forward (the workspace measured at
+        warm-up) and the KV its sequences grow by, taken from the expert slots if need be."""
+        if self.offload is None or self.device.type != "cuda":
+            return
+        growth = sum(cache.growth(count) for feed, count in parts for cache in feed.state.kv.values())
+        need = torch.cuda.memory_allocated(self.device) + self.offload.plan.workspace + growth
+        self.offload.fit(need, "the sequences' KV and a prefill chunk's workspace")
+        self._eager_if_fetching()
 
     def offload_stats(self) -> dict[str, int] | None:
         """The expert cache's counters (`OffloadStats.as_dict`), None without offload."""
@@ -188,6 +202,7 @@ class Engine:
         if not parts:
             return
         spans = [feed.span(count) for feed, count in parts]
+        self._fit_budget(parts)
         ids = torch.as_tensor([t for feed, count in parts for t in feed.next_ids(count)], dtype=torch.long, device=self.device)
         with self._phase("prefill", len(ids)):
             hidden, captures = self.model(ids, spans, self.kernels)  # [T, H]
@@ -329,7 +344,14 @@ class Engine:
         to `max_batch`, capture and restore copies) so that the first request does not pay for it."""
         self.runner.warmup(max_batch)
         if self.device.type == "cuda":  # kernels tuned per shape: one full prefill chunk as well
-            self.prefill(self.new_state(), [1000 + i % 50_000 for i in range(DEFAULT_CHUNK["cuda"])])
+            def chunk() -> None:
+                self.prefill(self.new_state(), [1000 + i % 50_000 for i in range(self.step_tokens)])
+
+            if self.offload is None:
+                chunk()
+            else:  # what it allocates is measured: the expert slots keep room for it within the budget
+                self.offload.calibrate_workspace(chunk)
+                self._eager_if_fetching()
         state = self.new_state()
         result = self.prefill(state, list(range(1000, 1160)), capture_at=[64, 160])
         list(self.generate(state, result.logits, SamplingParams(), forced=[11, 12, 13, 14]))

@@ -22,8 +22,12 @@ Decode with offload runs eagerly, never in a CUDA graph: which slots an expert s
 between steps (`ExpertCache.run` refuses to run under capture rather than read stale slots).
 Only a budget with a slot for every expert (`holds_all`) copies them in once and captures again.
 
-As decode slots grow (engine/runner.py doubles KV capacity), `make_room` shrinks the expert slots
-first, so the plan's total stays within the budget.
+How the budget holds on a GPU: the caching allocator is capped at it (`cap`: past it, it frees its
+cached blocks and retries, then raises rather than reserve more); warm-up measures what a full
+prefill chunk allocates (`calibrate_workspace`, giving up slots while it does not fit) and the plan
+keeps that much free; before each prefill forward, what the device holds plus that workspace plus
+the KV its sequences grow by must fit (`fit`), and as the decode slots grow (engine/runner.py
+doubles KV capacity) `make_room` does the same: the expert slots shrink first, never below top_k.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import contextlib
 import dataclasses
 import math
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -249,6 +254,8 @@ class ExpertOffload:
         order = [caches[i] for i in sorted(caches)]
         for cache, following in zip(order, [*order[1:], None], strict=True):
             cache.next = following
+        self.device = order[0].device
+        self.peak_before = 0  # peak reserved bytes before the calibration reset the allocator's peaks
         self.link: Link | None = None
         self.policy = Policy(Policy.coverage_tokens(config))
         if self.holds_all:  # the budget holds every expert: copied in once, then never chosen
@@ -305,19 +312,75 @@ class ExpertOffload:
         if states <= p.states:
             return
         rest = p.budget - p.dense - states - p.workspace
-        slots = min(p.slots, max(rest, 0) // (p.expert_bytes * p.layers))
+        self._shrink(
+            min(p.slots, max(rest, 0) // (p.expert_bytes * p.layers)), f"decode slots of {_size(states)}"
+        )
+        self.plan = dataclasses.replace(self.plan, states=states)
+
+    def fit(self, need: int, why: str) -> None:
+        """`need` bytes (what the device holds now plus what the next forward will allocate) must
+        stay within the budget: when they do not, every layer gives up as many expert slots as
+        cover the excess (`why` names the need in the error below top_k slots)."""
+        over = need - self.plan.budget
+        if over > 0:
+            per_slot = self.plan.expert_bytes * self.plan.layers
+            self._shrink(self.plan.slots - math.ceil(over / per_slot), why)
+
+    def _shrink(self, slots: int, why: str) -> None:
         if slots < self.config.num_experts_per_tok:
             raise BudgetError(
-                f"--gpu-memory {_size(p.budget)}: decode slots of {_size(states)} leave room for {slots} experts "
-                f"per layer, fewer than top_k = {self.config.num_experts_per_tok}"
+                f"--gpu-memory {_size(self.plan.budget)}: {why} leave room for {max(slots, 0)} experts per "
+                f"layer, fewer than top_k = {self.config.num_experts_per_tok}"
             )
-        if slots < p.slots:
-            for cache in self.caches.values():
-                cache.resize(slots)
-            first = next(iter(self.caches.values()))
-            if first.device.type == "cuda":
-                torch.cuda.empty_cache()  # the freed slots leave the reserved memory before the growth
-        self.plan = dataclasses.replace(p, states=states, slots=slots)
+        if slots >= self.plan.slots:
+            return
+        for cache in self.caches.values():
+            cache.resize(slots)
+        self.plan = dataclasses.replace(self.plan, slots=slots)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the freed slots leave the reserved memory before anything grows
+
+    def cap(self) -> None:
+        """Hold the CUDA caching allocator to the budget: past it, the allocator frees its cached
+        blocks and retries, then raises out-of-memory rather than reserve more (on a GPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(self.plan.budget / total, 1.0), self.device)
+            # lifted when this offload goes (a test may load other engines in the same process)
+            weakref.finalize(self, torch.cuda.set_per_process_memory_fraction, 1.0, self.device)
+
+    def calibrate_workspace(self, forward: Callable[[], None]) -> int:
+        """Cap the allocator at the budget (`cap`), then measure what one forward of a full chunk
+        allocates beyond what the device holds (`forward` runs it on a throwaway state): while it
+        runs out of memory, every layer gives up an eighth of its expert slots and it runs again. The plan's
+        workspace becomes the measured figure and the slots shrink to keep it; returns it. On the
+        CPU (no device memory to measure) the estimate stays."""
+        if self.device.type != "cuda":
+            return self.plan.workspace
+        self.cap()
+        while True:
+            torch.cuda.synchronize(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            self.peak_before = max(self.peak_before, torch.cuda.max_memory_reserved(self.device))
+            torch.cuda.reset_peak_memory_stats(self.device)
+            try:
+                forward()
+                torch.cuda.synchronize(self.device)
+                break
+            except torch.OutOfMemoryError:
+                self._shrink(
+                    self.plan.slots - max(1, self.plan.slots // 8), "a full prefill chunk's workspace"
+                )
+        workspace = torch.cuda.max_memory_allocated(self.device) - base
+        self.plan = dataclasses.replace(self.plan, workspace=workspace)
+        self.fit(base + workspace, f"a full prefill chunk's workspace ({_size(workspace)})")
+        return workspace
+
+    def peak_reserved(self) -> int:
+        """The process's peak reserved device memory (what the budget bounds), its part before
+        `calibrate_workspace` reset the allocator's peaks included."""
+        return max(self.peak_before, torch.cuda.max_memory_reserved(self.device))
 
     def reset_stats(self) -> None:
         """Zero the counters (the cache contents stay): after warm-up, so metrics count requests only."""

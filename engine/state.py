@@ -31,6 +31,14 @@ class KVCache:
         if capacity > self.k.shape[0]:
             self._grow(capacity)
 
+    def growth(self, tokens: int) -> int:
+        """Bytes a further append of `tokens` tokens allocates (a new buffer of each of K and V)."""
+        end = self.length + tokens
+        if end <= self.k.shape[0]:
+            return 0
+        per_token = self.k.shape[1] * self.k.shape[2] * self.k.element_size()
+        return 2 * max(end, 2 * self.k.shape[0], 256) * per_token
+
     def slice(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[start:end], self.v[start:end]
 

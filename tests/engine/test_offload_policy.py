@@ -16,6 +16,7 @@ from engine.offload import Link, OffloadStats, Policy, state_bytes
 from engine.ops.moe import experts_loop
 from engine.presets import preset_config
 from engine.runner import starting_capacity
+from engine.state import KVCache
 from tests.engine.test_offload import budget_gib
 
 TOL = 1e-5
@@ -205,6 +206,37 @@ def test_growth_beyond_the_budget_is_a_clear_error(preset_dirs, tiny):
     engine.prefill(state, _prompt(engine.runner.capacity - 10, 7))
     with pytest.raises(BudgetError, match="fewer than top_k = 2"):
         engine.feed(state, list(range(20)))
+
+
+def test_fit_gives_up_the_fewest_slots_that_cover_the_excess(preset_dirs, tiny):
+    """What a forward will need past the budget (measured on a GPU: live tensors, a chunk's
+    workspace, KV growth) comes out of the expert slots, the fewest that cover it; the logits stay
+    those without offload; a need that leaves fewer than top_k slots is a clear error."""
+    from engine.offload import BudgetError
+
+    engine = _load(preset_dirs, tiny, slots=8)
+    offload = engine.offload
+    per_slot = offload.plan.expert_bytes * offload.plan.layers
+    offload.fit(offload.plan.budget, "nothing over")  # exactly the budget: nothing given up
+    assert offload.plan.slots == 8
+    offload.fit(offload.plan.budget + 2 * per_slot + 1, "three slots' worth")
+    assert offload.plan.slots == 5 and offload.nbytes == 5 * per_slot
+    assert all(cache.slots == 5 for cache in offload.caches.values())
+    tokens = _prompt(200, 11)
+    want = tiny.prefill(tiny.new_state(), tokens).logits
+    torch.testing.assert_close(engine.prefill(engine.new_state(), tokens).logits, want, rtol=TOL, atol=TOL)
+    with pytest.raises(BudgetError, match="the KV of a long prompt leave room for 1 experts per layer"):
+        offload.fit(offload.plan.budget + 4 * per_slot, "the KV of a long prompt")
+    assert offload.plan.slots == 5  # refused before anything was freed
+
+
+def test_kv_growth_is_what_the_next_append_allocates():
+    cache = KVCache(2, 4, torch.float32, torch.device("cpu"))
+    per_token = 2 * 4 * 4
+    assert cache.growth(10) == 2 * 256 * per_token  # a first append: at least 256 tokens
+    cache.append(torch.zeros(10, 2, 4), torch.zeros(10, 2, 4))
+    assert cache.growth(246) == 0 and cache.growth(247) == 2 * 512 * per_token  # doubles
+    assert cache.growth(2000) == 2 * 2010 * per_token  # or takes what the append needs
 
 
 class DeferredLane(Lane):
