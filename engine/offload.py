@@ -345,10 +345,11 @@ class ExpertOffload:
         blocks and retries, then raises out-of-memory rather than reserve more (on a GPU)."""
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(self.plan.budget / total, 1.0), self.device)
+            index = torch.cuda.current_device() if self.device.index is None else self.device.index
+            total = torch.cuda.get_device_properties(index).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(self.plan.budget / total, 1.0), index)
             # lifted when this offload goes (a test may load other engines in the same process)
-            weakref.finalize(self, torch.cuda.set_per_process_memory_fraction, 1.0, self.device)
+            weakref.finalize(self, torch.cuda.set_per_process_memory_fraction, 1.0, index)
 
     def calibrate_workspace(self, forward: Callable[[], None]) -> int:
         """Cap the allocator at the budget (`cap`), then measure what one forward of a full chunk
