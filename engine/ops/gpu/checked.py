@@ -1,7 +1,9 @@
 """A fast kernel is used only after it has matched its plain-torch version once, on the first real
 inputs (outside any CUDA graph capture); on a mismatch or an error the plain version is kept and
 the reason logged. This keeps a new Triton kernel from silently corrupting results on a device or
-library version it was never run on."""
+library version it was never run on. Running out of memory is no verdict on the kernel: it is
+raised, unchecked, to the caller (under a memory budget, warm-up gives up expert slots and runs the
+forward again; engine/offload.py)."""
 
 from __future__ import annotations
 
@@ -20,13 +22,15 @@ class Checked:
 
     def __call__(self, *args):
         if self.verdict is None:
-            self.verdict = self._check(args)
+            self.verdict = self._check(args)  # out of memory: raised, still unchecked
         return (self.fast if self.verdict else self.slow)(*args)
 
     def _check(self, args) -> bool:
         try:
             got, want = _flat(self.fast(*args)), _flat(self.slow(*args))
             errors = [((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item() for a, b in zip(got, want, strict=True)]
+        except torch.OutOfMemoryError:
+            raise
         except Exception as exc:  # noqa: BLE001
             log.warning("%s: fast kernel failed (%s); using the torch version", self.name, exc)
             return False
