@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from engine.loader import dense
+
 if TYPE_CHECKING:
     from engine.offload import OffloadStats
 
@@ -69,11 +71,6 @@ class Lane:
         compute = torch.cuda.current_stream(self.device)
         for event in {id(e): e for e in events if e is not None}.values():  # a group's copies share one
             compute.wait_event(event)
-
-
-def dense(w: Any) -> torch.Tensor:
-    """A stack as a plain tensor (quantized stacks dequantized: the host path's weights)."""
-    return w.dequantize() if hasattr(w, "dequantize") else w
 
 
 def host_experts(
@@ -297,7 +294,7 @@ class ExpertCache:
     def host_weights(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One expert's (gate_up [2I, H], down [H, I]) from its host copy, quantized ones dequantized."""
         gate_up, down = self.assemble(tuple(p[expert : expert + 1] for p in self.host))
-        return dense(gate_up)[0], dense(down)[0]
+        return dense(gate_up, torch.float32)[0], dense(down, torch.float32)[0]
 
     def hold_all(self) -> None:
         """Copy every expert in once, for good (there are as many slots as experts)."""

@@ -32,7 +32,7 @@ from engine.gguf_layout import (
     from_gguf_global,
     permute_value_heads,
 )
-from engine.loader import CheckpointError, aligned, build_model, fingerprint, one_way, place
+from engine.loader import CheckpointError, aligned, build_model, dense, fingerprint, one_way, place
 from engine.model import HybridForCausalLM
 from engine.quant.ggml import SUPPORTED, T, as_bytes, dequantize
 
@@ -263,7 +263,7 @@ def from_gguf_packed(
         if any(not isinstance(tensors[k], torch.Tensor) for k in present) and any(
             isinstance(tensors[k], torch.Tensor) for k in present
         ):
-            tensors.update({k: _dense(tensors[k]) for k in present})
+            tensors.update({k: dense(tensors[k], torch.float32) for k in present})
     sources = [w for w in tensors.values() if not isinstance(w, torch.Tensor)]
     probes = {}
     for key, w in tensors.items():
@@ -276,10 +276,6 @@ def from_gguf_packed(
     return {
         name: resolve(t, sources, dtype) if t.dtype == torch.int64 else t for name, t in out.items()
     } | extra
-
-
-def _dense(w: Any) -> torch.Tensor:
-    return w.dequantize() if not isinstance(w, torch.Tensor) else w
 
 
 def resolve(probe: torch.Tensor, sources: list, dtype: torch.dtype) -> Any:

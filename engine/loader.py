@@ -130,9 +130,9 @@ def one_way(gate_up, down) -> tuple:
     return gate_up, down
 
 
-def dense(w) -> torch.Tensor:
-    """A weight as a tensor: a `QuantWeight` dequantized to the dtype it stands for."""
-    return w if isinstance(w, torch.Tensor) else w.dequantize().to(w.dtype)
+def dense(w, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A weight as a tensor: a `QuantWeight` dequantized, to `dtype` (default: the dtype it stands for)."""
+    return w if isinstance(w, torch.Tensor) else w.dequantize().to(dtype or w.dtype)
 
 
 def cat_rows(weights: list) -> Any:
