@@ -4,7 +4,9 @@ An expert is a tuple of tensors (`parts`), each stacked on a leading expert dim:
 (gate_up [E, 2I, H], down [E, H, I]) or the field arrays of quantized stacks (`QuantWeight.parts`).
 The host keeps every expert ([E, ...] per part, pinned on CUDA), the device `slots` of them
 ([S, ...] per part); `assemble(parts)` turns stacks of parts back into what `moe_experts` takes
-(default: the bf16 pair itself; for quantized stacks, `QuantWeight`s over the same parts).
+(default: the bf16 pair itself; for quantized stacks, `QuantWeight`s over the same parts). What it
+returns must be views of the parts, not copies: the slots' weights are assembled once, when the
+slots are made, and every later copy into a slot shows through them.
 
 A forward's experts run in groups (`run`): those resident first (a hit is never evicted before
 its use), then the misses. When they all fit the slots they are one group and one call; otherwise
@@ -99,9 +101,8 @@ class ExpertCache:
         self.host, self.assemble, self.stats, self.lane = host, assemble, stats, lane
         self.device = device
         self.num_experts = host[0].shape[0]
-        self.parts = tuple(
-            torch.zeros((slots, *p.shape[1:]), dtype=p.dtype, device=device) for p in host
-        )  # [S, ...]
+        self.parts: Parts = ()  # [S, ...] each, and `weights`: what they assemble to (`_allocate`)
+        self._allocate(slots)
         self.expert_bytes = sum(p[0].nbytes for p in host)
         self.cpu_rows = 0  # misses routed to at most this many rows may be computed on the host
         self.costs: tuple[float, float, float] | None = None  # see `split`
@@ -139,7 +140,7 @@ class ExpertCache:
         (k = 1), summed in fp32. With every expert resident (`hold_all`) nothing is chosen or
         copied: no host sync, so a CUDA graph may hold the call."""
         if self.holds_all:
-            return moe_experts(x, weights, self.slot_table[ids], *self.assemble(self.parts))
+            return moe_experts(x, weights, self.slot_table[ids], *self.weights)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "offloaded experts cannot run inside a CUDA graph: the slots change between replays"
@@ -151,7 +152,7 @@ class ExpertCache:
         if not on_host and len(groups) == 1:
             self._load(groups[0], busy=[])
             self.lane.wait([self.copied[self.slot_of[e]] for e in groups[0]])
-            out = moe_experts(x, weights, self.slot_table[ids], *self.assemble(self.parts))
+            out = moe_experts(x, weights, self.slot_table[ids], *self.weights)
             self._read(groups[0])
             return out
         # assignments sorted by (group, expert): each group's rows are one range of `order`
@@ -186,7 +187,7 @@ class ExpertCache:
                 x[picked // top_k],
                 flat_w[picked, None],
                 self.slot_table[flat_ids[picked, None]],
-                *self.assemble(self.parts),
+                *self.weights,
             )
             self._read(group)
             out.index_add_(0, picked // top_k, y.float())
@@ -304,15 +305,21 @@ class ExpertCache:
         self.copied = [None] * self.slots
         self.holds_all = True
 
+    def _allocate(self, slots: int) -> None:
+        """`slots` empty slots, and the weights over them (assembled once: a quantized store's
+        `QuantWeight`s are modules, too costly to build in every layer's every step)."""
+        self.parts = tuple(
+            torch.zeros((slots, *p.shape[1:]), dtype=p.dtype, device=self.device) for p in self.host
+        )
+        self.weights = self.assemble(self.parts)
+
     def resize(self, slots: int) -> None:
         """`slots` empty slots instead of the current ones; the old slots' memory is freed first
         (after every copy into them), so the two never coexist."""
         self.holds_all = False
         self.lane.wait(self.copied)
-        self.parts = ()
-        self.parts = tuple(
-            torch.zeros((slots, *p.shape[1:]), dtype=p.dtype, device=self.device) for p in self.host
-        )
+        self.parts = self.weights = ()
+        self._allocate(slots)
         self.expert_in, self.slot_of = [-1] * slots, [-1] * self.num_experts
         self.slot_table.fill_(-1)
         self.last_used, self.copied, self.read = [0] * slots, [None] * slots, [None] * slots

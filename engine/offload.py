@@ -237,11 +237,11 @@ def measure_link(cache: ExpertCache, repeat: int = 5) -> Link:
             dst.copy_(src[0], non_blocking=True)
         sync()
 
-    gate_up, down = cache.host_weights(0)
-    x = torch.randn(16, gate_up.shape[1], dtype=torch.float32)
+    x = torch.randn(16, cache.host_weights(0)[0].shape[1], dtype=torch.float32)
     ones = torch.ones(16)
-    one = median(lambda: host_experts(x[:1], ones[:1], gate_up, down))
-    sixteen = median(lambda: host_experts(x, ones, gate_up, down))
+    # as the host path runs an expert: its weights fetched (a packed expert dequantized) every time
+    one = median(lambda: host_experts(x[:1], ones[:1], *cache.host_weights(0)))
+    sixteen = median(lambda: host_experts(x, ones, *cache.host_weights(0)))
     seconds = median(copy)
     return Link(cache.expert_bytes / max(seconds, 1e-9), one, max(sixteen - one, 0.0) / 15)
 

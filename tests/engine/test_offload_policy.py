@@ -147,17 +147,30 @@ def test_host_rows_only_for_misses_with_few_rows():
 
 
 def test_experts_as_any_tuple_of_parts():
-    """Gate, up and down as three parts, assembled into the pair `moe_experts` takes (as quantized
-    stacks' field arrays are assembled into `QuantWeight`s)."""
+    """Gate, up and down as three parts, assembled into what `moe_experts` takes (as quantized
+    stacks' field arrays are assembled into `QuantWeight`s: views of the slots, assembled once)."""
     torch.manual_seed(5)
     gate, up, down = torch.randn(8, 8, 8), torch.randn(8, 8, 8), torch.randn(8, 8, 8)
+
+    class GateUp:  # over its parts as a `QuantWeight` is over its field arrays
+        dtype = torch.float32
+
+        def __init__(self, gate: torch.Tensor, up: torch.Tensor):
+            self.gate, self.up = gate, up
+
+        def dequantize(self) -> torch.Tensor:
+            return torch.cat([self.gate, self.up], dim=1)
+
+    def split_experts(x, weights, ids, gate_up: GateUp, down):
+        return experts_loop(x, weights, ids, gate_up.dequantize(), down)
+
     cache = ExpertCache(
         (gate, up, down),
         3,
         torch.device("cpu"),
         OffloadStats(),
         Lane(torch.device("cpu")),
-        assemble=lambda p: (torch.cat([p[0], p[1]], dim=1), p[2]),
+        assemble=lambda p: (GateUp(p[0], p[1]), p[2]),
     )
     assert cache.expert_bytes == 3 * 8 * 8 * 4
     cache.cpu_rows = 1
@@ -165,7 +178,7 @@ def test_experts_as_any_tuple_of_parts():
     ids = torch.stack([torch.randperm(7)[:2] for _ in range(30)])
     ids[0, 0] = 7  # expert 7 on one row only: on the host
     want = experts_loop(x, weights, ids, torch.cat([gate, up], dim=1), down)
-    torch.testing.assert_close(cache.run(x, weights, ids, experts_loop), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache.run(x, weights, ids, split_experts), want, rtol=1e-5, atol=1e-5)
     assert cache.stats.on_host == 1
 
 
