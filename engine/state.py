@@ -20,7 +20,7 @@ class KVCache:
         """Add [T, Hkv, D] keys/values; returns views of all keys/values so far."""
         end = self.length + k.shape[0]
         if end > self.k.shape[0]:
-            self._grow(max(end, 2 * self.k.shape[0], 256))
+            self._grow(self._capacity_for(end))
         self.k[self.length : end] = k
         self.v[self.length : end] = v
         self.length = end
@@ -36,8 +36,11 @@ class KVCache:
         end = self.length + tokens
         if end <= self.k.shape[0]:
             return 0
-        per_token = self.k.shape[1] * self.k.shape[2] * self.k.element_size()
-        return 2 * max(end, 2 * self.k.shape[0], 256) * per_token
+        return 2 * self._capacity_for(end) * self.k.shape[1] * self.k.shape[2] * self.k.element_size()
+
+    def _capacity_for(self, end: int) -> int:
+        """The buffer's next size when `end` tokens outgrow it: doubled, at least 256 tokens."""
+        return max(end, 2 * self.k.shape[0], 256)
 
     def slice(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[start:end], self.v[start:end]
