@@ -141,11 +141,22 @@ def replay(engine, args, budget: float) -> dict:
 
 
 def run_budget(args) -> dict:
-    """One budget in this process (the child)."""
+    """One budget in this process (the child). Each stage's figures go to `args.json` as soon as
+    they are measured (and a line to stdout), so a child stopped part-way still leaves them."""
     from engine import Engine  # noqa: PLC0415
     from engine.offload import BudgetError  # noqa: PLC0415
 
     budget = float(args.budgets)
+    out: dict = {"budget_gib": budget, "stages": []}
+
+    def done(stage: str, started: float, **figures) -> None:
+        seconds = time.perf_counter() - started
+        out.update(figures)
+        out["stages"].append({"stage": stage, "s": round(seconds, 3)})
+        Path(args.json).write_text(json.dumps(out, indent=2))
+        shown = ", ".join(f"{k} {v:,.1f}" for k, v in figures.items() if isinstance(v, float))
+        print(f"{budget:g} GiB: {stage} in {seconds:.1f} s{': ' + shown if shown else ''}", flush=True)
+
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
@@ -156,28 +167,28 @@ def run_budget(args) -> dict:
             engine = Engine.from_preset(args.preset, device=args.device, gpu_memory_gib=budget, max_running=1)
     except BudgetError as exc:  # a row saying why (e.g. bf16 experts at 8 GiB: try FT_PREFILL_CHUNK=4096)
         return {"budget_gib": budget, "error": str(exc)}
-    load_s = time.perf_counter() - started
+    done("load", started, load_s=time.perf_counter() - started)
+    started = time.perf_counter()
     engine.warmup(max_batch=1)
     offload = engine.offload
     link = offload.link
     link_bw = link.h2d_bytes_per_s if link is not None else float("nan")
-    out = {
-        "budget_gib": budget,
-        "load_s": load_s,
-        "plan": {
-            k: getattr(offload.plan, k) for k in ("dense", "states", "workspace", "expert_bytes", "slots")
-        },
-        "experts": engine.config.num_experts,
-        "policy": {"stream_tokens": offload.policy.stream_tokens, "cpu_rows": offload.policy.cpu_rows},
-        "link": None
+    done(
+        "warm-up",
+        started,
+        plan={k: getattr(offload.plan, k) for k in ("dense", "states", "workspace", "expert_bytes", "slots")},
+        experts=engine.config.num_experts,
+        policy={"stream_tokens": offload.policy.stream_tokens, "cpu_rows": offload.policy.cpu_rows},
+        link=None
         if link is None
         else {
             "h2d_bytes_per_s": link.h2d_bytes_per_s,
             "host_expert_s": link.host_expert_s,
             "host_row_s": link.host_row_s,
         },
-        **measure(engine, args.device, args.context, args.decode_steps),
-    }
+    )
+    started = time.perf_counter()
+    done("prefill and decode", started, **measure(engine, args.device, args.context, args.decode_steps))
     if link is not None:
         out["prefill_s_pcie4"] = project(out["prefill_s"], out["prefill_bytes"], link_bw, args.pcie)
         per_token = out["decode_s"] / max(out["decode_steps"], 1)
@@ -186,7 +197,8 @@ def run_budget(args) -> dict:
         out["peak_reserved_bytes"] = offload.peak_reserved()
         out["within_budget"] = out["peak_reserved_bytes"] <= budget * (1 << 30)
     if args.traces:
-        out["replay"] = replay(engine, args, budget)
+        started = time.perf_counter()
+        done("replay", started, replay=replay(engine, args, budget))
         if args.device == "cuda":  # live sequences and restored states included
             out["peak_reserved_replay_bytes"] = offload.peak_reserved()
     return out
@@ -246,13 +258,12 @@ def child(args, budget: str) -> dict:
     argv += ["--traces", *args.traces] if args.traces else ["--no-replay"]
     argv += ["--q4-k-m"] if args.q4_k_m else []
     code = subprocess.run(argv).returncode
-    if code != 0 or not out.exists():  # a crash (out of memory, a kernel failure) is a row, not the end
-        return {
-            "budget_gib": float(budget),
-            "error": f"the child process exited with {code} (its output above)",
-        }
-    result = json.loads(out.read_text())
-    out.unlink()
+    result = json.loads(out.read_text()) if out.exists() else {"budget_gib": float(budget)}
+    out.unlink(missing_ok=True)
+    if code != 0:  # a crash (out of memory, a kernel failure) is a row, not the end; what it measured stays
+        stages = [s["stage"] for s in result.get("stages", [])]
+        after = f" after {', '.join(stages)}" if stages else ""
+        result["error"] = f"the child process exited with {code}{after} (its output above)"
     return result
 
 
@@ -286,6 +297,7 @@ def tables(results: list[dict], llama: dict | None, console: Console) -> None:
     for r in results:
         if "error" in r:
             console.print(f"[bold]{r['budget_gib']:g} GiB[/]: {r['error']}")
+        if "prefill_tok_s" not in r:  # stopped before its figures
             continue
         link = r["link"]["h2d_bytes_per_s"] / 1e9 if r.get("link") else None
         t.add_row(
