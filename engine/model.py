@@ -13,7 +13,6 @@ from torch import nn
 from engine.batch import Batch, SlotBatch, SlotPrefill, Span, Spans
 from engine.config import ModelConfig
 from engine.ops import Kernels, moe_experts_quantized
-from engine.ops.moe import route
 from engine.ops.rope import apply_rope, rope_cos_sin
 
 if TYPE_CHECKING:
@@ -336,7 +335,7 @@ class SparseMoe(nn.Module):
         c = self.c
         splits = [c.num_experts, c.shared_expert_intermediate_size, c.shared_expert_intermediate_size, 1]
         router, gate, up, shared_gate = matmul(x, self.in_proj).split(splits, dim=-1)
-        weights, ids = route(router, c.num_experts_per_tok, c.norm_topk_prob, x.dtype)
+        weights, ids = kernels.route(router, c.num_experts_per_tok, c.norm_topk_prob, x.dtype)
         run = partial(routed_experts, kernels)
         if self.offload is not None:  # the stacks of its device slots, whichever kind they are
             routed = self.offload.run(x, weights, ids, run)

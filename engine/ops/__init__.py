@@ -23,6 +23,7 @@ class Kernels:
     decode_conv: Callable = conv.decode_conv  # one token of each of B sequences
     decode_gated_delta_rule: Callable = deltanet.decode_gated_delta_rule
     moe_experts: Callable = moe.experts_loop
+    route: Callable = moe.route  # router logits -> (weights, expert ids) of the top k
     add_rms_norm: Callable = norm.add_rms_norm  # (x + residual, its norm): the residual add fused in
     gated_rms_norm: Callable = norm.gated_rms_norm
 

@@ -5,32 +5,19 @@ interpreter (TRITON_INTERPRET=1, numpy; slow, so the shapes are small); on a GPU
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 import torch
 
+from tests.engine.triton_interpreter import CUDA, RUNNABLE, in_this_process, run_interpreted
+
 pytest.importorskip("triton")
 gguf = pytest.importorskip("gguf")
-
-CUDA = torch.cuda.is_available()
-# Triton picks its interpreter when a function is decorated, its own library's at `import triton`:
-# without a GPU this file's tests run in a fresh process started with TRITON_INTERPRET=1.
-RUNNABLE = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
-in_this_process = pytest.mark.skipif(not RUNNABLE, reason="run in a fresh TRITON_INTERPRET=1 process")
 
 
 @pytest.mark.skipif(RUNNABLE, reason="this process runs the kernels itself")
 def test_kernels_in_triton_interpreter_process():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "600", __file__]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0 and " passed, 1 skipped in" in done.stdout, done.stdout[
-        -4000:
-    ]  # the skip: this test
+    run_interpreted(__file__)
 
 
 from engine.ops.gpu import quant  # noqa: E402

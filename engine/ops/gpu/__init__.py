@@ -40,6 +40,7 @@ KERNELS = GpuKernels(
     chunk_gated_delta_rule=deltanet.chunk_gated_delta_rule,
     decode_gated_delta_rule=deltanet.decode_gated_delta_rule,
     moe_experts=moe.experts_grouped,
+    route=moe.route,
     add_rms_norm=norm.add_rms_norm,
     gated_rms_norm=norm.gated_rms_norm,
 )

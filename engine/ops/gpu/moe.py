@@ -12,6 +12,7 @@ import triton.language as tl
 from engine.ops.gpu import quant
 from engine.ops.gpu.checked import Checked
 from engine.ops.moe import experts_loop
+from engine.ops.moe import route as reference_route
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 DECODE_ROWS = 32  # token x expert assignments up to which the Triton GEMV kernels run
@@ -134,3 +135,48 @@ def _experts_quantized_decode(x, weights, ids, gate_up, down) -> torch.Tensor:
 
 
 experts_decode = Checked("moe_decode", _experts_triton, _experts_gathered)
+
+
+@triton.jit
+def _route_kernel(L, W, IDS, E, stride, TOPK: tl.constexpr, RENORM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
+    """One token row: softmax over the experts, top-k by k rounds of arg-max, renormalised."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BE)
+    mask = cols < E
+    logits = tl.load(L + row * stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    p = tl.exp(logits - tl.max(logits, 0))
+    p = p / tl.sum(p, 0)
+    p = tl.where(mask, p, -1.0)  # below any probability: never picked
+    slots = tl.arange(0, BK)
+    values = tl.zeros([BK], dtype=tl.float32)
+    chosen = tl.zeros([BK], dtype=tl.int64)
+    for j in tl.static_range(TOPK):
+        best = tl.max(p, 0)
+        pick = tl.min(tl.where(p == best, cols, BE), 0)  # the lowest index among equals
+        values = tl.where(slots == j, best, values)
+        chosen = tl.where(slots == j, pick, chosen)
+        p = tl.where(cols == pick, -1.0, p)
+    if RENORM:
+        values = values / tl.sum(values, 0)
+    keep = slots < TOPK
+    tl.store(W + row * TOPK + slots, values.to(W.dtype.element_ty), mask=keep)
+    tl.store(IDS + row * TOPK + slots, chosen, mask=keep)
+
+
+def _route_triton(logits: torch.Tensor, top_k: int, renormalise: bool, dtype: torch.dtype):
+    """`engine.ops.moe.route` in one launch (the torch version: softmax, top-k's sort and
+    reductions, the renormalisation and the cast, ~6 kernels per layer)."""
+    rows, experts = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    weights = torch.empty(rows, top_k, dtype=dtype, device=logits.device)
+    ids = torch.empty(rows, top_k, dtype=torch.long, device=logits.device)
+    if rows:
+        _route_kernel[(rows,)](
+            logits, weights, ids, experts, logits.stride(0), TOPK=top_k, RENORM=renormalise,
+            BE=triton.next_power_of_2(experts), BK=triton.next_power_of_2(top_k),
+        )  # fmt: skip
+    return weights, ids
+
+
+route = Checked("route", _route_triton, reference_route)
