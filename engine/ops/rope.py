@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.ops.norm import rms_norm
+
 
 def rope_cos_sin(
     positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype
@@ -26,3 +28,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     rot, rest = x[..., :rd], x[..., rd:]
     rot = rot * cos[:, None, :] + _rotate_half(rot) * sin[:, None, :]
     return torch.cat([rot, rest], dim=-1)
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """A head's zero-centred RMSNorm (q_norm / k_norm), then the partial rotary embedding: x [T, H, D]."""
+    return apply_rope(rms_norm(x, weight, eps), cos, sin)

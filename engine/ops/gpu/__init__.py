@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from engine.ops import Kernels
 from engine.ops import deltanet as reference_deltanet
-from engine.ops.gpu import attention, conv, moe, norm
+from engine.ops.gpu import attention, conv, gates, moe, norm
 
 log = logging.getLogger(__name__)
 
@@ -43,4 +43,9 @@ KERNELS = GpuKernels(
     route=moe.route,
     add_rms_norm=norm.add_rms_norm,
     gated_rms_norm=norm.gated_rms_norm,
+    norm_rope=norm.norm_rope,
+    deltanet_gates=gates.deltanet_gates,
+    silu_mul=gates.silu_mul,
+    sigmoid_mul=gates.sigmoid_mul,
+    add_sigmoid_mul=gates.add_sigmoid_mul,
 )

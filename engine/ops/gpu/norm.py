@@ -10,6 +10,7 @@ import triton.language as tl
 from engine.ops.gpu.checked import Checked
 from engine.ops.norm import add_rms_norm as reference_add_rms
 from engine.ops.norm import gated_rms_norm as reference_gated
+from engine.ops.rope import norm_rope as reference_norm_rope
 
 
 @triton.jit
@@ -71,3 +72,44 @@ def add_rms_norm(x, residual, weight, eps):
 
 
 gated_rms_norm = Checked("gated_rms_norm", _gated_triton, reference_gated)
+
+
+@triton.jit
+def _norm_rope(X, W, COS, SIN, Y, H, D, R, eps, st, sh, BLOCK: tl.constexpr):
+    """One head of one token: zero-centred RMSNorm, then rotate-half RoPE on its first R dims, each
+    product and sum rounded to the activations' dtype as the torch version rounds them."""
+    row = tl.program_id(0)
+    t, h = row // H, row % H
+    dtype = Y.dtype.element_ty
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    half = R // 2
+    partner = tl.where(cols < half, cols + half, cols - half)
+    rotated = cols < R
+    base = X + t * st + h * sh
+    x = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+    y = (x * rstd * (1.0 + tl.load(W + cols, mask=mask, other=0.0).to(tl.float32))).to(dtype).to(tl.float32)
+    xp = tl.load(base + partner, mask=rotated, other=0.0).to(tl.float32)
+    yp = (xp * rstd * (1.0 + tl.load(W + partner, mask=rotated, other=0.0).to(tl.float32))).to(dtype).to(tl.float32)
+    yp = tl.where(cols < half, -yp, yp)  # rotate_half: (-x2, x1)
+    cos = tl.load(COS + t * R + cols, mask=rotated, other=0.0).to(tl.float32)
+    sin = tl.load(SIN + t * R + cols, mask=rotated, other=0.0).to(tl.float32)
+    roped = (y * cos).to(dtype).to(tl.float32) + (yp * sin).to(dtype).to(tl.float32)
+    tl.store(Y + row * D + cols, tl.where(rotated, roped, y).to(dtype), mask=mask)
+
+
+def _norm_rope_triton(x, weight, eps, cos, sin):
+    tokens, heads, dim = x.shape
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    y = torch.empty(tokens, heads, dim, dtype=x.dtype, device=x.device)
+    if tokens:
+        _norm_rope[(tokens * heads,)](
+            x, weight, cos.contiguous(), sin.contiguous(), y, heads, dim, cos.shape[-1], eps,
+            x.stride(0), x.stride(1), BLOCK=triton.next_power_of_2(dim),
+        )  # fmt: skip
+    return y
+
+
+norm_rope = Checked("norm_rope", _norm_rope_triton, reference_norm_rope)

@@ -1,0 +1,93 @@
+"""engine/ops/gates.py fused: one Triton launch each, one program per row, every intermediate
+rounded to the activations' dtype where the torch version rounds it (bf16 results equal torch's
+but where an fp32 sigmoid or exp differs in its last bit and lands across a rounding)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.ops import gates as reference
+from engine.ops.gpu.checked import Checked
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """[.., N] as [rows, N] with unit column stride (a view where the strides allow)."""
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+@triton.jit
+def _deltanet_gates(A, B, NEG_A, DT, G, BETA, N, sa, sb, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(A + row * sa + cols, mask=mask, other=0.0).to(tl.float32)
+    x += tl.load(DT + cols, mask=mask, other=0.0).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's threshold
+    tl.store(G + row * N + cols, tl.load(NEG_A + cols, mask=mask, other=0.0) * softplus, mask=mask)
+    b = tl.load(B + row * sb + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(BETA + row * N + cols, tl.sigmoid(b).to(BETA.dtype.element_ty), mask=mask)
+
+
+def _deltanet_gates_triton(a, b, neg_a, dt_bias):
+    a2, b2 = _rows(a), _rows(b)
+    rows, n = a2.shape
+    g = torch.empty(rows, n, dtype=torch.float32, device=a.device)
+    beta = torch.empty(rows, n, dtype=b.dtype, device=b.device)
+    if rows:
+        _deltanet_gates[(rows,)](
+            a2, b2, neg_a, dt_bias, g, beta, n, a2.stride(0), b2.stride(0), BLOCK=triton.next_power_of_2(n)
+        )
+    return g.view(a.shape), beta.view(b.shape)
+
+
+@triton.jit
+def _gate_kernel(X, GATE, Y, OUT, N, sx, sg, sy, KIND: tl.constexpr, BLOCK: tl.constexpr):
+    """KIND 0: silu(GATE) * X; 1: X * sigmoid(GATE); 2: X + sigmoid(GATE[row, 0]) * Y."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    dtype = OUT.dtype.element_ty
+    x = tl.load(X + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
+    if KIND == 2:
+        s = tl.sigmoid(tl.load(GATE + row * sg).to(tl.float32)).to(dtype).to(tl.float32)
+        y = tl.load(Y + row * sy + cols, mask=mask, other=0.0).to(tl.float32)
+        out = x + (s * y).to(dtype).to(tl.float32)
+    else:
+        g = tl.load(GATE + row * sg + cols, mask=mask, other=0.0).to(tl.float32)
+        if KIND == 0:
+            out = (g * tl.sigmoid(g)).to(dtype).to(tl.float32) * x
+        else:
+            out = x * tl.sigmoid(g).to(dtype).to(tl.float32)
+    tl.store(OUT + row * N + cols, out.to(dtype), mask=mask)
+
+
+def _gate(kind: int, x, gate, y=None):
+    x2, g2 = _rows(x), _rows(gate)
+    y2 = _rows(y) if y is not None else x2
+    rows, n = x2.shape
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    if rows:
+        _gate_kernel[(rows,)](
+            x2,
+            g2,
+            y2,
+            out,
+            n,
+            x2.stride(0),
+            g2.stride(0),
+            y2.stride(0),
+            KIND=kind,
+            BLOCK=triton.next_power_of_2(n),
+        )
+    return out.view(x.shape)
+
+
+deltanet_gates = Checked("deltanet_gates", _deltanet_gates_triton, reference.deltanet_gates)
+silu_mul = Checked("silu_mul", lambda gate, up: _gate(0, up, gate), reference.silu_mul)
+sigmoid_mul = Checked("sigmoid_mul", lambda x, gate: _gate(1, x, gate), reference.sigmoid_mul)
+add_sigmoid_mul = Checked(
+    "add_sigmoid_mul", lambda base, gate, y: _gate(2, base, gate, y), reference.add_sigmoid_mul
+)

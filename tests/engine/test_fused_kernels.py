@@ -1,0 +1,130 @@
+"""The fused decode-path kernels against the torch versions the CPU path runs: the router
+(`engine.ops.gpu.moe.route`: softmax, top-k, renormalisation in one launch), the gates
+(engine/ops/gpu/gates.py) and q/k norm + RoPE (`engine.ops.gpu.norm.norm_rope`). Equal in fp32 to
+rounding, in bf16 to a rounding step; routing picks the same experts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine.triton_interpreter import CUDA, RUNNABLE, in_this_process, run_interpreted
+
+pytest.importorskip("triton")
+
+
+@pytest.mark.skipif(RUNNABLE, reason="this process runs the kernels itself")
+def test_fused_kernels_in_triton_interpreter_process():
+    run_interpreted(__file__)
+
+
+from engine.ops import gates as reference  # noqa: E402
+from engine.ops.gpu import gates  # noqa: E402
+from engine.ops.gpu.moe import _route_triton  # noqa: E402
+from engine.ops.gpu.norm import _norm_rope_triton  # noqa: E402
+from engine.ops.moe import route  # noqa: E402
+from engine.ops.rope import norm_rope, rope_cos_sin  # noqa: E402
+
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _randn(*shape, dtype, seed, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (scale * torch.randn(*shape, generator=gen)).to(dtype).to(DEVICE)
+
+
+def _close(got, want):
+    """fp32: to rounding; bf16: within one of its steps on a GPU (the fp32 sigmoid and exp may differ
+    in their last bit from torch's, and so land on the other side of a bf16 rounding), three in the
+    interpreter (its float -> bf16 conversion truncates where the GPU's rounds to nearest)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    else:
+        steps = 1 if CUDA else 3  # atol too: a sum is within its terms' steps, not its own
+        torch.testing.assert_close(got, want, rtol=steps * 2**-7, atol=steps * 2**-7)
+
+
+@in_this_process
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 0])
+def test_deltanet_gates(dtype, rows):
+    """g in fp32 whatever the activations' dtype, beta in b's."""
+    fused = _randn(rows, 2 * 32 + 5, dtype=dtype, seed=rows, scale=12.0)  # past softplus's threshold too
+    b, a = fused[:, :32], fused[:, 32:64]  # splits of the fused projection
+    neg_a = -torch.rand(32, generator=torch.Generator().manual_seed(1)).exp().to(DEVICE)
+    dt_bias = _randn(32, dtype=dtype, seed=2)
+    g, beta = gates._deltanet_gates_triton(a, b, neg_a, dt_bias)
+    want_g, want_beta = reference.deltanet_gates(a, b, neg_a, dt_bias)
+    _close(g, want_g)
+    _close(beta, want_beta)
+
+
+@in_this_process
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_on_split_views(dtype):
+    fused = _randn(5, 3 * 48, dtype=dtype, seed=3)
+    gate, up = fused[:, 48:96], fused[:, 96:]
+    _close(gates._gate(0, up, gate), reference.silu_mul(gate, up))
+
+
+@in_this_process
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sigmoid_mul_on_the_attention_gate_view(dtype):
+    q_and_gate = _randn(3, 4, 2 * 16, dtype=dtype, seed=4)  # [T, Hq, 2D], as the fused q projection
+    _, gate = q_and_gate.chunk(2, dim=-1)
+    x = _randn(3, 4, 16, dtype=dtype, seed=5)
+    _close(gates._gate(1, x, gate), reference.sigmoid_mul(x, gate))
+
+
+@in_this_process
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_sigmoid_mul_with_a_per_row_gate(dtype):
+    fused = _randn(6, 40, dtype=dtype, seed=6)
+    gate = fused[:, 39:]  # [T, 1]: the last column of the router's fused projection
+    base, y = _randn(6, 24, dtype=dtype, seed=7), _randn(6, 24, dtype=dtype, seed=8)
+    _close(gates._gate(2, base, gate, y), reference.add_sigmoid_mul(base, gate, y))
+
+
+@in_this_process
+@pytest.mark.parametrize(
+    ("rows", "experts", "top_k", "renormalise", "dtype"),
+    [
+        (1, 256, 8, True, torch.bfloat16),  # the 35B-A3B shape, one decode row
+        (5, 64, 8, True, torch.float32),
+        (37, 8, 2, False, torch.float32),  # tiny's shape
+        (3, 10, 3, True, torch.bfloat16),  # neither a power of two
+        (0, 64, 8, True, torch.float32),  # an empty chunk
+    ],
+)
+def test_fused_route_equals_the_torch_route(rows, experts, top_k, renormalise, dtype):
+    gen = torch.Generator().manual_seed(rows * 1000 + experts)
+    fused = torch.randn(rows, experts + 40, generator=gen).to(dtype).to(DEVICE)
+    logits = fused[:, :experts]  # a split of the fused projection: rows strided by its whole width
+    weights, ids = _route_triton(logits, top_k, renormalise, dtype)
+    want_w, want_ids = route(logits, top_k, renormalise, dtype)
+    assert weights.dtype == dtype and ids.dtype == torch.long and weights.shape == ids.shape == (rows, top_k)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-6)
+
+
+@in_this_process
+def test_equal_probabilities_take_the_lowest_expert_first():
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0, 2.0]], device=DEVICE)
+    weights, ids = _route_triton(logits, 3, True, torch.float32)
+    assert ids.tolist() == [[1, 2, 4]]
+    torch.testing.assert_close(weights, torch.full((1, 3), 1 / 3, device=DEVICE))
+
+
+@in_this_process
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "dim", "rotary"), [(4, 16, 8), (2, 32, 32), (3, 24, 12)])
+def test_norm_rope_on_the_fused_projections_views(dtype, heads, dim, rotary):
+    """q as the fused projection leaves it ([T, H, 2D] halves), positions not from 0."""
+    tokens = 5
+    q_and_gate = _randn(tokens, heads, 2 * dim, dtype=dtype, seed=heads * dim, scale=3.0)
+    q, _ = q_and_gate.chunk(2, dim=-1)
+    weight = _randn(dim, dtype=dtype, seed=9, scale=0.1)
+    cos, sin = rope_cos_sin(torch.arange(100, 100 + tokens, device=DEVICE), rotary, 10_000.0, dtype)
+    _close(_norm_rope_triton(q, weight, 1e-6, cos, sin), norm_rope(q, weight, 1e-6, cos, sin))
