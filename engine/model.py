@@ -179,7 +179,6 @@ class Attention(nn.Module):
                 keys, values = span.state.kv[layer].append(k[lo:hi], v[lo:hi])  # [S, Hkv, D]
                 outs.append(kernels.causal_attention(q[lo:hi], keys, values))
             out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        out = out.reshape(length, -1)
         out = kernels.sigmoid_mul(out.reshape(length, self.num_heads, -1), gate)  # gate [T, Hq, D]
         return matmul(out.reshape(length, -1), self.o_proj.weight)
 
