@@ -20,9 +20,11 @@ slots before the routing is known (`ExpertOffload` decides when: engine/offload.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -101,13 +103,17 @@ class ExpertCache:
         self.host, self.assemble, self.stats, self.lane = host, assemble, stats, lane
         self.device = device
         self.num_experts = host[0].shape[0]
-        self.parts: Parts = ()  # [S, ...] each, and `weights`: what they assemble to (`_allocate`)
-        self._allocate(slots)
+        # each expert's and each slot's views of the parts, made once: a quantized expert has 4 to 8
+        # parts, and a view made for every copy of every miss was most of a decode step's host time
+        self.host_views = [tuple(p[e] for p in host) for e in range(self.num_experts)]
         self.expert_bytes = sum(p[0].nbytes for p in host)
+        self.parts: Parts = ()  # [S, ...] each, `slot_views` their slots' views, and `weights`:
+        self._allocate(slots)  # what they assemble to
         self.cpu_rows = 0  # misses routed to at most this many rows may be computed on the host
         self.costs: tuple[float, float, float] | None = None  # see `split`
         self.expert_in = [-1] * slots  # the expert each slot holds
         self.slot_of = [-1] * self.num_experts  # the slot holding each expert
+        self.slot_of_host = np.full(self.num_experts, -1, dtype=np.int64)  # the same, to copy in
         self.slot_table = torch.full(
             (self.num_experts,), -1, dtype=torch.long, device=device
         )  # slot_of on the device
@@ -244,22 +250,21 @@ class ExpertCache:
     def _load(self, group: list[int], busy: list[int]) -> None:
         """Make every expert of `group` resident, evicting only experts outside `group` and
         `busy`; each copy waits for the last compute that read its slot."""
-        keep, pairs, after = {*group, *busy}, [], []
-        slots = []
+        missing = [e for e in group if self.slot_of[e] < 0]
+        slots = self._victims({*group, *busy}, len(missing))
+        pairs, after = [], []
+        for expert, slot in zip(missing, slots, strict=True):
+            if (old := self.expert_in[slot]) >= 0:
+                self.slot_of[old] = self.slot_of_host[old] = -1
+                self.stats.evictions += 1
+            self.expert_in[slot], self.slot_of[expert], self.slot_of_host[expert] = expert, slot, slot
+            pairs += zip(self.slot_views[slot], self.host_views[expert], strict=True)
+            after.append(self.read[slot])
         for expert in group:
-            if self.slot_of[expert] < 0:
-                slot = self._victim(keep)
-                if (old := self.expert_in[slot]) >= 0:
-                    self.slot_of[old] = -1
-                    self.stats.evictions += 1
-                self.expert_in[slot], self.slot_of[expert] = expert, slot
-                pairs += [(dst[slot], src[expert]) for dst, src in zip(self.parts, self.host, strict=True)]
-                after.append(self.read[slot])
-                slots.append(slot)
             self.last_used[self.slot_of[expert]] = self.clock
         if slots:
             self.slot_table.copy_(
-                self._staged(torch.as_tensor(self.slot_of)), non_blocking=True
+                self._staged(torch.from_numpy(self.slot_of_host)), non_blocking=True
             )  # with copies only
             done = self.lane.copy(pairs, after)
             for slot in slots:
@@ -277,11 +282,15 @@ class ExpertCache:
         for expert in group:
             self.read[self.slot_of[expert]] = event
 
-    def _victim(self, keep: set[int]) -> int:
-        """An empty slot, else the least recently used one (least used expert among equals) outside `keep`."""
-        free = [s for s in range(self.slots) if self.expert_in[s] not in keep]
-        return min(
-            free, key=lambda s: (self.expert_in[s] >= 0, self.last_used[s], self.uses[self.expert_in[s]])
+    def _victims(self, keep: set[int], count: int) -> list[int]:
+        """`count` slots to fill, outside those holding `keep`: empty ones first, then the least
+        recently used (the least used expert among equals), chosen together in one pass."""
+        if not count:
+            return []
+        expert_in, last_used, uses = self.expert_in, self.last_used, self.uses
+        free = [s for s in range(self.slots) if expert_in[s] not in keep]
+        return heapq.nsmallest(
+            count, free, key=lambda s: (expert_in[s] >= 0, last_used[s], uses[expert_in[s]])
         )
 
     def _host_compute(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -311,6 +320,7 @@ class ExpertCache:
         self.parts = tuple(
             torch.zeros((slots, *p.shape[1:]), dtype=p.dtype, device=self.device) for p in self.host
         )
+        self.slot_views = [tuple(p[s] for p in self.parts) for s in range(slots)]
         self.weights = self.assemble(self.parts)
 
     def resize(self, slots: int) -> None:
@@ -318,8 +328,9 @@ class ExpertCache:
         (after every copy into them), so the two never coexist."""
         self.holds_all = False
         self.lane.wait(self.copied)
-        self.parts = self.weights = ()
+        self.parts, self.slot_views, self.weights = (), [], ()
         self._allocate(slots)
         self.expert_in, self.slot_of = [-1] * slots, [-1] * self.num_experts
+        self.slot_of_host.fill(-1)
         self.slot_table.fill_(-1)
         self.last_used, self.copied, self.read = [0] * slots, [None] * slots, [None] * slots
