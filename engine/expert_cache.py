@@ -98,8 +98,8 @@ class ExpertCache:
         device: torch.device,
         stats: OffloadStats,
         lane: Lane,
-        assemble: Callable[[Parts], tuple[Any, Any]] = tuple,
-    ):  # type: ignore[assignment]
+        assemble: Callable[[Parts], tuple[Any, ...]] = tuple,
+    ):
         self.host, self.assemble, self.stats, self.lane = host, assemble, stats, lane
         self.device = device
         self.num_experts = host[0].shape[0]
@@ -108,7 +108,8 @@ class ExpertCache:
         self.host_views = [tuple(p[e] for p in host) for e in range(self.num_experts)]
         self.expert_bytes = sum(p[0].nbytes for p in host)
         self.parts: Parts = ()  # [S, ...] each, `slot_views` their slots' views, and `weights`:
-        self._allocate(slots)  # what they assemble to
+        self.weights: tuple[Any, ...] = ()  # what they assemble to
+        self._allocate(slots)
         self.cpu_rows = 0  # misses routed to at most this many rows may be computed on the host
         self.costs: tuple[float, float, float] | None = None  # see `split`
         self.expert_in = [-1] * slots  # the expert each slot holds
@@ -252,7 +253,8 @@ class ExpertCache:
         `busy`; each copy waits for the last compute that read its slot."""
         missing = [e for e in group if self.slot_of[e] < 0]
         slots = self._victims({*group, *busy}, len(missing))
-        pairs, after = [], []
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        after: list[Any] = []
         for expert, slot in zip(missing, slots, strict=True):
             if (old := self.expert_in[slot]) >= 0:
                 self.slot_of[old] = self.slot_of_host[old] = -1
@@ -328,7 +330,7 @@ class ExpertCache:
         (after every copy into them), so the two never coexist."""
         self.holds_all = False
         self.lane.wait(self.copied)
-        self.parts, self.slot_views, self.weights = (), [], ()
+        self.parts, self.slot_views, self.weights = (), [], ()  # the old slots freed first
         self._allocate(slots)
         self.expert_in, self.slot_of = [-1] * slots, [-1] * self.num_experts
         self.slot_of_host.fill(-1)
