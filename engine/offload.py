@@ -370,9 +370,8 @@ class ExpertOffload:
                 torch.cuda.synchronize(self.device)
                 break
             except torch.OutOfMemoryError:
-                self._shrink(
-                    self.plan.slots - max(1, self.plan.slots // 8), "a full prefill chunk's workspace"
-                )
+                pass  # the failed forward's tensors (its frames still hold the slots) go with the exception
+            self._shrink(self.plan.slots - max(1, self.plan.slots // 8), "a full prefill chunk's workspace")
         workspace = torch.cuda.max_memory_allocated(self.device) - base
         self.plan = dataclasses.replace(self.plan, workspace=workspace)
         self.fit(base + workspace, f"a full prefill chunk's workspace ({_size(workspace)})")
