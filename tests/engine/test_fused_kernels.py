@@ -128,3 +128,36 @@ def test_norm_rope_on_the_fused_projections_views(dtype, heads, dim, rotary):
     weight = _randn(dim, dtype=dtype, seed=9, scale=0.1)
     cos, sin = rope_cos_sin(torch.arange(100, 100 + tokens, device=DEVICE), rotary, 10_000.0, dtype)
     _close(_norm_rope_triton(q, weight, 1e-6, cos, sin), norm_rope(q, weight, 1e-6, cos, sin))
+
+
+@in_this_process
+@pytest.mark.skipif(
+    CUDA, reason="on a GPU, tests/engine/test_gpu.py runs the model with them against the CPU's"
+)
+@pytest.mark.parametrize("preset", ["tiny", "tiny-next"])
+def test_the_model_with_the_fused_kernels_gives_the_reference_logits(preset_dirs, preset):
+    """The fused kernels where the model calls them (its own strides: splits of fused projections,
+    the chunked q and gate), both architectures: prefill and decode logits equal the torch path's."""
+    import dataclasses  # noqa: PLC0415
+
+    from engine import Engine  # noqa: PLC0415
+    from engine.ops import REFERENCE  # noqa: PLC0415
+    from engine.ops.gpu import moe, norm  # noqa: PLC0415
+
+    fast = {  # the GPU bundle's fast versions, unchecked (a `Checked` would fall back on a mismatch)
+        "route": moe.route.fast,
+        "norm_rope": norm.norm_rope.fast,
+        **{
+            name: getattr(gates, name).fast
+            for name in ("deltanet_gates", "silu_mul", "sigmoid_mul", "add_sigmoid_mul")
+        },
+    }
+    fused = dataclasses.replace(REFERENCE, name="fused", **fast)
+    plain, engine = Engine.load(preset_dirs[preset]), Engine.load(preset_dirs[preset])
+    engine.kernels = engine.runner.kernels = fused
+    ids = [1000 + 37 * i % 4000 for i in range(40)]
+    out = {}
+    for name, eng in (("plain", plain), ("fused", engine)):
+        state = eng.new_state()
+        out[name] = torch.stack([eng.prefill(state, ids).logits, *eng.feed(state, [11, 12])])
+    torch.testing.assert_close(out["fused"], out["plain"], rtol=1e-4, atol=1e-4)
