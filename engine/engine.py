@@ -59,6 +59,8 @@ class Engine:
             capacity=GRAPH_CAPACITY if graphs and offload is None else None,
         )
         self.slot_prefill = self.runner.use_graph  # short prefills on the sequence's slot (a graph per bucket)
+        if offload is not None:
+            offload.on_shrink = self._eager_if_fetching
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
@@ -129,11 +131,11 @@ class Engine:
     def _make_room(self, slots: int, capacity: int) -> None:
         assert self.offload is not None
         self.offload.make_room(expert_offload.state_bytes(self.config, self.dtype, slots, capacity))
-        self._eager_if_fetching()
 
     def _eager_if_fetching(self) -> None:
+        """After the expert slots shrank: experts are fetched from now on, so no graph may hold a step."""
         assert self.offload is not None
-        if not self.offload.holds_all:  # experts are fetched from now on: no graph may hold a step
+        if not self.offload.holds_all:
             self.runner.use_graph = self.slot_prefill = False
 
     def _fit_budget(self, parts: Sequence[tuple[Feed, int]]) -> None:
@@ -144,7 +146,6 @@ class Engine:
         growth = sum(cache.growth(count) for feed, count in parts for cache in feed.state.kv.values())
         need = torch.cuda.memory_allocated(self.device) + self.offload.plan.workspace + growth
         self.offload.fit(need, "the sequences' KV and a prefill chunk's workspace")
-        self._eager_if_fetching()
 
     def offload_stats(self) -> dict[str, int] | None:
         """The expert cache's counters (`OffloadStats.as_dict`), None without offload."""
@@ -351,7 +352,6 @@ class Engine:
                 chunk()
             else:  # what it allocates is measured: the expert slots keep room for it within the budget
                 self.offload.calibrate_workspace(chunk)
-                self._eager_if_fetching()
             # A first request's eager prefill: unaligned lengths split at captures (the aligned runs
             # above leave other kernel specialisations to it; a cold 2,800-token first request took
             # 1.2-1.9 s on the H200 after them, its later peers 0.1 s).

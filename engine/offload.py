@@ -256,6 +256,7 @@ class ExpertOffload:
             cache.next = following
         self.device = order[0].device
         self.peak_before = 0  # peak reserved bytes before the calibration reset the allocator's peaks
+        self.on_shrink: Callable[[], None] = lambda: None  # the engine's: no graph holds a step that fetches
         self.link: Link | None = None
         self.policy = Policy(Policy.coverage_tokens(config))
         if self.holds_all:  # the budget holds every expert: copied in once, then never chosen
@@ -311,10 +312,7 @@ class ExpertOffload:
         p = self.plan
         if states <= p.states:
             return
-        rest = p.budget - p.dense - states - p.workspace
-        self._shrink(
-            min(p.slots, max(rest, 0) // (p.expert_bytes * p.layers)), f"decode slots of {_size(states)}"
-        )
+        self.fit(p.budget_for(p.slots) - p.states + states, f"decode slots of {_size(states)}")
         self.plan = dataclasses.replace(self.plan, states=states)
 
     def fit(self, need: int, why: str) -> None:
@@ -339,6 +337,7 @@ class ExpertOffload:
         self.plan = dataclasses.replace(self.plan, slots=slots)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the freed slots leave the reserved memory before anything grows
+        self.on_shrink()
 
     def cap(self) -> None:
         """Hold the CUDA caching allocator to the budget: past it, the allocator frees its cached

@@ -230,10 +230,12 @@ def test_fit_gives_up_the_fewest_slots_that_cover_the_excess(preset_dirs, tiny):
     engine = _load(preset_dirs, tiny, slots=8)
     offload = engine.offload
     per_slot = offload.plan.expert_bytes * offload.plan.layers
+    shrunk = []
+    offload.on_shrink = lambda: shrunk.append(offload.plan.slots)  # the engine's hook (graphs off)
     offload.fit(offload.plan.budget, "nothing over")  # exactly the budget: nothing given up
-    assert offload.plan.slots == 8
+    assert offload.plan.slots == 8 and shrunk == []
     offload.fit(offload.plan.budget + 2 * per_slot + 1, "three slots' worth")
-    assert offload.plan.slots == 5 and offload.nbytes == 5 * per_slot
+    assert offload.plan.slots == 5 and offload.nbytes == 5 * per_slot and shrunk == [5]
     assert all(cache.slots == 5 for cache in offload.caches.values())
     tokens = _prompt(200, 11)
     want = tiny.prefill(tiny.new_state(), tokens).logits
