@@ -19,9 +19,7 @@ def test_fused_kernels_in_triton_interpreter_process():
 
 
 from engine.ops import gates as reference  # noqa: E402
-from engine.ops.gpu import gates  # noqa: E402
-from engine.ops.gpu.moe import _route_triton  # noqa: E402
-from engine.ops.gpu.norm import _norm_rope_triton  # noqa: E402
+from engine.ops.gpu import gates, moe, norm  # noqa: E402
 from engine.ops.moe import route  # noqa: E402
 from engine.ops.rope import norm_rope, rope_cos_sin  # noqa: E402
 
@@ -55,7 +53,7 @@ def test_deltanet_gates(dtype, rows):
     b, a = fused[:, :32], fused[:, 32:64]  # splits of the fused projection
     neg_a = -torch.rand(32, generator=torch.Generator().manual_seed(1)).exp().to(DEVICE)
     dt_bias = _randn(32, dtype=dtype, seed=2)
-    g, beta = gates._deltanet_gates_triton(a, b, neg_a, dt_bias)
+    g, beta = gates.deltanet_gates.fast(a, b, neg_a, dt_bias)
     want_g, want_beta = reference.deltanet_gates(a, b, neg_a, dt_bias)
     _close(g, want_g)
     _close(beta, want_beta)
@@ -66,7 +64,7 @@ def test_deltanet_gates(dtype, rows):
 def test_silu_mul_on_split_views(dtype):
     fused = _randn(5, 3 * 48, dtype=dtype, seed=3)
     gate, up = fused[:, 48:96], fused[:, 96:]
-    _close(gates._gate(0, up, gate), reference.silu_mul(gate, up))
+    _close(gates.silu_mul.fast(gate, up), reference.silu_mul(gate, up))
 
 
 @in_this_process
@@ -75,7 +73,7 @@ def test_sigmoid_mul_on_the_attention_gate_view(dtype):
     q_and_gate = _randn(3, 4, 2 * 16, dtype=dtype, seed=4)  # [T, Hq, 2D], as the fused q projection
     _, gate = q_and_gate.chunk(2, dim=-1)
     x = _randn(3, 4, 16, dtype=dtype, seed=5)
-    _close(gates._gate(1, x, gate), reference.sigmoid_mul(x, gate))
+    _close(gates.sigmoid_mul.fast(x, gate), reference.sigmoid_mul(x, gate))
 
 
 @in_this_process
@@ -84,7 +82,7 @@ def test_add_sigmoid_mul_with_a_per_row_gate(dtype):
     fused = _randn(6, 40, dtype=dtype, seed=6)
     gate = fused[:, 39:]  # [T, 1]: the last column of the router's fused projection
     base, y = _randn(6, 24, dtype=dtype, seed=7), _randn(6, 24, dtype=dtype, seed=8)
-    _close(gates._gate(2, base, gate, y), reference.add_sigmoid_mul(base, gate, y))
+    _close(gates.add_sigmoid_mul.fast(base, gate, y), reference.add_sigmoid_mul(base, gate, y))
 
 
 @in_this_process
@@ -102,7 +100,7 @@ def test_fused_route_equals_the_torch_route(rows, experts, top_k, renormalise, d
     gen = torch.Generator().manual_seed(rows * 1000 + experts)
     fused = torch.randn(rows, experts + 40, generator=gen).to(dtype).to(DEVICE)
     logits = fused[:, :experts]  # a split of the fused projection: rows strided by its whole width
-    weights, ids = _route_triton(logits, top_k, renormalise, dtype)
+    weights, ids = moe.route.fast(logits, top_k, renormalise, dtype)
     want_w, want_ids = route(logits, top_k, renormalise, dtype)
     assert weights.dtype == dtype and ids.dtype == torch.long and weights.shape == ids.shape == (rows, top_k)
     assert torch.equal(ids, want_ids)
@@ -112,7 +110,7 @@ def test_fused_route_equals_the_torch_route(rows, experts, top_k, renormalise, d
 @in_this_process
 def test_equal_probabilities_take_the_lowest_expert_first():
     logits = torch.tensor([[0.0, 2.0, 2.0, 1.0, 2.0]], device=DEVICE)
-    weights, ids = _route_triton(logits, 3, True, torch.float32)
+    weights, ids = moe.route.fast(logits, 3, True, torch.float32)
     assert ids.tolist() == [[1, 2, 4]]
     torch.testing.assert_close(weights, torch.full((1, 3), 1 / 3, device=DEVICE))
 
@@ -127,7 +125,7 @@ def test_norm_rope_on_the_fused_projections_views(dtype, heads, dim, rotary):
     q, _ = q_and_gate.chunk(2, dim=-1)
     weight = _randn(dim, dtype=dtype, seed=9, scale=0.1)
     cos, sin = rope_cos_sin(torch.arange(100, 100 + tokens, device=DEVICE), rotary, 10_000.0, dtype)
-    _close(_norm_rope_triton(q, weight, 1e-6, cos, sin), norm_rope(q, weight, 1e-6, cos, sin))
+    _close(norm.norm_rope.fast(q, weight, 1e-6, cos, sin), norm_rope(q, weight, 1e-6, cos, sin))
 
 
 @in_this_process
@@ -142,7 +140,6 @@ def test_the_model_with_the_fused_kernels_gives_the_reference_logits(preset_dirs
 
     from engine import Engine  # noqa: PLC0415
     from engine.ops import REFERENCE  # noqa: PLC0415
-    from engine.ops.gpu import moe, norm  # noqa: PLC0415
 
     fast = {  # the GPU bundle's fast versions, unchecked (a `Checked` would fall back on a mismatch)
         "route": moe.route.fast,

@@ -43,21 +43,24 @@ def _deltanet_gates_triton(a, b, neg_a, dt_bias):
     return g.view(a.shape), beta.view(b.shape)
 
 
+SILU_MUL, SIGMOID_MUL, ADD_SIGMOID_MUL = 0, 1, 2  # the kinds of `_gate_kernel`
+
+
 @triton.jit
 def _gate_kernel(X, GATE, Y, OUT, N, sx, sg, sy, KIND: tl.constexpr, BLOCK: tl.constexpr):
-    """KIND 0: silu(GATE) * X; 1: X * sigmoid(GATE); 2: X + sigmoid(GATE[row, 0]) * Y."""
+    """KIND SILU_MUL: silu(GATE) * X; SIGMOID_MUL: X * sigmoid(GATE); ADD_SIGMOID_MUL: X + sigmoid(GATE[row, 0]) * Y."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     dtype = OUT.dtype.element_ty
     x = tl.load(X + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
-    if KIND == 2:
+    if KIND == 2:  # ADD_SIGMOID_MUL (a jit function reads no plain globals)
         s = tl.sigmoid(tl.load(GATE + row * sg).to(tl.float32)).to(dtype).to(tl.float32)
         y = tl.load(Y + row * sy + cols, mask=mask, other=0.0).to(tl.float32)
         out = x + (s * y).to(dtype).to(tl.float32)
     else:
         g = tl.load(GATE + row * sg + cols, mask=mask, other=0.0).to(tl.float32)
-        if KIND == 0:
+        if KIND == 0:  # SILU_MUL
             out = (g * tl.sigmoid(g)).to(dtype).to(tl.float32) * x
         else:
             out = x * tl.sigmoid(g).to(dtype).to(tl.float32)
@@ -86,8 +89,8 @@ def _gate(kind: int, x, gate, y=None):
 
 
 deltanet_gates = Checked("deltanet_gates", _deltanet_gates_triton, reference.deltanet_gates)
-silu_mul = Checked("silu_mul", lambda gate, up: _gate(0, up, gate), reference.silu_mul)
-sigmoid_mul = Checked("sigmoid_mul", lambda x, gate: _gate(1, x, gate), reference.sigmoid_mul)
+silu_mul = Checked("silu_mul", lambda gate, up: _gate(SILU_MUL, up, gate), reference.silu_mul)
+sigmoid_mul = Checked("sigmoid_mul", lambda x, gate: _gate(SIGMOID_MUL, x, gate), reference.sigmoid_mul)
 add_sigmoid_mul = Checked(
-    "add_sigmoid_mul", lambda base, gate, y: _gate(2, base, gate, y), reference.add_sigmoid_mul
+    "add_sigmoid_mul", lambda base, gate, y: _gate(ADD_SIGMOID_MUL, base, gate, y), reference.add_sigmoid_mul
 )
