@@ -56,6 +56,8 @@ class Metrics:
                       f"ft_expert_cache_evictions_total {expert_cache['evictions']}",
                       "# TYPE ft_expert_cache_on_host_total counter",  # misses computed on the host instead
                       f"ft_expert_cache_on_host_total {expert_cache['on_host']}",
+                      "# TYPE ft_expert_cache_mapped_total counter",  # misses read in place from host memory
+                      f"ft_expert_cache_mapped_total {expert_cache['mapped']}",
                       "# TYPE ft_expert_cache_bytes_in_total counter"]
             lines += [f'ft_expert_cache_bytes_in_total{{phase="{p}"}} {expert_cache[f"bytes_in_{p}"]}' for p in ("prefill", "decode")]
         for name, value in msgspec.structs.asdict(store_stats).items():

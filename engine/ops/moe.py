@@ -1,9 +1,15 @@
-"""Sparse MoE: softmax router, top-k (renormalised), experts; the shared expert lives in the layer."""
+"""Sparse MoE: softmax router, top-k (renormalised), experts; the shared expert lives in the layer.
+
+Every experts function takes an expert id of -1 as no expert: its row contributes nothing and no
+weight is read for it (an offloaded layer runs its resident experts and those it reads from host
+memory as two calls over the same assignments, each with the other's ids at -1)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+DECODE_ROWS = 32  # token x expert assignments up to which the GPU's decode kernels run (GEMV-like)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalise: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,11 +30,11 @@ def experts_loop(
     """
     out = torch.zeros_like(x)
     flat_ids = ids.flatten()
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    order = torch.argsort(flat_ids, stable=True)  # the absent (-1) first, skipped
+    absent, *counts = torch.bincount(flat_ids + 1, minlength=gate_up.shape[0] + 1).tolist()
     token_of = order // ids.shape[1]  # [T*k] token index of each sorted assignment
     weight_of = weights.flatten()[order]
-    start = 0
+    start = absent
     for expert, count in enumerate(counts):
         if count == 0:
             continue

@@ -116,6 +116,37 @@ def test_equal_probabilities_take_the_lowest_expert_first():
 
 
 @in_this_process
+def test_the_route_check_is_blind_to_the_order_of_ties():
+    """Tied probabilities in another order (and the other of two tied at the k-th place) pass the
+    first-use check; another expert does not."""
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0, 2.0]], device=DEVICE)
+    weights = torch.full((1, 2), 0.5, device=DEVICE)
+    tied = moe.Checked("tied", lambda *a: (weights, torch.tensor([[4, 1]], device=DEVICE)), route, canon=moe._route_canon)
+    assert tied._check((logits, 2, True, torch.float32))
+    wrong = moe.Checked("wrong", lambda *a: (weights, torch.tensor([[3, 1]], device=DEVICE)), route, canon=moe._route_canon)
+    assert not wrong._check((logits, 2, True, torch.float32))
+
+
+@in_this_process
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_decode_kernels_skip_absent_experts(dtype):
+    """An expert id of -1 is no expert: its row adds nothing (offloaded decode runs the resident and
+    the in-place experts as two calls, each with the other's ids at -1)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 256, generator=gen).to(dtype).to(DEVICE)
+    gate_up = (torch.randn(5, 256, 256, generator=gen) / 16).to(dtype).to(DEVICE)
+    down = (torch.randn(5, 256, 128, generator=gen) / 11).to(dtype).to(DEVICE)
+    ids = torch.tensor([[0, -1], [4, 2], [-1, -1]], device=DEVICE)
+    weights = torch.rand(3, 2, generator=gen).to(dtype).to(DEVICE)
+    present = ids >= 0
+    want = moe.experts_loop(x.float(), (weights * present).float(), ids.clamp(min=0), gate_up.float(), down.float())
+    for fn in (moe._experts_triton, moe._experts_gathered, moe.experts_loop):
+        got = fn(x, weights, ids, gate_up, down)
+        _close(got, want.to(dtype))
+        assert not got[2].any()  # no expert at all: zeros
+
+
+@in_this_process
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "dim", "rotary"), [(4, 16, 8), (2, 32, 32), (3, 24, 12)])
 def test_norm_rope_on_the_fused_projections_views(dtype, heads, dim, rotary):

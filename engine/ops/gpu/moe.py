@@ -11,11 +11,10 @@ import triton.language as tl
 
 from engine.ops.gpu import quant
 from engine.ops.gpu.checked import Checked
-from engine.ops.moe import experts_loop
+from engine.ops.moe import DECODE_ROWS, experts_loop
 from engine.ops.moe import route as reference_route
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
-DECODE_ROWS = 32  # token x expert assignments up to which the Triton GEMV kernels run
 GRAPH_TOKENS = 512  # fp32: up to a captured prefill's tokens (engine.runner.PREFILL_BUCKETS) the Triton kernels too
 
 
@@ -54,10 +53,10 @@ def _up_kernel(X, W, IDS, A, H, INTER, TOPK: tl.constexpr, BLOCK_I: tl.constexpr
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     expert = tl.load(IDS + slot).to(tl.int64)
     x = X + (slot // TOPK) * H
-    w = W + expert * (2 * INTER * H)
+    w = W + tl.maximum(expert, 0) * (2 * INTER * H)
     gate = tl.zeros([BLOCK_I], tl.float32)
     up = tl.zeros([BLOCK_I], tl.float32)
-    for h0 in range(0, H, BLOCK_H):
+    for h0 in range(0, tl.where(expert >= 0, H, 0), BLOCK_H):  # no expert (-1): nothing read, zeros
         h = h0 + tl.arange(0, BLOCK_H)
         xv = tl.load(x + h).to(tl.float32)[None, :]
         gate += tl.sum(tl.load(w + i[:, None] * H + h[None, :]).to(tl.float32) * xv, 1)
@@ -73,10 +72,10 @@ def _down_kernel(A, W, IDS, RW, PART, H, INTER, TOPK: tl.constexpr, BLOCK_N: tl.
     slot = token * TOPK + tl.program_id(2)
     expert = tl.load(IDS + slot).to(tl.int64)
     acc = tl.zeros([BLOCK_N], tl.float32)
-    for i0 in range(0, INTER, BLOCK_I):
+    for i0 in range(0, tl.where(expert >= 0, INTER, 0), BLOCK_I):
         i = i0 + tl.arange(0, BLOCK_I)
         av = tl.load(A + slot * INTER + i).to(tl.float32)
-        acc += tl.sum(tl.load(W + expert * (H * INTER) + n[:, None] * INTER + i[None, :]).to(tl.float32) * av[None, :], 1)
+        acc += tl.sum(tl.load(W + tl.maximum(expert, 0) * (H * INTER) + n[:, None] * INTER + i[None, :]).to(tl.float32) * av[None, :], 1)
     tl.store(PART + slot * H + n, acc * tl.load(RW + slot).to(tl.float32))
 
 
@@ -94,13 +93,14 @@ def _experts_triton(x, weights, ids, gate_up, down):
 
 
 def _experts_gathered(x, weights, ids, gate_up, down):
-    """Plain torch for a few tokens: gather the hit experts' weights and batch-matmul them."""
+    """Plain torch for a few tokens: gather the hit experts' weights and batch-matmul them (an
+    absent expert, -1, gathers expert 0 and is weighted 0)."""
     num_tokens, top_k = ids.shape
     flat = ids.flatten()
     xs = x.repeat_interleave(top_k, dim=0)[:, None, :]  # [T*k, 1, H]
-    gate, up = torch.bmm(xs, gate_up[flat].transpose(1, 2)).chunk(2, dim=-1)  # [T*k, 1, I]
-    ys = torch.bmm(F.silu(gate) * up, down[flat].transpose(1, 2))[:, 0]  # [T*k, H]
-    ys = ys.float() * weights.flatten()[:, None].float()
+    gate, up = torch.bmm(xs, gate_up[flat.clamp(min=0)].transpose(1, 2)).chunk(2, dim=-1)  # [T*k, 1, I]
+    ys = torch.bmm(F.silu(gate) * up, down[flat.clamp(min=0)].transpose(1, 2))[:, 0]  # [T*k, H]
+    ys = ys.float() * (weights.flatten().float() * (flat >= 0))[:, None]
     return ys.view(num_tokens, top_k, -1).sum(1).to(x.dtype)
 
 
@@ -179,4 +179,13 @@ def _route_triton(logits: torch.Tensor, top_k: int, renormalise: bool, dtype: to
     return weights, ids
 
 
-route = Checked("route", _route_triton, reference_route)
+def _route_canon(out, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a routing decides, blind to ties (equal probabilities may be taken in any order, and
+    either of two tied at the k-th place): per row the weights, and the probabilities of the
+    chosen experts, each sorted."""
+    (weights, ids), logits = out, args[0]
+    chosen = torch.softmax(logits.float(), dim=-1).gather(1, ids)
+    return weights.float().sort(dim=-1).values, chosen.sort(dim=-1).values
+
+
+route = Checked("route", _route_triton, reference_route, canon=_route_canon)

@@ -381,12 +381,14 @@ def _gemv_kernel(
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     row = tl.minimum(n, N - 1).to(tl.int64)
     split, m = tl.program_id(1), tl.program_id(2)
-    xm = m
-    if GROUPED:
+    xm, end = m, (split + 1) * K_SPLIT
+    if GROUPED:  # expert -1: no expert, nothing read, zeros
         xm = tl.load(XROW + m)
-        row += tl.load(EXPERT + m).to(tl.int64) * N
+        expert = tl.load(EXPERT + m).to(tl.int64)
+        row += tl.maximum(expert, 0) * N
+        end = tl.where(expert >= 0, end, split * K_SPLIT)
     acc = tl.zeros([BN], tl.float32)
-    for k0 in range(split * K_SPLIT, (split + 1) * K_SPLIT, CHUNK):
+    for k0 in range(split * K_SPLIT, end, CHUNK):
         if FMT == 0:
             acc += _dot_q8_0(X, P0, P1, row, xm, k0, K)
         elif FMT == 1:
@@ -500,7 +502,7 @@ def gemv_fits(w: QuantWeight) -> bool:
 
 def gemv_experts(x: torch.Tensor, w: QuantWeight, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
     """MoE decode: y[j] = x[rows[j]] @ w[experts[j]].T for a few assignments j (w: [E, N, K],
-    `gemv_fits`); only the chosen experts' weights are read. Returns [len(rows), N] in x's dtype."""
+    `gemv_fits`); only the chosen experts' weights are read (none for experts[j] = -1: zeros). Returns [len(rows), N] in x's dtype."""
     if not gemv_fits(w):
         raise ValueError(f"{NAMES[w.fmt]} experts {list(w.shape)}: rows or columns off the GEMV's blocks")
     return _gemv(x.contiguous(), w, rows, experts)
