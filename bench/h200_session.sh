@@ -7,7 +7,11 @@
 #       gpu        decode per batch size and prefill against the machine's ceilings, kernels per decode token (bench/gpu.py)
 #       quant      bf16 and FP8 at the 256-expert shape (bench/quant.py), beside llama.cpp's CUDA build
 #       gpu-tests  pytest: offload (peak reserved memory within the budget), the engine's GPU tests, the fused kernels
-#       offload    the random Q4_K_M at 8, 12, 24 GiB with the replay, and llama-server --n-cpu-moe
+#       kernel-tests  pytest: the fused and quantized Triton kernels against torch
+#       offload-tests  pytest: offload on the GPU (tests/engine/test_offload_gpu.py)
+#       offload-profile  the random Q4_K_M at 8 GiB: speed, cache, link and a decode profile, no replay
+#       offload    the random Q4_K_M at 8, 12, 24 GiB with the replay and a decode profile
+#       offload-llama  llama-server --n-cpu-moe on the same file and requests
 #       q4         our Q4_K_M, its replay, llama-server on the same file and its replay (bench/quant.py)
 #       sessions   K = 1 and K = 4 sessions, ours and llama-server's (the e64 bf16 GGUF is written first)
 #   bash bench/h200_session.sh poll SECONDS      # wait until done or SECONDS pass; progress, the newest logs,
@@ -19,7 +23,7 @@ case "${1:-}" in
 start)
   shift
   rm -rf $W && mkdir -p $W/out && cp -a "$(dirname "$0")/.." $W/repo
-  steps="${*:-gpu quant gpu-tests offload q4 sessions}"
+  steps="${*:-gpu quant gpu-tests offload offload-llama q4 sessions}"
   setsid nohup bash $W/repo/bench/h200_session.sh steps "$steps" >$W/out/session.log 2>&1 </dev/null &
   echo "started: $W/out"
   ;;
@@ -33,6 +37,7 @@ steps)
   cd $W/repo
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FT_MATERIALISE=1 PATH=/usr/local/cuda/bin:$PATH
+  O=$W/out
   log() { echo "=== $* $(date +%T)" >>$W/out/steps.log; }
   step() {
     local name=$1
@@ -41,26 +46,45 @@ steps)
     "$@" >$W/out/$name.log 2>&1
     log "$name rc=$?"
   }
-  O=$W/out
   builder=
+  gguf=
+  if [[ " $2 " =~ \ (offload|offload-profile|q4)\  ]]; then # the random Q4_K_M (~21 GB, CPU-bound) meanwhile
+    (python3 -c "from peer.gguf_random import random_gguf; from peer.llama_server import PEER_HOME; \
+print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=$?") &
+    gguf=$!
+  fi
   for s in $2; do
-    if [ -z "$builder" ] && [ "$s" != gpu ] && [[ " $2 " =~ \ (offload|q4|sessions)\  ]]; then
-      # llama-server's CUDA build (~9 min) beside the next steps (after the timing-sensitive decode bench)
-      (python3 -c "from peer.llama_server import build; build(cuda=True)" >$O/build.log 2>&1; log "build rc=$?") &
+    if [ -z "$builder" ] && [ "$s" != gpu ] && [[ " $2 " =~ \ (offload-llama|q4|sessions)\  ]]; then
+      # llama-server's CUDA build (~9 min, niced) beside the next steps (after the timing-sensitive decode bench)
+      (nice -n 19 python3 -c "from peer.llama_server import build; build(cuda=True)" >$O/build.log 2>&1
+        log "build rc=$?") &
       builder=$!
     fi
     case $s in
     gpu) step gpu python3 bench/gpu.py --only decode,batched,prefill --profile --json $O/gpu.json --markdown $O/gpu.md ;;
     quant) step quant python3 bench/quant.py --preset $P --device cuda --parts bf16,fp8 --json $O/quant.json ;;
+    kernel-tests) step kernel-tests python3 -m pytest -q -p no:cacheprovider tests/engine/test_fused_kernels.py \
+      tests/engine/test_quant_kernels.py ;;
+    offload-tests) step offload-tests python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_offload_gpu.py ;;
+    offload-profile)
+      wait $gguf 2>/dev/null
+      step offload-profile python3 bench/offload.py --preset $P --q4-k-m --budgets 8 --no-replay --profile \
+        --decode-steps 32 --json $O/offload-profile.json
+      ;;
     gpu-tests) step gpu-tests python3 -m pytest -q -p no:cacheprovider tests/engine/test_offload_gpu.py \
       tests/engine/test_gpu.py tests/engine/test_gpu_quant.py tests/engine/test_fused_kernels.py ;;
     offload)
-      wait $builder 2>/dev/null
-      step offload python3 bench/offload.py --preset $P --q4-k-m --budgets 8,12,24 --limit 12 --llama-server \
+      wait $gguf 2>/dev/null
+      step offload python3 bench/offload.py --preset $P --q4-k-m --budgets 8,12,24 --limit 12 --profile \
         --json $O/offload.json
       ;;
-    q4)
+    offload-llama)
       wait $builder 2>/dev/null
+      step offload-llama python3 bench/offload.py --preset $P --q4-k-m --budgets '' --limit 12 --llama-server \
+        --json $O/offload-llama.json
+      ;;
+    q4)
+      wait $builder $gguf 2>/dev/null
       step q4 python3 bench/quant.py --preset $P --device cuda --parts q4_k_m,replay-ft,llama,replay-llama \
         --threads 8 --json $O/quant.json --markdown $O/quant.md
       ;;

@@ -57,7 +57,7 @@ def project(seconds: float, moved: int, link: float, pcie: float) -> float:
 
 
 def hit_rate(before: dict, after: dict) -> float | None:
-    d = {k: after[k] - before[k] for k in ("hits", "misses", "on_host")}
+    d = {k: after[k] - before[k] for k in ("hits", "misses", "on_host", "mapped")}
     total = sum(d.values())
     return round(d["hits"] / total, 4) if total else None
 
@@ -66,8 +66,7 @@ def measure(engine, device: str, context: int, steps: int) -> dict:
     """Prefill of `context` tokens, then `steps` decode steps at batch 1."""
     from engine import SamplingParams  # noqa: PLC0415
 
-    offload = engine.offload
-    stats = offload.stats.as_dict
+    stats = engine.offload_stats
     state = engine.new_state()
     before = stats()
     sync(device)
@@ -96,7 +95,56 @@ def measure(engine, device: str, context: int, steps: int) -> dict:
         "decode_bytes_per_token": (after["bytes_in_decode"] - mid["bytes_in_decode"]) / max(decoded, 1),
         "decode_hit_rate": hit_rate(mid, after),
         "decode_on_host": after["on_host"] - mid["on_host"],
+        "decode_mapped": after["mapped"] - mid["mapped"],
     }
+
+
+def profile_decode(engine, device: str, steps: int = 4, top: int = 12) -> dict:
+    """`steps` decode steps under torch's profiler (host and device): per token the wall time, the
+    device's busy time, the copies and kernel launches issued, and the ops that took the most of
+    each side's time (where a missed decode target goes: link, host, or kernels)."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    from engine import SamplingParams  # noqa: PLC0415
+
+    state = engine.new_state()
+    result = engine.prefill(state, ids_for(512))
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        sync(device)
+        start = time.perf_counter()
+        list(engine.generate(state, result.logits, params))
+        sync(device)
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+
+    def per_token(us: float) -> float:
+        return us / 1e3 / steps
+
+    def ranked(key) -> list[dict]:
+        rows = sorted(events, key=key, reverse=True)[:top]
+        return [{"op": e.key[:80], "ms_per_token": per_token(key(e)), "calls_per_token": e.count / steps} for e in rows]
+
+    count = {e.key: e.count / steps for e in events}
+    out = {
+        "wall_ms_per_token": wall * 1e3 / steps,
+        "device_busy_ms_per_token": per_token(sum(e.self_device_time_total for e in events)),
+        "memcpy_async_per_token": count.get("cudaMemcpyAsync", 0.0),
+        "kernel_launches_per_token": count.get("cudaLaunchKernel", 0.0) + count.get("cuLaunchKernel", 0.0),
+        "syncs_per_token": count.get("cudaStreamSynchronize", 0.0),
+        "top_device": ranked(lambda e: e.self_device_time_total),
+        "top_host": ranked(lambda e: e.self_cpu_time_total),
+    }
+    print(
+        f"decode profile, per token: wall {out['wall_ms_per_token']:.2f} ms, device busy "
+        f"{out['device_busy_ms_per_token']:.2f} ms, {out['memcpy_async_per_token']:.0f} async copies, "
+        f"{out['kernel_launches_per_token']:.0f} launches, {out['syncs_per_token']:.0f} stream syncs"
+    )
+    for side in ("top_device", "top_host") if device == "cuda" else ("top_host",):
+        for r in out[side]:
+            print(f"  {side[4:]:6} {r['ms_per_token']:7.3f} ms x{r['calls_per_token']:<7.1f} {r['op']}")
+    return out
 
 
 def q4_k_m_file(preset: str) -> Path:
@@ -193,6 +241,9 @@ def run_budget(args) -> dict:
         out["prefill_s_pcie4"] = project(out["prefill_s"], out["prefill_bytes"], link_bw, args.pcie)
         per_token = out["decode_s"] / max(out["decode_steps"], 1)
         out["decode_tok_s_pcie4"] = 1 / project(per_token, out["decode_bytes_per_token"], link_bw, args.pcie)
+    if args.profile:
+        started = time.perf_counter()
+        done("decode profile", started, profile=profile_decode(engine, args.device))
     if args.device == "cuda":  # the plan covers the decode slots, not the KV that sequences keep on their own
         out["peak_reserved_bytes"] = offload.peak_reserved()
         out["within_budget"] = out["peak_reserved_bytes"] <= budget * (1 << 30)
@@ -257,6 +308,7 @@ def child(args, budget: str) -> dict:
             argv += [f"--{name.replace('_', '-')}", str(value)]
     argv += ["--traces", *args.traces] if args.traces else ["--no-replay"]
     argv += ["--q4-k-m"] if args.q4_k_m else []
+    argv += ["--profile"] if args.profile else []
     code = subprocess.run(argv).returncode
     result = json.loads(out.read_text()) if out.exists() else {"budget_gib": float(budget)}
     out.unlink(missing_ok=True)
@@ -372,6 +424,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--policies", default="anchor,prefix,none")
     p.add_argument("--limit", type=int, default=None, help="requests per trace")
     p.add_argument("--llama-server", action="store_true", help="also llama-server with --n-cpu-moe")
+    p.add_argument("--profile", action="store_true", help="profile 4 decode steps per budget")
     p.add_argument("--gguf-dtype", default="bf16")
     p.add_argument("--llama-ctx", type=int, default=65536)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)

@@ -36,10 +36,11 @@ class Engine:
 
     def __init__(self, model: HybridForCausalLM, fingerprint: str, model_dir: Path | None = None,
                  offload: expert_offload.ExpertOffload | None = None):
-        """`offload`: the routed experts' host copies and device slots (`offload.install`); a
-        decode step then fetches experts between layers, so it runs eagerly, without a CUDA graph
-        (unless every expert has a slot), and the decode slots make room for their growth in the
-        expert cache."""
+        """`offload`: the routed experts' host copies and device slots (`offload.install`). Decode
+        steps stay CUDA graphs where the device reads the host copies in place (`offload.mapped`)
+        or every expert has a slot; otherwise a step fetches experts between layers and runs
+        eagerly. Short prefills then never run as slot graphs (their chunks fetch), and the decode
+        slots make room for their growth in the expert cache."""
         self.model = model
         self.offload = offload
         self.config: ModelConfig = model.config
@@ -53,14 +54,15 @@ class Engine:
         graphs = self.device.type == "cuda" and os.environ.get("FT_CUDA_GRAPHS", "1") != "0"
         self.runner = Runner(
             model, self.kernels,
-            use_graph=graphs and (offload is None or offload.holds_all),
+            use_graph=graphs and (offload is None or offload.holds_all or offload.mapped),
             before_overwrite=self.runtime.wait_copies if self.runtime is not None else None,
             before_allocate=self._make_room if offload is not None else None,
             capacity=GRAPH_CAPACITY if graphs and offload is None else None,
         )
-        self.slot_prefill = self.runner.use_graph  # short prefills on the sequence's slot (a graph per bucket)
+        # short prefills on the sequence's slot (a graph per bucket)
+        self.slot_prefill = self.runner.use_graph and (offload is None or offload.holds_all)
         if offload is not None:
-            offload.on_shrink = self._eager_if_fetching
+            offload.on_shrink = self._after_shrink
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
@@ -132,11 +134,15 @@ class Engine:
         assert self.offload is not None
         self.offload.make_room(expert_offload.state_bytes(self.config, self.dtype, slots, capacity))
 
-    def _eager_if_fetching(self) -> None:
-        """After the expert slots shrank: experts are fetched from now on, so no graph may hold a step."""
+    def _after_shrink(self) -> None:
+        """After the expert slots shrank (new slot tensors): the graphs are captured again over
+        them where steps read experts in place, else no graph may hold a step (experts are fetched)."""
         assert self.offload is not None
-        if not self.offload.holds_all:
-            self.runner.use_graph = self.slot_prefill = False
+        self.slot_prefill = False
+        if self.offload.mapped:
+            self.runner.drop_graphs()
+        else:
+            self.runner.use_graph = False
 
     def _fit_budget(self, parts: Sequence[tuple[Feed, int]]) -> None:
         """Under a memory budget on a GPU: room for a prefill forward (the workspace measured at
@@ -144,12 +150,15 @@ class Engine:
         if self.offload is None or self.device.type != "cuda":
             return
         growth = sum(cache.growth(count) for feed, count in parts for cache in feed.state.kv.values())
-        need = torch.cuda.memory_allocated(self.device) + self.offload.plan.workspace + growth
+        need = self.offload.allocated() + self.offload.plan.workspace + growth
         self.offload.fit(need, "the sequences' KV and a prefill chunk's workspace")
 
     def offload_stats(self) -> dict[str, int] | None:
         """The expert cache's counters (`OffloadStats.as_dict`), None without offload."""
-        return None if self.offload is None else self.offload.stats.as_dict()
+        if self.offload is None:
+            return None
+        self.offload.flush()
+        return self.offload.stats.as_dict()
 
     def _phase(self, name: str, tokens: int) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if self.offload is None else self.offload.phase(name, tokens)
@@ -343,15 +352,20 @@ class Engine:
     def warmup(self, max_batch: int = 1) -> None:
         """Run every path once (kernel compilation and checks, the CUDA graphs of decode batches up
         to `max_batch`, capture and restore copies) so that the first request does not pay for it."""
-        self.runner.warmup(max_batch)
-        if self.device.type == "cuda":  # kernels tuned per shape: one full prefill chunk as well
+        def graphs() -> None:
+            self.runner.warmup(max_batch, prefill=self.slot_prefill)
+
+        if self.device.type != "cuda":
+            graphs()
+        else:  # kernels tuned per shape: one full prefill chunk as well
             def chunk() -> None:
                 self.prefill(self.new_state(), [1000 + i % 50_000 for i in range(self.step_tokens)])
 
             if self.offload is None:
+                graphs()
                 chunk()
-            else:  # what it allocates is measured: the expert slots keep room for it within the budget
-                self.offload.calibrate_workspace(chunk)
+            else:  # what both allocate is measured: the expert slots keep room for them within the budget
+                self.offload.calibrate_workspace(lambda: (chunk(), graphs()))
             # A first request's eager prefill: unaligned lengths split at captures (the aligned runs
             # above leave other kernel specialisations to it; a cold 2,800-token first request took
             # 1.2-1.9 s on the H200 after them, its later peers 0.1 s).
@@ -362,6 +376,7 @@ class Engine:
         restored = self.restore(result.snapshots)
         self.prefill(restored, [15, 16, 17])
         if self.offload is not None:
+            graphs()  # those dropped if the slots shrank since
             self.offload.reset_stats()
 
     @torch.no_grad()

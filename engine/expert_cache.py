@@ -15,7 +15,14 @@ stream) overlaps the compute of group j. Events order each copy after the last c
 its slot and each compute after the copies into its slots; nothing waits on the host except the
 one read of the routing that choosing experts needs. Some misses may instead be computed on the
 host from the host copy while the others are copied (`split`), and `prefetch` fills half the
-slots before the routing is known (`ExpertOffload` decides when: engine/offload.py).
+slots before the routing is known (`ExpertOffload` decides when: engine/offload.py). Copies of
+experts that sit side by side on both ends (a prefill streaming a layer) go as one copy per part.
+
+With `mapped` host parts (the device reads pinned host memory in place), a forward of a few
+assignments (decode) chooses and copies nothing: the resident experts run from their slots and the
+others are read where they lie, by the same kernels (`run_mapped`), so no host sync and a CUDA
+graph may hold the step. The device counts each expert's uses; between steps `refresh` swaps the
+hottest experts into the slots, on the copy stream, behind the steps already queued.
 """
 
 from __future__ import annotations
@@ -29,11 +36,16 @@ import torch
 import torch.nn.functional as F
 
 from engine.loader import dense
+from engine.ops.moe import DECODE_ROWS
 
 if TYPE_CHECKING:
     from engine.offload import OffloadStats
 
 Parts = tuple[torch.Tensor, ...]
+HEAT_DECAY = 0.9  # per decode step: an expert's heat is its uses, the older ones worth less
+# uses by which a newcomer must be hotter than the expert it displaces: under routing without
+# locality (random weights) a swap is a copy no later step repays, so a newcomer needs ~3 recent uses
+SWAP_MARGIN = 2.0
 
 
 class Lane:
@@ -99,7 +111,10 @@ class ExpertCache:
         stats: OffloadStats,
         lane: Lane,
         assemble: Callable[[Parts], tuple[Any, ...]] = tuple,
+        mapped: Parts | None = None,
     ):
+        """`mapped`: the host parts as the device reads them in place (`ExpertOffload`'s
+        `in_place`), or None: every expert a forward runs is copied into a slot first."""
         self.host, self.assemble, self.stats, self.lane = host, assemble, stats, lane
         self.device = device
         self.num_experts = host[0].shape[0]
@@ -124,6 +139,12 @@ class ExpertCache:
         self.read = [None] * slots  # event: the last compute that read each slot
         self.clock = 0
         self.holds_all = False  # every expert resident for good (`hold_all`)
+        self.mapped_weights = None if mapped is None else assemble(mapped)
+        # [2, E] on the device (rows of ExpertOffload's counters): each expert's assignments in
+        # mapped forwards, and those of them that found it resident
+        self.counters = torch.zeros((2, self.num_experts), dtype=torch.long, device=device)
+        self.heat = np.zeros(self.num_experts)  # decayed uses per decode step (`refresh`)
+        self.pending: Any = None  # event: the last refresh's copies and table published
         self.next: ExpertCache | None = None  # the following layer's cache
         self.prefetch_next = 0  # slots of the following layer to fill when this layer starts
 
@@ -148,10 +169,16 @@ class ExpertCache:
         copied: no host sync, so a CUDA graph may hold the call."""
         if self.holds_all:
             return moe_experts(x, weights, self.slot_table[ids], *self.weights)
+        if self.mapped_weights is not None and ids.numel() <= DECODE_ROWS:
+            return self.run_mapped(x, weights, ids, moe_experts)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(
                 "offloaded experts cannot run inside a CUDA graph: the slots change between replays"
             )
+        if self.mapped_weights is not None:  # mapped steps may have read any slot: copies wait for them
+            self.lane.wait([self.pending])  # and the table a refresh publishes lands before ours
+            self.pending = None
+            self.read = [self.lane.record()] * self.slots
         if self.next is not None and self.prefetch_next:
             self.next.prefetch(self.prefetch_next)  # before this layer's routing is read: overlaps it
         counts = torch.bincount(ids.flatten(), minlength=self.num_experts).tolist()  # the one host sync
@@ -202,6 +229,87 @@ class ExpertCache:
             out.index_add_(0, host_rows[0], self._host_compute(*host_rows[1:]).to(x.device))
         return out.to(x.dtype)
 
+    def run_mapped(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, moe_experts: Callable
+    ) -> torch.Tensor:
+        """A few assignments: the resident experts from their slots and the others read in place
+        from host memory, two calls over the same assignments (each with the other's ids at -1:
+        nothing read for them); each expert's uses counted on the device. Nothing waits or
+        copies: the table lists only slots whose copies are done (`refresh`)."""
+        assert self.mapped_weights is not None
+        slot = self.slot_table[ids]
+        resident = slot >= 0
+        flat = ids.flatten()
+        self.counters[0].index_add_(0, flat, torch.ones_like(flat))
+        self.counters[1].index_add_(0, flat, resident.flatten().long())
+        near = moe_experts(x, weights, slot, *self.weights)
+        far = moe_experts(x, weights, torch.where(resident, -1, ids), *self.mapped_weights)
+        return (near.float() + far.float()).to(x.dtype)
+
+    def refresh(self, uses: np.ndarray, limit: int) -> int:
+        """Between decode steps (mapped): each expert's heat decays and gains its `uses` since the
+        last call; then up to `limit` of the hottest experts not resident replace the coldest
+        resident ones (empty slots first) where hotter by more than `SWAP_MARGIN` (no churn among
+        equals). The slots leave the table on the compute stream (the steps queued before are the
+        last to read them), are filled on the copy stream after those steps, and join the table
+        there once filled: a step reads an expert from its slot or from host memory, never a
+        half-copied slot. Returns the experts copied in."""
+        self.heat *= HEAT_DECAY
+        self.heat += uses
+        if not limit:
+            return 0
+        hot = [
+            int(e) for e in np.argsort(-self.heat, kind="stable")[: self.slots + limit] if self.slot_of[e] < 0
+        ]
+        cold = sorted(
+            range(self.slots), key=lambda s: -1.0 if self.expert_in[s] < 0 else self.heat[self.expert_in[s]]
+        )
+        swaps = []
+        for expert, slot in zip(hot[:limit], cold, strict=False):
+            old = self.expert_in[slot]
+            if self.heat[expert] <= (0.0 if old < 0 else self.heat[old] + SWAP_MARGIN):
+                break
+            swaps.append((expert, slot))
+        if not swaps:
+            return 0
+        for _, slot in swaps:
+            if (old := self.expert_in[slot]) >= 0:
+                self.slot_of[old] = self.slot_of_host[old] = -1
+                self.stats.evictions += 1
+        self.slot_table.copy_(self._staged(torch.from_numpy(self.slot_of_host)), non_blocking=True)
+        after = [self.lane.record()]
+        for expert, slot in swaps:
+            self.expert_in[slot], self.slot_of[expert], self.slot_of_host[expert] = expert, slot, slot
+            self.last_used[slot] = self.clock
+        publish = (self.slot_table, self._staged(torch.from_numpy(self.slot_of_host.copy())))
+        self.pending = self.lane.copy([*self._copies(swaps), publish], after)
+        for _, slot in swaps:
+            self.copied[slot] = self.pending
+        self.stats.misses += len(swaps)
+        self.stats.bytes_in[self.stats.phase] += len(swaps) * self.expert_bytes
+        return len(swaps)
+
+    def _copies(self, assigned: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(device, host) copy pairs that fill slots with experts, from (expert, slot) pairs:
+        one per part for each run of experts side by side in consecutive slots."""
+        pairs = []
+        assigned = sorted(assigned)
+        i = 0
+        while i < len(assigned):
+            expert, slot = assigned[i]
+            n = 1
+            while i + n < len(assigned) and assigned[i + n] == (expert + n, slot + n):
+                n += 1
+            if n == 1:  # the views made once: most decode misses are single experts
+                pairs += zip(self.slot_views[slot], self.host_views[expert], strict=True)
+            else:
+                pairs += [
+                    (d[slot : slot + n], h[expert : expert + n])
+                    for d, h in zip(self.parts, self.host, strict=True)
+                ]
+            i += n
+        return pairs
+
     def prepare(self, counts: list[int]) -> tuple[list[list[int]], list[int]]:
         """From the rows routed to each expert: device groups of the experts needed (resident
         first; all in one group when they fit the slots, else groups of half the slots) and the
@@ -251,17 +359,16 @@ class ExpertCache:
     def _load(self, group: list[int], busy: list[int]) -> None:
         """Make every expert of `group` resident, evicting only experts outside `group` and
         `busy`; each copy waits for the last compute that read its slot."""
-        missing = [e for e in group if self.slot_of[e] < 0]
-        slots = self._victims({*group, *busy}, len(missing))
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        missing = sorted(e for e in group if self.slot_of[e] < 0)
+        slots = sorted(self._victims({*group, *busy}, len(missing)))  # both ascending: runs copy as one
         after: list[Any] = []
         for expert, slot in zip(missing, slots, strict=True):
             if (old := self.expert_in[slot]) >= 0:
                 self.slot_of[old] = self.slot_of_host[old] = -1
                 self.stats.evictions += 1
             self.expert_in[slot], self.slot_of[expert], self.slot_of_host[expert] = expert, slot, slot
-            pairs += zip(self.slot_views[slot], self.host_views[expert], strict=True)
             after.append(self.read[slot])
+        pairs = self._copies(list(zip(missing, slots, strict=True)))
         for expert in group:
             self.last_used[self.slot_of[expert]] = self.clock
         if slots:
@@ -336,3 +443,4 @@ class ExpertCache:
         self.slot_of_host.fill(-1)
         self.slot_table.fill_(-1)
         self.last_used, self.copied, self.read = [0] * slots, [None] * slots, [None] * slots
+        self.pending = None

@@ -18,9 +18,15 @@ What a forward does with the link (`Policy`, chosen per forward by its token cou
   balance the host's time against the remaining copies' (`Link`: measured at start on CUDA, the
   link's bandwidth against the host's time per expert and row; none on the CPU, where the split
   is only simulated).
-Decode with offload runs eagerly, never in a CUDA graph: which slots an expert sits in changes
-between steps (`ExpertCache.run` refuses to run under capture rather than read stale slots).
-Only a budget with a slot for every expert (`holds_all`) copies them in once and captures again.
+Where the device can read pinned host memory in place (`in_place`: CUDA's unified addressing; on
+the CPU, trivially), decode does not fetch at all: a step's resident experts run from their slots,
+the others are read where they lie over the link by the same kernels, and nothing is decided on
+the host mid-step, so decode steps are CUDA graphs again. After each forward the device's
+per-expert counts are read back (`settle`, one step late, without waiting) for the figures, and
+after a decode step each layer may swap its hottest experts into its slots (`ExpertCache.refresh`)
+on the copy stream. Without in-place reads (or `FT_OFFLOAD_MAPPED=0`) decode fetches like a short
+chunk and runs eagerly (`ExpertCache.run` refuses to run under capture rather than read stale
+slots). A budget with a slot for every expert (`holds_all`) copies them in once.
 
 How the budget holds on a GPU: the caching allocator is capped at it (`cap`: past it, it frees its
 cached blocks and retries, then raises rather than reserve more); warm-up measures what a full
@@ -35,22 +41,25 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+import numpy as np
 import torch
 
 from engine.config import ModelConfig
-from engine.expert_cache import ExpertCache, Lane, host_experts
+from engine.expert_cache import ExpertCache, Lane, Parts, host_experts
 
 if TYPE_CHECKING:
     from engine.model import DecoderLayer, HybridForCausalLM
 
 GiB = 1 << 30
 EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+SWAPS_PER_STEP = 1  # experts a layer may copy into its slots after each decode step (mapped)
 
 
 class BudgetError(ValueError):
@@ -161,12 +170,14 @@ def plan(
 @dataclass
 class OffloadStats:
     """Counters over every layer: experts found resident (hits), copied in (misses, prefetches
-    included), computed on the host instead (on_host), experts evicted, and bytes copied
-    host -> device with the tokens and forwards of each phase."""
+    and refreshes included), computed on the host instead (on_host), read in place from host
+    memory (mapped: per assignment), experts evicted, and bytes moved host -> device (copied or
+    read in place) with the tokens and forwards of each phase."""
 
     hits: int = 0
     misses: int = 0
     on_host: int = 0
+    mapped: int = 0
     evictions: int = 0
     bytes_in: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
     tokens: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
@@ -174,7 +185,13 @@ class OffloadStats:
     phase: str = "prefill"
 
     def as_dict(self) -> dict[str, int]:
-        out = {"hits": self.hits, "misses": self.misses, "on_host": self.on_host, "evictions": self.evictions}
+        out = {
+            "hits": self.hits,
+            "misses": self.misses,
+            "on_host": self.on_host,
+            "mapped": self.mapped,
+            "evictions": self.evictions,
+        }
         for name in ("bytes_in", "tokens", "forwards"):
             out.update({f"{name}_{phase}": n for phase, n in getattr(self, name).items()})
         return out
@@ -249,16 +266,28 @@ def measure_link(cache: ExpertCache, repeat: int = 5) -> Link:
 class ExpertOffload:
     """Every MoE layer's `ExpertCache`, their shared counters, copy lane and policy."""
 
-    def __init__(self, caches: dict[int, ExpertCache], stats: OffloadStats, plan: Plan, config: ModelConfig):
+    def __init__(self, caches: dict[int, ExpertCache], stats: OffloadStats, plan: Plan, config: ModelConfig,
+                 outside: int = 0):  # fmt: skip
         self.caches, self.stats, self.plan, self.config = caches, stats, plan, config
         order = [caches[i] for i in sorted(caches)]
         for cache, following in zip(order, [*order[1:], None], strict=True):
             cache.next = following
         self.device = order[0].device
         self.peak_before = 0  # peak reserved bytes before the calibration reset the allocator's peaks
+        # device memory the process held before this engine's (another engine in the same process,
+        # as in the tests): the budget is this engine's, on top of it
+        self.outside = outside
         self.on_shrink: Callable[[], None] = lambda: None  # the engine's: no graph holds a step that fetches
         self.link: Link | None = None
         self.policy = Policy(Policy.coverage_tokens(config))
+        self.mapped = all(c.mapped_weights is not None for c in order)
+        # every layer's device counters in one tensor (ExpertCache.counters are its rows), copied
+        # back after each forward and read at the next (`settle`)
+        self.counters = torch.stack([c.counters for c in order])  # [L, 2, E]
+        for i, cache in enumerate(order):
+            cache.counters = self.counters[i]
+        self.seen = np.zeros(tuple(self.counters.shape), dtype=np.int64)
+        self.reading: tuple[torch.Tensor, Any, str] | None = None  # (host copy, its event, phase)
         if self.holds_all:  # the budget holds every expert: copied in once, then never chosen
             for cache in order:
                 cache.hold_all()
@@ -301,9 +330,46 @@ class ExpertOffload:
         try:
             yield
         finally:
+            if self.mapped and not self.holds_all:
+                self.settle(refresh=name == "decode")
             self.stats.phase = "prefill"
             for cache in self.caches.values():
                 cache.prefetch_next = 0
+
+    def settle(self, refresh: bool = False) -> None:
+        """After a forward (mapped): count what the forward before it did in place (hits, experts
+        read from host memory, their bytes) from the device counters, whose copy that forward's
+        `settle` queued (its step has long finished: the sampling after it waited for it); with
+        `refresh`, each layer then swaps hot experts into its slots (`ExpertCache.refresh`), all
+        while this forward runs. Then queue the copy of the counters as they will be after it."""
+        self.flush(refresh)
+        host = torch.empty(self.counters.shape, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        host.copy_(self.counters, non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self.reading = (host, event, self.stats.phase)
+
+    def flush(self, refresh: bool = False) -> None:
+        """Count the last queued copy of the device counters (waiting for it if need be): before
+        the stats are read, and by `settle`."""
+        if self.reading is None:
+            return
+        host, event, phase = self.reading
+        self.reading = None
+        if event is not None:
+            event.synchronize()
+        counts = host.numpy()
+        delta, self.seen = counts - self.seen, counts.copy()
+        uses, hits = delta[:, 0].sum(), delta[:, 1].sum()
+        s = self.stats
+        s.hits += int(hits)
+        s.mapped += int(uses - hits)
+        s.bytes_in[phase] += int(uses - hits) * self.plan.expert_bytes
+        if refresh:
+            for i, cache in enumerate(self.caches[k] for k in sorted(self.caches)):
+                cache.refresh(delta[i, 0], SWAPS_PER_STEP)
 
     def make_room(self, states: int) -> None:
         """Decode slots grow to `states` bytes: when the plan's other parts no longer leave its
@@ -346,13 +412,16 @@ class ExpertOffload:
             torch.cuda.empty_cache()
             index = torch.cuda.current_device() if self.device.index is None else self.device.index
             total = torch.cuda.get_device_properties(index).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(self.plan.budget / total, 1.0), index)
+            torch.cuda.set_per_process_memory_fraction(
+                min((self.plan.budget + self.outside) / total, 1.0), index
+            )
             # lifted when this offload goes (a test may load other engines in the same process)
             weakref.finalize(self, torch.cuda.set_per_process_memory_fraction, 1.0, index)
 
     def calibrate_workspace(self, forward: Callable[[], None]) -> int:
         """Cap the allocator at the budget (`cap`), then measure what one forward of a full chunk
-        allocates beyond what the device holds (`forward` runs it on a throwaway state): while it
+        allocates beyond what the device holds (`forward` runs it on a throwaway state, and
+        captures the decode graphs, whose memory stays): while it
         runs out of memory, every layer gives up an eighth of its expert slots and it runs again. The plan's
         workspace becomes the measured figure and the slots shrink to keep it; returns it. On the
         CPU (no device memory to measure) the estimate stays."""
@@ -361,7 +430,7 @@ class ExpertOffload:
         self.cap()
         while True:
             torch.cuda.synchronize(self.device)
-            base = torch.cuda.memory_allocated(self.device)
+            base = self.allocated()
             self.peak_before = max(self.peak_before, torch.cuda.max_memory_reserved(self.device))
             torch.cuda.reset_peak_memory_stats(self.device)
             try:
@@ -371,7 +440,7 @@ class ExpertOffload:
             except torch.OutOfMemoryError:
                 pass  # the failed forward's tensors (its frames still hold the slots) go with the exception
             self._shrink(self.plan.slots - max(1, self.plan.slots // 8), "a full prefill chunk's workspace")
-        workspace = torch.cuda.max_memory_allocated(self.device) - base
+        workspace = torch.cuda.max_memory_allocated(self.device) - self.outside - base
         self.plan = dataclasses.replace(self.plan, workspace=workspace)
         self.fit(base + workspace, f"a full prefill chunk's workspace ({_size(workspace)})")
         return workspace
@@ -379,10 +448,15 @@ class ExpertOffload:
     def peak_reserved(self) -> int:
         """The process's peak reserved device memory (what the budget bounds), its part before
         `calibrate_workspace` reset the allocator's peaks included."""
-        return max(self.peak_before, torch.cuda.max_memory_reserved(self.device))
+        return max(self.peak_before, torch.cuda.max_memory_reserved(self.device)) - self.outside
+
+    def allocated(self) -> int:
+        """Device bytes this engine's tensors hold now (what the process holds beyond `outside`)."""
+        return torch.cuda.memory_allocated(self.device) - self.outside
 
     def reset_stats(self) -> None:
         """Zero the counters (the cache contents stay): after warm-up, so metrics count requests only."""
+        self.flush()
         fresh = OffloadStats()
         self.stats.__dict__.update(fresh.__dict__)
 
@@ -419,17 +493,56 @@ def quantized_store(gate_up: Any, down: Any) -> tuple[tuple[torch.Tensor, ...], 
     return (*gate_up.parts, *down.parts), assemble
 
 
+class _Pinned:
+    """Pinned host memory described to torch as device memory (`__cuda_array_interface__`)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t  # kept alive by the device tensor, which keeps this object
+        self.__cuda_array_interface__ = {
+            "shape": (t.nbytes,),
+            "typestr": "|u1",
+            "data": (t.data_ptr(), False),
+            "version": 3,
+        }
+
+
+def in_place(parts: Parts, device: torch.device) -> Parts | None:
+    """The host `parts` as tensors `device` reads in place: on the CPU the parts themselves; on
+    CUDA, device tensors over their pinned memory (unified addressing maps it into the device's
+    address space: a kernel's loads cross the link), checked once by a kernel reading the last
+    expert back; None where the device cannot (then experts are copied in before use) or with
+    FT_OFFLOAD_MAPPED=0."""
+    if os.environ.get("FT_OFFLOAD_MAPPED", "1") == "0":
+        return None
+    if device.type != "cuda":
+        return parts
+    try:
+        views = tuple(torch.as_tensor(_Pinned(p), device=device).view(p.dtype).view(p.shape) for p in parts)
+        for view, p in zip(views, parts, strict=True):
+            read, want = (t.view(torch.uint8)[-1].sum(dtype=torch.long).item() for t in (view, p))
+            if read != want:
+                return None
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    return views
+
+
 def install(model: HybridForCausalLM, device: torch.device, plan: Plan) -> ExpertOffload:
     """Move each MoE layer's routed experts out of `model` (still on the host) into host tensors,
     pinned when `device` is CUDA, and give the layer an `ExpertCache` of `plan.slots` slots on
-    `device`. The model then holds only the dense parts, to be moved to `device` as usual."""
+    `device` (reading the host tensors in place for decode where the device can: `in_place`).
+    The model then holds only the dense parts, to be moved to `device` as usual."""
     stats, lane = OffloadStats(), Lane(device)
+    outside = 0  # what the process holds on the device before this engine's parts
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        outside = torch.cuda.memory_reserved(device)
     caches = {}
     for layer in cast("list[DecoderLayer]", model.model.layers):
         parts, assemble = expert_store(model, layer.layer)
         if device.type == "cuda":
             parts = tuple(p.pin_memory() for p in parts)
-        cache = ExpertCache(parts, plan.slots, device, stats, lane, assemble)
+        cache = ExpertCache(parts, plan.slots, device, stats, lane, assemble, in_place(parts, device))
         layer.mlp.offload = caches[layer.layer] = cache
         layer.mlp.experts = None
-    return ExpertOffload(caches, stats, plan, model.config)
+    return ExpertOffload(caches, stats, plan, model.config, outside)

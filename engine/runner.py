@@ -113,15 +113,19 @@ class Runner:
         self._advance(state, count)
         return logits
 
-    def warmup(self, max_batch: int) -> None:
-        """Slots for `max_batch` sequences and the graphs of every batch bucket up to it and of
-        every prefill bucket, now (each capture is a few forwards) rather than at first use."""
+    def warmup(self, max_batch: int, prefill: bool = True) -> None:
+        """Slots for `max_batch` sequences and the graphs of every batch bucket up to it and (with
+        `prefill`) of every prefill bucket, now (each capture is a few forwards) rather than at first use."""
         self._reserve(max_batch, PREFILL_BUCKETS[-1])
         if self.use_graph:
             for rows in sorted({bucket(n) for n in range(1, max_batch + 1)}):
                 self._graph("decode", rows)
-            for rows in PREFILL_BUCKETS:
+            for rows in PREFILL_BUCKETS if prefill else ():
                 self._graph("prefill", rows)
+
+    def drop_graphs(self) -> None:
+        """Forget the captured graphs (they hold tensors that are gone): captured again at next use."""
+        self.graphs, self.pool = {}, None
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` lives in the slot buffers (its memory is reused by the next sequence

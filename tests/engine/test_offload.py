@@ -33,11 +33,15 @@ def budget_gib(engine: Engine, slots: int, max_running: int = 4) -> float:
     return (p.budget_for(slots) + p.expert_bytes // 2) / GiB
 
 
-@pytest.fixture(scope="module")
-def offloaded(preset_dirs, tiny) -> Engine:
-    """The tiny preset with 3 of its 8 experts per layer resident."""
-    engine = Engine.load(preset_dirs["tiny"], gpu_memory_gib=budget_gib(tiny, 3))
+@pytest.fixture(scope="module", params=["mapped", "fetch"])
+def offloaded(request, preset_dirs, tiny) -> Engine:
+    """The tiny preset with 3 of its 8 experts per layer resident; decode reads the others in
+    place (mapped) or copies them in first (fetch, FT_OFFLOAD_MAPPED=0)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("FT_OFFLOAD_MAPPED", "1" if request.param == "mapped" else "0")
+        engine = Engine.load(preset_dirs["tiny"], gpu_memory_gib=budget_gib(tiny, 3))
     assert engine.offload is not None and engine.offload.plan.slots == 3
+    assert engine.offload.mapped == (request.param == "mapped")
     return engine
 
 
@@ -84,25 +88,30 @@ def test_batched_decode_matches_no_offload(tiny, offloaded):
     assert (out["plain"] - out["offload"]).abs().max().item() <= TOL
 
 
-def test_counters_under_the_smallest_cache(preset_dirs, tiny):
-    """top_k slots per layer: every expert a step needs is counted once, as a hit or a copy."""
+@pytest.mark.parametrize("mapped", [True, False])
+def test_counters_under_the_smallest_cache(preset_dirs, tiny, monkeypatch, mapped):
+    """top_k slots per layer: every expert a step needs is counted once, as a hit, a copy or
+    (mapped) a read in place; the bytes moved are those copies and reads."""
+    monkeypatch.setenv("FT_OFFLOAD_MAPPED", "1" if mapped else "0")
     engine = Engine.load(preset_dirs["tiny"], gpu_memory_gib=budget_gib(tiny, 2))
     offload = engine.offload
     assert offload is not None and offload.plan.slots == tiny.config.num_experts_per_tok
     state = engine.new_state()
     engine.prefill(state, list(range(300, 340)))
-    stats = offload.stats.as_dict()
+    stats = engine.offload_stats()
     layers, expert = tiny.config.num_hidden_layers, offload.plan.expert_bytes
     assert stats["misses"] >= layers * tiny.config.num_experts_per_tok
     assert stats["evictions"] == stats["misses"] - layers * 2  # the first two per layer filled empty slots
     assert stats["bytes_in_prefill"] == stats["misses"] * expert and stats["bytes_in_decode"] == 0
-    assert stats["tokens_prefill"] == 40
-    before = offload.stats.as_dict()
+    assert stats["tokens_prefill"] == 40 and stats["mapped"] == 0
+    before = engine.offload_stats()
     engine.decode(state, 77)
-    after = offload.stats.as_dict()
-    moved = after["misses"] - before["misses"]
-    assert after["hits"] - before["hits"] + moved == layers * 2  # one token: exactly top_k experts per layer
-    assert after["bytes_in_decode"] == moved * expert and after["tokens_decode"] == 1
+    after = engine.offload_stats()
+    moved, read = after["misses"] - before["misses"], after["mapped"] - before["mapped"]
+    assert read == 0 or mapped
+    # one token: exactly top_k experts per layer
+    assert after["hits"] - before["hits"] + (read if mapped else moved) == layers * 2
+    assert after["bytes_in_decode"] == (moved + read) * expert and after["tokens_decode"] == 1
 
 
 def _cache(num_experts: int, slots: int, stats: OffloadStats) -> ExpertCache:
@@ -194,3 +203,37 @@ def test_planned_decode_slots_are_the_runners(tiny):
         state_bytes(engine.config, engine.dtype, engine.runner.slots, engine.runner.capacity)
         == engine.runner.nbytes
     )
+
+
+def test_mapped_decode_reads_misses_in_place_and_refresh_swaps_hot_experts_in():
+    """Decode-sized forwards run resident experts from their slots and the others from the host
+    copy (the same result as every expert resident); `refresh` brings in the hottest experts, at
+    most `limit` per call, empty slots first, and never swaps one for an expert as hot as it."""
+    torch.manual_seed(0)
+    host = (torch.randn(8, 16, 8), torch.randn(8, 8, 8))
+    stats = OffloadStats()
+    cache = ExpertCache(host, 2, torch.device("cpu"), stats, Lane(torch.device("cpu")), mapped=host)
+    x, weights = torch.randn(2, 8), torch.rand(2, 2)
+
+    def step(*pairs: tuple[int, int]) -> torch.Tensor:
+        ids = torch.tensor(pairs)
+        got = cache.run(x, weights, ids, experts_loop)
+        torch.testing.assert_close(got, experts_loop(x, weights, ids, *host), rtol=1e-6, atol=1e-6)
+        return ids
+
+    def uses(ids: torch.Tensor):
+        return torch.bincount(ids.flatten(), minlength=8).numpy()
+
+    ids = step((3, 5), (3, 1))
+    assert cache.counters[0].tolist() == [0, 1, 0, 2, 0, 1, 0, 0] and not cache.counters[1].any()
+    assert cache.refresh(uses(ids), limit=1) == 1 and cache.slot_of[3] >= 0  # the hottest, into an empty slot
+    assert cache.refresh(uses(step((3, 5), (5, 1))), limit=1) == 1 and cache.slot_of[5] >= 0
+    assert cache.counters[1].tolist() == [0, 0, 0, 1, 0, 0, 0, 0]  # 3 was resident for the second step
+    assert cache.slot_table.tolist() == cache.slot_of
+    # 1 is hotter than the coldest resident (3), but not by more than SWAP_MARGIN: no swap yet
+    assert cache.refresh(uses(step((1, 6))), limit=1) == 0
+    assert cache.refresh(uses(step((1, 6), (1, 7))), limit=2) == 1 and cache.slot_of[1] >= 0
+    assert sorted(e for e in cache.expert_in) == [1, 5]  # 3, the coldest, went
+    step((1, 3), (0, 2))  # every combination of slots and host still gives the plain result
+    assert (stats.misses, stats.evictions) == (3, 1)
+    assert stats.bytes_in["prefill"] == 3 * cache.expert_bytes

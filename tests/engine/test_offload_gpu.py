@@ -45,6 +45,7 @@ def engines(preset: str, dtype: torch.dtype, slots: int, max_running: int = 1) -
     config, _, state_dict = materialise(preset, "cpu", dtype)
     fp = fingerprint(config, state_dict)
     plain = Engine(place(build_model(config, state_dict), CUDA), fp)
+    plain.runner.warmup(max_running)  # its slot buffers now: what the process holds before the offloaded engine
     model = build_model(config, state_dict)
     p = plan(
         config, dense_bytes(model), 1 << 50, dtype, max_running, starting_capacity(CUDA), chunk_tokens(CUDA)
@@ -56,10 +57,11 @@ def engines(preset: str, dtype: torch.dtype, slots: int, max_running: int = 1) -
 
 
 def run(engine: Engine, prompt: list[int], forced: list[int]) -> torch.Tensor:
-    """Logits of a prefill (all positions) then of each forced decode step: [T + F, V]."""
+    """Logits of a prefill (all positions) then of each forced decode step: [T + F, V], on the host
+    (a reference kept on the device would count against the other engine's budget)."""
     state = engine.new_state()
-    logits = engine.prefill(state, prompt, all_logits=True).logits
-    return torch.cat([logits, engine.feed(state, forced)])
+    logits = engine.prefill(state, prompt, all_logits=True).logits.cpu()
+    return torch.cat([logits, engine.feed(state, forced).cpu()])
 
 
 def prompt(n: int) -> list[int]:
@@ -81,6 +83,8 @@ def test_fp32_offload_matches_no_offload(small_fp32):
     assert rel(got, want) <= FP32_TOL
     short = run(offloaded, prompt(7), [3, 4, 5])  # below stream_tokens: routed experts only
     assert rel(short, run(plain, prompt(7), [3, 4, 5])) <= FP32_TOL
+    # decode read the misses in place from pinned host memory, in CUDA graphs
+    assert offloaded.offload.mapped and offloaded.runner.use_graph and offloaded.offload_stats()["mapped"] > 0
 
 
 def test_fp32_misses_computed_on_the_host(small_fp32):
@@ -122,15 +126,15 @@ def test_every_expert_resident_decodes_in_graphs():
     assert rel(got, want) <= FP32_TOL and offloaded.runner.graphs
 
 
-def test_offloaded_experts_refuse_graph_capture(small_fp32):
+def test_fetching_experts_refuse_graph_capture(small_fp32):
+    """A chunk beyond decode size fetches experts (host decisions): never under capture."""
     _, offloaded = small_fp32
     cache = next(iter(offloaded.offload.caches.values()))
-    x = torch.randn(1, offloaded.config.hidden_size, device=CUDA)
-    weights, ids = torch.ones(1, 2, device=CUDA) / 2, torch.tensor([[0, 1]], device=CUDA)
+    x = torch.randn(40, offloaded.config.hidden_size, device=CUDA)
+    weights, ids = torch.ones(40, 2, device=CUDA) / 2, torch.arange(80, device=CUDA).view(40, 2) % 32
     graph = torch.cuda.CUDAGraph()
     with pytest.raises(RuntimeError, match="CUDA graph"), torch.cuda.graph(graph):
         cache.run(x, weights, ids, offloaded.kernels.moe_experts)
-    assert offloaded.runner.use_graph is False  # decode with offload runs eagerly
 
 
 def test_35b_shape_offload_within_the_bf16_bound():
@@ -205,5 +209,5 @@ def test_peak_reserved_memory_within_the_budget_as_decode_slots_grow(budget):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     metric("peak_reserved_gib", out["peak"] / GiB)
     print("METRIC slots_before_after", out["slots"], "capacity", out["capacity"])
-    assert out["capacity"] == 8192 and out["slots"][1] < out["slots"][0]
+    assert out["capacity"] == 8192 and out["slots"][1] <= out["slots"][0]  # shrunk where the growth needed it
     assert out["peak"] <= budget * GiB

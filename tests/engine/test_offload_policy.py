@@ -114,7 +114,8 @@ def test_prefetch_and_double_buffered_groups_match_no_offload(preset_dirs, tiny)
     assert stats.misses > 0 and stats.on_host == 0
 
 
-def test_misses_computed_on_the_host_match_no_offload(preset_dirs, tiny):
+def test_misses_computed_on_the_host_match_no_offload(preset_dirs, tiny, monkeypatch):
+    monkeypatch.setenv("FT_OFFLOAD_MAPPED", "0")  # short forwards fetch (else they read misses in place)
     engine = _load(preset_dirs, tiny, slots=2)
     offload = engine.offload
     offload.policy = Policy(stream_tokens=offload.policy.stream_tokens, cpu_rows=3)

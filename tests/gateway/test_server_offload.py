@@ -68,17 +68,18 @@ def test_offloaded_server_answers_as_without(live_server, offloaded):
     assert engine.offload is not None and engine.offload.plan.slots == 3
     assert _conversation(offloaded) == _conversation(live_server)
     offloaded.wait_idle()
-    hits, misses = (
+    hits, misses, mapped = (
         _metric(offloaded, "ft_expert_cache_hits_total"),
         _metric(offloaded, "ft_expert_cache_misses_total"),
+        _metric(offloaded, "ft_expert_cache_mapped_total"),
     )
-    assert misses > 0 and hits > 0
+    assert misses > 0 and hits > 0 and mapped > 0  # prefill copies, decode reads in place
     assert _metric(offloaded, "ft_expert_cache_on_host_total") == 0  # the CPU simulation copies every miss
     expert = engine.offload.plan.expert_bytes
     moved = sum(
         _metric(offloaded, f'ft_expert_cache_bytes_in_total{{phase="{p}"}}') for p in ("prefill", "decode")
     )
-    assert moved == misses * expert
+    assert moved == (misses + mapped) * expert
     assert _metric(offloaded, 'ft_memory_bytes{part="expert_cache"}') == engine.offload.nbytes
     with live_server.client() as c:
         assert "ft_expert_cache" not in c.get("/metrics").text
