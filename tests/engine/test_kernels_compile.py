@@ -1,0 +1,57 @@
+"""The Triton kernels whose offloaded-decode paths the CPU runs only in Triton's interpreter also
+compile for the H200 (sm_90, PTX and cubin through the bundled ptxas), on this CPU machine: what the
+interpreter lets through (a loop bound computed at run time, a pointer chosen per row) fails here
+as it would on the GPU, before a lease is spent on it."""
+
+from __future__ import annotations
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from engine.ops.gpu import moe, quant  # noqa: E402
+
+H200 = GPUTarget("cuda", 90, 32)
+GEMV = {
+    "X": "*bf16", "PART": "*fp32", "XROW": "*i32", "EXPERT": "*i32",
+    "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32",
+    "FMT": "constexpr", "BN": "constexpr", "CHUNK": "constexpr", "GROUPED": "constexpr",
+}  # fmt: skip
+PARTS = {  # the field arrays' types per format (quant.FIELDS)
+    quant.Q8_0: ("*i8", "*fp16", "*i8", "*i8"),
+    quant.Q4_K: ("*u8", "*u8", "*u8", "*fp16"),
+    quant.Q6_K: ("*u8", "*u8", "*i8", "*fp16"),
+}
+
+
+def compile_for_h200(fn, signature: dict, constexprs: dict) -> str:
+    try:
+        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=H200)
+    except (FileNotFoundError, RuntimeError) as exc:  # no CUDA backend or ptxas in this triton build
+        if "ptxas" in str(exc) or "backend" in str(exc):
+            pytest.skip(f"triton cannot compile for sm_90 here: {exc}")
+        raise
+    return kernel.asm["ptx"]
+
+
+@pytest.mark.parametrize("fmt", sorted(PARTS), ids=lambda f: quant.NAMES[f])
+def test_grouped_gemv_compiles(fmt):
+    signature = {**GEMV, **{f"P{i}": t for i, t in enumerate(PARTS[fmt])}}
+    chunk = quant.GEMV_CHUNK[fmt]
+    assert ".entry _gemv_kernel" in compile_for_h200(
+        quant._gemv_kernel, signature, {"FMT": fmt, "BN": 32, "CHUNK": chunk, "GROUPED": True}
+    )
+
+
+def test_bf16_decode_kernels_compile():
+    up = {"X": "*bf16", "W": "*bf16", "IDS": "*i64", "A": "*bf16", "H": "i32", "INTER": "i32",
+          "TOPK": "constexpr", "BLOCK_I": "constexpr", "BLOCK_H": "constexpr"}  # fmt: skip
+    down = {"A": "*bf16", "W": "*bf16", "IDS": "*i64", "RW": "*bf16", "PART": "*fp32", "H": "i32", "INTER": "i32",
+            "TOPK": "constexpr", "BLOCK_N": "constexpr", "BLOCK_I": "constexpr"}  # fmt: skip
+    assert ".entry _up_kernel" in compile_for_h200(moe._up_kernel, up, {"TOPK": 8, "BLOCK_I": 8, "BLOCK_H": 256})
+    assert ".entry _down_kernel" in compile_for_h200(
+        moe._down_kernel, down, {"TOPK": 8, "BLOCK_N": 32, "BLOCK_I": 128}
+    )
