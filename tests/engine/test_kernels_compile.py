@@ -51,7 +51,9 @@ def test_bf16_decode_kernels_compile():
           "TOPK": "constexpr", "BLOCK_I": "constexpr", "BLOCK_H": "constexpr"}  # fmt: skip
     down = {"A": "*bf16", "W": "*bf16", "IDS": "*i64", "RW": "*bf16", "PART": "*fp32", "H": "i32", "INTER": "i32",
             "TOPK": "constexpr", "BLOCK_N": "constexpr", "BLOCK_I": "constexpr"}  # fmt: skip
-    assert ".entry _up_kernel" in compile_for_h200(moe._up_kernel, up, {"TOPK": 8, "BLOCK_I": 8, "BLOCK_H": 256})
+    assert ".entry _up_kernel" in compile_for_h200(
+        moe._up_kernel, up, {"TOPK": 8, "BLOCK_I": 8, "BLOCK_H": 256}
+    )
     assert ".entry _down_kernel" in compile_for_h200(
         moe._down_kernel, down, {"TOPK": 8, "BLOCK_N": 32, "BLOCK_I": 128}
     )
