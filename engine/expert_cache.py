@@ -80,6 +80,10 @@ class Lane:
         event.record(torch.cuda.current_stream(self.device))
         return event
 
+    def done(self, event: Any) -> bool:
+        """Whether the copies behind `event` have landed (None: nothing pending)."""
+        return event is None or event.query()
+
     def wait(self, events: list[Any]) -> None:
         """The compute stream waits for `events` (copies into slots it is about to read)."""
         if self.stream is None:
@@ -253,10 +257,11 @@ class ExpertCache:
         equals). The slots leave the table on the compute stream (the steps queued before are the
         last to read them), are filled on the copy stream after those steps, and join the table
         there once filled: a step reads an expert from its slot or from host memory, never a
-        half-copied slot. Returns the experts copied in."""
+        half-copied slot. Nothing while the last refresh's copies are in flight (its table would
+        land after this one's evictions). Returns the experts copied in."""
         self.heat *= HEAT_DECAY
         self.heat += uses
-        if not limit:
+        if not limit or not self.lane.done(self.pending):
             return 0
         hot = [
             int(e) for e in np.argsort(-self.heat, kind="stable")[: self.slots + limit] if self.slot_of[e] < 0

@@ -269,6 +269,9 @@ class DeferredLane(Lane):
         self.queue.append((event, [(dst, src.clone()) for dst, src in pairs]))
         return event
 
+    def done(self, event):
+        return all(e is not event for e, _ in self.queue)
+
     def wait(self, events):
         wanted = {id(e) for e in events if e is not None}
         while wanted and self.queue:
