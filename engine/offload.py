@@ -269,7 +269,7 @@ class ExpertOffload:
     def __init__(self, caches: dict[int, ExpertCache], stats: OffloadStats, plan: Plan, config: ModelConfig,
                  outside: int = 0):  # fmt: skip
         self.caches, self.stats, self.plan, self.config = caches, stats, plan, config
-        order = [caches[i] for i in sorted(caches)]
+        self.order = order = [caches[i] for i in sorted(caches)]  # by layer, as the counters' rows
         for cache, following in zip(order, [*order[1:], None], strict=True):
             cache.next = following
         self.device = order[0].device
@@ -368,8 +368,8 @@ class ExpertOffload:
         s.mapped += int(uses - hits)
         s.bytes_in[phase] += int(uses - hits) * self.plan.expert_bytes
         if refresh:
-            for i, cache in enumerate(self.caches[k] for k in sorted(self.caches)):
-                cache.refresh(delta[i, 0], SWAPS_PER_STEP)
+            for cache, uses_of in zip(self.order, delta[:, 0], strict=True):
+                cache.refresh(uses_of, SWAPS_PER_STEP)
 
     def make_room(self, states: int) -> None:
         """Decode slots grow to `states` bytes: when the plan's other parts no longer leave its
