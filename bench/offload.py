@@ -3,6 +3,7 @@ bytes over the host link, peak reserved memory, and a recorded session replayed 
 
     FT_MATERIALISE=1 python bench/offload.py --preset qwen3.6-35b-a3b --device cuda --budgets 8,12,24
     python bench/offload.py --preset qwen3.6-35b-a3b --q4-k-m --budgets 8    # experts packed, as the issue asks
+    python bench/offload.py --preset qwen3.6-35b-a3b --q4-k-m --budgets 8 --no-replay --profile  # where a decode token goes
     python bench/offload.py --preset tiny --device cpu --budgets 0.145 --context 256 --decode-steps 8  # CPU smoke
 
 With bf16 experts, 8 GiB holds the 35B-A3B shape's dense parts, one sequence's slots and top_k
