@@ -278,20 +278,13 @@ class ExpertCache:
         if not swaps:
             return 0
         for _, slot in swaps:
-            if (old := self.expert_in[slot]) >= 0:
-                self.slot_of[old] = self.slot_of_host[old] = -1
-                self.stats.evictions += 1
-        self.slot_table.copy_(self._staged(torch.from_numpy(self.slot_of_host)), non_blocking=True)
+            self._evict(slot)
+        self._write_table()  # the steps queued so far are the last to read these slots
         after = [self.lane.record()]
         for expert, slot in swaps:
-            self.expert_in[slot], self.slot_of[expert], self.slot_of_host[expert] = expert, slot, slot
+            self._place(expert, slot)
             self.last_used[slot] = self.clock
-        publish = (self.slot_table, self._staged(torch.from_numpy(self.slot_of_host.copy())))
-        self.pending = self.lane.copy([*self._copies(swaps), publish], after)
-        for _, slot in swaps:
-            self.copied[slot] = self.pending
-        self.stats.misses += len(swaps)
-        self.stats.bytes_in[self.stats.phase] += len(swaps) * self.expert_bytes
+        self.pending = self._fill(swaps, after, publish=True)
         return len(swaps)
 
     def _copies(self, assigned: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -366,25 +359,42 @@ class ExpertCache:
         `busy`; each copy waits for the last compute that read its slot."""
         missing = sorted(e for e in group if self.slot_of[e] < 0)
         slots = sorted(self._victims({*group, *busy}, len(missing)))  # both ascending: runs copy as one
-        after: list[Any] = []
-        for expert, slot in zip(missing, slots, strict=True):
-            if (old := self.expert_in[slot]) >= 0:
-                self.slot_of[old] = self.slot_of_host[old] = -1
-                self.stats.evictions += 1
-            self.expert_in[slot], self.slot_of[expert], self.slot_of_host[expert] = expert, slot, slot
-            after.append(self.read[slot])
-        pairs = self._copies(list(zip(missing, slots, strict=True)))
+        assigned = list(zip(missing, slots, strict=True))
+        for expert, slot in assigned:
+            self._evict(slot)
+            self._place(expert, slot)
         for expert in group:
             self.last_used[self.slot_of[expert]] = self.clock
-        if slots:
-            self.slot_table.copy_(
-                self._staged(torch.from_numpy(self.slot_of_host)), non_blocking=True
-            )  # with copies only
-            done = self.lane.copy(pairs, after)
-            for slot in slots:
-                self.copied[slot] = done
-            self.stats.misses += len(slots)
-            self.stats.bytes_in[self.stats.phase] += len(slots) * self.expert_bytes
+        if assigned:
+            self._write_table()  # with copies only: each compute waits for the copies into its slots
+            self._fill(assigned, [self.read[slot] for slot in slots])
+
+    def _evict(self, slot: int) -> None:
+        if (old := self.expert_in[slot]) >= 0:
+            self.expert_in[slot] = self.slot_of[old] = self.slot_of_host[old] = -1
+            self.stats.evictions += 1
+
+    def _place(self, expert: int, slot: int) -> None:
+        self.expert_in[slot], self.slot_of[expert], self.slot_of_host[expert] = expert, slot, slot
+
+    def _table(self) -> torch.Tensor:
+        """The slot table as it stands on the host, staged for a copy to the device."""
+        return self._staged(torch.from_numpy(self.slot_of_host.copy()))
+
+    def _write_table(self) -> None:
+        """The device's slot table as the host's, in compute-stream order."""
+        self.slot_table.copy_(self._table(), non_blocking=True)
+
+    def _fill(self, assigned: list[tuple[int, int]], after: list[Any], publish: bool = False) -> Any:
+        """Copy (expert, slot) pairs in on the copy stream once `after` completed (and with
+        `publish`, the slot table behind them there); counts them; the copies' event."""
+        pairs = self._copies(assigned) + ([(self.slot_table, self._table())] if publish else [])
+        done = self.lane.copy(pairs, after)
+        for _, slot in assigned:
+            self.copied[slot] = done
+        self.stats.misses += len(assigned)
+        self.stats.bytes_in[self.stats.phase] += len(assigned) * self.expert_bytes
+        return done
 
     def _staged(self, t: torch.Tensor) -> torch.Tensor:
         """A small host tensor to copy in without a host sync: pinned on CUDA (the pinned

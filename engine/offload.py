@@ -287,7 +287,12 @@ class ExpertOffload:
         for i, cache in enumerate(order):
             cache.counters = self.counters[i]
         self.seen = np.zeros(tuple(self.counters.shape), dtype=np.int64)
-        self.reading: tuple[torch.Tensor, Any, str] | None = None  # (host copy, its event, phase)
+        # their host copy (pinned on CUDA: copied behind the forward without a wait), and while a
+        # copy is queued, (its event, the phase it counts for)
+        self.counted = torch.empty(
+            self.counters.shape, dtype=torch.long, pin_memory=self.device.type == "cuda"
+        )
+        self.reading: tuple[Any, str] | None = None
         if self.holds_all:  # the budget holds every expert: copied in once, then never chosen
             for cache in order:
                 cache.hold_all()
@@ -342,25 +347,24 @@ class ExpertOffload:
         `settle` queued (its step has long finished: the sampling after it waited for it); with
         `refresh`, each layer then swaps hot experts into its slots (`ExpertCache.refresh`), all
         while this forward runs. Then queue the copy of the counters as they will be after it."""
-        self.flush(refresh)
-        host = torch.empty(self.counters.shape, dtype=torch.long, pin_memory=self.device.type == "cuda")
-        host.copy_(self.counters, non_blocking=True)
+        self.flush(refresh)  # the host copy is free again
+        self.counted.copy_(self.counters, non_blocking=True)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-        self.reading = (host, event, self.stats.phase)
+        self.reading = (event, self.stats.phase)
 
     def flush(self, refresh: bool = False) -> None:
         """Count the last queued copy of the device counters (waiting for it if need be): before
         the stats are read, and by `settle`."""
         if self.reading is None:
             return
-        host, event, phase = self.reading
+        event, phase = self.reading
         self.reading = None
         if event is not None:
             event.synchronize()
-        counts = host.numpy()
+        counts = self.counted.numpy()
         delta, self.seen = counts - self.seen, counts.copy()
         uses, hits = delta[:, 0].sum(), delta[:, 1].sum()
         s = self.stats

@@ -97,9 +97,10 @@ def _experts_gathered(x, weights, ids, gate_up, down):
     absent expert, -1, gathers expert 0 and is weighted 0)."""
     num_tokens, top_k = ids.shape
     flat = ids.flatten()
+    present = flat.clamp(min=0)
     xs = x.repeat_interleave(top_k, dim=0)[:, None, :]  # [T*k, 1, H]
-    gate, up = torch.bmm(xs, gate_up[flat.clamp(min=0)].transpose(1, 2)).chunk(2, dim=-1)  # [T*k, 1, I]
-    ys = torch.bmm(F.silu(gate) * up, down[flat.clamp(min=0)].transpose(1, 2))[:, 0]  # [T*k, H]
+    gate, up = torch.bmm(xs, gate_up[present].transpose(1, 2)).chunk(2, dim=-1)  # [T*k, 1, I]
+    ys = torch.bmm(F.silu(gate) * up, down[present].transpose(1, 2))[:, 0]  # [T*k, H]
     ys = ys.float() * (weights.flatten().float() * (flat >= 0))[:, None]
     return ys.view(num_tokens, top_k, -1).sum(1).to(x.dtype)
 
