@@ -4,7 +4,7 @@ bytes over the host link, peak reserved memory, and a recorded session replayed 
     FT_MATERIALISE=1 python bench/offload.py --preset qwen3.6-35b-a3b --device cuda --budgets 8,12,24
     python bench/offload.py --preset qwen3.6-35b-a3b --q4-k-m --budgets 8    # experts packed, as the issue asks
     python bench/offload.py --preset qwen3.6-35b-a3b --q4-k-m --budgets 8 --no-replay --profile  # where a decode token goes
-    python bench/offload.py --preset tiny --device cpu --budgets 0.145 --context 256 --decode-steps 8  # CPU smoke
+    python bench/offload.py --preset tiny --device cpu --budgets 0.148 --context 256 --decode-steps 8  # CPU smoke
 
 With bf16 experts, 8 GiB holds the 35B-A3B shape's dense parts, one sequence's slots and top_k
 experts per layer only with 4096-token prefill chunks (`FT_PREFILL_CHUNK=4096`: a smaller workspace);
@@ -12,7 +12,8 @@ a budget that cannot is reported as a row naming the numbers.
 
 Each budget runs in a child process of its own (a fresh engine: peak reserved memory per budget,
 and the 256-expert weights are held once in host memory). Per budget: prefill tokens/s of one
-`--context`-token prompt, decode tokens/s at batch 1, hits / (hits + misses + host-computed) per
+`--context`-token prompt, decode tokens/s at batch 1 (where decode gathers the experts it reads
+from host memory into staging rows, also with them read where they lie: the same run's baseline), hits / (hits + misses + host-computed) per
 phase, bytes host -> device per prefill and per decoded token, and the same times projected to a
 PCIe 4.0 x16 link (`--pcie` bytes/s, 25 GB/s): every byte's copy time moved from the measured link
 to that one, t + bytes x (1/pcie - 1/link) (exact where the copies are on the critical path, as in
@@ -100,51 +101,86 @@ def measure(engine, device: str, context: int, steps: int) -> dict:
     }
 
 
-def profile_decode(engine, device: str, steps: int = 4, top: int = 12) -> dict:
-    """`steps` decode steps under torch's profiler (host and device): per token the wall time, the
-    device's busy time, the copies and kernel launches issued, and the ops that took the most of
-    each side's time (where a missed decode target goes: link, host, or kernels)."""
+def profiled(fn, device: str, per: int, top: int = 12) -> dict:
+    """`fn()` under torch's profiler (host and device), its figures divided by `per` (tokens): the
+    wall time, the device's busy time and its copies' part, the copies and kernel launches
+    issued, host syncs, and the ops that took the most of each side's time."""
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
-    from engine import SamplingParams  # noqa: PLC0415
-
-    state = engine.new_state()
-    result = engine.prefill(state, ids_for(512))
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 1)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
         sync(device)
         start = time.perf_counter()
-        list(engine.generate(state, result.logits, params))
+        fn()
         sync(device)
         wall = time.perf_counter() - start
     events = prof.key_averages()
 
-    def per_token(us: float) -> float:
-        return us / 1e3 / steps
+    def each(us: float) -> float:
+        return us / 1e3 / per
 
     def ranked(key) -> list[dict]:
         rows = sorted(events, key=key, reverse=True)[:top]
-        return [{"op": e.key[:80], "ms_per_token": per_token(key(e)), "calls_per_token": e.count / steps} for e in rows]
+        return [
+            {"op": e.key[:80], "ms_per_token": each(key(e)), "calls_per_token": e.count / per} for e in rows
+        ]
 
-    count = {e.key: e.count / steps for e in events}
-    out = {
-        "wall_ms_per_token": wall * 1e3 / steps,
-        "device_busy_ms_per_token": per_token(sum(e.self_device_time_total for e in events)),
+    count = {e.key: e.count / per for e in events}
+    return {
+        "wall_ms_per_token": wall * 1e3 / per,
+        "device_busy_ms_per_token": each(sum(e.self_device_time_total for e in events)),
+        "copies_ms_per_token": each(
+            sum(e.self_device_time_total for e in events if e.key.startswith("Memcpy HtoD"))
+        ),
         "memcpy_async_per_token": count.get("cudaMemcpyAsync", 0.0),
         "kernel_launches_per_token": count.get("cudaLaunchKernel", 0.0) + count.get("cuLaunchKernel", 0.0),
         "syncs_per_token": count.get("cudaStreamSynchronize", 0.0),
         "top_device": ranked(lambda e: e.self_device_time_total),
         "top_host": ranked(lambda e: e.self_cpu_time_total),
     }
+
+
+def show_profile(name: str, out: dict, device: str, unit: str = "token") -> None:
     print(
-        f"decode profile, per token: wall {out['wall_ms_per_token']:.2f} ms, device busy "
-        f"{out['device_busy_ms_per_token']:.2f} ms, {out['memcpy_async_per_token']:.0f} async copies, "
-        f"{out['kernel_launches_per_token']:.0f} launches, {out['syncs_per_token']:.0f} stream syncs"
+        f"{name} profile, per {unit}: wall {out['wall_ms_per_token']:.3f} ms, device busy "
+        f"{out['device_busy_ms_per_token']:.3f} ms (copies {out['copies_ms_per_token']:.3f}), "
+        f"{out['memcpy_async_per_token']:.1f} async copies, {out['kernel_launches_per_token']:.1f} launches, "
+        f"{out['syncs_per_token']:.2f} stream syncs"
     )
     for side in ("top_device", "top_host") if device == "cuda" else ("top_host",):
         for r in out[side]:
             print(f"  {side[4:]:6} {r['ms_per_token']:7.3f} ms x{r['calls_per_token']:<7.1f} {r['op']}")
+
+
+def profile_decode(engine, device: str, steps: int = 4) -> dict:
+    """`steps` decode steps under the profiler, per token (where a missed decode target goes:
+    link, host, or kernels)."""
+    from engine import SamplingParams  # noqa: PLC0415
+
+    state = engine.new_state()
+    result = engine.prefill(state, ids_for(512))
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1)
+    out = profiled(lambda: list(engine.generate(state, result.logits, params)), device, steps)
+    show_profile("decode", out, device)
+    return out
+
+
+def profile_suffix(engine, device: str, tokens: int = 2048) -> dict:
+    """A `tokens`-token prefill after a 512-token one (the shape of the worst request after a tool:
+    every layer streams nearly all its experts) under the profiler, per 1,000 tokens; with the
+    bytes it moved and their rate over the copies' device time."""
+    state = engine.new_state()
+    engine.prefill(state, ids_for(512))
+    before = engine.offload_stats()["bytes_in_prefill"]
+    out = profiled(lambda: engine.prefill(state, ids_for(tokens)), device, tokens / 1000)
+    out["bytes"] = engine.offload_stats()["bytes_in_prefill"] - before
+    copies_s = out["copies_ms_per_token"] * tokens / 1e6
+    out["copy_bytes_per_s"] = out["bytes"] / copies_s if copies_s else None
+    show_profile(f"{tokens}-token suffix", out, device, "1,000 tokens")
+    if out["copy_bytes_per_s"]:
+        print(
+            f"  {out['bytes'] / 1e9:.2f} GB copied at {out['copy_bytes_per_s'] / 1e9:.1f} GB/s of copy time"
+        )
     return out
 
 
@@ -245,6 +281,14 @@ def run_budget(args) -> dict:
     if args.profile:
         started = time.perf_counter()
         done("decode profile", started, profile=profile_decode(engine, args.device))
+        started = time.perf_counter()
+        done("suffix profile", started, profile_suffix=profile_suffix(engine, args.device))
+    if offload.staging_bytes and not offload.holds_all:  # the same decode reading host memory where it lies
+        started = time.perf_counter()
+        offload.stage_reads(False)
+        baseline = measure(engine, args.device, args.context, args.decode_steps)
+        offload.stage_reads(True)
+        done("decode in place", started, decode_in_place_tok_s=baseline["decode_tok_s"])
     if args.device == "cuda":  # the plan covers the decode slots, not the KV that sequences keep on their own
         out["peak_reserved_bytes"] = offload.peak_reserved()
         out["within_budget"] = out["peak_reserved_bytes"] <= budget * (1 << 30)
@@ -338,6 +382,7 @@ def tables(results: list[dict], llama: dict | None, console: Console) -> None:
         "prefill GiB moved",
         "prefill hit",
         "decode tok/s",
+        "in place",
         "PCIe4 proj.",
         "MiB/token",
         "decode hit",
@@ -361,6 +406,7 @@ def tables(results: list[dict], llama: dict | None, console: Console) -> None:
             gib(r["prefill_bytes"]),
             str(r["prefill_hit_rate"]),
             f"{r['decode_tok_s']:.1f}",
+            f"{r['decode_in_place_tok_s']:.1f}" if "decode_in_place_tok_s" in r else "-",
             f"{r['decode_tok_s_pcie4']:.1f}" if "decode_tok_s_pcie4" in r else "-",
             f"{r['decode_bytes_per_token'] / (1 << 20):.1f}",
             str(r["decode_hit_rate"]),
@@ -425,7 +471,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--policies", default="anchor,prefix,none")
     p.add_argument("--limit", type=int, default=None, help="requests per trace")
     p.add_argument("--llama-server", action="store_true", help="also llama-server with --n-cpu-moe")
-    p.add_argument("--profile", action="store_true", help="profile 4 decode steps per budget")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile 4 decode steps and a 2,048-token suffix's prefill per budget",
+    )
     p.add_argument("--gguf-dtype", default="bf16")
     p.add_argument("--llama-ctx", type=int, default=65536)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2)

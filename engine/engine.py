@@ -127,7 +127,11 @@ class Engine:
                     for t in [*self.model.parameters(), *self.model.buffers()]}
         memory = {"weights": sum(storages.values()), "decode_slots": self.runner.nbytes}
         if self.offload is not None:  # the routed experts: slots on the device, all of them on the host
-            memory.update(expert_cache=self.offload.nbytes, experts_host=self.offload.host_bytes)
+            memory.update(
+                expert_cache=self.offload.nbytes,
+                expert_staging=self.offload.staging_bytes,
+                experts_host=self.offload.host_bytes,
+            )
         return memory
 
     def _make_room(self, slots: int, capacity: int) -> None:

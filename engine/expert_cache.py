@@ -21,7 +21,10 @@ experts that sit side by side on both ends (a prefill streaming a layer) go as o
 With `mapped` host parts (the device reads pinned host memory in place), a forward of a few
 assignments (decode) chooses and copies nothing: the resident experts run from their slots and the
 others are read where they lie, by the same kernels (`run_mapped`), so no host sync and a CUDA
-graph may hold the step. The device counts each expert's uses; between steps `refresh` swaps the
+graph may hold the step. With `staging` (device rows, shared by the layers), the experts a step
+reads from host memory are first gathered there, each read once in long runs of wide loads (the
+link's rate; engine/ops/gpu/gather.py), and run from those rows; without, their kernels read them
+where they lie. The device counts each expert's uses; between steps `refresh` swaps the
 hottest experts into the slots, on the copy stream, behind the steps already queued.
 """
 
@@ -93,6 +96,15 @@ class Lane:
             compute.wait_event(event)
 
 
+def gather_rows(staging: Parts, source: Parts, ids: torch.Tensor) -> None:
+    """staging[p][r] = source[p][ids[r]] for every part p and row r with ids[r] >= 0: the CPU's
+    version of engine/ops/gpu/gather.py's kernel."""
+    ids = ids.flatten()
+    rows = (ids >= 0).nonzero()[:, 0]
+    for dst, src in zip(staging, source, strict=True):
+        dst[rows] = src[ids[rows]]
+
+
 def host_experts(
     x: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
 ) -> torch.Tensor:
@@ -116,9 +128,12 @@ class ExpertCache:
         lane: Lane,
         assemble: Callable[[Parts], tuple[Any, ...]] = tuple,
         mapped: Parts | None = None,
+        staging: Parts | None = None,
     ):
         """`mapped`: the host parts as the device reads them in place (`ExpertOffload`'s
-        `in_place`), or None: every expert a forward runs is copied into a slot first."""
+        `in_place`), or None: every expert a forward runs is copied into a slot first. `staging`:
+        with `mapped`, `DECODE_ROWS` device rows of the parts that a step's experts read from host
+        memory are gathered into before they run (None: they run where they lie)."""
         self.host, self.assemble, self.stats, self.lane = host, assemble, stats, lane
         self.device = device
         self.num_experts = host[0].shape[0]
@@ -143,7 +158,17 @@ class ExpertCache:
         self.read = [None] * slots  # event: the last compute that read each slot
         self.clock = 0
         self.holds_all = False  # every expert resident for good (`hold_all`)
+        self.mapped = mapped
         self.mapped_weights = None if mapped is None else assemble(mapped)
+        self.staging = staging
+        self.staged_weights = None if staging is None else assemble(staging)
+        self.stage_reads = staging is not None  # off: the staging kept, reads where they lie (a baseline)
+        self.rows = torch.arange(DECODE_ROWS, device=device)  # staging row of each assignment
+        self.gather = gather_rows
+        if staging is not None and device.type == "cuda":
+            from engine.ops.gpu.gather import gather_experts  # noqa: PLC0415 (Triton)
+
+            self.gather = gather_experts
         # [2, E] on the device (rows of ExpertOffload's counters): each expert's assignments in
         # mapped forwards, and those of them that found it resident
         self.counters = torch.zeros((2, self.num_experts), dtype=torch.long, device=device)
@@ -236,18 +261,26 @@ class ExpertCache:
     def run_mapped(
         self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, moe_experts: Callable
     ) -> torch.Tensor:
-        """A few assignments: the resident experts from their slots and the others read in place
-        from host memory, two calls over the same assignments (each with the other's ids at -1:
-        nothing read for them); each expert's uses counted on the device. Nothing waits or
-        copies: the table lists only slots whose copies are done (`refresh`)."""
-        assert self.mapped_weights is not None
+        """A few assignments: the resident experts from their slots and the others read from host
+        memory (gathered into the staging rows first, or where they lie), two calls over the same
+        assignments (each with the other's ids at -1: nothing read for them); each expert's uses
+        counted on the device. Nothing waits on the host: the table lists only slots whose copies
+        are done (`refresh`)."""
+        assert self.mapped is not None and self.mapped_weights is not None
         slot = self.slot_table[ids]
         resident = slot >= 0
         flat = ids.flatten()
         self.counters[0].index_add_(0, flat, torch.ones_like(flat))
         self.counters[1].index_add_(0, flat, resident.flatten().long())
+        far_ids = torch.where(resident, -1, ids)
+        far_weights = self.mapped_weights
+        if self.stage_reads:  # row j of the staging holds assignment j's expert
+            assert self.staging is not None and self.staged_weights is not None
+            self.gather(self.staging, self.mapped, far_ids)
+            far_ids = torch.where(resident, -1, self.rows[: ids.numel()].view(ids.shape))
+            far_weights = self.staged_weights
         near = moe_experts(x, weights, slot, *self.weights)
-        far = moe_experts(x, weights, torch.where(resident, -1, ids), *self.mapped_weights)
+        far = moe_experts(x, weights, far_ids, *far_weights)
         return (near.float() + far.float()).to(x.dtype)
 
     def refresh(self, uses: np.ndarray, limit: int) -> int:

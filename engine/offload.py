@@ -53,6 +53,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.expert_cache import ExpertCache, Lane, Parts, host_experts
+from engine.ops.moe import DECODE_ROWS
 
 if TYPE_CHECKING:
     from engine.model import DecoderLayer, HybridForCausalLM
@@ -148,7 +149,8 @@ def plan(
     size = torch.empty(0, dtype=dtype).element_size()
     expert = expert_bytes or 3 * c.moe_intermediate_size * c.hidden_size * size
     states = state_bytes(c, dtype, sequences, capacity)
-    workspace = workspace_bytes(c, dtype, tokens, max(sequences, 1))
+    # and the rows decode gathers the experts it reads from host memory into (`stages`)
+    workspace = workspace_bytes(c, dtype, tokens, max(sequences, 1)) + DECODE_ROWS * expert
     if budget < dense:
         raise BudgetError(
             f"--gpu-memory {_size(budget)} is below the dense weights alone ({_size(dense)}: "
@@ -307,9 +309,23 @@ class ExpertOffload:
         return sum(c.host_bytes for c in self.caches.values())
 
     @property
+    def staging_bytes(self) -> int:
+        """Device bytes of the rows decode gathers experts into (shared by the layers of one layout)."""
+        rows = {id(c.staging): c.staging for c in self.order if c.staging is not None}
+        return sum(p.nbytes for parts in rows.values() for p in parts)
+
+    @property
     def holds_all(self) -> bool:
         """Whether every expert has a slot: nothing is fetched, so decode may be graph-captured."""
         return self.plan.slots >= self.config.num_experts
+
+    def stage_reads(self, on: bool) -> None:
+        """Whether decode gathers the experts it reads from host memory into the staging rows
+        first (where there are any) or reads them where they lie: the bench's same-run baseline.
+        The graphs captured over the other path go (captured again on use)."""
+        for cache in self.order:
+            cache.stage_reads = on and cache.staging is not None
+        self.on_shrink()
 
     def calibrate(self) -> Policy:
         """Measure the link on the first layer's experts and choose the policy from it."""
@@ -531,6 +547,19 @@ def in_place(parts: Parts, device: torch.device) -> Parts | None:
     return views
 
 
+def stages(mapped: Parts) -> bool:
+    """Whether decode gathers the experts it reads from host memory into device rows before running
+    them (engine/ops/gpu/gather.py: whole words, long runs), rather than their kernels reading them
+    where they lie; FT_OFFLOAD_STAGE=0: never."""
+    if os.environ.get("FT_OFFLOAD_STAGE", "1") == "0":
+        return False
+    if mapped[0].device.type != "cuda":
+        return True
+    from engine.ops.gpu.gather import gather_fits  # noqa: PLC0415 (Triton)
+
+    return gather_fits(mapped)
+
+
 def install(model: HybridForCausalLM, device: torch.device, plan: Plan) -> ExpertOffload:
     """Move each MoE layer's routed experts out of `model` (still on the host) into host tensors,
     pinned when `device` is CUDA, and give the layer an `ExpertCache` of `plan.slots` slots on
@@ -541,12 +570,22 @@ def install(model: HybridForCausalLM, device: torch.device, plan: Plan) -> Exper
     if device.type == "cuda":
         torch.cuda.empty_cache()
         outside = torch.cuda.memory_reserved(device)
-    caches = {}
+    caches: dict[int, ExpertCache] = {}
+    staging: dict[tuple, Parts] = {}  # by the parts' layout: the layers share their staging rows
     for layer in cast("list[DecoderLayer]", model.model.layers):
         parts, assemble = expert_store(model, layer.layer)
         if device.type == "cuda":
             parts = tuple(p.pin_memory() for p in parts)
-        cache = ExpertCache(parts, plan.slots, device, stats, lane, assemble, in_place(parts, device))
+        mapped = in_place(parts, device)
+        stage = None
+        if mapped is not None and stages(mapped):
+            layout = tuple((p.shape[1:], p.dtype) for p in parts)
+            if layout not in staging:
+                staging[layout] = tuple(
+                    torch.empty((DECODE_ROWS, *p.shape[1:]), dtype=p.dtype, device=device) for p in parts
+                )
+            stage = staging[layout]
+        cache = ExpertCache(parts, plan.slots, device, stats, lane, assemble, mapped, stage)
         layer.mlp.offload = caches[layer.layer] = cache
         layer.mlp.experts = None
     return ExpertOffload(caches, stats, plan, model.config, outside)

@@ -12,7 +12,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from engine.ops.gpu import moe, quant  # noqa: E402
+from engine.ops.gpu import gather, moe, quant  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
 GEMV = {
@@ -57,3 +57,24 @@ def test_bf16_decode_kernels_compile():
     assert ".entry _down_kernel" in compile_for_h200(
         moe._down_kernel, down, {"TOPK": 8, "BLOCK_N": 32, "BLOCK_I": 128}
     )
+
+
+def test_staging_gather_compiles_to_wide_loads():
+    """Parts 16-byte aligned with widths divisible by 16 words (as Triton specializes them at run
+    time): the gather reads and writes whole 16-byte words, what reaches the link's rate."""
+    signature = {"IDS": "*i32", **{f"{a}{i}": "*i32" for a in "SD" for i in range(4)},
+                 **{f"W{i}": "i32" for i in range(4)}, "NPARTS": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
+    names = list(signature)
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n[0] in "SDW"}
+    try:
+        kernel = triton.compile(
+            ASTSource(fn=gather._gather_kernel, signature=signature,
+                      constexprs={"NPARTS": 4, "BLOCK": gather.BLOCK}, attrs=aligned),
+            target=H200,
+        )  # fmt: skip
+    except (FileNotFoundError, RuntimeError) as exc:
+        if "ptxas" in str(exc) or "backend" in str(exc):
+            pytest.skip(f"triton cannot compile for sm_90 here: {exc}")
+        raise
+    ptx = kernel.asm["ptx"]
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx

@@ -12,7 +12,7 @@ from engine import Engine, SamplingParams
 from engine.expert_cache import ExpertCache, Lane
 from engine.feed import Feed
 from engine.offload import BudgetError, GiB, OffloadStats, dense_bytes, plan, state_bytes
-from engine.ops.moe import experts_loop
+from engine.ops.moe import DECODE_ROWS, experts_loop
 from engine.runner import starting_capacity
 from engine.snapshot import concat_chain
 
@@ -33,15 +33,19 @@ def budget_gib(engine: Engine, slots: int, max_running: int = 4) -> float:
     return (p.budget_for(slots) + p.expert_bytes // 2) / GiB
 
 
-@pytest.fixture(scope="module", params=["mapped", "fetch"])
+@pytest.fixture(scope="module", params=["staged", "in-place", "fetch"])
 def offloaded(request, preset_dirs, tiny) -> Engine:
-    """The tiny preset with 3 of its 8 experts per layer resident; decode reads the others in
-    place (mapped) or copies them in first (fetch, FT_OFFLOAD_MAPPED=0)."""
+    """The tiny preset with 3 of its 8 experts per layer resident; decode reads the others from
+    host memory, gathered into staging rows first (staged) or where they lie (in-place,
+    FT_OFFLOAD_STAGE=0), or copies them into slots first (fetch, FT_OFFLOAD_MAPPED=0)."""
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("FT_OFFLOAD_MAPPED", "1" if request.param == "mapped" else "0")
+        env.setenv("FT_OFFLOAD_MAPPED", "0" if request.param == "fetch" else "1")
+        env.setenv("FT_OFFLOAD_STAGE", "1" if request.param == "staged" else "0")
         engine = Engine.load(preset_dirs["tiny"], gpu_memory_gib=budget_gib(tiny, 3))
-    assert engine.offload is not None and engine.offload.plan.slots == 3
-    assert engine.offload.mapped == (request.param == "mapped")
+    offload = engine.offload
+    assert offload is not None and offload.plan.slots == 3
+    assert offload.mapped == (request.param != "fetch")
+    assert (offload.staging_bytes > 0) == (request.param == "staged")
     return engine
 
 
@@ -205,20 +209,24 @@ def test_planned_decode_slots_are_the_runners(tiny):
     )
 
 
-def test_mapped_decode_reads_misses_in_place_and_refresh_swaps_hot_experts_in():
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "in-place"])
+def test_mapped_decode_reads_misses_from_host_and_refresh_swaps_hot_experts_in(staged):
     """Decode-sized forwards run resident experts from their slots and the others from the host
-    copy (the same result as every expert resident); `refresh` brings in the hottest experts, at
-    most `limit` per call, empty slots first, and never swaps one for an expert as hot as it."""
+    copy, gathered into staging rows first or where they lie (the same result as every expert
+    resident); `refresh` brings in the hottest experts, at most `limit` per call, empty slots
+    first, and never swaps one for an expert as hot as it."""
     torch.manual_seed(0)
     host = (torch.randn(8, 16, 8), torch.randn(8, 8, 8))
     stats = OffloadStats()
-    cache = ExpertCache(host, 2, torch.device("cpu"), stats, Lane(torch.device("cpu")), mapped=host)
+    staging = tuple(torch.full((DECODE_ROWS, *p.shape[1:]), float("nan")) for p in host) if staged else None
+    cpu = torch.device("cpu")
+    cache = ExpertCache(host, 2, cpu, stats, Lane(cpu), mapped=host, staging=staging)
     x, weights = torch.randn(2, 8), torch.rand(2, 2)
 
     def step(*pairs: tuple[int, int]) -> torch.Tensor:
         ids = torch.tensor(pairs)
         got = cache.run(x, weights, ids, experts_loop)
-        torch.testing.assert_close(got, experts_loop(x, weights, ids, *host), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got, experts_loop(x, weights, ids, *host), rtol=0, atol=TOL)
         return ids
 
     def uses(ids: torch.Tensor):

@@ -46,7 +46,7 @@ def test_bench_smoke_run_on_the_cpu(tiny, tmp_path, ft_home):
     (run,) = result["budgets"]
     assert run["plan"]["slots"] == 4 and run["experts"] == 8
     assert run["prefill_tokens"] == 64 and run["prefill_bytes"] > 0 and run["decode_steps"] == 4
-    assert 0 <= run["decode_hit_rate"] <= 1
+    assert 0 <= run["decode_hit_rate"] <= 1 and run["decode_in_place_tok_s"] > 0  # staged, and the baseline
     anchor, none = run["replay"]["anchor"], run["replay"]["none"]
     assert anchor["prefilled_tokens"] < none["prefilled_tokens"]  # request 3 restores request 2's anchors
     assert anchor["worst_after_tool_ms"] > 0

@@ -131,3 +131,25 @@ def test_expert_gemv_equals_per_assignment_matmuls(fmt):
         [x[r].float() @ reference[e].T * (e >= 0) for r, e in zip(rows.tolist(), experts.tolist(), strict=True)]
     )
     close(got, want, dtype)
+
+
+@in_this_process
+def test_gather_copies_each_staged_row_from_its_expert_and_skips_absent_ones():
+    """The staging gather (engine/ops/gpu/gather.py) equals `gather_rows`: the parts of a Q4_K
+    stack (four dtypes, widths not multiples of the block) and a second launch's parts beyond
+    four; rows of id -1 keep what they held."""
+    from engine.expert_cache import gather_rows  # noqa: PLC0415
+    from engine.ops.gpu.gather import gather_experts, gather_fits  # noqa: PLC0415
+
+    w, _ = ggml_weight(T.Q4_K, (6, 24, 512))
+    extra = torch.arange(6 * 3 * 4, dtype=torch.float32).reshape(6, 3, 4)
+    source = tuple(p.to(DEVICE) for p in (*w.parts, extra))
+    assert gather_fits(source)
+    ids = torch.tensor([[4, -1], [0, 5]], device=DEVICE)
+    got = tuple(torch.zeros((5, *p.shape[1:]), dtype=p.dtype, device=DEVICE) for p in source)
+    want = tuple(t.clone() for t in got)
+    gather_experts(got, source, ids)
+    gather_rows(want, source, ids)
+    for g, r in zip(got, want, strict=True):
+        assert torch.equal(g, r)
+    assert torch.equal(got[0][2], source[0][0]) and not got[0][1].any()
