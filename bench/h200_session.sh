@@ -12,6 +12,7 @@
 #       offload-profile  the random Q4_K_M at 8 GiB: speed, cache, link and a decode profile, no replay
 #       offload    the random Q4_K_M at 8, 12, 24 GiB with the replay and a decode profile
 #       offload-llama  llama-server --n-cpu-moe on the same file and requests
+#       q4-decode  our Q4_K_M alone: prefill and decode (bench/quant.py), no llama.cpp
 #       q4         our Q4_K_M, its replay, llama-server on the same file and its replay (bench/quant.py)
 #       sessions   K = 1 and K = 4 sessions, ours and llama-server's (the e64 bf16 GGUF is written first)
 #   bash bench/h200_session.sh poll SECONDS      # wait until done or SECONDS pass; progress, the newest logs,
@@ -48,7 +49,7 @@ steps)
   }
   builder=
   gguf=
-  if [[ " $2 " =~ \ (offload|offload-profile|q4)\  ]]; then # the random Q4_K_M (~21 GB, CPU-bound) meanwhile
+  if [[ " $2 " =~ \ (offload|offload-profile|q4|q4-decode)\  ]]; then # the random Q4_K_M (~21 GB, CPU-bound) meanwhile
     (python3 -c "from peer.gguf_random import random_gguf; from peer.llama_server import PEER_HOME; \
 print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=$?") &
     gguf=$!
@@ -82,6 +83,10 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
       wait $builder 2>/dev/null
       step offload-llama python3 bench/offload.py --preset $P --q4-k-m --budgets '' --limit 12 --llama-server \
         --json $O/offload-llama.json
+      ;;
+    q4-decode)
+      wait $gguf 2>/dev/null
+      step q4-decode python3 bench/quant.py --preset $P --device cuda --parts q4_k_m --json $O/q4-decode.json
       ;;
     q4)
       wait $builder $gguf 2>/dev/null

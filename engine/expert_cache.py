@@ -132,8 +132,9 @@ class ExpertCache:
     ):
         """`mapped`: the host parts as the device reads them in place (`ExpertOffload`'s
         `in_place`), or None: every expert a forward runs is copied into a slot first. `staging`:
-        with `mapped`, `DECODE_ROWS` device rows of the parts that a step's experts read from host
-        memory are gathered into before they run (None: they run where they lie)."""
+        with `mapped`, device rows of the parts that the experts a step reads from host memory
+        are gathered into before they run, one per assignment (None, or a step of more
+        assignments than rows: they run where they lie)."""
         self.host, self.assemble, self.stats, self.lane = host, assemble, stats, lane
         self.device = device
         self.num_experts = host[0].shape[0]
@@ -163,7 +164,7 @@ class ExpertCache:
         self.staging = staging
         self.staged_weights = None if staging is None else assemble(staging)
         self.stage_reads = staging is not None  # off: the staging kept, reads where they lie (a baseline)
-        self.rows = torch.arange(DECODE_ROWS, device=device)  # staging row of each assignment
+        self.rows = torch.arange(0 if staging is None else staging[0].shape[0], device=device)
         self.gather = gather_rows
         if staging is not None and device.type == "cuda":
             from engine.ops.gpu.gather import gather_experts  # noqa: PLC0415 (Triton)
@@ -274,7 +275,7 @@ class ExpertCache:
         self.counters[1].index_add_(0, flat, resident.flatten().long())
         far_ids = torch.where(resident, -1, ids)
         far_weights = self.mapped_weights
-        if self.stage_reads:  # row j of the staging holds assignment j's expert
+        if self.stage_reads and ids.numel() <= len(self.rows):  # row j holds assignment j's expert
             assert self.staging is not None and self.staged_weights is not None
             self.gather(self.staging, self.mapped, far_ids)
             far_ids = torch.where(resident, -1, self.rows[: ids.numel()].view(ids.shape))

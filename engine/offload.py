@@ -73,8 +73,9 @@ def _size(n: int) -> str:
 
 @dataclass(frozen=True)
 class Plan:
-    """How a device budget is spent (bytes): dense weights, decode slots, a forward's workspace,
-    and `slots` experts of `expert_bytes` in each of `layers` MoE layers."""
+    """How a device budget is spent (bytes): dense weights, decode slots, a forward's workspace
+    (with `rows` staging rows of experts a decode step reads from host memory, `stages`), and
+    `slots` experts of `expert_bytes` in each of `layers` MoE layers."""
 
     budget: int
     dense: int
@@ -83,6 +84,7 @@ class Plan:
     expert_bytes: int
     layers: int
     slots: int
+    rows: int
 
     @property
     def expert_cache(self) -> int:
@@ -149,8 +151,9 @@ def plan(
     size = torch.empty(0, dtype=dtype).element_size()
     expert = expert_bytes or 3 * c.moe_intermediate_size * c.hidden_size * size
     states = state_bytes(c, dtype, sequences, capacity)
-    # and the rows decode gathers the experts it reads from host memory into (`stages`)
-    workspace = workspace_bytes(c, dtype, tokens, max(sequences, 1)) + DECODE_ROWS * expert
+    # and the rows a decode step of `sequences` gathers the experts it reads from host memory into
+    rows = min(DECODE_ROWS, max(sequences, 1) * c.num_experts_per_tok)
+    workspace = workspace_bytes(c, dtype, tokens, max(sequences, 1)) + rows * expert
     if budget < dense:
         raise BudgetError(
             f"--gpu-memory {_size(budget)} is below the dense weights alone ({_size(dense)}: "
@@ -166,7 +169,7 @@ def plan(
             f"sequences x {capacity} tokens) + workspace {_size(workspace)} + {c.num_experts_per_tok} x {layers} "
             f"experts of {expert:,} bytes need {_size(need)}"
         )
-    return Plan(budget, dense, states, workspace, expert, layers, slots)
+    return Plan(budget, dense, states, workspace, expert, layers, slots, rows)
 
 
 @dataclass
@@ -582,7 +585,7 @@ def install(model: HybridForCausalLM, device: torch.device, plan: Plan) -> Exper
             layout = tuple((p.shape[1:], p.dtype) for p in parts)
             if layout not in staging:
                 staging[layout] = tuple(
-                    torch.empty((DECODE_ROWS, *p.shape[1:]), dtype=p.dtype, device=device) for p in parts
+                    torch.empty((plan.rows, *p.shape[1:]), dtype=p.dtype, device=device) for p in parts
                 )
             stage = staging[layout]
         cache = ExpertCache(parts, plan.slots, device, stats, lane, assemble, mapped, stage)

@@ -12,7 +12,7 @@ from engine import Engine, SamplingParams
 from engine.expert_cache import ExpertCache, Lane
 from engine.feed import Feed
 from engine.offload import BudgetError, GiB, OffloadStats, dense_bytes, plan, state_bytes
-from engine.ops.moe import DECODE_ROWS, experts_loop
+from engine.ops.moe import experts_loop
 from engine.runner import starting_capacity
 from engine.snapshot import concat_chain
 
@@ -218,15 +218,16 @@ def test_mapped_decode_reads_misses_from_host_and_refresh_swaps_hot_experts_in(s
     torch.manual_seed(0)
     host = (torch.randn(8, 16, 8), torch.randn(8, 8, 8))
     stats = OffloadStats()
-    staging = tuple(torch.full((DECODE_ROWS, *p.shape[1:]), float("nan")) for p in host) if staged else None
+    staging = tuple(torch.full((4, *p.shape[1:]), float("nan")) for p in host) if staged else None
     cpu = torch.device("cpu")
     cache = ExpertCache(host, 2, cpu, stats, Lane(cpu), mapped=host, staging=staging)
-    x, weights = torch.randn(2, 8), torch.rand(2, 2)
+    x, weights = torch.randn(3, 8), torch.rand(3, 2)
 
     def step(*pairs: tuple[int, int]) -> torch.Tensor:
         ids = torch.tensor(pairs)
-        got = cache.run(x, weights, ids, experts_loop)
-        torch.testing.assert_close(got, experts_loop(x, weights, ids, *host), rtol=0, atol=TOL)
+        got = cache.run(x[: len(ids)], weights[: len(ids)], ids, experts_loop)
+        want = experts_loop(x[: len(ids)], weights[: len(ids)], ids, *host)
+        torch.testing.assert_close(got, want, rtol=0, atol=TOL)
         return ids
 
     def uses(ids: torch.Tensor):
@@ -243,5 +244,6 @@ def test_mapped_decode_reads_misses_from_host_and_refresh_swaps_hot_experts_in(s
     assert cache.refresh(uses(step((1, 6), (1, 7))), limit=2) == 1 and cache.slot_of[1] >= 0
     assert sorted(e for e in cache.expert_in) == [1, 5]  # 3, the coldest, went
     step((1, 3), (0, 2))  # every combination of slots and host still gives the plain result
+    step((0, 4), (2, 6), (7, 3))  # more assignments than staging rows: read where they lie
     assert (stats.misses, stats.evictions) == (3, 1)
     assert stats.bytes_in["prefill"] == 3 * cache.expert_bytes
