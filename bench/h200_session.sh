@@ -9,8 +9,9 @@
 #       gpu-tests  pytest: offload (peak reserved memory within the budget), the engine's GPU tests, the fused kernels
 #       kernel-tests  pytest: the fused and quantized Triton kernels against torch
 #       offload-tests  pytest: offload on the GPU (tests/engine/test_offload_gpu.py)
+#       offload-peak  pytest: the peak reserved memory tests alone
 #       offload-profile  the random Q4_K_M at 8 GiB: speed, cache, link and a decode profile, no replay
-#       offload    the random Q4_K_M at 8, 12, 24 GiB with the replay and a decode profile
+#       offload    the random Q4_K_M at 8 GiB with the replay (24 requests), at 12 and 24 GiB without; profiles
 #       offload-llama  llama-server --n-cpu-moe on the same file and requests
 #       q4-decode  our Q4_K_M alone: prefill and decode (bench/quant.py), no llama.cpp
 #       q4         our Q4_K_M, its replay, llama-server on the same file and its replay (bench/quant.py)
@@ -65,8 +66,10 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
     gpu) step gpu python3 bench/gpu.py --only decode,batched,prefill --profile --json $O/gpu.json --markdown $O/gpu.md ;;
     quant) step quant python3 bench/quant.py --preset $P --device cuda --parts bf16,fp8 --json $O/quant.json ;;
     kernel-tests) step kernel-tests python3 -m pytest -q -p no:cacheprovider tests/engine/test_fused_kernels.py \
-      tests/engine/test_quant_kernels.py ;;
+      tests/engine/test_quant_kernels.py \
+      tests/engine/test_gpu.py::test_grouped_experts_of_a_streamed_piece_skip_the_absent_assignments ;;
     offload-tests) step offload-tests python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_offload_gpu.py ;;
+    offload-peak) step offload-peak python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_offload_gpu.py -k peak ;;
     offload-profile)
       wait $gguf 2>/dev/null
       step offload-profile python3 bench/offload.py --preset $P --q4-k-m --budgets 8 --no-replay --profile \
@@ -76,12 +79,14 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
       tests/engine/test_gpu.py tests/engine/test_gpu_quant.py tests/engine/test_fused_kernels.py ;;
     offload)
       wait $gguf 2>/dev/null
-      step offload python3 bench/offload.py --preset $P --q4-k-m --budgets 8,12,24 --limit 12 --profile \
+      step offload python3 bench/offload.py --preset $P --q4-k-m --budgets 8 --limit 24 --profile \
         --json $O/offload.json
+      step offload-12-24 python3 bench/offload.py --preset $P --q4-k-m --budgets 12,24 --no-replay --profile \
+        --json $O/offload-12-24.json
       ;;
     offload-llama)
       wait $builder 2>/dev/null
-      step offload-llama python3 bench/offload.py --preset $P --q4-k-m --budgets '' --limit 12 --llama-server \
+      step offload-llama python3 bench/offload.py --preset $P --q4-k-m --budgets '' --limit 24 --llama-server \
         --json $O/offload-llama.json
       ;;
     q4-decode)

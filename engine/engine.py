@@ -130,6 +130,7 @@ class Engine:
             memory.update(
                 expert_cache=self.offload.nbytes,
                 expert_staging=self.offload.staging_bytes,
+                expert_stream=self.offload.stream.nbytes if self.offload.stream is not None else 0,
                 experts_host=self.offload.host_bytes,
             )
         return memory

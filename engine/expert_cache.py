@@ -42,6 +42,7 @@ from engine.loader import dense
 from engine.ops.moe import DECODE_ROWS
 
 if TYPE_CHECKING:
+    from engine.expert_stream import ExpertStream
     from engine.offload import OffloadStats
 
 Parts = tuple[torch.Tensor, ...]
@@ -176,6 +177,7 @@ class ExpertCache:
         self.heat = np.zeros(self.num_experts)  # decayed uses per decode step (`refresh`)
         self.pending: Any = None  # event: the last refresh's copies and table published
         self.next: ExpertCache | None = None  # the following layer's cache
+        self.stream: ExpertStream | None = None  # while it streams a forward, the layers run there
         self.prefetch_next = 0  # slots of the following layer to fill when this layer starts
 
     @property
@@ -199,6 +201,8 @@ class ExpertCache:
         copied: no host sync, so a CUDA graph may hold the call."""
         if self.holds_all:
             return moe_experts(x, weights, self.slot_table[ids], *self.weights)
+        if self.stream is not None and self.stream.active:
+            return self.stream.run(self, x, weights, ids, moe_experts)
         if self.mapped_weights is not None and ids.numel() <= DECODE_ROWS:
             return self.run_mapped(x, weights, ids, moe_experts)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():

@@ -345,11 +345,11 @@ class SparseMoe(nn.Module):
         return kernels.add_sigmoid_mul(routed, shared_gate, shared)
 
 
-def routed_experts(kernels: Kernels, x, weights, ids, gate_up, down) -> torch.Tensor:
+def routed_experts(kernels: Kernels, x, weights, ids, gate_up, down, partial: bool = False) -> torch.Tensor:
     """Routed experts over stacks of either kind: dense tensors (the device's kernels) or
     `QuantWeight`s (the quantized kernels)."""
     op = kernels.moe_experts if isinstance(gate_up, torch.Tensor) else moe_experts_quantized
-    return op(x, weights, ids, gate_up, down)
+    return op(x, weights, ids, gate_up, down, partial)
 
 
 class DecoderLayer(nn.Module):

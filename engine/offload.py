@@ -7,8 +7,12 @@ rest becomes `slots` expert slots per MoE layer, each layer's `ExpertCache` (eng
 with every expert in pinned host memory. Experts run on the slots, copied in on a side stream.
 
 What a forward does with the link (`Policy`, chosen per forward by its token count):
-- A chunk of at least `stream_tokens` tokens routes to nearly every expert of every layer. The
-  routing of layer L+1 is not known before layer L ends, but nearly all of its experts will be
+- A chunk of at least `stream_tokens` tokens routes to nearly every expert of every layer. Where
+  fewer than half a layer's experts have slots, the plan sets aside two buffers and such a chunk
+  streams every layer's experts whole, in pieces of consecutive experts, whatever the routing
+  (`ExpertStream`, engine/expert_stream.py): one copy per part at the link's rate, no host sync,
+  the slots left as decode keeps them. Otherwise, the routing of layer L+1 is not known before
+  layer L ends, but nearly all of its experts will be
   needed, so when layer L's experts start, half of layer L+1's slots are filled with experts it
   does not hold (`ExpertCache.prefetch`): those copies overlap layer L's experts and layer L+1's
   attention. After its routing, layer L+1 runs its experts in groups of half its slots, the copy
@@ -53,6 +57,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.expert_cache import ExpertCache, Lane, Parts, host_experts
+from engine.expert_stream import ExpertStream, stream_bytes
 from engine.ops.moe import DECODE_ROWS
 
 if TYPE_CHECKING:
@@ -85,6 +90,7 @@ class Plan:
     layers: int
     slots: int
     rows: int
+    stream: int = 0  # bytes of the buffers long chunks stream experts through (engine/expert_stream.py), or 0
 
     @property
     def expert_cache(self) -> int:
@@ -92,7 +98,9 @@ class Plan:
 
     def budget_for(self, slots: int) -> int:
         """The smallest budget that leaves `slots` experts per layer with the same other parts."""
-        return self.dense + self.states + self.workspace + slots * self.expert_bytes * self.layers
+        return (
+            self.dense + self.states + self.workspace + self.stream + slots * self.expert_bytes * self.layers
+        )
 
 
 def state_bytes(c: ModelConfig, dtype: torch.dtype, sequences: int, capacity: int) -> int:
@@ -161,6 +169,14 @@ def plan(
         )
     rest = budget - dense - states - workspace
     slots = min(c.num_experts, max(rest, 0) // (expert * layers))
+    stream = stream_bytes(c.num_experts, expert)
+    streamed = max(rest - stream, 0) // (expert * layers)
+    if c.num_experts_per_tok <= streamed < c.num_experts // 2:
+        # most experts of a layer are not resident: long chunks stream them whole, through buffers
+        # that cost a few slots (engine/expert_stream.py)
+        slots = streamed
+    else:
+        stream = 0
     if slots < c.num_experts_per_tok:
         need = dense + states + workspace + c.num_experts_per_tok * expert * layers
         raise BudgetError(
@@ -169,7 +185,7 @@ def plan(
             f"sequences x {capacity} tokens) + workspace {_size(workspace)} + {c.num_experts_per_tok} x {layers} "
             f"experts of {expert:,} bytes need {_size(need)}"
         )
-    return Plan(budget, dense, states, workspace, expert, layers, slots, rows)
+    return Plan(budget, dense, states, workspace, expert, layers, slots, rows, stream)
 
 
 @dataclass
@@ -283,9 +299,15 @@ class ExpertOffload:
         # as in the tests): the budget is this engine's, on top of it
         self.outside = outside
         self.on_shrink: Callable[[], None] = lambda: None  # the engine's: no graph holds a step that fetches
+        self.capped = False  # `cap`
         self.link: Link | None = None
         self.policy = Policy(Policy.coverage_tokens(config))
         self.mapped = all(c.mapped_weights is not None for c in order)
+        self.stream: ExpertStream | None = None
+        if plan.stream and not self.holds_all:  # long chunks stream every layer's experts whole
+            self.stream = ExpertStream(order, order[0].lane, stats)
+            for cache in order:
+                cache.stream = self.stream
         # every layer's device counters in one tensor (ExpertCache.counters are its rows), copied
         # back after each forward and read at the next (`settle`)
         self.counters = torch.stack([c.counters for c in order])  # [L, 2, E]
@@ -345,15 +367,21 @@ class ExpertOffload:
         self.stats.tokens[name] += tokens
         self.stats.forwards[name] += 1
         stream = tokens >= self.policy.stream_tokens and not self.holds_all
+        whole = stream and self.stream is not None  # every layer's experts streamed (`ExpertStream`)
         for cache in self.caches.values():
-            cache.prefetch_next = cache.slots // 2 if stream else 0
+            cache.prefetch_next = cache.slots // 2 if stream and not whole else 0
             cache.cpu_rows, cache.costs = (0, None) if stream else (self.policy.cpu_rows, self.policy.costs)
-        if stream:
+        if whole:
+            assert self.stream is not None
+            self.stream.begin()  # its first pieces overlap the embedding and the first layer's attention
+        elif stream:
             first = self.caches[min(self.caches)]
             first.prefetch(first.slots // 2)  # overlaps the embedding and the first layer's attention
         try:
             yield
         finally:
+            if self.stream is not None:
+                self.stream.end()
             if self.mapped and not self.holds_all:
                 self.settle(refresh=name == "decode")
             self.stats.phase = "prefill"
@@ -430,8 +458,11 @@ class ExpertOffload:
 
     def cap(self) -> None:
         """Hold the CUDA caching allocator to the budget: past it, the allocator frees its cached
-        blocks and retries, then raises out-of-memory rather than reserve more (on a GPU)."""
-        if self.device.type == "cuda":
+        blocks and retries, then raises out-of-memory rather than reserve more (on a GPU). From
+        `install` on: moving the dense parts in (and fusing their projections there) must not
+        reserve past the budget either."""
+        if self.device.type == "cuda" and not self.capped:
+            self.capped = True
             torch.cuda.empty_cache()
             index = torch.cuda.current_device() if self.device.index is None else self.device.index
             total = torch.cuda.get_device_properties(index).total_memory
@@ -442,7 +473,7 @@ class ExpertOffload:
             weakref.finalize(self, torch.cuda.set_per_process_memory_fraction, 1.0, index)
 
     def calibrate_workspace(self, forward: Callable[[], None]) -> int:
-        """Cap the allocator at the budget (`cap`), then measure what one forward of a full chunk
+        """With the allocator capped at the budget (`cap`), measure what one forward of a full chunk
         allocates beyond what the device holds (`forward` runs it on a throwaway state, and
         captures the decode graphs, whose memory stays): while it
         runs out of memory, every layer gives up an eighth of its expert slots and it runs again. The plan's
@@ -450,7 +481,6 @@ class ExpertOffload:
         CPU (no device memory to measure) the estimate stays."""
         if self.device.type != "cuda":
             return self.plan.workspace
-        self.cap()
         while True:
             torch.cuda.synchronize(self.device)
             base = self.allocated()
@@ -591,4 +621,6 @@ def install(model: HybridForCausalLM, device: torch.device, plan: Plan) -> Exper
         cache = ExpertCache(parts, plan.slots, device, stats, lane, assemble, mapped, stage)
         layer.mlp.offload = caches[layer.layer] = cache
         layer.mlp.experts = None
-    return ExpertOffload(caches, stats, plan, model.config, outside)
+    offload = ExpertOffload(caches, stats, plan, model.config, outside)
+    offload.cap()
+    return offload

@@ -36,12 +36,12 @@ class Kernels:
 REFERENCE = Kernels(name="reference")
 
 
-def moe_experts_quantized(x, weights, ids, gate_up, down) -> torch.Tensor:
+def moe_experts_quantized(x, weights, ids, gate_up, down, partial: bool = False) -> torch.Tensor:
     """Routed experts whose stacks are `QuantWeight`s, on any device: Triton's grouped kernels
     (engine/ops/gpu/moe.py; on the CPU in Triton's interpreter, the tests' path)."""
     from engine.ops.gpu.moe import experts_quantized  # noqa: PLC0415 (Triton)
 
-    return experts_quantized(x, weights, ids, gate_up, down)
+    return experts_quantized(x, weights, ids, gate_up, down, partial)
 
 
 def kernels_for(device: torch.device) -> Kernels:

@@ -22,11 +22,13 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool, dtype: torch.dtyp
 
 
 def experts_loop(
-    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+    partial: bool = False,
 ) -> torch.Tensor:
     """Reference experts: tokens grouped by expert, one GEMM pair per hit expert.
 
     x: [T, H]; weights, ids: [T, k]; gate_up: [E, 2I, H]; down: [E, H, I]. Returns [T, H].
+    (`partial`: ids that may hold -1 at any size, always so here.)
     """
     out = torch.zeros_like(x)
     flat_ids = ids.flatten()

@@ -401,3 +401,20 @@ def test_a_graphed_slot_prefill_matches_the_span_forward(gpu_engine, gpu32, rng,
     # bf16: the padded bucket's GEMM shapes round differently, and these random-weight presets turn a
     # rounding difference into a routing flip (measured 4.6x the one-pass noise at 100 tokens; fp32 is exact)
     _within_bf16_noise(got, one_pass, exact, f"slot_prefill_{new}_bf16", factor=8)
+
+
+def test_grouped_experts_of_a_streamed_piece_skip_the_absent_assignments():
+    """bf16 prefill experts (torch's grouped GEMMs) with ids at -1 (routed outside the streamed
+    piece): those rows add nothing (`partial`), the others as the reference loop."""
+    from engine.ops.gpu.moe import experts_grouped  # noqa: PLC0415
+    from engine.ops.moe import experts_loop  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(40, 256, generator=gen).to(torch.bfloat16).cuda()
+    gate_up = (torch.randn(5, 512, 256, generator=gen) / 16).to(torch.bfloat16).cuda()
+    down = (torch.randn(5, 256, 256, generator=gen) / 16).to(torch.bfloat16).cuda()
+    ids = torch.randint(-1, 5, (40, 2), generator=gen).cuda()  # 80 assignments: the grouped path
+    weights = torch.rand(40, 2, generator=gen).to(torch.bfloat16).cuda()
+    got = experts_grouped(x, weights, ids, gate_up, down, partial=True)
+    want = experts_loop(x.float(), weights.float(), ids, gate_up.float(), down.float())
+    torch.testing.assert_close(got.float(), want, rtol=2**-6, atol=2**-6)

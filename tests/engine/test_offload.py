@@ -3,6 +3,7 @@ cache smaller than the experts, and the same logits as without offload."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from engine import Engine, SamplingParams
 from engine.expert_cache import ExpertCache, Lane
+from engine.expert_stream import ExpertStream, stream_bytes
 from engine.feed import Feed
 from engine.offload import BudgetError, GiB, OffloadStats, dense_bytes, plan, state_bytes
 from engine.ops.moe import experts_loop
@@ -19,8 +21,9 @@ from engine.snapshot import concat_chain
 TOL = 1e-5
 
 
-def budget_gib(engine: Engine, slots: int, max_running: int = 4) -> float:
-    """The budget that leaves `slots` experts per layer for `engine`'s model (half an expert spare)."""
+def budget_gib(engine: Engine, slots: int, max_running: int = 4, stream: bool = True) -> float:
+    """The budget that leaves `slots` experts per layer for `engine`'s model (half an expert spare);
+    below half the experts, with the buffers long chunks stream them through (unless not `stream`)."""
     p = plan(
         engine.config,
         dense_bytes(engine.model),
@@ -30,6 +33,8 @@ def budget_gib(engine: Engine, slots: int, max_running: int = 4) -> float:
         capacity=starting_capacity(engine.device),
         tokens=4096,
     )
+    if stream and slots < engine.config.num_experts // 2:
+        p = dataclasses.replace(p, stream=stream_bytes(engine.config.num_experts, p.expert_bytes))
     return (p.budget_for(slots) + p.expert_bytes // 2) / GiB
 
 
@@ -43,7 +48,7 @@ def offloaded(request, preset_dirs, tiny) -> Engine:
         env.setenv("FT_OFFLOAD_STAGE", "1" if request.param == "staged" else "0")
         engine = Engine.load(preset_dirs["tiny"], gpu_memory_gib=budget_gib(tiny, 3))
     offload = engine.offload
-    assert offload is not None and offload.plan.slots == 3
+    assert offload is not None and offload.plan.slots == 3 and offload.stream is not None
     assert offload.mapped == (request.param != "fetch")
     assert (offload.staging_bytes > 0) == (request.param == "staged")
     return engine
@@ -94,20 +99,31 @@ def test_batched_decode_matches_no_offload(tiny, offloaded):
 
 @pytest.mark.parametrize("mapped", [True, False])
 def test_counters_under_the_smallest_cache(preset_dirs, tiny, monkeypatch, mapped):
-    """top_k slots per layer: every expert a step needs is counted once, as a hit, a copy or
-    (mapped) a read in place; the bytes moved are those copies and reads."""
+    """top_k slots per layer: a long chunk streams every expert of every layer once, leaving the
+    slots alone; in a short one and a decode step every expert needed is counted once, as a hit,
+    a copy or (mapped) a read in place; the bytes moved are those copies and reads."""
     monkeypatch.setenv("FT_OFFLOAD_MAPPED", "1" if mapped else "0")
     engine = Engine.load(preset_dirs["tiny"], gpu_memory_gib=budget_gib(tiny, 2))
     offload = engine.offload
     assert offload is not None and offload.plan.slots == tiny.config.num_experts_per_tok
+    c = tiny.config
+    layers, expert = c.num_hidden_layers, offload.plan.expert_bytes
     state = engine.new_state()
-    engine.prefill(state, list(range(300, 340)))
+    engine.prefill(state, list(range(300, 340)))  # past the policy's stream_tokens: streamed
     stats = engine.offload_stats()
-    layers, expert = tiny.config.num_hidden_layers, offload.plan.expert_bytes
-    assert stats["misses"] >= layers * tiny.config.num_experts_per_tok
-    assert stats["evictions"] == stats["misses"] - layers * 2  # the first two per layer filled empty slots
-    assert stats["bytes_in_prefill"] == stats["misses"] * expert and stats["bytes_in_decode"] == 0
-    assert stats["tokens_prefill"] == 40 and stats["mapped"] == 0
+    assert stats["misses"] == layers * c.num_experts and stats["evictions"] == stats["hits"] == 0
+    assert all(e < 0 for cache in offload.order for e in cache.expert_in)  # the slots untouched
+    engine.prefill(state, [5, 6, 7])  # a short chunk: only the experts it routes to
+    short = {k: v - stats[k] for k, v in engine.offload_stats().items()}
+    if mapped:  # as few assignments as a decode step: read where they lie, each counted
+        assert short["misses"] == 0 and short["hits"] + short["mapped"] == layers * 3 * c.num_experts_per_tok
+    else:  # copied into the slots, the first two per layer into empty ones
+        assert short["misses"] >= layers * c.num_experts_per_tok
+        assert short["evictions"] == short["misses"] - layers * 2
+    stats = engine.offload_stats()
+    moved = stats["misses"] + stats["mapped"]
+    assert stats["bytes_in_prefill"] == moved * expert and stats["bytes_in_decode"] == 0
+    assert stats["tokens_prefill"] == 43
     before = engine.offload_stats()
     engine.decode(state, 77)
     after = engine.offload_stats()
@@ -195,8 +211,9 @@ def test_budget_below_the_dense_weights_is_a_clear_error(preset_dirs, tiny):
 
 
 def test_budget_without_room_for_top_k_experts_is_a_clear_error(preset_dirs, tiny):
+    """Room for one expert per layer, and none with the stream buffers: the plain plan's error."""
     with pytest.raises(BudgetError, match=r"room for 1 experts per layer, fewer than top_k = 2"):
-        Engine.load(preset_dirs["tiny"], gpu_memory_gib=budget_gib(tiny, 1))
+        Engine.load(preset_dirs["tiny"], gpu_memory_gib=budget_gib(tiny, 1, stream=False))
 
 
 def test_planned_decode_slots_are_the_runners(tiny):
@@ -247,3 +264,57 @@ def test_mapped_decode_reads_misses_from_host_and_refresh_swaps_hot_experts_in(s
     step((0, 4), (2, 6), (7, 3))  # more assignments than staging rows: read where they lie
     assert (stats.misses, stats.evictions) == (3, 1)
     assert stats.bytes_in["prefill"] == 3 * cache.expert_bytes
+
+
+class RecordingLane(Lane):
+    """The CPU's lane, with each copy's `after` events, each compute's waits and each recorded
+    read kept in order (tokens stand for the events a CUDA lane would make)."""
+
+    def __init__(self):
+        super().__init__(torch.device("cpu"))
+        self.log: list[tuple[str, object]] = []
+
+    def copy(self, pairs, after):
+        super().copy(pairs, after)
+        token = object()
+        self.log.append(("copy", (token, [a for a in after if a is not None])))
+        return token
+
+    def record(self):
+        token = object()
+        self.log.append(("read", token))
+        return token
+
+    def wait(self, events):
+        self.log.append(("wait", [e for e in events if e is not None]))
+
+
+def test_a_streamed_forward_copies_each_piece_after_its_buffer_was_read_and_runs_it_after_its_copy():
+    """Three layers of 8 experts in pieces of 2, two buffers: piece j's copy waits for the read of
+    piece j - 2 (the buffer's last use), piece j's experts wait for piece j's copy; every piece runs
+    the assignments routed to it, so the sum is every expert's (the slots never used)."""
+    torch.manual_seed(0)
+    cpu, stats, lane = torch.device("cpu"), OffloadStats(), RecordingLane()
+    hosts = [(torch.randn(8, 16, 8), torch.randn(8, 8, 8)) for _ in range(3)]
+    caches = [ExpertCache(h, 2, cpu, stats, lane) for h in hosts]
+    stream = ExpertStream(caches, lane, stats)
+    assert (stream.size, stream.pieces) == (2, 4)
+    x, weights = torch.randn(5, 8), torch.rand(5, 2)
+    ids = torch.tensor([[0, 7], [3, 4], [5, 1], [2, 6], [7, 0]])
+    stream.begin()
+    for cache, host in zip(caches, hosts, strict=True):
+        got = stream.run(cache, x, weights, ids, experts_loop)
+        torch.testing.assert_close(got, experts_loop(x, weights, ids, *host), rtol=0, atol=TOL)
+    stream.end()
+    copies = [v for k, v in lane.log if k == "copy"]
+    reads = [v for k, v in lane.log if k == "read"]
+    waits = [v for k, v in lane.log if k == "wait"]
+    assert len(copies) == len(reads) == len(waits) == 12  # 3 layers x 4 pieces
+    for j, (token, after) in enumerate(copies):
+        assert after == ([reads[j - 2]] if j >= 2 else [])
+        assert waits[j] == [token]
+    assert stats.misses == 24 and stats.bytes_in["prefill"] == 24 * caches[0].expert_bytes
+    assert all(e < 0 for c in caches for e in c.expert_in)
+    with pytest.raises(RuntimeError, match="out of order"):
+        stream.begin()
+        stream.run(caches[1], x, weights, ids, experts_loop)

@@ -17,7 +17,7 @@ BENCH = Path(__file__).resolve().parents[2] / "bench" / "offload.py"
 
 @pytest.mark.slow  # about 50 s on 2 cores: a child process, a load, a warm-up and two replays
 def test_bench_smoke_run_on_the_cpu(tiny, tmp_path, ft_home):
-    budget = budget_gib(tiny, 4, max_running=1)  # 4 of 8 experts per layer
+    budget = budget_gib(tiny, 3, max_running=1)  # 3 of 8 experts per layer: long chunks stream
     out = tmp_path / "offload.json"
     argv = [
         sys.executable,
@@ -44,7 +44,7 @@ def test_bench_smoke_run_on_the_cpu(tiny, tmp_path, ft_home):
     assert "expert offload" in proc.stdout and "worst after a tool" in proc.stdout
     result = json.loads(out.read_text())
     (run,) = result["budgets"]
-    assert run["plan"]["slots"] == 4 and run["experts"] == 8
+    assert run["plan"]["slots"] == 3 and run["experts"] == 8
     assert run["prefill_tokens"] == 64 and run["prefill_bytes"] > 0 and run["decode_steps"] == 4
     assert 0 <= run["decode_hit_rate"] <= 1 and run["decode_in_place_tok_s"] > 0  # staged, and the baseline
     anchor, none = run["replay"]["anchor"], run["replay"]["none"]

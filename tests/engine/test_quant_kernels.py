@@ -118,6 +118,31 @@ def test_grouped_experts_equal_per_expert_matmuls(fmt, tokens):
 
 
 @in_this_process
+def test_quantized_experts_of_a_streamed_piece_skip_the_absent_assignments():
+    """A prefill's assignments with -1 (routed to experts outside the streamed piece): their rows
+    add nothing, whatever the GEMMs left in them (`partial`)."""
+    from engine.ops.gpu.moe import _summed, experts_quantized, group_by_expert
+    from engine.ops.moe import experts_loop
+
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    gate_up, gate_up_ref = ggml_weight(T.Q4_K, (4, 512, 256))  # [E, 2I, H]
+    down, down_ref = ggml_weight(T.Q6_K, (4, 256, 256), seed=1)  # [E, H, I]
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(20, 256, generator=gen).to(dtype)
+    ids = torch.randint(-1, 4, (20, 2), generator=gen)  # 40 assignments: the prefill path
+    weights = torch.rand(20, 2, generator=gen).to(dtype)
+    args = (t.to(DEVICE) for t in (x, weights, ids, gate_up, down))
+    got = experts_quantized(*args, partial=True).cpu()
+    want = experts_loop(x.float(), weights.float(), ids, gate_up_ref, down_ref)
+    close(got, want, dtype)
+    # what no GEMM wrote may hold anything: NaN there, and nothing of it in the sums
+    order, _ = group_by_expert(ids, 4)
+    ys = torch.where((ids.flatten()[order] < 0)[:, None], float("nan"), torch.ones(40, 3))
+    summed = _summed(ys, order, ids, True, torch.float32)
+    assert torch.equal(summed, (ids >= 0).sum(1, keepdim=True).float().expand(20, 3))
+
+
+@in_this_process
 @pytest.mark.parametrize("fmt", FMTS, ids=IDS)
 def test_expert_gemv_equals_per_assignment_matmuls(fmt):
     """MoE decode: each (token, chosen expert) row through the GEMV kernel, only those experts read."""
@@ -128,7 +153,10 @@ def test_expert_gemv_equals_per_assignment_matmuls(fmt):
     rows, experts = torch.tensor([0, 0, 1, 2, 2, 1]), torch.tensor([4, -1, 0, 4, 3, 1])  # -1: no expert
     got = quant.gemv_experts(x.to(DEVICE), w.to(DEVICE), rows.to(DEVICE), experts.to(DEVICE)).cpu()
     want = torch.stack(
-        [x[r].float() @ reference[e].T * (e >= 0) for r, e in zip(rows.tolist(), experts.tolist(), strict=True)]
+        [
+            x[r].float() @ reference[e].T * (e >= 0)
+            for r, e in zip(rows.tolist(), experts.tolist(), strict=True)
+        ]
     )
     close(got, want, dtype)
 

@@ -8,25 +8,11 @@ import sys
 
 import pytest
 
-from engine.offload import GiB, dense_bytes, plan
-from engine.runner import starting_capacity
 from gateway.serve import add_arguments, config_from_args
 from tests.conftest import start_server
+from tests.engine.test_offload import budget_gib
 
 TURNS = ["List the files under src/ and say which one parses flags.", "Now explain what the parser does " * 3]
-
-
-def _budget_gib(engine, slots: int) -> float:
-    p = plan(
-        engine.config,
-        dense_bytes(engine.model),
-        1 << 50,
-        engine.dtype,
-        4,
-        starting_capacity(engine.device),
-        4096,
-    )
-    return (p.budget_for(slots) + p.expert_bytes // 2) / GiB
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +21,7 @@ def offloaded(live_server):
         preset="tiny",
         policy="anchor",
         default_max_tokens=16,
-        gpu_memory_gib=_budget_gib(live_server.runtime.engine, 3),
+        gpu_memory_gib=budget_gib(live_server.runtime.engine, 3),
     )
     yield server
     server.stop()

@@ -19,19 +19,32 @@ GRAPH_TOKENS = 512  # fp32: up to a captured prefill's tokens (engine.runner.PRE
 
 
 def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [T, k] -> order [T*k] (assignments sorted by expert) and offs [E] int32 (end of each
-    expert's rows), computed on the device."""
+    """ids [T, k] -> order [T*k] (assignments sorted by expert, the absent ones, -1, last: in no
+    expert's rows) and offs [E] int32 (end of each expert's rows), computed on the device."""
     flat = ids.flatten()
-    order = torch.argsort(flat)
+    key = torch.where(flat < 0, num_experts, flat)
+    order = torch.argsort(key)
     experts = torch.arange(num_experts, device=ids.device, dtype=flat.dtype)
-    offs = torch.searchsorted(flat[order], experts, right=True).to(torch.int32)
+    offs = torch.searchsorted(key[order], experts, right=True).to(torch.int32)
     return order, offs
 
 
+def _summed(ys: torch.Tensor, order: torch.Tensor, ids: torch.Tensor, partial: bool, dtype: torch.dtype):
+    """Rows in expert order back to their assignments, summed per token in fp32. With `partial`
+    (ids may hold -1 in a prefill), the absent assignments' rows, which no GEMM wrote, are zeroed."""
+    out = torch.empty_like(ys)
+    out[order] = ys
+    if partial:
+        out.masked_fill_((ids.flatten() < 0)[:, None], 0)
+    return out.view(*ids.shape, -1).sum(1, dtype=torch.float32).to(dtype)
+
+
 def experts_grouped(
-    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+    partial: bool = False,
 ) -> torch.Tensor:
-    """x: [T, H]; weights, ids: [T, k]; gate_up: [E, 2I, H]; down: [E, H, I]. Returns [T, H]."""
+    """x: [T, H]; weights, ids: [T, k]; gate_up: [E, 2I, H]; down: [E, H, I]. Returns [T, H].
+    `partial`: ids may hold -1 (no expert) beyond decode sizes too (a streamed piece's experts)."""
     if ids.numel() <= DECODE_ROWS:
         return experts_decode(x, weights, ids, gate_up, down)
     if x.dtype != torch.bfloat16:  # fp32, the exactness mode: the loop syncs with the host, no graph holds it
@@ -42,9 +55,7 @@ def experts_grouped(
     gate, up = _grouped_mm(xs, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [T*k, I] each
     act = F.silu(gate) * up * weights.flatten()[order, None]  # routing weight folded in before the down GEMM
     ys = _grouped_mm(act, down.transpose(1, 2), offs=offs)  # [T*k, H] bf16
-    out = torch.empty_like(ys)
-    out[order] = ys
-    return out.view(num_tokens, top_k, -1).sum(1, dtype=torch.float32).to(x.dtype)
+    return _summed(ys, order, ids, partial, x.dtype)
 
 
 @triton.jit
@@ -106,11 +117,12 @@ def _experts_gathered(x, weights, ids, gate_up, down):
 
 
 def experts_quantized(
-    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up, down
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up, down, partial: bool = False
 ) -> torch.Tensor:
     """Experts over `QuantWeight` stacks (gate_up [E, 2I, H], down [E, H, I]): the assignments in
     expert order through `quant.grouped` twice, the routing weight folded in before the down
-    projection, summed per token in fp32. No host sync: decode runs inside the CUDA graph."""
+    projection, summed per token in fp32. No host sync: decode runs inside the CUDA graph.
+    `partial`: as `experts_grouped`."""
     num_tokens, top_k = ids.shape
     if ids.numel() <= DECODE_ROWS and quant.gemv_fits(gate_up) and quant.gemv_fits(down):
         return _experts_quantized_decode(x, weights, ids, gate_up, down)
@@ -119,9 +131,7 @@ def experts_quantized(
     act = F.silu(gate) * up * weights.flatten()[order, None]
     rows = torch.arange(order.numel(), device=x.device)  # act's rows are already in expert order
     ys = quant.grouped(act, down, rows, offs)  # [T*k, H]
-    out = torch.empty_like(ys)
-    out[order] = ys
-    return out.view(num_tokens, top_k, -1).sum(1, dtype=torch.float32).to(x.dtype)
+    return _summed(ys, order, ids, partial, x.dtype)
 
 
 def _experts_quantized_decode(x, weights, ids, gate_up, down) -> torch.Tensor:

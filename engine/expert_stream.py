@@ -1,0 +1,136 @@
+"""Long prefill chunks stream every layer's experts whole, in pieces, double-buffered.
+
+A chunk of a few hundred tokens or more routes to nearly every expert of every layer. When most
+of a layer's experts are not resident (a small budget), choosing them after the routing costs a
+host sync per layer and copies of scattered experts; instead such a forward copies each layer's
+experts in `STREAM_PIECES` pieces of consecutive experts (one copy per part: the link's rate)
+into two device buffers in turn, whatever the routing, and runs each piece's experts on the
+assignments routed to them (the others at -1) as soon as it has landed. Piece j + 2 is copied
+into the buffer of piece j once piece j's experts have run: the copies of the next pieces (and
+the next layer's first ones) overlap this piece's compute and the next layer's attention, and
+nothing waits on the host, so the host queues the whole forward ahead of the device.
+
+The expert slots (engine/expert_cache.py) are not touched: what decode keeps resident survives a
+long prefill.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.expert_cache import ExpertCache, Lane, Parts
+    from engine.offload import OffloadStats
+
+STREAM_PIECES = 4  # pieces a layer's experts stream in: a buffer holds one
+ALIGN = 256  # bytes between parts in a buffer
+
+
+def piece_size(num_experts: int) -> int:
+    """Experts per piece."""
+    return math.ceil(num_experts / STREAM_PIECES)
+
+
+def stream_bytes(num_experts: int, expert_bytes: int, parts: int = 8) -> int:
+    """Device bytes of the two buffers for experts of `expert_bytes` (in at most `parts` parts)."""
+    return 2 * (piece_size(num_experts) * expert_bytes + parts * ALIGN)
+
+
+class ExpertStream:
+    """The two buffers, the events ordering them, and the position in the forward being streamed
+    (`begin` ... one `run` per MoE layer in order ... `end`)."""
+
+    def __init__(self, caches: list[ExpertCache], lane: Lane, stats: OffloadStats):
+        self.caches, self.lane, self.stats = caches, lane, stats
+        self.size = piece_size(caches[0].num_experts)
+        self.pieces = math.ceil(caches[0].num_experts / self.size)
+        largest = max(self._offsets(c)[-1] for c in caches)
+        self.buffers = [torch.empty(largest, dtype=torch.uint8, device=caches[0].device) for _ in range(2)]
+        self.views: dict[
+            tuple[int, int], tuple[Parts, tuple[Any, ...]]
+        ] = {}  # (buffer, layer): parts, weights
+        self.copied: list[Any] = [None, None]  # event: the copy into each buffer
+        self.read: list[Any] = [None, None]  # event: the last compute that read each buffer
+        self.cursor = 0  # the next piece to run, counted over the forward's layers
+        self.active = False
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buffers)
+
+    def begin(self) -> None:
+        """A forward starts: its first two pieces are copied in."""
+        self.cursor, self.active = 0, True
+        self._fill(0)
+        self._fill(1)
+
+    def end(self) -> None:
+        self.active = False
+
+    def run(
+        self,
+        cache: ExpertCache,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        moe_experts: Callable,
+    ) -> torch.Tensor:
+        """This layer's experts, piece by piece as each lands; each piece's assignments at their
+        row in the piece, the others -1 (`moe_experts(..., partial=True)`); summed in fp32."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("streamed experts cannot run inside a CUDA graph")
+        if self.caches[self.cursor // self.pieces] is not cache:
+            raise RuntimeError("a streamed forward ran its MoE layers out of order")
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for start, count in self._ranges(cache):
+            buffer = self.cursor % 2
+            self.lane.wait([self.copied[buffer]])
+            _, stacks = self._parts(buffer, cache)
+            local = torch.where((ids >= start) & (ids < start + count), ids - start, -1)
+            out += moe_experts(x, weights, local, *stacks, partial=True).float()
+            self.read[buffer] = self.lane.record()
+            self.cursor += 1
+            self._fill(self.cursor + 1)  # into the buffer just read, once that read is done
+        return out.to(x.dtype)
+
+    def _ranges(self, cache: ExpertCache) -> list[tuple[int, int]]:
+        n = cache.num_experts
+        return [(s, min(self.size, n - s)) for s in range(0, n, self.size)]
+
+    def _fill(self, piece: int) -> None:
+        """Copy piece `piece` of the forward (if there is one) into buffer piece % 2, after the
+        last compute that read that buffer."""
+        layer, index = divmod(piece, self.pieces)
+        if layer >= len(self.caches):
+            return
+        cache = self.caches[layer]
+        start, count = self._ranges(cache)[index]
+        buffer = piece % 2
+        parts, _ = self._parts(buffer, cache)
+        pairs = [(d[:count], h[start : start + count]) for d, h in zip(parts, cache.host, strict=True)]
+        self.copied[buffer] = self.lane.copy(pairs, [self.read[buffer]])
+        self.stats.misses += count
+        self.stats.bytes_in[self.stats.phase] += count * cache.expert_bytes
+
+    def _offsets(self, cache: ExpertCache) -> list[int]:
+        """Byte offsets of each part of a piece of `cache`'s layout in a buffer, and its end."""
+        offsets = [0]
+        for part in cache.host:
+            offsets.append(-(-(offsets[-1] + self.size * part[0].nbytes) // ALIGN) * ALIGN)
+        return offsets
+
+    def _parts(self, buffer: int, cache: ExpertCache) -> tuple[Parts, tuple[Any, ...]]:
+        """`cache`'s parts as views of `buffer` ([size, ...] each) and what they assemble to (made once)."""
+        key = (buffer, id(cache))
+        if key not in self.views:
+            raw, offsets = self.buffers[buffer], self._offsets(cache)
+            parts = tuple(
+                raw[o : o + self.size * p[0].nbytes].view(p.dtype).view(self.size, *p.shape[1:])
+                for o, p in zip(offsets, cache.host, strict=False)
+            )
+            self.views[key] = (parts, cache.assemble(parts))
+        return self.views[key]
