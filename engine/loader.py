@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import xxhash
 from safetensors import safe_open
+from torch import nn
 
 from engine.config import ModelConfig
 from engine.model import HybridForCausalLM
@@ -188,13 +189,51 @@ def build_model(config: ModelConfig, state_dict: dict[str, Any]) -> HybridForCau
 
 
 def place(model: HybridForCausalLM, device: torch.device) -> HybridForCausalLM:
-    """`model` on `device`. A move copies each tensor on its own, splitting the fused projections
-    from their parameter views (each weight would be there twice): they are fused again there."""
+    """`model` on `device`, each host storage copied once and its tensors made views of the copy
+    as they were of it: the fused projections stay fused, with no second copy of a weight at any
+    time (`Module.to` copies each tensor on its own: a fused weight and its views twice, past a
+    memory budget while they are fused again). Only the bytes the tensors use are copied."""
     if model.lm_head.weight.device == device:
         return model
-    model = model.to(device)
-    model.fuse_projections()
+    return copy_storages(model, device)
+
+
+def copy_storages(model: nn.Module, device: torch.device) -> nn.Module:
+    """`place`'s move (to any device, the same one included: a copy)."""
+    tensors = [
+        (module, kind, name, t)
+        for module in model.modules()
+        for kind in ("_parameters", "_buffers")
+        for name, t in getattr(module, kind).items()
+        if t is not None
+    ]
+    spans: dict[int, tuple[int, int]] = {}  # host storage -> the byte range its tensors use
+    for *_, t in tensors:
+        key, (lo, hi) = t.untyped_storage().data_ptr(), _extent(t)
+        old = spans.get(key, (lo, hi))
+        spans[key] = (min(old[0], lo), max(old[1], hi))
+    copies: dict[int, tuple[torch.UntypedStorage, int]] = {}
+    for module, kind, name, t in tensors:
+        key = t.untyped_storage().data_ptr()
+        if key not in copies:
+            lo, hi = spans[key]
+            lo -= lo % 16  # every dtype's offset stays whole
+            host = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage(), lo, (hi - lo,), (1,))
+            copies[key] = (torch.empty(hi - lo, dtype=torch.uint8, device=device).copy_(host).untyped_storage(), lo)
+        storage, lo = copies[key]
+        offset = (t.storage_offset() * t.element_size() - lo) // t.element_size()
+        moved = torch.empty(0, dtype=t.dtype, device=device).set_(storage, offset, t.shape, t.stride())
+        getattr(module, kind)[name] = nn.Parameter(moved, requires_grad=False) if kind == "_parameters" else moved
     return model
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range of its storage that `t` reads."""
+    start = t.storage_offset() * t.element_size()
+    if t.numel() == 0:
+        return start, start
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+    return start, start + (last + 1) * t.element_size()
 
 
 def fingerprint(config: ModelConfig, state_dict: dict[str, Any]) -> str:

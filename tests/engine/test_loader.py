@@ -97,3 +97,23 @@ def test_materialised_preset_in_another_dtype_is_the_preset_values_cast(monkeypa
     for name, t in own.items():
         assert t.dtype == torch.bfloat16 and wide[name].dtype == torch.float32
         assert torch.equal(t.float(), wide[name]), name
+
+
+def test_a_move_copies_each_storage_once_and_keeps_the_fused_views(preset_dirs):
+    """`place`'s move (engine.loader.copy_storages; here CPU to CPU): every weight's values, and
+    each fused projection's parts still views of the one fused weight, so the model's bytes
+    after the move are those before (`Module.to` would have held each fused weight twice)."""
+    from engine.loader import copy_storages, load_folder  # noqa: PLC0415
+    from engine.offload import dense_bytes  # noqa: PLC0415
+
+    model, _ = load_folder(preset_dirs["tiny"], torch.device("cpu"))
+    before = {name: t.clone() for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    attention = next(layer.self_attn for layer in model.model.layers if layer.is_attention)
+    fused_before = attention.qkv.untyped_storage().data_ptr()
+    assert attention.q_proj.weight.untyped_storage().data_ptr() == fused_before
+    moved = copy_storages(model, torch.device("cpu"))
+    after = dict([*moved.named_parameters(), *moved.named_buffers()])
+    assert after.keys() == before.keys() and all(torch.equal(after[n], before[n]) for n in before)
+    fused = attention.qkv.untyped_storage().data_ptr()
+    assert fused != fused_before and attention.q_proj.weight.untyped_storage().data_ptr() == fused
+    assert dense_bytes(moved) == dense_bytes(model) and not any(t.requires_grad for t in moved.parameters())
