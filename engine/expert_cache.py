@@ -325,6 +325,23 @@ class ExpertCache:
         self.pending = self._fill(swaps, after, publish=True)
         return len(swaps)
 
+    def adopt(self, piece: Parts, start: int, count: int) -> None:
+        """Fill empty slots with experts start .. start + count - 1 not resident, from `piece`
+        (their device copy in a stream buffer: engine/expert_stream.py), on the compute stream."""
+        empty = [s for s in range(self.slots) if self.expert_in[s] < 0]
+        if not empty:
+            return
+        if self.pending is not None:  # a refresh's table lands before this one
+            self.lane.wait([self.pending])
+            self.pending = None
+        wanted = [e for e in range(start, start + count) if self.slot_of[e] < 0]
+        for expert, slot in zip(wanted, empty, strict=False):
+            for dst, src in zip(self.slot_views[slot], piece, strict=True):
+                dst.copy_(src[expert - start])
+            self._place(expert, slot)
+            self.copied[slot] = None
+        self._write_table()
+
     def _copies(self, assigned: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(device, host) copy pairs that fill slots with experts, from (expert, slot) pairs:
         one per part for each run of experts side by side in consecutive slots."""

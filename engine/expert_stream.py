@@ -10,8 +10,9 @@ into the buffer of piece j once piece j's experts have run: the copies of the ne
 the next layer's first ones) overlap this piece's compute and the next layer's attention, and
 nothing waits on the host, so the host queues the whole forward ahead of the device.
 
-The expert slots (engine/expert_cache.py) are not touched: what decode keeps resident survives a
-long prefill.
+What decode keeps resident in the expert slots (engine/expert_cache.py) survives a long prefill;
+only a layer's empty slots are filled, from the pieces as they pass (device to device, nothing
+more over the link): after the first long prefill, decode finds its slots full.
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ class ExpertStream:
             _, stacks = self._parts(buffer, cache)
             local = torch.where((ids >= start) & (ids < start + count), ids - start, -1)
             out += moe_experts(x, weights, local, *stacks, partial=True).float()
+            cache.adopt(self._parts(buffer, cache)[0], start, count)
             self.read[buffer] = self.lane.record()
             self.cursor += 1
             self._fill(self.cursor + 1)  # into the buffer just read, once that read is done
