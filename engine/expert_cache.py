@@ -329,13 +329,14 @@ class ExpertCache:
         """Fill empty slots with experts start .. start + count - 1 not resident, from `piece`
         (their device copy in a stream buffer: engine/expert_stream.py), on the compute stream."""
         empty = [s for s in range(self.slots) if self.expert_in[s] < 0]
-        if not empty:
+        wanted = [e for e in range(start, start + count) if self.slot_of[e] < 0]
+        placed = list(zip(wanted, empty, strict=False))
+        if not placed:
             return
         if self.pending is not None:  # a refresh's table lands before this one
             self.lane.wait([self.pending])
             self.pending = None
-        wanted = [e for e in range(start, start + count) if self.slot_of[e] < 0]
-        for expert, slot in zip(wanted, empty, strict=False):
+        for expert, slot in placed:
             for dst, src in zip(self.slot_views[slot], piece, strict=True):
                 dst.copy_(src[expert - start])
             self._place(expert, slot)

@@ -51,9 +51,8 @@ class ExpertStream:
         self.pieces = math.ceil(caches[0].num_experts / self.size)
         largest = max(self._offsets(c)[-1] for c in caches)
         self.buffers = [torch.empty(largest, dtype=torch.uint8, device=caches[0].device) for _ in range(2)]
-        self.views: dict[
-            tuple[int, int], tuple[Parts, tuple[Any, ...]]
-        ] = {}  # (buffer, layer): parts, weights
+        # (buffer, layer's cache) -> that layer's parts as views of the buffer, and their weights
+        self.views: dict[tuple[int, int], tuple[Parts, tuple[Any, ...]]] = {}
         self.copied: list[Any] = [None, None]  # event: the copy into each buffer
         self.read: list[Any] = [None, None]  # event: the last compute that read each buffer
         self.cursor = 0  # the next piece to run, counted over the forward's layers
@@ -90,10 +89,10 @@ class ExpertStream:
         for start, count in self._ranges(cache):
             buffer = self.cursor % 2
             self.lane.wait([self.copied[buffer]])
-            _, stacks = self._parts(buffer, cache)
+            parts, stacks = self._parts(buffer, cache)
             local = torch.where((ids >= start) & (ids < start + count), ids - start, -1)
             out += moe_experts(x, weights, local, *stacks, partial=True).float()
-            cache.adopt(self._parts(buffer, cache)[0], start, count)
+            cache.adopt(parts, start, count)
             self.read[buffer] = self.lane.record()
             self.cursor += 1
             self._fill(self.cursor + 1)  # into the buffer just read, once that read is done
@@ -132,7 +131,7 @@ class ExpertStream:
             raw, offsets = self.buffers[buffer], self._offsets(cache)
             parts = tuple(
                 raw[o : o + self.size * p[0].nbytes].view(p.dtype).view(self.size, *p.shape[1:])
-                for o, p in zip(offsets, cache.host, strict=False)
+                for o, p in zip(offsets[:-1], cache.host, strict=True)
             )
             self.views[key] = (parts, cache.assemble(parts))
         return self.views[key]

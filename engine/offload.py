@@ -10,8 +10,8 @@ What a forward does with the link (`Policy`, chosen per forward by its token cou
 - A chunk of at least `stream_tokens` tokens routes to nearly every expert of every layer. Where
   fewer than half a layer's experts have slots, the plan sets aside two buffers and such a chunk
   streams every layer's experts whole, in pieces of consecutive experts, whatever the routing
-  (`ExpertStream`, engine/expert_stream.py): one copy per part at the link's rate, no host sync,
-  the slots left as decode keeps them. Otherwise, the routing of layer L+1 is not known before
+  (`ExpertStream`, engine/expert_stream.py): one copy per part at the link's rate, no host sync;
+  only the slots left empty are filled, from the pieces as they pass. Otherwise, the routing of layer L+1 is not known before
   layer L ends, but nearly all of its experts will be
   needed, so when layer L's experts start, half of layer L+1's slots are filled with experts it
   does not hold (`ExpertCache.prefetch`): those copies overlap layer L's experts and layer L+1's
@@ -366,15 +366,15 @@ class ExpertOffload:
         self.stats.phase = name
         self.stats.tokens[name] += tokens
         self.stats.forwards[name] += 1
-        stream = tokens >= self.policy.stream_tokens and not self.holds_all
-        whole = stream and self.stream is not None  # every layer's experts streamed (`ExpertStream`)
+        long = tokens >= self.policy.stream_tokens and not self.holds_all
+        whole = long and self.stream is not None  # every layer's experts streamed (`ExpertStream`)
         for cache in self.caches.values():
-            cache.prefetch_next = cache.slots // 2 if stream and not whole else 0
-            cache.cpu_rows, cache.costs = (0, None) if stream else (self.policy.cpu_rows, self.policy.costs)
+            cache.prefetch_next = cache.slots // 2 if long and not whole else 0
+            cache.cpu_rows, cache.costs = (0, None) if long else (self.policy.cpu_rows, self.policy.costs)
         if whole:
             assert self.stream is not None
             self.stream.begin()  # its first pieces overlap the embedding and the first layer's attention
-        elif stream:
+        elif long:
             first = self.caches[min(self.caches)]
             first.prefetch(first.slots // 2)  # overlaps the embedding and the first layer's attention
         try:
