@@ -97,6 +97,20 @@ def test_batched_decode_matches_no_offload(tiny, offloaded):
     assert (out["plain"] - out["offload"]).abs().max().item() <= TOL
 
 
+def test_two_prefills_in_one_streamed_forward_match_no_offload(tiny, offloaded):
+    """Two sequences' chunks in one forward (long enough to stream every layer's experts), and
+    a decode step after: each as without offload."""
+    out = {}
+    for name, engine in (("plain", tiny), ("offload", offloaded)):
+        states = [engine.new_state(), engine.new_state()]
+        feeds = [Feed(states[0], list(range(400, 430))), Feed(states[1], list(range(900, 925)))]
+        engine.step([(f, len(f.token_ids)) for f in feeds])
+        decoded = [Feed(states[0], [11]), Feed(states[1], [12])]
+        engine.step([(f, 1) for f in decoded])
+        out[name] = torch.stack([f.result.logits for f in [*feeds, *decoded]])
+    assert (out["plain"] - out["offload"]).abs().max().item() <= TOL
+
+
 @pytest.mark.parametrize("mapped", [True, False])
 def test_counters_under_the_smallest_cache(preset_dirs, tiny, monkeypatch, mapped):
     """top_k slots per layer: a long chunk streams every expert of every layer once (filling the
