@@ -286,7 +286,7 @@ class ExpertCache:
             far_weights = self.staged_weights
         near = moe_experts(x, weights, slot, *self.weights)
         far = moe_experts(x, weights, far_ids, *far_weights)
-        return (near.float() + far.float()).to(x.dtype)
+        return near + far  # added in fp32 and rounded to x's dtype once, as by hand, in one kernel
 
     def refresh(self, uses: np.ndarray, limit: int) -> int:
         """Between decode steps (mapped): each expert's heat decays and gains its `uses` since the
