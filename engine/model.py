@@ -62,12 +62,14 @@ def _joins(run: list[nn.Module], w) -> bool:
     return can_concat([*(m.weight for m in run), w])
 
 
-def _fuse_run(run: list[nn.Module]):
-    """One weight for the modules of `run`, each module's weight becoming a view of it."""
-    if len(run) == 1:
+def _fuse_run(run: list[nn.Module], pad: int = 0):
+    """One weight for the modules of `run`, each module's weight becoming a view of it; with `pad`,
+    that many zero rows after theirs (plain tensors only)."""
+    if len(run) == 1 and not pad:
         return run[0].weight
     if isinstance(run[0].weight, torch.Tensor):
-        fused = torch.cat([m.weight for m in run])
+        first = run[0].weight
+        fused = torch.cat([*(m.weight for m in run), first.new_zeros(pad, *first.shape[1:])])
         view = lambda lo, rows: nn.Parameter(fused[lo : lo + rows], requires_grad=False)  # noqa: E731
     else:
         from engine.ops.gpu.quant import concat_rows  # noqa: PLC0415
@@ -82,19 +84,23 @@ def _fuse_run(run: list[nn.Module]):
     return fused
 
 
-def fuse(module: nn.Module, name: str, parts: list[nn.Module]) -> None:
+def fuse(module: nn.Module, name: str, parts: list[nn.Module], align: int = 1) -> None:
     """Register `name` as the row-wise concatenation of the parts' weights and make each part's
     weight a view of it: projections that read the same input run as one GEMM (one GEMV in decode),
     with no second copy of the weights and the HF parameter names unchanged. Quantized weights
     join when their format's blocks line up (`quant.can_concat`); where consecutive parts cannot,
-    each run of those that can is one weight of a `Concat`."""
+    each run of those that can is one weight of a `Concat`. A single plain weight gets zero rows up
+    to a multiple of `align` (its output rows then stay 16-byte aligned: cuBLAS takes its fast
+    kernels, not the unaligned ones); the caller drops those outputs."""
     runs: list[list[nn.Module]] = []
     for m in parts:
         if runs and _joins(runs[-1], m.weight):
             runs[-1].append(m)
         else:
             runs.append([m])
-    weights = [_fuse_run(run) for run in runs]
+    rows = sum(m.weight.shape[-2] for m in parts)
+    pad = -rows % align if len(runs) == 1 and isinstance(parts[0].weight, torch.Tensor) else 0
+    weights = [_fuse_run(run, pad) for run in runs]
     fused = weights[0] if len(weights) == 1 else Concat(weights)
     module._buffers.pop(name, None)  # fused again after a move: the old one goes
     module._modules.pop(name, None)
@@ -328,12 +334,14 @@ class SparseMoe(nn.Module):
     def fuse(self) -> None:
         """The router, the shared expert's gate and up projections and its output gate: one GEMM."""
         shared = self.shared_expert
-        fuse(self, "in_proj", [self.gate, shared.gate_proj, shared.up_proj, self.shared_expert_gate])
+        # router (E) + gate and up (2 x I) + the output gate (1): an odd width, padded to 8 outputs
+        fuse(self, "in_proj", [self.gate, shared.gate_proj, shared.up_proj, self.shared_expert_gate], align=8)
 
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         c = self.c
         splits = [c.num_experts, c.shared_expert_intermediate_size, c.shared_expert_intermediate_size, 1]
-        router, gate, up, shared_gate = matmul(x, self.in_proj).split(splits, dim=-1)
+        fused = matmul(x, self.in_proj)[:, : sum(splits)]  # without the padding's outputs
+        router, gate, up, shared_gate = fused.split(splits, dim=-1)
         weights, ids = kernels.route(router, c.num_experts_per_tok, c.norm_topk_prob, x.dtype)
         run = partial(routed_experts, kernels)
         if self.offload is not None:  # the stacks of its device slots, whichever kind they are

@@ -117,3 +117,18 @@ def test_a_move_copies_each_storage_once_and_keeps_the_fused_views(preset_dirs):
     fused = attention.qkv.untyped_storage().data_ptr()
     assert fused != fused_before and attention.q_proj.weight.untyped_storage().data_ptr() == fused
     assert dense_bytes(moved) == dense_bytes(model) and not any(t.requires_grad for t in moved.parameters())
+
+
+def test_the_moe_projection_is_padded_to_aligned_rows(preset_dirs):
+    """The router, the shared expert's gate and up and its output gate fuse into an odd number of
+    rows (E + 2I + 1): zero rows pad it to a multiple of 8 (aligned outputs: cuBLAS's fast GEMMs),
+    the parts still views of it."""
+    from engine.loader import load_folder  # noqa: PLC0415
+
+    model, _ = load_folder(preset_dirs["tiny"], torch.device("cpu"))
+    c = model.config
+    moe = model.model.layers[0].mlp
+    rows = c.num_experts + 2 * c.shared_expert_intermediate_size + 1
+    assert rows % 8 and moe.in_proj.shape[0] == rows + (-rows % 8)
+    assert not moe.in_proj[rows:].any()
+    assert moe.gate.weight.untyped_storage().data_ptr() == moe.in_proj.untyped_storage().data_ptr()
