@@ -32,8 +32,7 @@ def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
 def _summed(ys: torch.Tensor, order: torch.Tensor, ids: torch.Tensor, partial: bool, dtype: torch.dtype):
     """Rows in expert order back to their assignments, summed per token in fp32. With `partial`
     (ids may hold -1 in a prefill), the absent assignments' rows, which no GEMM wrote, are zeroed."""
-    out = torch.empty_like(ys)
-    out[order] = ys
+    out = torch.empty_like(ys).index_copy_(0, order, ys)  # row copies (x[i] = is an elementwise kernel)
     if partial:
         out.masked_fill_((ids.flatten() < 0)[:, None], 0)
     return out.view(*ids.shape, -1).sum(1, dtype=torch.float32).to(dtype)
@@ -51,7 +50,7 @@ def experts_grouped(
         return (experts_decode if x.shape[0] <= GRAPH_TOKENS else experts_loop)(x, weights, ids, gate_up, down)
     num_tokens, top_k = ids.shape
     order, offs = group_by_expert(ids, gate_up.shape[0])
-    xs = x[order // top_k]  # [T*k, H], rows grouped by expert
+    xs = x.index_select(0, order // top_k)  # [T*k, H], rows grouped by expert
     gate, up = _grouped_mm(xs, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [T*k, I] each
     act = F.silu(gate) * up * weights.flatten()[order, None]  # routing weight folded in before the down GEMM
     ys = _grouped_mm(act, down.transpose(1, 2), offs=offs)  # [T*k, H] bf16

@@ -538,7 +538,8 @@ def grouped(
     num_experts, n, k = w.shape
     if order.numel() > DEQUANT_ROWS and x.dtype == torch.bfloat16:  # before the tiles: this path has none
         grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
-        return grouped_mm(x[order // top_k], dequantize_to(w, x.dtype).transpose(1, 2), offs=offs)
+        xs = x.index_select(0, order // top_k)  # row copies (x[i] is an elementwise kernel)
+        return grouped_mm(xs, dequantize_to(w, x.dtype).transpose(1, 2), offs=offs)
     bm = 32
     ends = offs.long()
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
