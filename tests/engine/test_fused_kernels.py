@@ -160,6 +160,37 @@ def test_norm_rope_on_the_fused_projections_views(dtype, heads, dim, rotary):
 
 
 @in_this_process
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_split_decode_attention_combined_in_one_kernel(dtype):
+    """The split-K decode attention's partial results combined by one kernel equal the torch
+    combination, empty splits (a short row: max -inf, nothing summed) included; and the whole
+    decode attention equals the reference one over rows of different lengths (in the interpreter:
+    fp32 only, its bf16 dots in the partial kernel are wrong with or without the combine)."""
+    from engine.ops import attention as reference_attention  # noqa: PLC0415
+    from engine.ops.gpu import attention  # noqa: PLC0415
+
+    batch, kv_heads, group, dim = 2, 2, 3, 64
+    splits, gpad = attention.DECODE_SPLITS, 16
+    gen = torch.Generator().manual_seed(7)
+    po = torch.randn(batch, kv_heads, splits, gpad, dim, generator=gen).to(DEVICE)
+    pm = torch.randn(batch, kv_heads, splits, gpad, generator=gen).to(DEVICE)
+    pl = torch.rand(batch, kv_heads, splits, gpad, generator=gen).to(DEVICE) + 0.5
+    pm[1, :, 5:] = float("-inf")  # row 1 filled only its first five splits
+    po[1, :, 5:], pl[1, :, 5:] = 0.0, 0.0
+    got = attention._combine_triton(po, pm, pl, group, dtype)
+    _close(got, attention._combine_torch(po, pm, pl, group, dtype))
+    if dtype == torch.bfloat16 and not CUDA:  # the interpreter's bf16 dots in the partial kernel are off
+        return
+    capacity = 96
+    q = _randn(batch, kv_heads * group, dim, dtype=dtype, seed=8)
+    k, v = (_randn(3, capacity, kv_heads, dim, dtype=dtype, seed=s) for s in (9, 10))
+    index, lengths = torch.tensor([2, 0], device=DEVICE), torch.tensor([90, 7], device=DEVICE)
+    want = reference_attention.decode_attention(q.float(), k.float(), v.float(), index, lengths)
+    got = attention.decode_attention(q, k, v, index, lengths)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2 if dtype == torch.bfloat16 else 1e-4, atol=2e-2)
+
+
+@in_this_process
 @pytest.mark.skipif(
     CUDA, reason="on a GPU, tests/engine/test_gpu.py runs the model with them against the CPU's"
 )

@@ -78,3 +78,13 @@ def test_staging_gather_compiles_to_wide_loads():
         raise
     ptx = kernel.asm["ptx"]
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
+
+
+def test_decode_combine_compiles():
+    """The split-K decode attention's combination at the 35B shape (8 query heads per KV head, 256 dims)."""
+    from engine.ops.gpu import attention  # noqa: PLC0415
+
+    signature = {"PO": "*fp32", "PM": "*fp32", "PL": "*fp32", "OUT": "*bf16", "NUM_KV": "i32",
+                 "GROUP": "constexpr", "GPAD": "constexpr", "D": "constexpr", "SPLITS": "constexpr"}  # fmt: skip
+    constexprs = {"GROUP": 8, "GPAD": 16, "D": 256, "SPLITS": attention.DECODE_SPLITS}
+    assert ".entry _decode_combine" in compile_for_h200(attention._decode_combine, signature, constexprs)
