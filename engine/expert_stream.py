@@ -1,14 +1,16 @@
-"""Long prefill chunks stream every layer's experts whole, in pieces, double-buffered.
+"""Long prefill chunks stream every layer's experts whole, in pieces, through a ring of buffers.
 
 A chunk of a few hundred tokens or more routes to nearly every expert of every layer. When most
 of a layer's experts are not resident (a small budget), choosing them after the routing costs a
 host sync per layer and copies of scattered experts; instead such a forward copies each layer's
 experts in `STREAM_PIECES` pieces of consecutive experts (one copy per part: the link's rate)
-into two device buffers in turn, whatever the routing, and runs each piece's experts on the
-assignments routed to them (the others at -1) as soon as it has landed. Piece j + 2 is copied
-into the buffer of piece j once piece j's experts have run: the copies of the next pieces (and
-the next layer's first ones) overlap this piece's compute and the next layer's attention, and
-nothing waits on the host, so the host queues the whole forward ahead of the device.
+into `STREAM_BUFFERS` device buffers in turn, whatever the routing, and runs each piece's experts
+on the assignments routed to them (the others at -1) as soon as it has landed. Piece j + B is
+copied into the buffer of piece j once piece j's experts have run: the copies of the next pieces
+(and the next layer's first ones) overlap this piece's compute and the next layer's attention
+(three buffers: the link keeps copying through a layer's attention, where two left it idle until
+the layer's first piece had run), and nothing waits on the host, so the host queues the whole
+forward ahead of the device.
 
 What decode keeps resident in the expert slots (engine/expert_cache.py) survives a long prefill;
 only a layer's empty slots are filled, from the pieces as they pass (device to device, nothing
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     from engine.offload import OffloadStats
 
 STREAM_PIECES = 4  # pieces a layer's experts stream in: a buffer holds one
+STREAM_BUFFERS = 3  # pieces in flight at once
 ALIGN = 256  # bytes between parts in a buffer
 
 
@@ -37,12 +40,12 @@ def piece_size(num_experts: int) -> int:
 
 
 def stream_bytes(num_experts: int, expert_bytes: int, parts: int = 8) -> int:
-    """Device bytes of the two buffers for experts of `expert_bytes` (in at most `parts` parts)."""
-    return 2 * (piece_size(num_experts) * expert_bytes + parts * ALIGN)
+    """Device bytes of the buffers for experts of `expert_bytes` (in at most `parts` parts)."""
+    return STREAM_BUFFERS * (piece_size(num_experts) * expert_bytes + parts * ALIGN)
 
 
 class ExpertStream:
-    """The two buffers, the events ordering them, and the position in the forward being streamed
+    """The buffers, the events ordering them, and the position in the forward being streamed
     (`begin` ... one `run` per MoE layer in order ... `end`)."""
 
     def __init__(self, caches: list[ExpertCache], lane: Lane, stats: OffloadStats):
@@ -50,11 +53,13 @@ class ExpertStream:
         self.size = piece_size(caches[0].num_experts)
         self.pieces = math.ceil(caches[0].num_experts / self.size)
         largest = max(self._offsets(c)[-1] for c in caches)
-        self.buffers = [torch.empty(largest, dtype=torch.uint8, device=caches[0].device) for _ in range(2)]
+        self.buffers = [
+            torch.empty(largest, dtype=torch.uint8, device=caches[0].device) for _ in range(STREAM_BUFFERS)
+        ]
         # (buffer, layer's cache) -> that layer's parts as views of the buffer, and their weights
         self.views: dict[tuple[int, int], tuple[Parts, tuple[Any, ...]]] = {}
-        self.copied: list[Any] = [None, None]  # event: the copy into each buffer
-        self.read: list[Any] = [None, None]  # event: the last compute that read each buffer
+        self.copied: list[Any] = [None] * STREAM_BUFFERS  # event: the copy into each buffer
+        self.read: list[Any] = [None] * STREAM_BUFFERS  # event: the last compute that read each buffer
         self.cursor = 0  # the next piece to run, counted over the forward's layers
         self.active = False
 
@@ -63,10 +68,10 @@ class ExpertStream:
         return sum(b.nbytes for b in self.buffers)
 
     def begin(self) -> None:
-        """A forward starts: its first two pieces are copied in."""
+        """A forward starts: its first pieces are copied in, one per buffer."""
         self.cursor, self.active = 0, True
-        self._fill(0)
-        self._fill(1)
+        for piece in range(STREAM_BUFFERS):
+            self._fill(piece)
 
     def end(self) -> None:
         self.active = False
@@ -87,7 +92,7 @@ class ExpertStream:
             raise RuntimeError("a streamed forward ran its MoE layers out of order")
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for start, count in self._ranges(cache):
-            buffer = self.cursor % 2
+            buffer = self.cursor % STREAM_BUFFERS
             self.lane.wait([self.copied[buffer]])
             parts, stacks = self._parts(buffer, cache)
             local = torch.where((ids >= start) & (ids < start + count), ids - start, -1)
@@ -95,7 +100,7 @@ class ExpertStream:
             cache.adopt(parts, start, count)
             self.read[buffer] = self.lane.record()
             self.cursor += 1
-            self._fill(self.cursor + 1)  # into the buffer just read, once that read is done
+            self._fill(self.cursor + STREAM_BUFFERS - 1)  # into the buffer just read, once that read is done
         return out.to(x.dtype)
 
     def _ranges(self, cache: ExpertCache) -> list[tuple[int, int]]:
@@ -103,14 +108,14 @@ class ExpertStream:
         return [(s, min(self.size, n - s)) for s in range(0, n, self.size)]
 
     def _fill(self, piece: int) -> None:
-        """Copy piece `piece` of the forward (if there is one) into buffer piece % 2, after the
+        """Copy piece `piece` of the forward (if there is one) into its buffer (the ring's), after the
         last compute that read that buffer."""
         layer, index = divmod(piece, self.pieces)
         if layer >= len(self.caches):
             return
         cache = self.caches[layer]
         start, count = self._ranges(cache)[index]
-        buffer = piece % 2
+        buffer = piece % STREAM_BUFFERS
         parts, _ = self._parts(buffer, cache)
         pairs = [(d[:count], h[start : start + count]) for d, h in zip(parts, cache.host, strict=True)]
         self.copied[buffer] = self.lane.copy(pairs, [self.read[buffer]])

@@ -8,12 +8,11 @@ with every expert in pinned host memory. Experts run on the slots, copied in on 
 
 What a forward does with the link (`Policy`, chosen per forward by its token count):
 - A chunk of at least `stream_tokens` tokens routes to nearly every expert of every layer. Where
-  fewer than half a layer's experts have slots, the plan sets aside two buffers and such a chunk
+  fewer than half a layer's experts have slots, the plan sets aside a few buffers and such a chunk
   streams every layer's experts whole, in pieces of consecutive experts, whatever the routing
   (`ExpertStream`, engine/expert_stream.py): one copy per part at the link's rate, no host sync;
-  only the slots left empty are filled, from the pieces as they pass. Otherwise, the routing of layer L+1 is not known before
-  layer L ends, but nearly all of its experts will be
-  needed, so when layer L's experts start, half of layer L+1's slots are filled with experts it
+  only the slots left empty are filled, from the pieces as they pass. Otherwise, the routing of
+  layer L+1 is not known before layer L ends, but nearly all of its experts will be needed, so when layer L's experts start, half of layer L+1's slots are filled with experts it
   does not hold (`ExpertCache.prefetch`): those copies overlap layer L's experts and layer L+1's
   attention. After its routing, layer L+1 runs its experts in groups of half its slots, the copy
   of each group overlapping the compute of the one before (double buffering within the layer).

@@ -11,7 +11,7 @@ import torch
 
 from engine import Engine, SamplingParams
 from engine.expert_cache import ExpertCache, Lane
-from engine.expert_stream import ExpertStream, stream_bytes
+from engine.expert_stream import STREAM_BUFFERS, ExpertStream, stream_bytes
 from engine.feed import Feed
 from engine.offload import BudgetError, GiB, OffloadStats, dense_bytes, plan, state_bytes
 from engine.ops.moe import experts_loop
@@ -306,8 +306,8 @@ class RecordingLane(Lane):
 
 
 def test_a_streamed_forward_copies_each_piece_after_its_buffer_was_read_and_runs_it_after_its_copy():
-    """Three layers of 8 experts in pieces of 2, two buffers: piece j's copy waits for the read of
-    piece j - 2 (the buffer's last use), piece j's experts wait for piece j's copy; every piece runs
+    """Three layers of 8 experts in pieces of 2, a ring of B buffers: piece j's copy waits for the
+    read of piece j - B (the buffer's last use), piece j's experts wait for piece j's copy; every piece runs
     the assignments routed to it, so the sum is every expert's; the empty slots take the first
     piece's experts as it passes."""
     torch.manual_seed(0)
@@ -328,7 +328,7 @@ def test_a_streamed_forward_copies_each_piece_after_its_buffer_was_read_and_runs
     waits = [v for k, v in lane.log if k == "wait"]
     assert len(copies) == len(reads) == len(waits) == 12  # 3 layers x 4 pieces
     for j, (token, after) in enumerate(copies):
-        assert after == ([reads[j - 2]] if j >= 2 else [])
+        assert after == ([reads[j - STREAM_BUFFERS]] if j >= STREAM_BUFFERS else [])
         assert waits[j] == [token]
     assert stats.misses == 24 and stats.bytes_in["prefill"] == 24 * caches[0].expert_bytes
     assert all(c.expert_in == [0, 1] and c.slot_of[:3] == [0, 1, -1] for c in caches)  # from the stream

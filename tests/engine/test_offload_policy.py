@@ -82,7 +82,7 @@ def test_host_and_copies_balanced():
 
 def test_long_chunks_prefetch_the_next_layer_before_its_routing(preset_dirs, tiny):
     """Half the experts or more resident (no stream buffers): a long chunk's layers prefetch."""
-    engine = _load(preset_dirs, tiny, slots=5)
+    engine = _load(preset_dirs, tiny, slots=6)
     offload = engine.offload
     assert offload is not None and offload.policy.stream_tokens == 9
     log = _trace(engine)
@@ -101,7 +101,7 @@ def test_long_chunks_prefetch_the_next_layer_before_its_routing(preset_dirs, tin
 
 def test_prefetch_and_double_buffered_groups_match_no_offload(preset_dirs, tiny):
     """Prefill chunks long enough to prefetch, with groups of half the slots, then decode."""
-    engine = _load(preset_dirs, tiny, slots=5)
+    engine = _load(preset_dirs, tiny, slots=6)
     tokens = _prompt(300, 3)
     out = {}
     for name, eng in (("plain", tiny), ("offload", engine)):
@@ -283,7 +283,7 @@ class DeferredLane(Lane):
 
 
 def test_every_compute_waits_for_the_copies_into_its_slots(preset_dirs, tiny):
-    engine = _load(preset_dirs, tiny, slots=5)
+    engine = _load(preset_dirs, tiny, slots=6)
     lane = DeferredLane()
     for cache in engine.offload.caches.values():
         cache.lane = lane
