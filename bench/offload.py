@@ -13,12 +13,12 @@ a budget that cannot is reported as a row naming the numbers.
 Each budget runs in a child process of its own (a fresh engine: peak reserved memory per budget,
 and the 256-expert weights are held once in host memory). Per budget: prefill tokens/s of one
 `--context`-token prompt, decode tokens/s at batch 1 (where decode gathers the experts it reads
-from host memory into staging rows, also with them read where they lie: the same run's baseline), hits / (hits + misses + host-computed) per
-phase, bytes host -> device per prefill and per decoded token, and the same times projected to a
-PCIe 4.0 x16 link (`--pcie` bytes/s, 25 GB/s): every byte's copy time moved from the link's
-measured rate (one large pinned copy, `bulk_link`) to that one, t + bytes x (1/pcie - 1/link)
-(exact where the copies are on the critical path, as in
-decode; an upper bound where they overlap compute). Then `--traces` replayed (`ft replay`'s driver,
+from host memory into staging rows, also with them read where they lie: the same run's baseline),
+hits / (hits + misses + host-computed) per phase, bytes host -> device per prefill and per decoded
+token, and the same times projected to a PCIe 4.0 x16 link (`--pcie` bytes/s, 25 GB/s): every
+byte's copy time moved from the link's measured rate (one large pinned copy, `bulk_link`) to that
+one, t + bytes x (1/pcie - 1/link) (exact where the copies are on the critical path, as in decode;
+an upper bound where they overlap compute). Then `--traces` replayed (`ft replay`'s driver,
 recorded answers teacher-forced) with the policies of `--policies` on the same engine: worst TTFT
 after a tool and TTFT at new user turns (requests after the first whose last message is not a
 tool result). `--llama-server` adds llama-server with its experts on the CPU (`--n-cpu-moe`, from a
@@ -143,11 +143,13 @@ def profiled(fn, device: str, per: int, top: int = 12) -> dict:
         ]
 
     count = {e.key: e.count / per for e in events}
+    on_device = [e for e in events if e.device_type != torch.autograd.DeviceType.CPU]
     return {
         "wall_ms_per_token": wall * 1e3 / per,
-        "device_busy_ms_per_token": each(sum(e.self_device_time_total for e in events)),
+        # the device's own events (kernels, copies): a host op's device time is theirs again
+        "device_busy_ms_per_token": each(sum(e.self_device_time_total for e in on_device)),
         "copies_ms_per_token": each(
-            sum(e.self_device_time_total for e in events if e.key.startswith("Memcpy HtoD"))
+            sum(e.self_device_time_total for e in on_device if e.key.startswith("Memcpy HtoD"))
         ),
         "memcpy_async_per_token": count.get("cudaMemcpyAsync", 0.0),
         "kernel_launches_per_token": count.get("cudaLaunchKernel", 0.0) + count.get("cuLaunchKernel", 0.0),
