@@ -325,11 +325,12 @@ class ExpertCache:
         self.pending = self._fill(swaps, after, publish=True)
         return len(swaps)
 
-    def adopt(self, piece: Parts, start: int, count: int) -> None:
-        """Fill empty slots with experts start .. start + count - 1 not resident, from `piece`
-        (their device copy in a stream buffer: engine/expert_stream.py), on the compute stream."""
+    def adopt(self, piece: Parts, start: int, lo: int, hi: int) -> None:
+        """Fill empty slots with experts lo .. hi - 1 not resident, from `piece` (the device copy
+        of the experts from `start` on, in a stream buffer: engine/expert_stream.py), on the
+        compute stream."""
         empty = [s for s in range(self.slots) if self.expert_in[s] < 0]
-        wanted = [e for e in range(start, start + count) if self.slot_of[e] < 0]
+        wanted = [e for e in range(lo, hi) if self.slot_of[e] < 0]
         placed = list(zip(wanted, empty, strict=False))
         if not placed:
             return

@@ -12,7 +12,9 @@ copied into the buffer of piece j once piece j's experts have run: the copies of
 the layer's first piece had run), and nothing waits on the host, so the host queues the whole
 forward ahead of the device.
 
-What decode keeps resident in the expert slots (engine/expert_cache.py) survives a long prefill;
+The experts resident in a layer's slots (engine/expert_cache.py) run from there, in one call
+before the pieces, and a piece copies only the span of its experts that are not (nothing where
+all are): the slots save link bytes here too. What decode keeps resident survives a long prefill;
 only a layer's empty slots are filled, from the pieces as they pass (device to device, nothing
 more over the link): after the first long prefill, decode finds its slots full.
 """
@@ -60,6 +62,9 @@ class ExpertStream:
         self.views: dict[tuple[int, int], tuple[Parts, tuple[Any, ...]]] = {}
         self.copied: list[Any] = [None] * STREAM_BUFFERS  # event: the copy into each buffer
         self.read: list[Any] = [None] * STREAM_BUFFERS  # event: the last compute that read each buffer
+        # the experts each buffer's piece copied ([lo, hi): those of the piece not resident when it
+        # was filled, residency no piece before it in its layer changes), None: all resident
+        self.spans: list[tuple[int, int] | None] = [None] * STREAM_BUFFERS
         self.cursor = 0  # the next piece to run, counted over the forward's layers
         self.active = False
 
@@ -84,21 +89,27 @@ class ExpertStream:
         ids: torch.Tensor,
         moe_experts: Callable,
     ) -> torch.Tensor:
-        """This layer's experts, piece by piece as each lands; each piece's assignments at their
-        row in the piece, the others -1 (`moe_experts(..., partial=True)`); summed in fp32."""
+        """This layer's experts: the resident ones from their slots, then piece by piece as each
+        lands, each piece's copied assignments at their row in the piece, the others -1
+        (`moe_experts(..., partial=True)`); summed in fp32."""
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("streamed experts cannot run inside a CUDA graph")
         if self.caches[self.cursor // self.pieces] is not cache:
             raise RuntimeError("a streamed forward ran its MoE layers out of order")
+        slot = cache.slot_table[ids]  # resident as the pieces were filled (before this layer adopts)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for start, count in self._ranges(cache):
+        if any(e >= 0 for e in cache.expert_in):
+            out += moe_experts(x, weights, slot, *cache.weights, partial=True).float()
+        for start, _ in self._ranges(cache):
             buffer = self.cursor % STREAM_BUFFERS
-            self.lane.wait([self.copied[buffer]])
-            parts, stacks = self._parts(buffer, cache)
-            local = torch.where((ids >= start) & (ids < start + count), ids - start, -1)
-            out += moe_experts(x, weights, local, *stacks, partial=True).float()
-            cache.adopt(parts, start, count)
-            self.read[buffer] = self.lane.record()
+            if (span := self.spans[buffer]) is not None:
+                lo, hi = span
+                self.lane.wait([self.copied[buffer]])
+                parts, stacks = self._parts(buffer, cache)
+                local = torch.where((ids >= lo) & (ids < hi) & (slot < 0), ids - start, -1)
+                out += moe_experts(x, weights, local, *stacks, partial=True).float()
+                cache.adopt(parts, start, lo, hi)
+                self.read[buffer] = self.lane.record()
             self.cursor += 1
             self._fill(self.cursor + STREAM_BUFFERS - 1)  # into the buffer just read, once that read is done
         return out.to(x.dtype)
@@ -116,11 +127,17 @@ class ExpertStream:
         cache = self.caches[layer]
         start, count = self._ranges(cache)[index]
         buffer = piece % STREAM_BUFFERS
+        missing = [e for e in range(start, start + count) if cache.slot_of[e] < 0]
+        if not missing:  # every expert of the piece resident: nothing to copy or run
+            self.spans[buffer] = None
+            return
+        lo, hi = missing[0], missing[-1] + 1
+        self.spans[buffer] = (lo, hi)
         parts, _ = self._parts(buffer, cache)
-        pairs = [(d[:count], h[start : start + count]) for d, h in zip(parts, cache.host, strict=True)]
+        pairs = [(d[lo - start : hi - start], h[lo:hi]) for d, h in zip(parts, cache.host, strict=True)]
         self.copied[buffer] = self.lane.copy(pairs, [self.read[buffer]])
-        self.stats.misses += count
-        self.stats.bytes_in[self.stats.phase] += count * cache.expert_bytes
+        self.stats.misses += hi - lo
+        self.stats.bytes_in[self.stats.phase] += (hi - lo) * cache.expert_bytes
 
     def _offsets(self, cache: ExpertCache) -> list[int]:
         """Byte offsets of each part of a piece of `cache`'s layout in a buffer, and its end."""

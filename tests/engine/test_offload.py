@@ -309,7 +309,8 @@ def test_a_streamed_forward_copies_each_piece_after_its_buffer_was_read_and_runs
     """Three layers of 8 experts in pieces of 2, a ring of B buffers: piece j's copy waits for the
     read of piece j - B (the buffer's last use), piece j's experts wait for piece j's copy; every piece runs
     the assignments routed to it, so the sum is every expert's; the empty slots take the first
-    piece's experts as it passes."""
+    piece's experts as it passes, and the next forward runs those from the slots, copying the
+    other three pieces only."""
     torch.manual_seed(0)
     cpu, stats, lane = torch.device("cpu"), OffloadStats(), RecordingLane()
     hosts = [(torch.randn(8, 16, 8), torch.randn(8, 8, 8)) for _ in range(3)]
@@ -332,6 +333,16 @@ def test_a_streamed_forward_copies_each_piece_after_its_buffer_was_read_and_runs
         assert waits[j] == [token]
     assert stats.misses == 24 and stats.bytes_in["prefill"] == 24 * caches[0].expert_bytes
     assert all(c.expert_in == [0, 1] and c.slot_of[:3] == [0, 1, -1] for c in caches)  # from the stream
+    # again, the second layer holding experts 0 and 5: the resident experts run from their slots,
+    # a piece copies the span of those it lacks (the second layer's piece of 4 and 5: only 4)
+    caches[1]._load([5], busy=[0])
+    lane.log.clear()
+    stream.begin()
+    for cache, host in zip(caches, hosts, strict=True):
+        got = stream.run(cache, x, weights, ids, experts_loop)
+        torch.testing.assert_close(got, experts_loop(x, weights, ids, *host), rtol=0, atol=TOL)
+    stream.end()
+    assert len([v for k, v in lane.log if k == "copy"]) == 3 + 4 + 3 and stats.misses == 24 + 1 + 18
     with pytest.raises(RuntimeError, match="out of order"):
         stream.begin()
         stream.run(caches[1], x, weights, ids, experts_loop)
