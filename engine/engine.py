@@ -370,7 +370,15 @@ class Engine:
                 graphs()
                 chunk()
             else:  # what both allocate is measured: the expert slots keep room for them within the budget
-                self.offload.calibrate_workspace(lambda: (chunk(), graphs()))
+                offload = self.offload
+
+                def calibrated() -> None:
+                    chunk()
+                    if offload.stream is not None:  # it filled the empty slots: the next runs them too
+                        chunk()
+                    graphs()
+
+                offload.calibrate_workspace(calibrated)
             # A first request's eager prefill: unaligned lengths split at captures (the aligned runs
             # above leave other kernel specialisations to it; a cold 2,800-token first request took
             # 1.2-1.9 s on the H200 after them, its later peers 0.1 s).
