@@ -98,8 +98,9 @@ class ExpertStream:
             raise RuntimeError("a streamed forward ran its MoE layers out of order")
         slot = cache.slot_table[ids]  # resident as the pieces were filled (before this layer adopts)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        if any(e >= 0 for e in cache.expert_in):
+        if resident := sum(e >= 0 for e in cache.expert_in):  # hits (a long chunk routes to nearly all)
             out += moe_experts(x, weights, slot, *cache.weights, partial=True).float()
+            self.stats.hits += resident
         for start, _ in self._ranges(cache):
             buffer = self.cursor % STREAM_BUFFERS
             if (span := self.spans[buffer]) is not None:

@@ -343,6 +343,7 @@ def test_a_streamed_forward_copies_each_piece_after_its_buffer_was_read_and_runs
         torch.testing.assert_close(got, experts_loop(x, weights, ids, *host), rtol=0, atol=TOL)
     stream.end()
     assert len([v for k, v in lane.log if k == "copy"]) == 3 + 4 + 3 and stats.misses == 24 + 1 + 18
+    assert stats.hits == 3 * 2  # the resident experts, served from the slots
     with pytest.raises(RuntimeError, match="out of order"):
         stream.begin()
         stream.run(caches[1], x, weights, ids, experts_loop)
