@@ -25,7 +25,7 @@ in_this_process = pytest.mark.skipif(not RUNNABLE, reason="run in a fresh TRITON
 
 
 GROUPS = {  # each run in its own interpreter process, within ~30 s
-    "kquants": "kmix or fusion",
+    "kquants": "kmix or fusion or moved",
     "presets": "(q8_0 or fp8) and not next",
 }
 
@@ -160,6 +160,21 @@ def test_restore_is_exact_on_the_quantized_model(models):
     snapshots = engine.prefill(engine.new_state(), ids, capture_at=[at]).snapshots
     rest = engine.prefill(engine.restore(concat_chain(snapshots)), ids[at:])
     assert (rest.logits - full.logits).abs().max().item() <= 1e-4
+
+
+@in_this_process
+def test_a_quantized_model_moved_storage_by_storage_keeps_its_logits_and_size(models):
+    """`place`'s move (engine.loader.copy_storages, here CPU to CPU) on packed weights: the fused
+    quantized projections' parts stay views of one copy (the same resident bytes) and the logits
+    are the same."""
+    from engine.loader import copy_storages  # noqa: PLC0415
+
+    engine = Engine.load(models["kmix"], keep_quantized=True)
+    ids = list(range(100, 112))
+    before, weights = engine.prefill(engine.new_state(), ids).logits, engine.memory()["weights"]
+    copy_storages(engine.model, torch.device("cpu"))
+    assert engine.memory()["weights"] == weights
+    assert torch.equal(engine.prefill(engine.new_state(), ids).logits, before)
 
 
 def tensor_bytes(path: Path) -> int:
