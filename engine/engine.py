@@ -62,7 +62,7 @@ class Engine:
         # short prefills on the sequence's slot (a graph per bucket)
         self.slot_prefill = self.runner.use_graph and (offload is None or offload.holds_all)
         if offload is not None:
-            offload.on_shrink = self._after_shrink
+            offload.on_change = self._after_offload_change
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
@@ -139,9 +139,10 @@ class Engine:
         assert self.offload is not None
         self.offload.make_room(expert_offload.state_bytes(self.config, self.dtype, slots, capacity))
 
-    def _after_shrink(self) -> None:
-        """After the expert slots shrank (new slot tensors): the graphs are captured again over
-        them where steps read experts in place, else no graph may hold a step (experts are fetched)."""
+    def _after_offload_change(self) -> None:
+        """After the expert slots shrank (new slot tensors) or decode changed how it reads host
+        memory: the graphs are captured again where steps read experts in place, else no graph may
+        hold a step (experts are fetched)."""
         assert self.offload is not None
         self.slot_prefill = False
         if self.offload.mapped:

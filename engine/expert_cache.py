@@ -210,8 +210,7 @@ class ExpertCache:
                 "offloaded experts cannot run inside a CUDA graph: the slots change between replays"
             )
         if self.mapped_weights is not None:  # mapped steps may have read any slot: copies wait for them
-            self.lane.wait([self.pending])  # and the table a refresh publishes lands before ours
-            self.pending = None
+            self._refreshed()
             self.read = [self.lane.record()] * self.slots
         if self.next is not None and self.prefetch_next:
             self.next.prefetch(self.prefetch_next)  # before this layer's routing is read: overlaps it
@@ -334,9 +333,7 @@ class ExpertCache:
         placed = list(zip(wanted, empty, strict=False))
         if not placed:
             return
-        if self.pending is not None:  # a refresh's table lands before this one
-            self.lane.wait([self.pending])
-            self.pending = None
+        self._refreshed()
         for expert, slot in placed:
             for dst, src in zip(self.slot_views[slot], piece, strict=True):
                 dst.copy_(src[expert - start])
@@ -425,6 +422,13 @@ class ExpertCache:
         if assigned:
             self._write_table()  # with copies only: each compute waits for the copies into its slots
             self._fill(assigned, [self.read[slot] for slot in slots])
+
+    def _refreshed(self) -> None:
+        """The compute stream waits for the last refresh's copies (the table it publishes lands
+        before the one this forward writes)."""
+        if self.pending is not None:
+            self.lane.wait([self.pending])
+            self.pending = None
 
     def _evict(self, slot: int) -> None:
         if (old := self.expert_in[slot]) >= 0:

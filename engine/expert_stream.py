@@ -52,8 +52,10 @@ class ExpertStream:
 
     def __init__(self, caches: list[ExpertCache], lane: Lane, stats: OffloadStats):
         self.caches, self.lane, self.stats = caches, lane, stats
-        self.size = piece_size(caches[0].num_experts)
-        self.pieces = math.ceil(caches[0].num_experts / self.size)
+        experts = caches[0].num_experts  # every layer's
+        self.size = piece_size(experts)
+        self.ranges = [(s, min(self.size, experts - s)) for s in range(0, experts, self.size)]  # (start, count)
+        self.pieces = len(self.ranges)
         largest = max(self._offsets(c)[-1] for c in caches)
         self.buffers = [
             torch.empty(largest, dtype=torch.uint8, device=caches[0].device) for _ in range(STREAM_BUFFERS)
@@ -101,7 +103,7 @@ class ExpertStream:
         if resident := sum(e >= 0 for e in cache.expert_in):  # hits (a long chunk routes to nearly all)
             out += moe_experts(x, weights, slot, *cache.weights, partial=True).float()
             self.stats.hits += resident
-        for start, _ in self._ranges(cache):
+        for start, _ in self.ranges:
             buffer = self.cursor % STREAM_BUFFERS
             if (span := self.spans[buffer]) is not None:
                 lo, hi = span
@@ -115,10 +117,6 @@ class ExpertStream:
             self._fill(self.cursor + STREAM_BUFFERS - 1)  # into the buffer just read, once that read is done
         return out.to(x.dtype)
 
-    def _ranges(self, cache: ExpertCache) -> list[tuple[int, int]]:
-        n = cache.num_experts
-        return [(s, min(self.size, n - s)) for s in range(0, n, self.size)]
-
     def _fill(self, piece: int) -> None:
         """Copy piece `piece` of the forward (if there is one) into its buffer (the ring's), after the
         last compute that read that buffer."""
@@ -126,7 +124,7 @@ class ExpertStream:
         if layer >= len(self.caches):
             return
         cache = self.caches[layer]
-        start, count = self._ranges(cache)[index]
+        start, count = self.ranges[index]
         buffer = piece % STREAM_BUFFERS
         missing = [e for e in range(start, start + count) if cache.slot_of[e] < 0]
         if not missing:  # every expert of the piece resident: nothing to copy or run

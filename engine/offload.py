@@ -12,8 +12,8 @@ What a forward does with the link (`Policy`, chosen per forward by its token cou
   streams every layer's experts whole, in pieces of consecutive experts, whatever the routing
   (`ExpertStream`, engine/expert_stream.py): one copy per part at the link's rate, no host sync;
   only the slots left empty are filled, from the pieces as they pass. Otherwise, the routing of
-  layer L+1 is not known before layer L ends, but nearly all of its experts will be needed, so when layer L's experts start, half of layer L+1's slots are filled with experts it
-  does not hold (`ExpertCache.prefetch`): those copies overlap layer L's experts and layer L+1's
+  layer L+1 is not known before layer L ends, but nearly all of its experts will be needed, so
+  when layer L's experts start, half of layer L+1's slots are filled with experts it does not hold (`ExpertCache.prefetch`): those copies overlap layer L's experts and layer L+1's
   attention. After its routing, layer L+1 runs its experts in groups of half its slots, the copy
   of each group overlapping the compute of the one before (double buffering within the layer).
 - A shorter chunk (decode, a short suffix) fetches only the experts it routes to, after routing,
@@ -297,7 +297,8 @@ class ExpertOffload:
         # device memory the process held before this engine's (another engine in the same process,
         # as in the tests): the budget is this engine's, on top of it
         self.outside = outside
-        self.on_shrink: Callable[[], None] = lambda: None  # the engine's: no graph holds a step that fetches
+        # the engine's, after the slots shrank or decode's reads changed: the graphs over the old go
+        self.on_change: Callable[[], None] = lambda: None
         self.capped = False  # `cap`
         self.link: Link | None = None
         self.policy = Policy(Policy.coverage_tokens(config))
@@ -349,7 +350,7 @@ class ExpertOffload:
         The graphs captured over the other path go (captured again on use)."""
         for cache in self.order:
             cache.stage_reads = on and cache.staging is not None
-        self.on_shrink()
+        self.on_change()
 
     def calibrate(self) -> Policy:
         """Measure the link on the first layer's experts and choose the policy from it."""
@@ -453,7 +454,7 @@ class ExpertOffload:
         self.plan = dataclasses.replace(self.plan, slots=slots)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the freed slots leave the reserved memory before anything grows
-        self.on_shrink()
+        self.on_change()
 
     def cap(self) -> None:
         """Hold the CUDA caching allocator to the budget: past it, the allocator frees its cached

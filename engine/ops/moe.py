@@ -2,7 +2,10 @@
 
 Every experts function takes an expert id of -1 as no expert: its row contributes nothing and no
 weight is read for it (an offloaded layer runs its resident experts and those it reads from host
-memory as two calls over the same assignments, each with the other's ids at -1)."""
+memory as two calls over the same assignments, each with the other's ids at -1). Beyond decode
+sizes the GPU's grouped paths need `partial=True` for that (a streamed piece's experts): their
+GEMMs leave the absent rows unwritten, and zeroing them is a pass over the rows a plain prefill,
+which has none, does not pay."""
 
 from __future__ import annotations
 

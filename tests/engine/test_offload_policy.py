@@ -233,7 +233,7 @@ def test_fit_gives_up_the_fewest_slots_that_cover_the_excess(preset_dirs, tiny):
     offload = engine.offload
     per_slot = offload.plan.expert_bytes * offload.plan.layers
     shrunk = []
-    offload.on_shrink = lambda: shrunk.append(offload.plan.slots)  # the engine's hook (graphs off)
+    offload.on_change = lambda: shrunk.append(offload.plan.slots)  # the engine's hook (graphs off)
     offload.fit(offload.plan.budget, "nothing over")  # exactly the budget: nothing given up
     assert offload.plan.slots == 8 and shrunk == []
     offload.fit(offload.plan.budget + 2 * per_slot + 1, "three slots' worth")
