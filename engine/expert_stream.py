@@ -54,7 +54,8 @@ class ExpertStream:
         self.caches, self.lane, self.stats = caches, lane, stats
         experts = caches[0].num_experts  # every layer's
         self.size = piece_size(experts)
-        self.ranges = [(s, min(self.size, experts - s)) for s in range(0, experts, self.size)]  # (start, count)
+        # (first expert, count) of each piece
+        self.ranges = [(s, min(self.size, experts - s)) for s in range(0, experts, self.size)]
         self.pieces = len(self.ranges)
         largest = max(self._offsets(c)[-1] for c in caches)
         self.buffers = [
