@@ -367,6 +367,10 @@ def main() -> None:
         result["restore"] = [bench_restore(eng, ctx, ceil) for ctx in ints(args.restore)]
     if "decode" in parts:
         result["decode"] = [bench_decode(eng, ctx, args.decode_steps, ceil) for ctx in ints(args.decode)]
+        from bench.timeline import decode_timeline, show  # noqa: PLC0415
+
+        result["decode_timeline"] = decode_timeline(eng, ids_for(8192, 3))  # host, launch, device per token
+        show("decode at 8192", result["decode_timeline"])
     if "batched" in parts:
         result["batched_decode"] = bench_batched_decode(eng, 8192, ints(args.batches), 32)
     if "exactness" in parts:

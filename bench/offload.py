@@ -298,6 +298,12 @@ def run_budget(args) -> dict:
         out["prefill_s_pcie4"] = project(out["prefill_s"], out["prefill_bytes"], link_bw, args.pcie)
         per_token = out["decode_s"] / max(out["decode_steps"], 1)
         out["decode_tok_s_pcie4"] = 1 / project(per_token, out["decode_bytes_per_token"], link_bw, args.pcie)
+    if args.device == "cuda":  # where a decode token's wall time goes, without the profiler
+        from bench.timeline import decode_timeline, show  # noqa: PLC0415
+
+        started = time.perf_counter()
+        done("decode timeline", started, timeline=decode_timeline(engine, ids_for(512)))
+        show("decode", out["timeline"])
     if args.profile:
         started = time.perf_counter()
         done("decode profile", started, profile=profile_decode(engine, args.device))

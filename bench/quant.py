@@ -227,6 +227,11 @@ def bench_format(fmt: str, args, keep: dict) -> dict:
     row["decode"] = [bench_decode(eng, args.context, b, args.steps) for b in args.batches]
     for d in row["decode"]:
         print(f"{fmt}: decode B={d['batch']} at {d['context']}: {d['tok_s']:.1f} tok/s", flush=True)
+    if eng.device.type == "cuda":  # where a generated token's wall time goes (host, launch, device)
+        from bench.timeline import decode_timeline, show  # noqa: PLC0415
+
+        row["timeline"] = decode_timeline(eng, ids_for(args.context, 3))
+        show(f"{fmt}: generate", row["timeline"])
     row["memory"] = eng.memory()
     if fmt == "q4_k_m" and "replay-ft" in args.parts:
         keep["q4_k_m"] = eng

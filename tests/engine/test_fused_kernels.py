@@ -19,7 +19,7 @@ def test_fused_kernels_in_triton_interpreter_process():
 
 
 from engine.ops import gates as reference  # noqa: E402
-from engine.ops.gpu import gates, moe, norm  # noqa: E402
+from engine.ops.gpu import gates, moe, norm, quant  # noqa: E402
 from engine.ops.moe import route  # noqa: E402
 from engine.ops.rope import norm_rope, rope_cos_sin  # noqa: E402
 
@@ -131,7 +131,8 @@ def test_the_route_check_is_blind_to_the_order_of_ties():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_moe_decode_kernels_skip_absent_experts(dtype):
     """An expert id of -1 is no expert: its row adds nothing (offloaded decode runs the resident and
-    the in-place experts as two calls, each with the other's ids at -1)."""
+    the in-place experts as two calls, each with the other's ids at -1); the Triton pair twice
+    (the down kernel sums a token's experts in the last of their programs, behind a counter)."""
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(3, 256, generator=gen).to(dtype).to(DEVICE)
     gate_up = (torch.randn(5, 256, 256, generator=gen) / 16).to(dtype).to(DEVICE)
@@ -140,10 +141,11 @@ def test_moe_decode_kernels_skip_absent_experts(dtype):
     weights = torch.rand(3, 2, generator=gen).to(dtype).to(DEVICE)
     present = ids >= 0
     want = moe.experts_loop(x.float(), (weights * present).float(), ids.clamp(min=0), gate_up.float(), down.float())
-    for fn in (moe._experts_triton, moe._experts_gathered, moe.experts_loop):
+    for fn in (moe._experts_triton, moe._experts_triton, moe._experts_gathered, moe.experts_loop):
         got = fn(x, weights, ids, gate_up, down)
         _close(got, want.to(dtype))
         assert not got[2].any()  # no expert at all: zeros
+    assert not quant._tickets(x.device).any()  # the down kernel's sums left their counters at zero
 
 
 @in_this_process

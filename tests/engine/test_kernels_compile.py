@@ -16,9 +16,9 @@ from engine.ops.gpu import gather, moe, quant  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
 GEMV = {
-    "X": "*bf16", "PART": "*fp32", "XROW": "*i32", "EXPERT": "*i32",
-    "M": "i32", "N": "i32", "K": "i32", "K_SPLIT": "i32",
-    "FMT": "constexpr", "BN": "constexpr", "CHUNK": "constexpr", "GROUPED": "constexpr",
+    "X": "*bf16", "PART": "*fp32", "OUT": "*bf16", "COUNT": "*i32", "EXPERT": "*i64", "SCALE": "*bf16",
+    "N": "i32", "K": "i32", "K_SPLIT": "i32", "FMT": "constexpr", "BN": "constexpr", "CHUNK": "constexpr",
+    "SPLIT": "constexpr", "GROUPED": "constexpr", "X_PER": "constexpr", "TOPK": "constexpr", "GLU": "constexpr",
 }  # fmt: skip
 PARTS = {  # the field arrays' types per format (quant.FIELDS)
     quant.Q8_0: ("*i8", "*fp16", "*i8", "*i8"),
@@ -38,18 +38,28 @@ def compile_for_h200(fn, signature: dict, constexprs: dict) -> str:
 
 
 @pytest.mark.parametrize("fmt", sorted(PARTS), ids=lambda f: quant.NAMES[f])
-def test_grouped_gemv_compiles(fmt):
+@pytest.mark.parametrize(
+    "mode", [(False, 1, 1, False), (True, 8, 1, True), (True, 1, 8, False)], ids=["linear", "glu", "topk"]
+)
+def test_gemv_compiles_with_its_split_sums(fmt, mode):
+    """The plain GEMV, MoE decode's up (SiLU and routing weight inside) and down (a token's experts
+    summed): each split's sums taken by its last program behind an acquire-release ticket."""
+    grouped, x_per, top_k, glu = mode
     signature = {**GEMV, **{f"P{i}": t for i, t in enumerate(PARTS[fmt])}}
-    chunk = quant.GEMV_CHUNK[fmt]
-    assert ".entry _gemv_kernel" in compile_for_h200(
-        quant._gemv_kernel, signature, {"FMT": fmt, "BN": 32, "CHUNK": chunk, "GROUPED": True}
-    )
+    constexprs = {"FMT": fmt, "BN": 32, "CHUNK": quant.GEMV_CHUNK[fmt], "SPLIT": 16, "GROUPED": grouped,
+                  "X_PER": x_per, "TOPK": top_k, "GLU": glu}  # fmt: skip
+    ptx = compile_for_h200(quant._gemv_kernel, signature, constexprs)
+    assert ".entry _gemv_kernel" in ptx
+    assert "atom.global.gpu.acq_rel.add" in ptx or "atom.acq_rel.gpu.global.add" in ptx, [
+        line for line in ptx.splitlines() if "atom" in line
+    ]
 
 
 def test_bf16_decode_kernels_compile():
     up = {"X": "*bf16", "W": "*bf16", "IDS": "*i64", "A": "*bf16", "H": "i32", "INTER": "i32",
           "TOPK": "constexpr", "BLOCK_I": "constexpr", "BLOCK_H": "constexpr"}  # fmt: skip
-    down = {"A": "*bf16", "W": "*bf16", "IDS": "*i64", "RW": "*bf16", "PART": "*fp32", "H": "i32", "INTER": "i32",
+    down = {"A": "*bf16", "W": "*bf16", "IDS": "*i64", "RW": "*bf16", "PART": "*fp32", "OUT": "*bf16", "COUNT": "*i32",
+            "H": "i32", "INTER": "i32",
             "TOPK": "constexpr", "BLOCK_N": "constexpr", "BLOCK_I": "constexpr"}  # fmt: skip
     assert ".entry _up_kernel" in compile_for_h200(
         moe._up_kernel, up, {"TOPK": 8, "BLOCK_I": 8, "BLOCK_H": 256}

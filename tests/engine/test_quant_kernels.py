@@ -144,21 +144,50 @@ def test_quantized_experts_of_a_streamed_piece_skip_the_absent_assignments():
 
 @in_this_process
 @pytest.mark.parametrize("fmt", FMTS, ids=IDS)
-def test_expert_gemv_equals_per_assignment_matmuls(fmt):
-    """MoE decode: each (token, chosen expert) row through the GEMV kernel, only those experts read."""
+def test_expert_decode_kernels_equal_per_assignment_matmuls(fmt):
+    """MoE decode in two launches: each (token, chosen expert) through gate, up, SiLU and its
+    routing weight, then each token's experts through down, summed; only those experts read
+    (-1: none), the split-K sums taken inside the kernel (its counters left at zero)."""
+    from engine.ops.gpu.moe import experts_quantized
+    from engine.ops.moe import experts_loop
+
     dtype = torch.bfloat16 if CUDA else torch.float32
-    w, reference = weights(fmt, (5, 128, 256))
+    gate_up, gate_up_ref = weights(fmt, (5, 512, 256))  # [E, 2I, H]
+    down, down_ref = weights(fmt, (5, 256, 256)) if fmt == "fp8" else ggml_weight(fmt, (5, 256, 256), seed=1)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(3, 256, generator=gen).to(dtype)
-    rows, experts = torch.tensor([0, 0, 1, 2, 2, 1]), torch.tensor([4, -1, 0, 4, 3, 1])  # -1: no expert
-    got = quant.gemv_experts(x.to(DEVICE), w.to(DEVICE), rows.to(DEVICE), experts.to(DEVICE)).cpu()
+    ids = torch.tensor([[4, -1], [0, 4], [3, 1]])
+    routing = torch.rand(3, 2, generator=gen).to(dtype)
+    dev = [t.to(DEVICE) for t in (x, gate_up, ids, routing, down)]
+    act = quant.experts_glu(dev[0], dev[1], dev[2], dev[3])
+    want_act = []
+    for a, e in enumerate(ids.flatten().tolist()):
+        gate, up = (x[a // 2].float() @ gate_up_ref[e].T).chunk(2) if e >= 0 else (torch.zeros(256),) * 2
+        want_act.append(torch.nn.functional.silu(gate) * up * routing.flatten()[a].float())
+    close(act.cpu(), torch.stack(want_act), dtype)
+    got = quant.experts_sum(act, dev[4], dev[2]).cpu()
     want = torch.stack(
-        [
-            x[r].float() @ reference[e].T * (e >= 0)
-            for r, e in zip(rows.tolist(), experts.tolist(), strict=True)
-        ]
+        [sum(act[t * 2 + j].cpu().float() @ down_ref[e].T for j, e in enumerate(ids[t].tolist()) if e >= 0)
+         for t in range(3)]  # fmt: skip
     )
     close(got, want, dtype)
+    assert not quant._tickets(torch.device(DEVICE)).any()
+    # the model's decode path, against the per-expert loop on the dequantized weights
+    got = experts_quantized(dev[0], dev[3], dev[2], dev[1], dev[4]).cpu()
+    close(got, experts_loop(x.float(), routing.float(), ids, gate_up_ref, down_ref), dtype)
+
+
+@in_this_process
+def test_gemv_split_sums_leave_their_counters_at_zero():
+    """The split-K GEMV sums its programs' partials in its last one, which resets the counter:
+    launch after launch gives the same result, and the counters are zeros between them."""
+    w, reference = weights(T.Q4_K, (72, 2048))
+    x = torch.randn(2, 2048, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    first = quant.linear(x, w.to(DEVICE))
+    for _ in range(3):
+        assert torch.equal(quant.linear(x, w.to(DEVICE)), first)
+        assert not quant._tickets(torch.device(DEVICE)).any()
+    close(first.cpu(), x.cpu().float() @ reference.T, x.dtype)
 
 
 @in_this_process

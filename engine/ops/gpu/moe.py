@@ -76,9 +76,13 @@ def _up_kernel(X, W, IDS, A, H, INTER, TOPK: tl.constexpr, BLOCK_I: tl.constexpr
 
 
 @triton.jit
-def _down_kernel(A, W, IDS, RW, PART, H, INTER, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr):
-    token = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _down_kernel(A, W, IDS, RW, PART, OUT, COUNT, H, INTER, TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_I: tl.constexpr):  # fmt: skip
+    """Program (token, n-block, j): the token's j-th expert's down projection, weighted; the last
+    of the token's TOPK programs to finish sums them into OUT (a ticket per (token, n-block) in
+    COUNT, reset by that program: `quant._tickets`)."""
+    token, block = tl.program_id(0), tl.program_id(1)
+    n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     slot = token * TOPK + tl.program_id(2)
     expert = tl.load(IDS + slot).to(tl.int64)
     acc = tl.zeros([BLOCK_N], tl.float32)
@@ -87,6 +91,14 @@ def _down_kernel(A, W, IDS, RW, PART, H, INTER, TOPK: tl.constexpr, BLOCK_N: tl.
         av = tl.load(A + slot * INTER + i).to(tl.float32)
         acc += tl.sum(tl.load(W + tl.maximum(expert, 0) * (H * INTER) + n[:, None] * INTER + i[None, :]).to(tl.float32) * av[None, :], 1)
     tl.store(PART + slot * H + n, acc * tl.load(RW + slot).to(tl.float32))
+    tl.debug_barrier()  # every thread's partials stored before the ticket (released at gpu scope)
+    ticket = COUNT + token * tl.num_programs(1) + block
+    if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == TOPK - 1:
+        total = tl.zeros([BLOCK_N], tl.float32)
+        for j in range(TOPK):
+            total += tl.load(PART + (token * TOPK + j) * H + n, cache_modifier=".cg")
+        tl.atomic_xchg(ticket, 0)
+        tl.store(OUT + token * H + n, total.to(OUT.dtype.element_ty))
 
 
 def _experts_triton(x, weights, ids, gate_up, down):
@@ -98,8 +110,10 @@ def _experts_triton(x, weights, ids, gate_up, down):
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     _up_kernel[(num_tokens * top_k, inter // block_i)](x, gate_up, ids, act, hidden, inter, TOPK=top_k, BLOCK_I=block_i, BLOCK_H=block_h)
     part = torch.empty(num_tokens, top_k, hidden, dtype=torch.float32, device=x.device)  # one row per chosen expert
-    _down_kernel[(num_tokens, hidden // block_n, top_k)](act, down, ids, weights, part, hidden, inter, TOPK=top_k, BLOCK_N=block_n, BLOCK_I=128)
-    return part.sum(1).to(x.dtype)
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    _down_kernel[(num_tokens, hidden // block_n, top_k)](act, down, ids, weights, part, out, quant._tickets(x.device),
+                                                         hidden, inter, TOPK=top_k, BLOCK_N=block_n, BLOCK_I=128)  # fmt: skip
+    return out
 
 
 def _experts_gathered(x, weights, ids, gate_up, down):
@@ -134,14 +148,10 @@ def experts_quantized(
 
 
 def _experts_quantized_decode(x, weights, ids, gate_up, down) -> torch.Tensor:
-    """A few tokens: one GEMV row per (token, chosen expert), reading only the chosen experts."""
-    num_tokens, top_k = ids.shape
-    flat = ids.flatten()
-    slots = torch.arange(flat.numel(), device=x.device)
-    gate, up = quant.gemv_experts(x, gate_up, slots // top_k, flat).chunk(2, dim=-1)  # [T*k, I] each
-    act = F.silu(gate) * up * weights.flatten()[:, None]
-    ys = quant.gemv_experts(act, down, slots, flat)  # [T*k, H]
-    return ys.view(num_tokens, top_k, -1).sum(1, dtype=torch.float32).to(x.dtype)
+    """A few tokens: two launches that read only the chosen experts (`quant.experts_glu`, then
+    `quant.experts_sum` over each token's experts)."""
+    act = quant.experts_glu(x, gate_up, ids, weights)  # [T*k, I]
+    return quant.experts_sum(act, down, ids)
 
 
 experts_decode = Checked("moe_decode", _experts_triton, _experts_gathered)

@@ -370,36 +370,80 @@ def _dot_fp8(X, P0, P1, row, m, k0, N, K):
 
 
 @triton.jit
+def _dot(X, P0, P1, P2, P3, row, xm, k0, N, K, FMT: tl.constexpr):
+    """The format's chunk of columns from k0: rows `row` [BN] against x's row xm."""
+    if FMT == 0:
+        return _dot_q8_0(X, P0, P1, row, xm, k0, K)
+    elif FMT == 1:
+        return _dot_q4_k(X, P0, P1, P2, P3, row, xm, k0, K)
+    elif FMT == 2:
+        return _dot_q6_k(X, P0, P1, P2, P3, row, xm, k0, K)
+    elif FMT == 4:
+        return _dot_q5_k(X, P0, P1, P2, P3, row, xm, k0, K)
+    else:
+        return _dot_fp8(X, P0, P1, row, xm, k0, N, K)
+
+
+@triton.jit
 def _gemv_kernel(
-    X, P0, P1, P2, P3, PART, XROW, EXPERT, M, N, K, K_SPLIT,
-    FMT: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, GROUPED: tl.constexpr,
+    X, P0, P1, P2, P3, PART, OUT, COUNT, EXPERT, SCALE, N, K, K_SPLIT,
+    FMT: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr,
+    GROUPED: tl.constexpr, X_PER: tl.constexpr, TOPK: tl.constexpr, GLU: tl.constexpr,
 ):  # fmt: skip
-    """Program (n-block, split, row m): one row of x against BN weight rows over the columns
-    [split * K_SPLIT, (split + 1) * K_SPLIT), a format-sized chunk at a time (each block's scales
-    loaded once); fp32 partial sums into PART [S, M, N]. GROUPED (experts [E, N, K]): row m is x's
-    row XROW[m] against expert EXPERT[m]'s weight."""
-    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    """Program (n-block, split s, output row m): BN outputs of row m over one range of K_SPLIT
+    columns, a format-sized chunk at a time (each block's scales loaded once), summed over the
+    SPLIT programs of (n-block, m) by the last of them to finish (`COUNT`: one ticket per
+    (m, n-block), left at zero for the next launch; fp32 partials in PART [SPLIT, M, N or 2N]).
+
+    GROUPED (w: experts [E, N or 2N, K]): the program's assignment a = m * TOPK + s // (SPLIT / TOPK)
+    takes x's row a // X_PER against expert EXPERT[a] (-1: none, nothing read, zeros); TOPK > 1
+    sums that many assignments into output row m (the MoE down projection over a token's experts).
+    GLU: rows n (gate) and N + n (up) of the expert, out = silu(gate) * up * SCALE[a] (MoE up)."""
+    pid, s, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n = pid * BN + tl.arange(0, BN)
     row = tl.minimum(n, N - 1).to(tl.int64)
-    split, m = tl.program_id(1), tl.program_id(2)
-    xm, end = m, (split + 1) * K_SPLIT
-    if GROUPED:  # expert -1: no expert, nothing read, zeros
-        xm = tl.load(XROW + m)
-        expert = tl.load(EXPERT + m).to(tl.int64)
-        row += tl.maximum(expert, 0) * N
-        end = tl.where(expert >= 0, end, split * K_SPLIT)
+    KS: tl.constexpr = SPLIT // TOPK
+    a = m * TOPK + s // KS
+    start = (s % KS) * K_SPLIT
+    end = start + K_SPLIT
+    if GROUPED:
+        expert = tl.load(EXPERT + a).to(tl.int64)
+        row += tl.maximum(expert, 0) * (2 * N if GLU else N)
+        end = tl.where(expert >= 0, end, start)
+    xm = a // X_PER
     acc = tl.zeros([BN], tl.float32)
-    for k0 in range(split * K_SPLIT, end, CHUNK):
-        if FMT == 0:
-            acc += _dot_q8_0(X, P0, P1, row, xm, k0, K)
-        elif FMT == 1:
-            acc += _dot_q4_k(X, P0, P1, P2, P3, row, xm, k0, K)
-        elif FMT == 2:
-            acc += _dot_q6_k(X, P0, P1, P2, P3, row, xm, k0, K)
-        elif FMT == 4:
-            acc += _dot_q5_k(X, P0, P1, P2, P3, row, xm, k0, K)
-        else:
-            acc += _dot_fp8(X, P0, P1, row, xm, k0, N, K)
-    tl.store(PART + (split * M + m) * N + n, acc, mask=n < N)
+    acc_up = tl.zeros([BN], tl.float32)
+    for k0 in range(start, end, CHUNK):
+        acc += _dot(X, P0, P1, P2, P3, row, xm, k0, N, K, FMT)
+        if GLU:
+            acc_up += _dot(X, P0, P1, P2, P3, row + N, xm, k0, N, K, FMT)
+    keep = n < N
+    if SPLIT > 1:
+        width = 2 * N if GLU else N
+        rows = tl.num_programs(2)
+        tl.store(PART + (s * rows + m) * width + n, acc, mask=keep)
+        if GLU:
+            tl.store(PART + (s * rows + m) * width + N + n, acc_up, mask=keep)
+        tl.debug_barrier()  # every thread's partials stored before the ticket (released at gpu scope)
+        ticket = tl.atomic_add(COUNT + m * tl.num_programs(0) + pid, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT - 1:  # the last: sum every program's partials (from L2: .cg)
+            acc = tl.zeros([BN], tl.float32)
+            acc_up = tl.zeros([BN], tl.float32)
+            for t in range(SPLIT):
+                acc += tl.load(PART + (t * rows + m) * width + n, mask=keep, other=0.0, cache_modifier=".cg")
+                if GLU:
+                    acc_up += tl.load(PART + (t * rows + m) * width + N + n, mask=keep, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(COUNT + m * tl.num_programs(0) + pid, 0)
+            _gemv_out(OUT, SCALE, acc, acc_up, m, n, N, keep, GLU)
+    else:
+        _gemv_out(OUT, SCALE, acc, acc_up, m, n, N, keep, GLU)
+
+
+@triton.jit
+def _gemv_out(OUT, SCALE, acc, acc_up, m, n, N, keep, GLU: tl.constexpr):
+    if GLU:
+        acc = acc * tl.sigmoid(acc) * acc_up * tl.load(SCALE + m).to(tl.float32)
+    tl.store(OUT + m * N + n, acc.to(OUT.dtype.element_ty), mask=keep)
 
 
 @triton.jit
@@ -474,25 +518,44 @@ def dequantize_to(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+TICKETS = 1 << 16  # (row, n-block) counters of the GEMV's split-K sums
+
+
+def _tickets(device: torch.device) -> torch.Tensor:
+    """The GEMV's ticket counters on `device`: zeros, and left at zero by every launch (the last
+    program of each sum resets its own). One set per device: the GEMVs of a device run one after
+    another on its compute stream. Made outside any graph capture (the first forward is eager)."""
+    if device not in _TICKETS:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the GEMV's counters are made by an eager forward before any capture")
+        _TICKETS[device] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
+    return _TICKETS[device]
+
+
 def _gemv(
-    x: torch.Tensor, w: QuantWeight, rows: torch.Tensor | None = None, experts: torch.Tensor | None = None
-):
-    """Few rows: split K so that the grid fills the GPU even for a narrow weight. With `rows` and
-    `experts` [M] (w: a stack [E, N, K]): output row j is x[rows[j]] @ w[experts[j]].T."""
-    grouped = rows is not None
-    m, (n, k) = (rows.numel() if grouped else x.shape[0]), w.shape[-2:]
+    x: torch.Tensor, w: QuantWeight, rows: int, n: int, experts: torch.Tensor | None = None,
+    x_per: int = 1, top_k: int = 1, scale: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """`rows` output rows of `n` (`_gemv_kernel`): K split so that the grid fills the GPU even for
+    a narrow weight, the split's sums taken by its last program, so one launch in all."""
+    k = w.shape[-1]
     bn, chunk = min(GEMV_BLOCK_N, max(16, triton.next_power_of_2(n))), GEMV_CHUNK[w.fmt]
     blocks = triton.cdiv(n, bn)
-    split = 1
-    while blocks * split * (m if grouped else 1) < 1024 and k % (2 * split * chunk) == 0:
+    split = top_k
+    while blocks * split * rows < 1024 and k % (2 * (split // top_k) * chunk) == 0:
         split *= 2
-    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    index = (
-        (rows.to(torch.int32), experts.to(torch.int32)) if grouped else (x, x)
-    )  # (unread when not grouped)
-    _gemv_kernel[(blocks, split, m)](x, *_padded(w), part, *index, m, n, k, k // split,
-                                     FMT=w.fmt, BN=bn, CHUNK=chunk, GROUPED=grouped)  # fmt: skip
-    return part.sum(0).to(x.dtype)
+    if blocks * rows > TICKETS:
+        raise ValueError(f"GEMV of {rows} x {n} outputs: more than {TICKETS} sums")
+    glu = scale is not None
+    part = torch.empty(split, rows, 2 * n if glu else n, dtype=torch.float32, device=x.device) if split > 1 else x
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    ids = experts if experts is not None else x  # (unread when not grouped)
+    _gemv_kernel[(blocks, split, rows)](
+        x, *_padded(w), part, out, _tickets(x.device), ids, scale if glu else x, n, k, k // (split // top_k),
+        FMT=w.fmt, BN=bn, CHUNK=chunk, SPLIT=split, GROUPED=experts is not None, X_PER=x_per, TOPK=top_k, GLU=glu,
+    )  # fmt: skip
+    return out
 
 
 def gemv_fits(w: QuantWeight) -> bool:
@@ -500,12 +563,29 @@ def gemv_fits(w: QuantWeight) -> bool:
     return w.shape[-1] % GEMV_CHUNK[w.fmt] == 0 and (w.fmt != FP8 or w.shape[-2] % FP8_ROWS == 0)
 
 
-def gemv_experts(x: torch.Tensor, w: QuantWeight, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """MoE decode: y[j] = x[rows[j]] @ w[experts[j]].T for a few assignments j (w: [E, N, K],
-    `gemv_fits`); only the chosen experts' weights are read (none for experts[j] = -1: zeros). Returns [len(rows), N] in x's dtype."""
+def _experts_fit(w: QuantWeight) -> None:
     if not gemv_fits(w):
         raise ValueError(f"{NAMES[w.fmt]} experts {list(w.shape)}: rows or columns off the GEMV's blocks")
-    return _gemv(x.contiguous(), w, rows, experts)
+
+
+def experts_glu(x: torch.Tensor, gate_up: QuantWeight, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """MoE decode, up: act[a] = silu(x[t] @ gate[e].T) * (x[t] @ up[e].T) * weights[a] for each
+    assignment a = (token t, its j-th expert e = ids[t, j]) of x [T, H], ids / weights [T, k],
+    gate_up [E, 2I, H] (gate rows first); zeros for e = -1. Only the chosen experts' weights are
+    read, in one launch. Returns [T * k, I] in x's dtype."""
+    _experts_fit(gate_up)
+    top_k = ids.shape[-1]
+    flat = ids.reshape(-1)
+    return _gemv(x.contiguous(), gate_up, flat.numel(), gate_up.shape[1] // 2, flat, top_k,
+                 scale=weights.reshape(-1).contiguous())  # fmt: skip
+
+
+def experts_sum(act: torch.Tensor, down: QuantWeight, ids: torch.Tensor) -> torch.Tensor:
+    """MoE decode, down: out[t] = sum over j of act[t * k + j] @ down[ids[t, j]].T (fp32, one
+    rounding to act's dtype), down [E, H, I]; nothing for -1. One launch. Returns [T, H]."""
+    _experts_fit(down)
+    tokens, top_k = ids.shape
+    return _gemv(act.contiguous(), down, tokens, down.shape[1], ids.reshape(-1), top_k=top_k)
 
 
 def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
@@ -516,7 +596,7 @@ def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     x = x.contiguous()
     m = x.shape[0]
     if m <= GEMV_ROWS and k % GEMV_CHUNK[w.fmt] == 0:
-        return _gemv(x, w)
+        return _gemv(x, w, m, n)
     if m > DEQUANT_ROWS and x.dtype != torch.float32:
         return x @ dequantize_to(w, x.dtype).T
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
