@@ -15,6 +15,7 @@
 #       offload-llama  llama-server --n-cpu-moe on the same file and requests
 #       q4-decode  our Q4_K_M alone: prefill and decode (bench/quant.py), no llama.cpp
 #       q4         our Q4_K_M, its replay, llama-server on the same file and its replay (bench/quant.py)
+#       q4-llama   our Q4_K_M and llama-server on the same file: prefill and decode, no replays
 #       sessions   K = 1 and K = 4 sessions, ours and llama-server's (the e64 bf16 GGUF is written first)
 #   bash bench/h200_session.sh poll SECONDS      # wait until done or SECONDS pass; progress, the newest logs,
 #                                                # and every log and JSON so far as $OUT/out.tgz
@@ -50,13 +51,13 @@ steps)
   }
   builder=
   gguf=
-  if [[ " $2 " =~ \ (offload|offload-profile|q4|q4-decode)\  ]]; then # the random Q4_K_M (~21 GB, CPU-bound) meanwhile
+  if [[ " $2 " =~ \ (offload|offload-profile|q4|q4-decode|q4-llama)\  ]]; then # the random Q4_K_M (~21 GB, CPU-bound) meanwhile
     (python3 -c "from peer.gguf_random import random_gguf; from peer.llama_server import PEER_HOME; \
 print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=$?") &
     gguf=$!
   fi
   for s in $2; do
-    if [ -z "$builder" ] && [ "$s" != gpu ] && [[ " $2 " =~ \ (offload-llama|q4|sessions)\  ]]; then
+    if [ -z "$builder" ] && [ "$s" != gpu ] && [[ " $2 " =~ \ (offload-llama|q4|q4-llama|sessions)\  ]]; then
       # llama-server's CUDA build (~9 min, niced) beside the next steps (after the timing-sensitive decode bench)
       (nice -n 19 python3 -c "from peer.llama_server import build; build(cuda=True)" >$O/build.log 2>&1
         log "build rc=$?") &
@@ -92,6 +93,11 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
     q4-decode)
       wait $gguf 2>/dev/null
       step q4-decode python3 bench/quant.py --preset $P --device cuda --parts q4_k_m --json $O/q4-decode.json
+      ;;
+    q4-llama)
+      wait $builder $gguf 2>/dev/null
+      step q4-llama python3 bench/quant.py --preset $P --device cuda --parts q4_k_m,llama --threads 8 \
+        --json $O/q4-llama.json --markdown $O/q4-llama.md
       ;;
     q4)
       wait $builder $gguf 2>/dev/null

@@ -210,7 +210,7 @@ class ExpertCache:
                 "offloaded experts cannot run inside a CUDA graph: the slots change between replays"
             )
         if self.mapped_weights is not None:  # mapped steps may have read any slot: copies wait for them
-            self._refreshed()
+            self.wait_for_table()
             self.read = [self.lane.record()] * self.slots
         if self.next is not None and self.prefetch_next:
             self.next.prefetch(self.prefetch_next)  # before this layer's routing is read: overlaps it
@@ -333,7 +333,7 @@ class ExpertCache:
         placed = list(zip(wanted, empty, strict=False))
         if not placed:
             return
-        self._refreshed()
+        self.wait_for_table()
         for expert, slot in placed:
             for dst, src in zip(self.slot_views[slot], piece, strict=True):
                 dst.copy_(src[expert - start])
@@ -423,7 +423,7 @@ class ExpertCache:
             self._write_table()  # with copies only: each compute waits for the copies into its slots
             self._fill(assigned, [self.read[slot] for slot in slots])
 
-    def _refreshed(self) -> None:
+    def wait_for_table(self) -> None:
         """The compute stream waits for the last refresh's copies (the table it publishes lands
         before the one this forward writes)."""
         if self.pending is not None:
@@ -509,10 +509,14 @@ class ExpertCache:
         self.weights = self.assemble(self.parts)
 
     def resize(self, slots: int) -> None:
-        """`slots` empty slots instead of the current ones; the old slots' memory is freed first
-        (after every copy into them), so the two never coexist."""
+        """`slots` slots instead of the current ones; the old slots' memory is freed first
+        (after every copy into them), so the two never coexist. The hottest resident experts that
+        fit stay resident: copied in again from the host on the copy stream (a shrink emptied
+        every slot before, and decode's refresh then took a step per expert to fill them again)."""
         self.holds_all = False
         self.lane.wait(self.copied)
+        resident = [e for e in self.expert_in if e >= 0]
+        kept = sorted(sorted(resident, key=lambda e: (-self.heat[e], -self.uses[e]))[:slots])
         self.parts, self.slot_views, self.weights = (), [], ()  # the old slots freed first
         self._allocate(slots)
         self.expert_in, self.slot_of = [-1] * slots, [-1] * self.num_experts
@@ -520,3 +524,17 @@ class ExpertCache:
         self.slot_table.fill_(-1)
         self.last_used, self.copied, self.read = [0] * slots, [None] * slots, [None] * slots
         self.pending = None
+        if not kept:
+            return
+        assigned = list(zip(kept, range(len(kept)), strict=True))  # both ascending: runs copy as one
+        for expert, slot in assigned:
+            self._place(expert, slot)
+        if self.mapped is None:
+            self.pending = self._fill(assigned, [self.lane.record()], publish=True)
+            return
+        # read in place: one gather per layer on the compute stream (a copy per expert and part
+        # was ~150 ms of host time at 8 GiB), the table behind it
+        self.gather(self.parts, self.mapped, self._staged(torch.tensor(kept)).to(self.device, non_blocking=True))
+        self._write_table()
+        self.stats.misses += len(kept)
+        self.stats.bytes_in[self.stats.phase] += len(kept) * self.expert_bytes

@@ -99,6 +99,7 @@ class ExpertStream:
             raise RuntimeError("streamed experts cannot run inside a CUDA graph")
         if self.caches[self.cursor // self.pieces] is not cache:
             raise RuntimeError("a streamed forward ran its MoE layers out of order")
+        cache.wait_for_table()  # a refresh's or resize's table lands first (the pieces skip what it lists)
         slot = cache.slot_table[ids]  # resident as the pieces were filled (before this layer adopts)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         if resident := sum(e >= 0 for e in cache.expert_in):  # hits (a long chunk routes to nearly all)

@@ -186,7 +186,8 @@ def test_experts_as_any_tuple_of_parts():
 
 def test_decode_slots_growing_shrink_the_expert_cache(preset_dirs, tiny):
     """One running sequence past the slots' first capacity: the expert slots shrink first, the
-    plan's total stays within the budget and the logits stay those without offload."""
+    plan's total stays within the budget, the slots left keep experts (the hottest stay), and the
+    logits stay those without offload."""
     engine = _load(preset_dirs, tiny, slots=8, max_running=1)
     offload = engine.offload
     engine.runner.warmup(1)  # the slots the plan counted: capacity for the largest prefill bucket
@@ -210,6 +211,9 @@ def test_decode_slots_growing_shrink_the_expert_cache(preset_dirs, tiny):
     assert p.slots == 8 - -(-grown // (p.expert_bytes * p.layers)) >= 2  # the fewest slots given up
     assert p.budget_for(p.slots) <= budget and offload.nbytes == p.slots * p.expert_bytes * p.layers
     assert (out["plain"] - out["offload"]).abs().max().item() <= TOL
+    for cache in offload.caches.values():  # the hottest experts stayed resident through the shrink
+        assert -1 not in cache.expert_in
+        assert cache.slot_table.tolist() == cache.slot_of
 
 
 def test_growth_beyond_the_budget_is_a_clear_error(preset_dirs, tiny):
