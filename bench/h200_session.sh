@@ -12,6 +12,7 @@
 #       offload-peak  pytest: the peak reserved memory tests alone
 #       offload-profile  the random Q4_K_M at 8 GiB: speed, cache, link and a decode profile, no replay
 #       offload    the random Q4_K_M at 8 GiB with the replay (24 requests), at 12 and 24 GiB without; profiles
+#       offload-8  the random Q4_K_M at 8 GiB with the replay (24 requests, anchor and prefix), no profiles
 #       offload-llama  llama-server --n-cpu-moe on the same file and requests
 #       q4-decode  our Q4_K_M alone: prefill and decode (bench/quant.py), no llama.cpp
 #       q4         our Q4_K_M, its replay, llama-server on the same file and its replay (bench/quant.py)
@@ -51,7 +52,7 @@ steps)
   }
   builder=
   gguf=
-  if [[ " $2 " =~ \ (offload|offload-profile|q4|q4-decode|q4-llama)\  ]]; then # the random Q4_K_M (~21 GB, CPU-bound) meanwhile
+  if [[ " $2 " =~ \ (offload|offload-8|offload-profile|q4|q4-decode|q4-llama)\  ]]; then # the random Q4_K_M (~21 GB, CPU-bound) meanwhile
     (python3 -c "from peer.gguf_random import random_gguf; from peer.llama_server import PEER_HOME; \
 print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=$?") &
     gguf=$!
@@ -84,6 +85,11 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
         --json $O/offload.json
       step offload-12-24 python3 bench/offload.py --preset $P --q4-k-m --budgets 12,24 --no-replay --profile \
         --json $O/offload-12-24.json
+      ;;
+    offload-8)
+      wait $gguf 2>/dev/null
+      step offload-8 python3 bench/offload.py --preset $P --q4-k-m --budgets 8 --limit 24 --policies anchor,prefix \
+        --json $O/offload-8.json
       ;;
     offload-llama)
       wait $builder 2>/dev/null

@@ -156,8 +156,7 @@ class Engine:
         if self.offload is None or self.device.type != "cuda":
             return
         growth = sum(cache.growth(count) for feed, count in parts for cache in feed.state.kv.values())
-        need = self.offload.allocated() + self.offload.plan.workspace + growth
-        self.offload.fit(need, "the sequences' KV and a prefill chunk's workspace")
+        self.offload.fit_forward(self.offload.plan.workspace + growth)
 
     def offload_stats(self) -> dict[str, int] | None:
         """The expert cache's counters (`OffloadStats.as_dict`), None without offload."""

@@ -432,6 +432,17 @@ class ExpertOffload:
         self.fit(p.budget_for(p.slots) - p.states + states, f"decode slots of {_size(states)}")
         self.plan = dataclasses.replace(self.plan, states=states)
 
+    def fit_forward(self, extra: int) -> None:
+        """Room for a prefill forward that allocates `extra` bytes beyond what the device holds
+        (its workspace and the KV its sequences grow by). What the allocator holds counts, not
+        only what tensors use: free blocks left inside partly used segments cannot serve a large
+        tensor (0.46 GiB of them ran a streamed forward out of memory at 8 GiB on the H200). When
+        holdings plus `extra` pass the budget, the allocator's wholly free segments are released
+        first, then the expert slots give up what still does not fit (`fit`)."""
+        if self.held() + extra > self.plan.budget:
+            torch.cuda.empty_cache()
+        self.fit(self.held() + extra, "the sequences' KV and a prefill chunk's workspace")
+
     def fit(self, need: int, why: str) -> None:
         """`need` bytes (what the device holds now plus what the next forward will allocate) must
         stay within the budget: when they do not, every layer gives up as many expert slots as
@@ -502,6 +513,10 @@ class ExpertOffload:
         """The process's peak reserved device memory (what the budget bounds), its part before
         `calibrate_workspace` reset the allocator's peaks included."""
         return max(self.peak_before, torch.cuda.max_memory_reserved(self.device)) - self.outside
+
+    def held(self) -> int:
+        """Device bytes the allocator holds for this engine now (its tensors and its cached blocks)."""
+        return torch.cuda.memory_reserved(self.device) - self.outside
 
     def allocated(self) -> int:
         """Device bytes this engine's tensors hold now (what the process holds beyond `outside`)."""
