@@ -12,6 +12,7 @@ import torch
 
 from engine import offload as expert_offload
 from engine import presets
+from engine.batch import Span
 from engine.config import ModelConfig
 from engine.feed import Feed, PrefillResult
 from engine.loader import build_model, fingerprint, load_folder, place
@@ -150,13 +151,17 @@ class Engine:
         else:
             self.runner.use_graph = False
 
-    def _fit_budget(self, parts: Sequence[tuple[Feed, int]]) -> None:
+    def _fit_budget(self, parts: Sequence[tuple[Feed, int]], spans: Sequence[Span]) -> None:
         """Under a memory budget on a GPU: room for a prefill forward (the workspace measured at
-        warm-up) and the KV its sequences grow by, taken from the expert slots if need be."""
+        warm-up), the KV its sequences grow by and the states it captures, taken from the expert
+        slots if need be."""
         if self.offload is None or self.device.type != "cuda":
             return
         growth = sum(cache.growth(count) for feed, count in parts for cache in feed.state.kv.values())
-        self.offload.fit_forward(self.offload.plan.workspace + growth)
+        # the DeltaNet states at each capture point stay on the device until the forward ends (~63 MB
+        # a point at the 35B shape); the calibration's chunk captured none
+        captures = sum(len(span.capture_at) for span in spans) * expert_offload.recurrent_bytes(self.config, self.dtype)
+        self.offload.fit_forward(self.offload.plan.workspace + growth + captures)
 
     def offload_stats(self) -> dict[str, int] | None:
         """The expert cache's counters (`OffloadStats.as_dict`), None without offload."""
@@ -217,7 +222,7 @@ class Engine:
         if not parts:
             return
         spans = [feed.span(count) for feed, count in parts]
-        self._fit_budget(parts)
+        self._fit_budget(parts, spans)
         ids = torch.as_tensor([t for feed, count in parts for t in feed.next_ids(count)], dtype=torch.long, device=self.device)
         with self._phase("prefill", len(ids)):
             hidden, captures = self.model(ids, spans, self.kernels)  # [T, H]

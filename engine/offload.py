@@ -107,9 +107,16 @@ def state_bytes(c: ModelConfig, dtype: torch.dtype, sequences: int, capacity: in
     slot) of `capacity` tokens: KV per attention layer, conv and fp32 recurrent state per DeltaNet layer."""
     size = torch.empty(0, dtype=dtype).element_size()
     kv = 2 * capacity * c.num_key_value_heads * c.head_dim * size * len(c.attention_layers)
+    return (sequences + 1) * (kv + recurrent_bytes(c, dtype))
+
+
+def recurrent_bytes(c: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of one sequence's DeltaNet states (conv in `dtype`, recurrent in fp32, every layer):
+    also what a prefill forward holds on the device per capture point until it ends."""
+    size = torch.empty(0, dtype=dtype).element_size()
     conv = c.conv_dim * (c.linear_conv_kernel_dim - 1) * size
     rec = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
-    return (sequences + 1) * (kv + (conv + rec) * len(c.deltanet_layers))
+    return (conv + rec) * len(c.deltanet_layers)
 
 
 def workspace_bytes(c: ModelConfig, dtype: torch.dtype, tokens: int, rows: int) -> int:
