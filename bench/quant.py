@@ -232,6 +232,8 @@ def bench_format(fmt: str, args, keep: dict) -> dict:
 
         row["timeline"] = decode_timeline(eng, ids_for(args.context, 3))
         show(f"{fmt}: generate", row["timeline"])
+        if args.profile:  # the kernels of a decode token, by device time
+            row["profile_decode"] = profile_generate(eng, ids_for(args.context, 3), fmt)
     row["memory"] = eng.memory()
     if fmt == "q4_k_m" and "replay-ft" in args.parts:
         keep["q4_k_m"] = eng
@@ -242,6 +244,19 @@ def bench_format(fmt: str, args, keep: dict) -> dict:
     if remove is not None:
         shutil.rmtree(remove, ignore_errors=True)
     return row
+
+
+def profile_generate(eng, prompt: list[int], name: str, steps: int = 8) -> dict:
+    """`steps` greedy decode steps under torch's profiler (bench/offload.py's `profiled`)."""
+    from bench.offload import profiled, show_profile  # noqa: PLC0415
+    from engine import SamplingParams  # noqa: PLC0415
+
+    state = eng.new_state()
+    logits = eng.decode(state, int(eng.prefill(state, prompt).logits.argmax()))  # the graph captured
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1)
+    out = profiled(lambda: list(eng.generate(state, logits, params)), "cuda", steps, top=20)
+    show_profile(f"{name}: decode", out, "cuda")
+    return out
 
 
 def release() -> None:
@@ -467,6 +482,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--json", type=Path, default=Path("bench/quant.json"), help="results, merged into what it holds"
     )
     p.add_argument("--markdown", type=Path)
+    p.add_argument("--profile", action="store_true", help="GPU: the kernels of a decode token (torch's profiler)")
     args = p.parse_args(argv)
     args.parts = list(
         dict.fromkeys([x for x in args.parts.split(",") if x] + list(LLAMA_PARTS if args.llama else ()))

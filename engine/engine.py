@@ -158,9 +158,10 @@ class Engine:
         if self.offload is None or self.device.type != "cuda":
             return
         growth = sum(cache.growth(count) for feed, count in parts for cache in feed.state.kv.values())
-        # the DeltaNet states at each capture point stay on the device until the forward ends (~63 MB
-        # a point at the 35B shape); the calibration's chunk captured none
-        captures = sum(len(span.capture_at) for span in spans) * expert_offload.recurrent_bytes(self.config, self.dtype)
+        # a layer's DeltaNet states at each capture point, on the device until copied to the host
+        # (`keep`): ~2 MB a point at the 35B shape; the calibration's chunk captured none
+        layer = expert_offload.recurrent_bytes(self.config, self.dtype) // max(len(self.config.deltanet_layers), 1)
+        captures = 2 * layer * sum(len(span.capture_at) for span in spans)  # two layers' in flight
         self.offload.fit_forward(self.offload.plan.workspace + growth + captures)
 
     def offload_stats(self) -> dict[str, int] | None:
@@ -225,11 +226,11 @@ class Engine:
         self._fit_budget(parts, spans)
         ids = torch.as_tensor([t for feed, count in parts for t in feed.next_ids(count)], dtype=torch.long, device=self.device)
         with self._phase("prefill", len(ids)):
-            hidden, captures = self.model(ids, spans, self.kernels)  # [T, H]
+            hidden, captures = self.model(ids, spans, self.kernels, keep=self._to_host)  # [T, H]
         lo, finished = 0, []
         for (feed, count), span, caps in zip(parts, spans, captures, strict=True):
             base = feed.start + feed.done
-            feed.captured.update({base + off: self._to_host(c) for off, c in zip(span.capture_at, caps, strict=True)})
+            feed.captured.update(dict(zip((base + off for off in span.capture_at), caps, strict=True)))  # copied out as made (`keep`)
             if feed.all_logits:
                 feed.hidden.append(hidden[lo : lo + count])
             else:  # only the last position's logits are wanted

@@ -511,8 +511,9 @@ class ExpertCache:
     def resize(self, slots: int) -> None:
         """`slots` slots instead of the current ones; the old slots' memory is freed first
         (after every copy into them), so the two never coexist. The hottest resident experts that
-        fit stay resident: copied in again from the host on the copy stream (a shrink emptied
-        every slot before, and decode's refresh then took a step per expert to fill them again)."""
+        fit stay resident, brought in again from the host: gathered by one kernel where the device
+        reads host memory in place, else copied on the copy stream (a shrink emptied every slot
+        before; decode's refresh then took a step per expert to fill them again)."""
         self.holds_all = False
         self.lane.wait(self.copied)
         resident = [e for e in self.expert_in if e >= 0]

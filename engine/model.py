@@ -3,6 +3,7 @@ parameter names identical to the HF checkpoints (`model.layers.N.linear_attn.in_
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, cast
 
@@ -402,10 +403,14 @@ class HybridForCausalLM(nn.Module):
         self.model = Backbone(c)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
 
-    def forward(self, ids: torch.Tensor, batch: Batch | list[Span], kernels: Kernels) -> tuple[torch.Tensor, list[list[dict]]]:
+    def forward(
+        self, ids: torch.Tensor, batch: Batch | list[Span], kernels: Kernels, keep: Callable[[dict], dict] | None = None
+    ) -> tuple[torch.Tensor, list[list[dict]]]:
         """ids [T] (the batch's tokens, sequence after sequence) -> final hidden states [T, H] and,
         for `Spans`, per span and per offset in its `capture_at`, the DeltaNet states after that
-        many of its tokens: {"conv.L": [C, K-1], "rec.L": [Hv, Dk, Dv]}. Every sequence's state is
+        many of its tokens: {"conv.L": [C, K-1], "rec.L": [Hv, Dk, Dv]}, each layer's passed through
+        `keep` as the layer makes them (the engine's copies them to host memory: the forward then
+        holds one layer's captures on the device, not every layer's). Every sequence's state is
         extended in place (a `SlotBatch`'s lengths are committed by its runner)."""
         c = self.config
         batch = Spans(batch) if isinstance(batch, list) else batch
@@ -418,7 +423,8 @@ class HybridForCausalLM(nn.Module):
             x, h, captured = layer(x, h, rope, batch, kernels)
             for per_span, caps in zip(captures, captured, strict=False):
                 for snapshot, (conv, rec) in zip(per_span, caps, strict=False):
-                    snapshot[f"conv.{layer.layer}"], snapshot[f"rec.{layer.layer}"] = conv, rec
+                    made = {f"conv.{layer.layer}": conv, f"rec.{layer.layer}": rec}
+                    snapshot.update(made if keep is None else keep(made))
         batch.advance()
         return self.model.norm(x, h, kernels)[1], captures
 

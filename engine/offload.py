@@ -441,11 +441,12 @@ class ExpertOffload:
 
     def fit_forward(self, extra: int) -> None:
         """Room for a prefill forward that allocates `extra` bytes beyond what the device holds
-        (its workspace and the KV its sequences grow by). What the allocator holds counts, not
-        only what tensors use: free blocks left inside partly used segments cannot serve a large
-        tensor (0.46 GiB of them ran a streamed forward out of memory at 8 GiB on the H200). When
-        holdings plus `extra` pass the budget, the allocator's wholly free segments are released
-        first, then the expert slots give up what still does not fit (`fit`)."""
+        (its workspace, the KV its sequences grow by, the states it captures). What the allocator
+        holds counts, not only what tensors use: free blocks inside partly used segments or a
+        CUDA graph's pool cannot serve a large tensor (a streamed forward at 8 GiB on the H200
+        ran out of memory with 0.46 GiB of them). When holdings plus `extra` pass the budget, the
+        allocator's wholly free segments are released first, then the expert slots give up what
+        still does not fit (`fit`)."""
         if self.held() + extra > self.plan.budget:
             torch.cuda.empty_cache()
         self.fit(self.held() + extra, "the sequences' KV and a prefill chunk's workspace")

@@ -171,7 +171,7 @@ def test_expert_decode_kernels_equal_per_assignment_matmuls(fmt):
          for t in range(3)]  # fmt: skip
     )
     close(got, want, dtype)
-    assert not quant._tickets(torch.device(DEVICE)).any()
+    assert not quant.tickets(torch.device(DEVICE)).any()
     # the model's decode path, against the per-expert loop on the dequantized weights
     got = experts_quantized(dev[0], dev[3], dev[2], dev[1], dev[4]).cpu()
     close(got, experts_loop(x.float(), routing.float(), ids, gate_up_ref, down_ref), dtype)
@@ -186,7 +186,7 @@ def test_gemv_split_sums_leave_their_counters_at_zero():
     first = quant.linear(x, w.to(DEVICE))
     for _ in range(3):
         assert torch.equal(quant.linear(x, w.to(DEVICE)), first)
-        assert not quant._tickets(torch.device(DEVICE)).any()
+        assert not quant.tickets(torch.device(DEVICE)).any()
     close(first.cpu(), x.cpu().float() @ reference.T, x.dtype)
 
 

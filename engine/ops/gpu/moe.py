@@ -80,7 +80,7 @@ def _down_kernel(A, W, IDS, RW, PART, OUT, COUNT, H, INTER, TOPK: tl.constexpr, 
                  BLOCK_I: tl.constexpr):  # fmt: skip
     """Program (token, n-block, j): the token's j-th expert's down projection, weighted; the last
     of the token's TOPK programs to finish sums them into OUT (a ticket per (token, n-block) in
-    COUNT, reset by that program: `quant._tickets`)."""
+    COUNT, reset by that program: `quant.tickets`)."""
     token, block = tl.program_id(0), tl.program_id(1)
     n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     slot = token * TOPK + tl.program_id(2)
@@ -111,7 +111,7 @@ def _experts_triton(x, weights, ids, gate_up, down):
     _up_kernel[(num_tokens * top_k, inter // block_i)](x, gate_up, ids, act, hidden, inter, TOPK=top_k, BLOCK_I=block_i, BLOCK_H=block_h)
     part = torch.empty(num_tokens, top_k, hidden, dtype=torch.float32, device=x.device)  # one row per chosen expert
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-    _down_kernel[(num_tokens, hidden // block_n, top_k)](act, down, ids, weights, part, out, quant._tickets(x.device),
+    _down_kernel[(num_tokens, hidden // block_n, top_k)](act, down, ids, weights, part, out, quant.tickets(x.device),
                                                          hidden, inter, TOPK=top_k, BLOCK_N=block_n, BLOCK_I=128)  # fmt: skip
     return out
 

@@ -522,7 +522,7 @@ _TICKETS: dict[torch.device, torch.Tensor] = {}
 TICKETS = 1 << 16  # (row, n-block) counters of the GEMV's split-K sums
 
 
-def _tickets(device: torch.device) -> torch.Tensor:
+def tickets(device: torch.device) -> torch.Tensor:
     """The GEMV's ticket counters on `device`: zeros, and left at zero by every launch (the last
     program of each sum resets its own). One set per device: the GEMVs of a device run one after
     another on its compute stream. Made outside any graph capture (the first forward is eager)."""
@@ -552,7 +552,7 @@ def _gemv(
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     ids = experts if experts is not None else x  # (unread when not grouped)
     _gemv_kernel[(blocks, split, rows)](
-        x, *_padded(w), part, out, _tickets(x.device), ids, scale if glu else x, n, k, k // (split // top_k),
+        x, *_padded(w), part, out, tickets(x.device), ids, scale if glu else x, n, k, k // (split // top_k),
         FMT=w.fmt, BN=bn, CHUNK=chunk, SPLIT=split, GROUPED=experts is not None, X_PER=x_per, TOPK=top_k, GLU=glu,
     )  # fmt: skip
     return out
