@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Literal
 
 import msgspec
+import torch
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
@@ -73,6 +74,17 @@ class ClientGone(GatewayError):
         super().__init__(message)
 
 
+class OutOfDeviceMemory(GatewayError):
+    """The GPU ran out of memory in this request's engine step (its requests fail; the server
+    goes on serving): answered as a busy server, retryable, with what to change."""
+
+    def __init__(self, message: str = (
+        "the GPU ran out of memory for this request; retry, or start the server with fewer running "
+        "sequences (--max-running) or, under --gpu-memory, a larger budget"
+    )):  # fmt: skip
+        super().__init__(message)
+
+
 class InternalError(GatewayError):
     """A failure inside the server (the engine, a bug), already logged with its traceback where it
     happened; the client sees only its type."""
@@ -90,7 +102,7 @@ def typed(exc: BaseException) -> BaseException:
     """`exc` as one of the gateway's typed errors (answered by the handlers, never re-raised)."""
     if is_typed(exc):
         return exc
-    error = InternalError(exc)
+    error = OutOfDeviceMemory() if isinstance(exc, torch.OutOfMemoryError) else InternalError(exc)
     error.__cause__ = exc
     return error
 
@@ -124,6 +136,7 @@ SPECS: dict[type[Exception], Spec] = {
     NotFound: Spec(404, "not_found_error", "invalid_request_error", "not_found", "invalid_request"),
     Overloaded: Spec(429, "overloaded_error", "server_error", "server_is_overloaded", "overloaded", 529),
     ShuttingDown: Spec(503, "overloaded_error", "server_error", "server_shutting_down", "overloaded"),
+    OutOfDeviceMemory: Spec(503, "overloaded_error", "server_error", "out_of_device_memory", "overloaded"),
     ClientGone: Spec(
         CLIENT_CLOSED, "invalid_request_error", "invalid_request_error", None, "invalid_request"
     ),

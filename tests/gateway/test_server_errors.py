@@ -171,6 +171,36 @@ def test_a_failure_after_the_first_token_is_the_protocols_error(monkeypatch):
         server.stop()
 
 
+def test_running_out_of_device_memory_is_a_retryable_503_naming_the_fix(monkeypatch):
+    """The GPU running out of memory in a step (driven by a test double: the CPU has no device
+    memory to run out of) fails that step's request as a busy server's 503 that says what to
+    change, in each protocol's shape, and the server goes on serving."""
+    import torch
+
+    server = start_server(preset="tiny", policy="anchor", default_max_tokens=4)
+    engine = server.runtime.engine
+    real_step = engine.step
+
+    def failing_step(parts):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+
+    body = {"model": "tiny", "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        with server.client() as client:
+            monkeypatch.setattr(engine, "step", failing_step)
+            r = client.post("/v1/chat/completions", json=body)
+            assert r.status_code == 503, r.text
+            error = r.json()["error"]
+            assert error["code"] == "out_of_device_memory" and "--gpu-memory" in error["message"]
+            assert "64.00 MiB" not in r.text  # the engine's own text stays in the log
+            anthropic = client.post("/v1/messages", json=body)
+            assert anthropic.status_code == 503 and anthropic.json()["error"]["type"] == "overloaded_error"
+            monkeypatch.setattr(engine, "step", real_step)
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+    finally:
+        server.stop()
+
+
 numeric_extremes = (
     st.integers(min_value=-(10**400), max_value=10**400)
     | st.floats(allow_nan=False, allow_infinity=False)
