@@ -101,7 +101,7 @@ def measure(engine, device: str, context: int, steps: int) -> dict:
     stamps = [time.perf_counter()]
     # the first token comes from the prefill's logits; the first steps after a long prefill grow the
     # decode slots past their capacity (the graphs captured again, the expert slots shrunk): apart
-    first = FIRST_STEPS + 1
+    first, warm = FIRST_STEPS + 1, mid
     for _ in engine.generate(state, result.logits, params):  # each token read back: the step is done
         stamps.append(time.perf_counter())
         if len(stamps) == first + 1:

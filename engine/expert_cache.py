@@ -424,8 +424,8 @@ class ExpertCache:
             self._fill(assigned, [self.read[slot] for slot in slots])
 
     def wait_for_table(self) -> None:
-        """The compute stream waits for the last refresh's copies (the table it publishes lands
-        before the one this forward writes)."""
+        """The compute stream waits for the last refresh's (or copied resize's) copies: the table
+        they publish lands before the one this forward writes or reads."""
         if self.pending is not None:
             self.lane.wait([self.pending])
             self.pending = None
@@ -533,8 +533,8 @@ class ExpertCache:
         if self.mapped is None:
             self.pending = self._fill(assigned, [self.lane.record()], publish=True)
             return
-        # read in place: one gather per layer on the compute stream (a copy per expert and part
-        # was ~150 ms of host time at 8 GiB), the table behind it
+        # read in place: one gather per layer on the compute stream (not a copy per expert and
+        # part: ~15,000 of them at 8 GiB), the table behind it
         self.gather(self.parts, self.mapped, self._staged(torch.tensor(kept)).to(self.device, non_blocking=True))
         self._write_table()
         self.stats.misses += len(kept)

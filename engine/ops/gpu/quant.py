@@ -441,6 +441,7 @@ def _gemv_kernel(
 
 @triton.jit
 def _gemv_out(OUT, SCALE, acc, acc_up, m, n, N, keep, GLU: tl.constexpr):
+    """Output row m's BN sums, in OUT's dtype (GLU: SiLU of the gate's times the up's, weighted)."""
     if GLU:
         acc = acc * tl.sigmoid(acc) * acc_up * tl.load(SCALE + m).to(tl.float32)
     tl.store(OUT + m * N + n, acc.to(OUT.dtype.element_ty), mask=keep)
