@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -23,6 +24,7 @@ from engine.sampling import Decoding, SamplingParams, TokenEvent
 from engine.snapshot import Snapshot
 from engine.state import KVCache, SequenceState
 
+log = logging.getLogger(__name__)
 PREFILL_CHUNK: int | None = int(os.environ["FT_PREFILL_CHUNK"]) if os.environ.get("FT_PREFILL_CHUNK") else None
 # A sequence prefilled alone runs on its slot in pieces of the largest bucket up to this many tokens:
 # a 512-token replay takes 29 ms on the H200 at the 35B shape, the eager forward ~100 ms of launches
@@ -225,8 +227,7 @@ class Engine:
         spans = [feed.span(count) for feed, count in parts]
         self._fit_budget(parts, spans)
         ids = torch.as_tensor([t for feed, count in parts for t in feed.next_ids(count)], dtype=torch.long, device=self.device)
-        with self._phase("prefill", len(ids)):
-            hidden, captures = self.model(ids, spans, self.kernels, keep=self._to_host)  # [T, H]
+        hidden, captures = self._prefill_forward(ids, spans)  # [T, H]
         lo, finished = 0, []
         for (feed, count), span, caps in zip(parts, spans, captures, strict=True):
             base = feed.start + feed.done
@@ -246,6 +247,24 @@ class Engine:
         for feed in finished:
             if feed.all_logits:
                 self._finish(feed, self.model.logits(torch.cat(feed.hidden)))
+
+    def _prefill_forward(self, ids: torch.Tensor, spans: Sequence[Span]) -> tuple[torch.Tensor, list[list[dict]]]:
+        """The model's forward over the spans. Under a memory budget, a forward that runs out of
+        device memory is undone (every sequence back where it was: `Rewind`) and run once more with
+        an eighth fewer expert slots; a second failure is raised."""
+        rewinds = [Rewind(span.state) for span in spans] if self.offload is not None else []
+        for attempt in range(2):
+            try:
+                with self._phase("prefill", len(ids)):
+                    return self.model(ids, spans, self.kernels, keep=self._to_host)
+            except torch.OutOfMemoryError:
+                if self.offload is None or attempt:
+                    raise
+                log.warning("a prefill forward of %d tokens ran out of device memory: retried with fewer expert slots", len(ids))
+                for rewind in rewinds:
+                    rewind()
+                self.offload.give_up_slots("a prefill forward that ran out of device memory")
+        raise AssertionError("unreachable")
 
     def _fits_slot(self, feed: Feed, count: int, limit: int) -> bool:
         """Whether the feed's last `count` tokens can run as captured slot prefills: at most `limit`
@@ -409,6 +428,27 @@ class Engine:
         self.step([(feed, 1)])
         assert feed.result is not None
         return feed.result.logits
+
+
+class Rewind:
+    """A sequence's place before a prefill forward, to go back to if the forward fails partway:
+    its length and its KV caches' (a forward writes KV past them, harmless once they are back),
+    and its DeltaNet states (a forward replaces them layer by layer, never writes into them)."""
+
+    def __init__(self, state: SequenceState):
+        self.state, self.length = state, state.length
+        self.kv = {layer: cache.length for layer, cache in state.kv.items()}
+        self.conv, self.rec = dict(state.conv), dict(state.rec)
+
+    def __call__(self) -> None:
+        state = self.state
+        state.length = self.length
+        for layer, length in self.kv.items():
+            state.kv[layer].length = length
+        state.conv.clear()
+        state.conv.update(self.conv)
+        state.rec.clear()
+        state.rec.update(self.rec)
 
 
 def chunk_tokens(device: torch.device) -> int:

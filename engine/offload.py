@@ -451,6 +451,11 @@ class ExpertOffload:
             torch.cuda.empty_cache()
         self.fit(self.held() + extra, "the sequences' KV and a prefill chunk's workspace")
 
+    def give_up_slots(self, why: str) -> None:
+        """An eighth of every layer's expert slots (at least one) go: after a forward that ran out
+        of device memory all the same (what it allocates was measured on another kind of chunk)."""
+        self._shrink(self.plan.slots - max(1, self.plan.slots // 8), why)
+
     def fit(self, need: int, why: str) -> None:
         """`need` bytes (what the device holds now plus what the next forward will allocate) must
         stay within the budget: when they do not, every layer gives up as many expert slots as
@@ -511,7 +516,7 @@ class ExpertOffload:
                 break
             except torch.OutOfMemoryError:
                 pass  # the failed forward's tensors (its frames still hold the slots) go with the exception
-            self._shrink(self.plan.slots - max(1, self.plan.slots // 8), "a full prefill chunk's workspace")
+            self.give_up_slots("a full prefill chunk's workspace")
         workspace = torch.cuda.max_memory_allocated(self.device) - self.outside - base
         self.plan = dataclasses.replace(self.plan, workspace=workspace)
         self.fit(base + workspace, f"a full prefill chunk's workspace ({_size(workspace)})")

@@ -251,6 +251,41 @@ def test_fit_gives_up_the_fewest_slots_that_cover_the_excess(preset_dirs, tiny):
     assert offload.plan.slots == 5  # refused before anything was freed
 
 
+def test_a_prefill_forward_out_of_device_memory_is_undone_and_run_again(preset_dirs, tiny):
+    """Driven by a test double (the CPU has no device memory to run out of): a forward that fails in
+    its last layer, after the others appended KV and replaced DeltaNet states, is undone and run
+    again with an eighth fewer expert slots; its logits and captured states are those without
+    offload, and the sequence goes on from the right place."""
+    engine = _load(preset_dirs, tiny, slots=8)
+    tokens = _prompt(120, 5)
+    state, plain = engine.new_state(), tiny.new_state()
+    engine.prefill(state, tokens[:40])
+    tiny.prefill(plain, tokens[:40])
+    last = engine.model.model.layers[-1]
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (a test double)")
+        return type(last).forward(last, *args, **kwargs)
+
+    last.forward = failing
+    got = engine.prefill(state, tokens[40:], capture_at=[60, 80])
+    want = tiny.prefill(plain, tokens[40:], capture_at=[60, 80])
+    assert calls == [0, 1] and engine.offload.plan.slots == 7 and state.length == plain.length == 120
+    torch.testing.assert_close(got.logits, want.logits, rtol=TOL, atol=TOL)
+    for a, b in zip(got.snapshots, want.snapshots, strict=True):
+        assert a.tensors.keys() == b.tensors.keys()
+        for name, tensor in a.tensors.items():
+            torch.testing.assert_close(tensor, b.tensors[name], rtol=TOL, atol=TOL, msg=name)
+    del last.forward
+    torch.testing.assert_close(engine.decode(state, 7), tiny.decode(plain, 7), rtol=TOL, atol=TOL)
+    last.forward = lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("again"))
+    with pytest.raises(torch.OutOfMemoryError):  # twice in a row: raised (the request fails)
+        engine.prefill(engine.new_state(), tokens[:30])
+
+
 def test_kv_growth_is_what_the_next_append_allocates():
     cache = KVCache(2, 4, torch.float32, torch.device("cpu"))
     per_token = 2 * 4 * 4
