@@ -260,10 +260,11 @@ class Engine:
             except torch.OutOfMemoryError:
                 if self.offload is None or attempt:
                     raise
-                log.warning("a prefill forward of %d tokens ran out of device memory: retried with fewer expert slots", len(ids))
-                for rewind in rewinds:
-                    rewind()
-                self.offload.give_up_slots("a prefill forward that ran out of device memory")
+            # out of the handler: the failed forward's tensors went with its exception
+            log.warning("a prefill forward of %d tokens ran out of device memory: run again with fewer expert slots", len(ids))
+            for rewind in rewinds:
+                rewind()
+            self.offload.give_up_slots("a prefill forward that ran out of device memory")
         raise AssertionError("unreachable")
 
     def _fits_slot(self, feed: Feed, count: int, limit: int) -> bool:
