@@ -101,7 +101,8 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
       ;;
     q4-decode)
       wait $gguf 2>/dev/null
-      step q4-decode python3 bench/quant.py --preset $P --device cuda --parts q4_k_m --profile --json $O/q4-decode.json
+      step q4-decode python3 bench/quant.py --preset $P --device cuda --parts q4_k_m --profile --tune-gemv \
+        --json $O/q4-decode.json
       ;;
     q4-llama)
       wait $builder $gguf 2>/dev/null

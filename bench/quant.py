@@ -227,6 +227,8 @@ def bench_format(fmt: str, args, keep: dict) -> dict:
     row["decode"] = [bench_decode(eng, args.context, b, args.steps) for b in args.batches]
     for d in row["decode"]:
         print(f"{fmt}: decode B={d['batch']} at {d['context']}: {d['tok_s']:.1f} tok/s", flush=True)
+    if args.tune_gemv and eng.device.type == "cuda":  # the same decode with every GEMV's split timed per shape
+        row["decode_tuned_gemv"] = decode_tuned(eng, args)
     if eng.device.type == "cuda":  # where a generated token's wall time goes (host, launch, device)
         from bench.timeline import decode_timeline, show  # noqa: PLC0415
 
@@ -244,6 +246,28 @@ def bench_format(fmt: str, args, keep: dict) -> dict:
     if remove is not None:
         shutil.rmtree(remove, ignore_errors=True)
     return row
+
+
+def decode_tuned(eng, args) -> list[dict]:
+    """Decode again with FT_GEMV_TUNE's timing of each GEMV shape's split (the graphs captured
+    again over the chosen splits), beside the heuristic's figures of the same run; the choices."""
+    from engine.ops.gpu import quant  # noqa: PLC0415
+
+    quant.TUNE, before = True, dict(quant._SPLITS)
+    quant._SPLITS.clear()
+    eng.runner.drop_graphs()
+    try:
+        rows = [bench_decode(eng, args.context, b, args.steps) for b in args.batches]
+    finally:
+        quant.TUNE = False
+        chosen = {str(key[1:]): split for key, split in quant._SPLITS.items()}
+        quant._SPLITS.clear()
+        quant._SPLITS.update(before)
+        eng.runner.drop_graphs()
+    for d in rows:
+        print(f"decode B={d['batch']} with timed GEMV splits: {d['tok_s']:.1f} tok/s", flush=True)
+    print(f"GEMV splits chosen: {chosen}", flush=True)
+    return [{**d, "splits": chosen} for d in rows]
 
 
 def profile_generate(eng, prompt: list[int], name: str, steps: int = 8) -> dict:
@@ -483,6 +507,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--markdown", type=Path)
     p.add_argument("--profile", action="store_true", help="GPU: the kernels of a decode token (torch's profiler)")
+    p.add_argument("--tune-gemv", action="store_true",
+                   help="GPU: decode again with each quantized GEMV's split timed per shape (FT_GEMV_TUNE=1)")
     args = p.parse_args(argv)
     args.parts = list(
         dict.fromkeys([x for x in args.parts.split(",") if x] + list(LLAMA_PARTS if args.llama else ()))

@@ -17,8 +17,8 @@ from engine.ops.gpu import gather, moe, quant  # noqa: E402
 H200 = GPUTarget("cuda", 90, 32)
 GEMV = {
     "X": "*bf16", "PART": "*fp32", "OUT": "*bf16", "COUNT": "*i32", "EXPERT": "*i64", "SCALE": "*bf16",
-    "N": "i32", "K": "i32", "K_SPLIT": "i32", "FMT": "constexpr", "BN": "constexpr", "CHUNK": "constexpr",
-    "SPLIT": "constexpr", "GROUPED": "constexpr", "X_PER": "constexpr", "TOPK": "constexpr", "GLU": "constexpr",
+    "N": "i32", "K": "i32", "K_SPLIT": "i32", "SPLIT": "i32", "FMT": "constexpr", "BN": "constexpr",
+    "CHUNK": "constexpr", "GROUPED": "constexpr", "X_PER": "constexpr", "TOPK": "constexpr", "GLU": "constexpr",
 }  # fmt: skip
 PARTS = {  # the field arrays' types per format (quant.FIELDS)
     quant.Q8_0: ("*i8", "*fp16", "*i8", "*i8"),
@@ -46,7 +46,7 @@ def test_gemv_compiles_with_its_split_sums(fmt, mode):
     summed): each split's sums taken by its last program behind an acquire-release ticket."""
     grouped, x_per, top_k, glu = mode
     signature = {**GEMV, **{f"P{i}": t for i, t in enumerate(PARTS[fmt])}}
-    constexprs = {"FMT": fmt, "BN": 32, "CHUNK": quant.GEMV_CHUNK[fmt], "SPLIT": 16, "GROUPED": grouped,
+    constexprs = {"FMT": fmt, "BN": 32, "CHUNK": quant.GEMV_CHUNK[fmt], "GROUPED": grouped,
                   "X_PER": x_per, "TOPK": top_k, "GLU": glu}  # fmt: skip
     ptx = compile_for_h200(quant._gemv_kernel, signature, constexprs)
     assert ".entry _gemv_kernel" in ptx

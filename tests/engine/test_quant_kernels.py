@@ -178,16 +178,56 @@ def test_expert_decode_kernels_equal_per_assignment_matmuls(fmt):
 
 
 @in_this_process
-def test_gemv_split_sums_leave_their_counters_at_zero():
-    """The split-K GEMV sums its programs' partials in its last one, which resets the counter:
-    launch after launch gives the same result, and the counters are zeros between them."""
-    w, reference = weights(T.Q4_K, (72, 2048))
-    x = torch.randn(2, 2048, generator=torch.Generator().manual_seed(5)).to(DEVICE)
-    first = quant.linear(x, w.to(DEVICE))
-    for _ in range(3):
-        assert torch.equal(quant.linear(x, w.to(DEVICE)), first)
-        assert not quant.tickets(torch.device(DEVICE)).any()
-    close(first.cpu(), x.cpu().float() @ reference.T, x.dtype)
+@pytest.mark.parametrize("mode", ["linear", "glu", "topk"])
+def test_every_split_a_gemv_may_run_with_gives_its_sums(mode):
+    """Whatever split a GEMV shape is timed into (`quant._split`: on a GPU, per shape), each of
+    the candidates gives the same sums, taken by the last program of each split (its counter
+    left at zero), launch after launch."""
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    dev = torch.device(DEVICE)
+    gen = torch.Generator().manual_seed(5)
+    if mode == "linear":
+        w, ref = weights(T.Q4_K, (72, 1024))
+        x = torch.randn(2, 1024, generator=gen).to(dtype)
+        args, want = (x.to(dev), w.to(dev), 2, 72), x.float() @ ref.T
+        kw, top_k, sums = {}, 1, 2
+    else:
+        w, ref = weights(T.Q4_K, (3, 128, 1024) if mode == "glu" else (3, 64, 1024))
+        ids = torch.tensor([[2, -1, 0, 1]])  # one token, four experts (-1: none)
+        if mode == "glu":
+            x = torch.randn(1, 1024, generator=gen).to(dtype)
+            routing = torch.rand(4, generator=gen).to(dtype)
+            args = (x.to(dev), w.to(dev), 4, 64, ids.flatten().to(dev), 4)
+            kw, top_k, sums = {"scale": routing.to(dev)}, 1, 4
+            gate_up = [x[0].float() @ ref[e].T if e >= 0 else torch.zeros(128) for e in ids[0].tolist()]
+            want = torch.stack([torch.nn.functional.silu(g[:64]) * g[64:] * r.float()
+                                for g, r in zip(gate_up, routing, strict=True)])  # fmt: skip
+        else:
+            x = torch.randn(4, 1024, generator=gen).to(dtype)
+            args = (x.to(dev), w.to(dev), 1, 64, ids.flatten().to(dev))
+            kw, top_k, sums = {"top_k": 4}, 4, 1
+            want = sum(x[j].float() @ ref[e].T for j, e in enumerate(ids[0].tolist()) if e >= 0)[None]
+    n = args[3]
+    blocks = -(-n // min(quant.GEMV_BLOCK_N, max(16, 1 << (n - 1).bit_length())))
+    splits = quant._splits(1024, quant.GEMV_CHUNK[quant.Q4_K], top_k, blocks * sums)
+    assert splits[0] == top_k and len(splits) == 5  # 1024 columns: 1 .. 16 programs of 64 per assignment
+    for split in splits:
+        for _ in range(2):
+            got = quant._gemv(*args, **kw, split=split)
+            close(got.cpu(), want, dtype)
+            assert not quant.tickets(dev).any()
+    with pytest.raises(ValueError, match="not one of"):
+        quant._gemv(*args, **kw, split=3 * top_k)
+
+
+def test_the_untimed_split_fills_the_gpu_with_1024_programs():
+    """Where no timing chose (the CPU, a capture): the smallest split of at least 1,024 programs,
+    else the largest; the candidates stop at MAX_PROGRAMS programs."""
+    assert quant._splits(2048, 64, 1, 386) == [1, 2, 4, 8, 16, 32]
+    assert quant._heuristic_split([1, 2, 4, 8, 16, 32], 386) == 4  # the DeltaNet input projection
+    assert quant._heuristic_split(quant._splits(512, 64, 8, 64), 64) == 16  # a token's experts, down
+    assert quant._splits(2048, 64, 1, 7760) == [1, 2, 4]  # lm_head: 7,760 sums
+    assert quant._heuristic_split([1, 2, 4], 7760) == 1
 
 
 @in_this_process

@@ -19,6 +19,7 @@ they equal it to fp32 summation order.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 
@@ -29,6 +30,7 @@ from torch import nn
 
 from engine.quant.ggml import T, k_scale_min
 
+log = logging.getLogger(__name__)
 Q8_0, Q4_K, Q6_K, FP8, Q5_K = 0, 1, 2, 3, 4
 FORMATS = {T.Q8_0: Q8_0, T.Q4_K: Q4_K, T.Q5_K: Q5_K, T.Q6_K: Q6_K}
 NAMES = {Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", FP8: "FP8"}
@@ -386,8 +388,8 @@ def _dot(X, P0, P1, P2, P3, row, xm, k0, N, K, FMT: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    X, P0, P1, P2, P3, PART, OUT, COUNT, EXPERT, SCALE, N, K, K_SPLIT,
-    FMT: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr,
+    X, P0, P1, P2, P3, PART, OUT, COUNT, EXPERT, SCALE, N, K, K_SPLIT, SPLIT,
+    FMT: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
     GROUPED: tl.constexpr, X_PER: tl.constexpr, TOPK: tl.constexpr, GLU: tl.constexpr,
 ):  # fmt: skip
     """Program (n-block, split s, output row m): BN outputs of row m over one range of K_SPLIT
@@ -402,7 +404,7 @@ def _gemv_kernel(
     pid, s, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = pid * BN + tl.arange(0, BN)
     row = tl.minimum(n, N - 1).to(tl.int64)
-    KS: tl.constexpr = SPLIT // TOPK
+    KS = SPLIT // TOPK  # programs per assignment (a run-time value: the split is chosen per shape)
     a = m * TOPK + s // KS
     start = (s % KS) * K_SPLIT
     end = start + K_SPLIT
@@ -521,6 +523,10 @@ def dequantize_to(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
 
 _TICKETS: dict[torch.device, torch.Tensor] = {}
 TICKETS = 1 << 16  # (row, n-block) counters of the GEMV's split-K sums
+MAX_PROGRAMS = 1 << 15  # a GEMV's programs at most, whatever its split
+TUNE_REPEATS = 20  # launches timed per candidate split
+TUNE = os.environ.get("FT_GEMV_TUNE") == "1"  # time each GEMV shape's splits (`_split`); off: the heuristic's
+_SPLITS: dict[tuple, int] = {}  # the split each GEMV shape runs fastest with (`_split`)
 
 
 def tickets(device: torch.device) -> torch.Tensor:
@@ -536,27 +542,96 @@ def tickets(device: torch.device) -> torch.Tensor:
 
 def _gemv(
     x: torch.Tensor, w: QuantWeight, rows: int, n: int, experts: torch.Tensor | None = None,
-    x_per: int = 1, top_k: int = 1, scale: torch.Tensor | None = None,
+    x_per: int = 1, top_k: int = 1, scale: torch.Tensor | None = None, split: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """`rows` output rows of `n` (`_gemv_kernel`): K split so that the grid fills the GPU even for
-    a narrow weight, the split's sums taken by its last program, so one launch in all."""
+    """`rows` output rows of `n` (`_gemv_kernel`), in one launch: K split over as many programs as
+    `_split` chooses for this shape (or `split`, one of `_splits`), the split's sums taken by its
+    last program."""
     k = w.shape[-1]
     bn, chunk = min(GEMV_BLOCK_N, max(16, triton.next_power_of_2(n))), GEMV_CHUNK[w.fmt]
     blocks = triton.cdiv(n, bn)
-    split = top_k
-    while blocks * split * rows < 1024 and k % (2 * (split // top_k) * chunk) == 0:
-        split *= 2
     if blocks * rows > TICKETS:
         raise ValueError(f"GEMV of {rows} x {n} outputs: more than {TICKETS} sums")
     glu = scale is not None
-    part = torch.empty(split, rows, 2 * n if glu else n, dtype=torch.float32, device=x.device) if split > 1 else x
+    splits = _splits(k, chunk, top_k, blocks * rows)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     ids = experts if experts is not None else x  # (unread when not grouped)
-    _gemv_kernel[(blocks, split, rows)](
-        x, *_padded(w), part, out, tickets(x.device), ids, scale if glu else x, n, k, k // (split // top_k),
-        FMT=w.fmt, BN=bn, CHUNK=chunk, SPLIT=split, GROUPED=experts is not None, X_PER=x_per, TOPK=top_k, GLU=glu,
-    )  # fmt: skip
+    counters = tickets(x.device)  # made here, never inside a timing capture
+
+    def launch(split: int) -> None:
+        part = torch.empty(split, rows, 2 * n if glu else n, dtype=torch.float32, device=x.device) if split > 1 else x
+        _gemv_kernel[(blocks, split, rows)](
+            x, *_padded(w), part, out, counters, ids, scale if glu else x, n, k, k // (split // top_k), split,
+            FMT=w.fmt, BN=bn, CHUNK=chunk, GROUPED=experts is not None, X_PER=x_per, TOPK=top_k, GLU=glu,
+        )  # fmt: skip
+
+    if split is None:
+        key = (x.device, w.fmt, rows, n, k, top_k, glu, experts is not None)
+        split = _split(key, splits, _heuristic_split(splits, blocks * rows), launch)
+    elif split not in splits:
+        raise ValueError(f"split {split} is not one of {splits}")
+    launch(split)
     return out
+
+
+def _splits(k: int, chunk: int, top_k: int, sums: int) -> list[int]:
+    """The splits a GEMV of `sums` (row, n-block) outputs over K = `k` may run with, ascending:
+    top_k times 1, 2, 4, ... programs per assignment, each over whole chunks of K, at most
+    MAX_PROGRAMS programs in all."""
+    splits, per = [], 1
+    while k % (per * chunk) == 0 and (not splits or sums * top_k * per <= MAX_PROGRAMS):
+        splits.append(top_k * per)
+        per *= 2
+    return splits
+
+
+def _heuristic_split(splits: list[int], sums: int) -> int:
+    """The smallest split that fills the GPU with 1,024 programs (where none is measured)."""
+    return next((s for s in splits if sums * s >= 1024), splits[-1])
+
+
+def _split(key: tuple, splits: list[int], default: int, launch) -> int:
+    """The split this GEMV shape runs with: with TUNE (FT_GEMV_TUNE=1), the fastest of `splits`,
+    timed once per shape on a GPU outside graph capture (`_time_split`: decode's graphs are
+    captured after an eager forward, which times them); else, and under capture, `default`."""
+    if key in _SPLITS:
+        return _SPLITS[key]
+    if not TUNE or key[0].type != "cuda" or len(splits) == 1 or torch.cuda.is_current_stream_capturing():
+        return default
+    try:
+        times = {split: _time_split(launch, split) for split in splits}
+        _SPLITS[key] = min(splits, key=lambda s: (times[s], s != default))
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError as exc:  # not a verdict on the kernel: the heuristic's split from now on
+        log.warning("GEMV split not timed for %s (%s): %d programs per sum", key[1:], exc, default)
+        _SPLITS[key] = default
+    return _SPLITS[key]
+
+
+def _time_split(launch, split: int) -> float:
+    """Milliseconds of TUNE_REPEATS launches with `split`, replayed as one CUDA graph (eager
+    launches cost more host time than these kernels take on the device); the best of three.
+    Captured thread-locally, as the runner's graphs are (the store thread's copies go on)."""
+    current = torch.cuda.current_stream()
+    side = torch.cuda.Stream()
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        launch(split)  # compiled before the capture
+    current.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for _ in range(TUNE_REPEATS):
+            launch(split)
+    best = math.inf
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end))
+    return best
 
 
 def gemv_fits(w: QuantWeight) -> bool:
