@@ -112,7 +112,7 @@ def state_bytes(c: ModelConfig, dtype: torch.dtype, sequences: int, capacity: in
 
 def recurrent_bytes(c: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes of one sequence's DeltaNet states (conv in `dtype`, recurrent in fp32, every layer):
-    also what a prefill forward holds on the device per capture point until it ends."""
+    also what a prefill forward captures at each capture point."""
     size = torch.empty(0, dtype=dtype).element_size()
     conv = c.conv_dim * (c.linear_conv_kernel_dim - 1) * size
     rec = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
