@@ -274,11 +274,14 @@ def profile_decode(eng: Engine, ctx: int, top: int = 12) -> dict:
 def fast_kernel_verdicts() -> dict[str, bool | None]:
     """Which Triton kernels passed their first-use check against plain torch (engine.ops.gpu.checked):
     every `Checked` of the GPU kernel modules (None: never called)."""
-    from engine.ops.gpu import conv, gates, moe, norm  # noqa: PLC0415
+    import dataclasses  # noqa: PLC0415
+
+    from engine.ops.gpu import KERNELS, conv, gates, moe, norm  # noqa: PLC0415
     from engine.ops.gpu.checked import Checked  # noqa: PLC0415
 
-    checked = [v for m in (conv, gates, moe, norm) for v in vars(m).values() if isinstance(v, Checked)]
-    return {c.name: c.verdict for c in checked}
+    bundled = [getattr(KERNELS, f.name) for f in dataclasses.fields(KERNELS)]  # made per bundle, as the slotted step
+    checked = [v for m in (conv, gates, moe, norm) for v in vars(m).values()] + bundled
+    return {c.name: c.verdict for c in checked if isinstance(c, Checked)}
 
 
 def markdown(result: dict) -> str:

@@ -277,14 +277,11 @@ class GatedDeltaNet(nn.Module):
 
     def _decode(self, batch: SlotBatch, layer: int, mixed, g, beta, kernels: Kernels) -> torch.Tensor:
         """One token of each slot's sequence: one batched conv step and one batched recurrent step,
-        the states gathered from their slots and written back."""
+        each on the states of the rows' slots, updated in place."""
         conv_slots, rec_slots = batch.buffers.conv[layer], batch.buffers.rec[layer]
-        mixed, conv = kernels.decode_conv(mixed, conv_slots[batch.index], self.conv1d.weight[:, 0])
+        mixed = kernels.decode_conv_slots(mixed, conv_slots, batch.index, self.conv1d.weight[:, 0])
         q, k, v = self._split(mixed)
-        out, rec = kernels.decode_gated_delta_rule(q, k, v, g, beta, rec_slots[batch.index])  # [B, Hv, Dv], [B, Hv, Dk, Dv]
-        conv_slots.index_copy_(0, batch.index, conv)
-        rec_slots.index_copy_(0, batch.index, rec)
-        return out
+        return kernels.decode_gated_delta_rule_slots(q, k, v, g, beta, rec_slots, batch.index)  # [B, Hv, Dv]
 
 
 class NextGatedDeltaNet(GatedDeltaNet):

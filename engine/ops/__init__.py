@@ -20,8 +20,8 @@ class Kernels:
     slot_prefill_attention: Callable = attention.slot_prefill_attention  # a few queries of one slot
     causal_conv: Callable = conv.causal_conv
     chunk_gated_delta_rule: Callable = deltanet.chunk_gated_delta_rule
-    decode_conv: Callable = conv.decode_conv  # one token of each of B sequences
-    decode_gated_delta_rule: Callable = deltanet.decode_gated_delta_rule
+    decode_conv_slots: Callable = conv.decode_conv_slots  # one token of each of B slotted states, in place
+    decode_gated_delta_rule_slots: Callable = deltanet.decode_gated_delta_rule_slots  # the same
     moe_experts: Callable = moe.experts_loop
     route: Callable = moe.route  # router logits -> (weights, expert ids) of the top k
     add_rms_norm: Callable = norm.add_rms_norm  # (x + residual, its norm): the residual add fused in

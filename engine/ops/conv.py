@@ -27,3 +27,11 @@ def decode_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> t
     full = torch.cat([state.to(x.dtype), x[:, :, None]], dim=2)  # [B, C, K]
     out = (full.float() * weight.float()).sum(-1)  # accumulated in fp32, as the prefill conv does
     return F.silu(out).to(x.dtype), full[:, :, 1:]
+
+
+def decode_conv_slots(x: torch.Tensor, slots: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`decode_conv` on the states of slots[index] (slots: [S, C, K-1]), written back in place.
+    Returns SiLU(conv) [B, C]."""
+    out, state = decode_conv(x, slots[index], weight)
+    slots.index_copy_(0, index, state)
+    return out

@@ -7,6 +7,8 @@ scaled by Dk^-0.5, as fla's kernels do with `use_qk_l2norm_in_kernel=True`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -113,3 +115,14 @@ def decode_gated_delta_rule(
     delta = (vh - memory) * bh[..., None]
     state = state + kh[..., :, None] * delta[..., None, :]
     return (state * qh[..., :, None]).sum(-2).to(dtype), state
+
+
+def decode_gated_delta_rule_slots(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor,
+    index: torch.Tensor, decode: Callable = decode_gated_delta_rule,
+) -> torch.Tensor:  # fmt: skip
+    """`decode` (one token of each of B sequences) on the states of slots[index] (slots: [S, Hv,
+    Dk, Dv] fp32), written back in place. Returns out [B, Hv, Dv]."""
+    out, state = decode(q, k, v, g, beta, slots[index])
+    slots.index_copy_(0, index, state)
+    return out

@@ -222,3 +222,47 @@ def test_the_model_with_the_fused_kernels_gives_the_reference_logits(preset_dirs
         state = eng.new_state()
         out[name] = torch.stack([eng.prefill(state, ids).logits, *eng.feed(state, [11, 12])])
     torch.testing.assert_close(out["fused"], out["plain"], rtol=1e-4, atol=1e-4)
+
+
+@in_this_process
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_slotted_decode_steps_update_their_rows_slots_in_place(dtype):
+    """The DeltaNet decode step on slotted states (the conv, then the gated delta rule): each row's
+    slot stepped in place as the reference steps a gathered copy and writes it back, the other
+    slots untouched; q, k, v as views of the conv's output, as the model passes them."""
+    from engine.ops import conv as reference_conv
+    from engine.ops import deltanet as reference_deltanet
+    from engine.ops.gpu import conv, recurrent
+
+    rows, slots, channels, width = 3, 5, 96, 3
+    index = torch.tensor([3, 0, 4], device=DEVICE)
+    x = _randn(rows, channels + 8, dtype=dtype, seed=1)[:, :channels]  # a view, as the projection's split
+    weight = _randn(channels, 1, width + 1, dtype=dtype, seed=2)[:, 0]
+    conv_slots = _randn(slots, channels, width, dtype=dtype, seed=3)
+    want_slots = conv_slots.clone()
+    want = reference_conv.decode_conv_slots(x, want_slots, index, weight)
+    got = conv._triton_conv_slots(x, conv_slots, index, weight)
+    _close(got, want)
+    _close(conv_slots, want_slots)
+
+    hk, hv, dk, dv = 2, 4, 16, 32
+    mixed = _randn(rows, 2 * hk * dk + hv * dv, dtype=dtype, seed=4)
+    q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+    q, k, v = q.reshape(rows, hk, dk), k.reshape(rows, hk, dk), v.reshape(rows, hv, dv)
+    g = -_randn(rows, hv, dtype=torch.float32, seed=5).abs()
+    beta = torch.rand(rows, hv, generator=torch.Generator().manual_seed(6)).to(dtype).to(DEVICE)
+    rec_slots = _randn(slots, hv, dk, dv, dtype=torch.float32, seed=7)
+    want_rec = rec_slots.clone()
+    want = reference_deltanet.decode_gated_delta_rule_slots(q, k, v, g, beta, want_rec, index)
+    got = recurrent._triton_recurrent_slots(q, k, v, g, beta, rec_slots, index)
+    _close(got, want)
+    torch.testing.assert_close(rec_slots, want_rec, rtol=1e-5, atol=1e-5)
+    assert torch.equal(rec_slots[[1, 2]], want_rec[[1, 2]])  # slots no row reads: untouched
+
+    # first use through `Checked`: both trials on copies, then the real slots stepped once
+    checked = recurrent.checked(reference_deltanet.decode_gated_delta_rule)
+    once = rec_slots.clone()
+    reference_deltanet.decode_gated_delta_rule_slots(q, k, v, g, beta, once, index)
+    checked(q, k, v, g, beta, rec_slots, index)
+    assert checked.verdict is True
+    torch.testing.assert_close(rec_slots, once, rtol=1e-5, atol=1e-5)

@@ -98,3 +98,22 @@ def test_decode_combine_compiles():
                  "GROUP": "constexpr", "GPAD": "constexpr", "D": "constexpr", "SPLITS": "constexpr"}  # fmt: skip
     constexprs = {"GROUP": 8, "GPAD": 16, "D": 256, "SPLITS": attention.DECODE_SPLITS}
     assert ".entry _decode_combine" in compile_for_h200(attention._decode_combine, signature, constexprs)
+
+
+def test_slotted_decode_kernels_compile():
+    """The DeltaNet decode step on slotted states (engine/ops/gpu/conv.py, recurrent.py) at the
+    35B shape's sizes."""
+    from engine.ops.gpu import conv, recurrent
+
+    conv_sig = {"X": "*bf16", "S": "*bf16", "IDX": "*i64", "W": "*bf16", "Y": "*bf16", "C": "i32", "stride_x": "i32",
+                "K": "constexpr", "KP": "constexpr", "BLOCK_C": "constexpr"}  # fmt: skip
+    assert ".entry _conv_slots_kernel" in compile_for_h200(
+        conv._conv_slots_kernel, conv_sig, {"K": 4, "KP": 4, "BLOCK_C": 256}
+    )
+    rec_sig = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "G": "*fp32", "BETA": "*bf16", "S": "*fp32", "IDX": "*i64",
+               "OUT": "*bf16", "stride_q": "i32", "stride_k": "i32", "stride_v": "i32", "stride_g": "i32",
+               "stride_beta": "i32", "HV": "i32", "GROUP": "i32", "scale": "fp32",
+               "DK": "constexpr", "DV": "constexpr", "BV": "constexpr"}  # fmt: skip
+    assert ".entry _recurrent_slots_kernel" in compile_for_h200(
+        recurrent._recurrent_slots_kernel, rec_sig, {"DK": 128, "DV": 128, "BV": recurrent.BLOCK_V}
+    )

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from engine.ops import Kernels
 from engine.ops import deltanet as reference_deltanet
-from engine.ops.gpu import attention, conv, gates, moe, norm
+from engine.ops.gpu import attention, conv, gates, moe, norm, recurrent
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,8 @@ KERNELS = GpuKernels(
     slot_prefill_attention=attention.slot_prefill_attention,
     causal_conv=conv.causal_conv,
     chunk_gated_delta_rule=deltanet.chunk_gated_delta_rule,
-    decode_gated_delta_rule=deltanet.decode_gated_delta_rule,
+    decode_conv_slots=conv.decode_conv_slots,
+    decode_gated_delta_rule_slots=recurrent.checked(deltanet.decode_gated_delta_rule),
     moe_experts=moe.experts_grouped,
     route=moe.route,
     add_rms_norm=norm.add_rms_norm,

@@ -16,11 +16,15 @@ log = logging.getLogger(__name__)
 
 
 class Checked:
-    def __init__(self, name: str, fast: Callable, slow: Callable, rtol: float = 2e-2, canon: Callable | None = None):
+    def __init__(self, name: str, fast: Callable, slow: Callable, rtol: float = 2e-2, canon: Callable | None = None,
+                 fresh: Callable | None = None):  # fmt: skip
         """`canon(out, args)`: what of an output is compared (default: every tensor of it), where
-        two right answers may differ (e.g. the order of ties)."""
+        two right answers may differ (e.g. the order of ties). `fresh(args)`: copies of the
+        arguments an op updates in place, for each of the two trial runs (the real call then runs
+        once on the real arguments; `canon` sees the copies the run updated)."""
         self.name, self.fast, self.slow, self.rtol = name, fast, slow, rtol
         self.canon = canon or (lambda out, args: out)
+        self.fresh = fresh or (lambda args: args)
         self.verdict: bool | None = None  # None: not checked yet
 
     def __call__(self, *args):
@@ -30,7 +34,7 @@ class Checked:
 
     def _check(self, args) -> bool:
         try:
-            got, want = (_flat(self.canon(f(*args), args)) for f in (self.fast, self.slow))
+            got, want = (_flat(self.canon(f(*trial), trial)) for f in (self.fast, self.slow) for trial in [self.fresh(args)])
             errors = [((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item() for a, b in zip(got, want, strict=True)]
         except torch.OutOfMemoryError:
             raise

@@ -48,3 +48,50 @@ def _triton_conv(x, state, weight, capture_at):
 
 
 causal_conv = Checked("causal_conv", _triton_conv, reference.causal_conv)
+
+
+@triton.jit
+def _conv_slots_kernel(X, S, IDX, W, Y, C, stride_x, K: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Row b, channels of one block: the conv over the state of slot IDX[b] ([C, K-1]) and x[b],
+    SiLU'd into Y[b]; the state shifted by one and x appended, in place (loaded whole first)."""
+    b = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    j = tl.arange(0, KP)
+    cols = c < C
+    held = cols[:, None] & (j < K - 1)[None, :]
+    state = S + tl.load(IDX + b).to(tl.int64) * C * (K - 1) + c[:, None] * (K - 1) + j[None, :]
+    s = tl.load(state, mask=held, other=0.0)  # [BLOCK_C, KP]
+    x = tl.load(X + b * stride_x + c, mask=cols, other=0.0)
+    w = tl.load(W + c[:, None] * K + j[None, :], mask=held, other=0.0).to(tl.float32)
+    acc = tl.sum(s.to(tl.float32) * w, 1) + x.to(tl.float32) * tl.load(W + c * K + K - 1, mask=cols, other=0.0).to(tl.float32)
+    tl.store(Y + b * C + c, (acc * tl.sigmoid(acc)).to(Y.dtype.element_ty), mask=cols)
+    # column j takes column j + 1 (the last takes x): a one-hot sum over the loaded state, no re-read
+    after = (j[None, :, None] + 1) == j[None, None, :]  # [1, KP, KP]: picks column j + 1 for column j
+    shifted = tl.sum(tl.where(after, s[:, None, :], 0.0), 2)
+    new = tl.where((j == K - 2)[None, :], x[:, None], shifted.to(s.dtype))
+    tl.store(state, new, mask=held)
+
+
+def _triton_conv_slots(x, slots, index, weight):
+    batch, channels = x.shape
+    width = slots.shape[2]
+    if x.stride(1) != 1 or not slots.is_contiguous() or weight.stride(1) != 1 or weight.stride(0) != width + 1:
+        return reference.decode_conv_slots(x, slots, index, weight)
+    y = torch.empty(batch, channels, dtype=x.dtype, device=x.device)
+    block = 256
+    _conv_slots_kernel[(batch, triton.cdiv(channels, block))](
+        x, slots, index, weight, y, channels, x.stride(0), K=width + 1, KP=triton.next_power_of_2(width + 1),
+        BLOCK_C=block,
+    )  # fmt: skip
+    return y
+
+
+def _slots_after(out, args):
+    """A slot op's output and the states of its rows' slots after it."""
+    return out, args[1][args[2]]
+
+
+decode_conv_slots = Checked(
+    "decode_conv_slots", _triton_conv_slots, reference.decode_conv_slots, canon=_slots_after,
+    fresh=lambda args: (args[0], args[1].clone(), *args[2:]),
+)  # fmt: skip
