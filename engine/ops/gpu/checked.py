@@ -33,8 +33,12 @@ class Checked:
         return (self.fast if self.verdict else self.slow)(*args)
 
     def _check(self, args) -> bool:
+        def trial(f: Callable) -> list[torch.Tensor]:
+            copies = self.fresh(args)
+            return _flat(self.canon(f(*copies), copies))
+
         try:
-            got, want = (_flat(self.canon(f(*trial), trial)) for f in (self.fast, self.slow) for trial in [self.fresh(args)])
+            got, want = trial(self.fast), trial(self.slow)
             errors = [((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item() for a, b in zip(got, want, strict=True)]
         except torch.OutOfMemoryError:
             raise
