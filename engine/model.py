@@ -90,18 +90,19 @@ def fuse(module: nn.Module, name: str, parts: list[nn.Module], align: int = 1) -
     weight a view of it: projections that read the same input run as one GEMM (one GEMV in decode),
     with no second copy of the weights and the HF parameter names unchanged. Quantized weights
     join when their format's blocks line up (`quant.can_concat`); where consecutive parts cannot,
-    each run of those that can is one weight of a `Concat`. A single plain weight gets zero rows up
-    to a multiple of `align` (its output rows then stay 16-byte aligned: cuBLAS takes its fast
-    kernels, not the unaligned ones); the caller drops those outputs."""
+    each run of those that can is one weight of a `Concat` (so callers put the parts that stay plain
+    in a quantized model side by side). A last run of plain weights gets zero rows up to a multiple
+    of `align` (its output rows then stay 16-byte aligned: cuBLAS takes its fast kernels, not the
+    unaligned ones); the caller drops those outputs, the last."""
     runs: list[list[nn.Module]] = []
     for m in parts:
         if runs and _joins(runs[-1], m.weight):
             runs[-1].append(m)
         else:
             runs.append([m])
-    rows = sum(m.weight.shape[-2] for m in parts)
-    pad = -rows % align if len(runs) == 1 and isinstance(parts[0].weight, torch.Tensor) else 0
-    weights = [_fuse_run(run, pad) for run in runs]
+    last = sum(m.weight.shape[-2] for m in runs[-1])
+    pad = -last % align if isinstance(runs[-1][0].weight, torch.Tensor) else 0  # after the last outputs
+    weights = [_fuse_run(run, pad if run is runs[-1] else 0) for run in runs]
     fused = weights[0] if len(weights) == 1 else Concat(weights)
     module._buffers.pop(name, None)  # fused again after a move: the old one goes
     module._modules.pop(name, None)
@@ -330,16 +331,18 @@ class SparseMoe(nn.Module):
         self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
 
     def fuse(self) -> None:
-        """The router, the shared expert's gate and up projections and its output gate: one GEMM."""
+        """The shared expert's gate and up projections, the router and the shared expert's output
+        gate: one GEMM (in a quantized file, where the router and the output gate stay plain: one
+        quantized GEMV and one plain GEMM, the plain ones side by side)."""
         shared = self.shared_expert
-        # router (E) + gate and up (2 x I) + the output gate (1): an odd width, padded to 8 outputs
-        fuse(self, "in_proj", [self.gate, shared.gate_proj, shared.up_proj, self.shared_expert_gate], align=8)
+        # gate and up (2 x I) + router (E) + the output gate (1): an odd width, padded to 8 outputs
+        fuse(self, "in_proj", [shared.gate_proj, shared.up_proj, self.gate, self.shared_expert_gate], align=8)
 
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         c = self.c
-        splits = [c.num_experts, c.shared_expert_intermediate_size, c.shared_expert_intermediate_size, 1]
+        splits = [c.shared_expert_intermediate_size, c.shared_expert_intermediate_size, c.num_experts, 1]
         fused = matmul(x, self.in_proj)[:, : sum(splits)]  # without the padding's outputs
-        router, gate, up, shared_gate = fused.split(splits, dim=-1)
+        gate, up, router, shared_gate = fused.split(splits, dim=-1)
         weights, ids = kernels.route(router, c.num_experts_per_tok, c.norm_topk_prob, x.dtype)
         run = partial(routed_experts, kernels)
         if self.offload is not None:  # the stacks of its device slots, whichever kind they are

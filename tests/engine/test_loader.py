@@ -120,8 +120,8 @@ def test_a_move_copies_each_storage_once_and_keeps_the_fused_views(preset_dirs):
 
 
 def test_the_moe_projection_is_padded_to_aligned_rows(preset_dirs):
-    """The router, the shared expert's gate and up and its output gate fuse into an odd number of
-    rows (E + 2I + 1): zero rows pad it to a multiple of 8 (aligned outputs: cuBLAS's fast GEMMs),
+    """The shared expert's gate and up, the router and its output gate fuse into an odd number of
+    rows (2I + E + 1): zero rows pad it to a multiple of 8 (aligned outputs: cuBLAS's fast GEMMs),
     the parts still views of it."""
     from engine.loader import load_folder  # noqa: PLC0415
 

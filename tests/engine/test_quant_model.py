@@ -272,6 +272,23 @@ def test_fusion_joins_what_lines_up_and_keeps_the_rest_apart(case):
     assert all(t.untyped_storage().data_ptr() in storages for p in parts for t in p.buffers())
 
 
+@in_this_process
+def test_plain_parts_after_quantized_ones_fuse_into_one_padded_gemm():
+    """A quantized MoE projection: the shared expert's gate and up quantized, then the router and
+    the output gate plain (as a quantized file keeps them): one quantized GEMV and one plain GEMM
+    padded to aligned rows (zeros, dropped by the caller), not three matmuls."""
+    parts = [holder(ggml(T.Q8_0, 32, 1)), holder(ggml(T.Q8_0, 32, 2)), holder(torch.randn(8, 256)),
+             holder(torch.randn(1, 256))]  # fmt: skip
+    want = torch.cat([dense(p.weight) for p in parts])
+    owner = nn.Module()
+    fuse(owner, "in_proj", parts, align=8)
+    assert fused_kinds(owner.in_proj) == [("Q8_0", 64), ("dense", 16)]
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(9))
+    out = matmul(x, owner.in_proj)
+    assert out.shape == (3, 80) and not out[:, 73:].any()
+    assert torch.allclose(out[:, :73], x @ want.T, atol=1e-4, rtol=1e-5)
+
+
 def llama_quantize_built() -> bool:
     from peer.llama_server import quantize_binary  # noqa: PLC0415
 
