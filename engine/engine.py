@@ -162,8 +162,8 @@ class Engine:
         growth = sum(cache.growth(count) for feed, count in parts for cache in feed.state.kv.values())
         # a layer's DeltaNet states at each capture point, on the device until copied to the host
         # (`keep`): ~2 MB a point at the 35B shape; the calibration's chunk captured none
-        layer = expert_offload.recurrent_bytes(self.config, self.dtype) // max(len(self.config.deltanet_layers), 1)
-        captures = 2 * layer * sum(len(span.capture_at) for span in spans)  # two layers' in flight
+        layers = expert_offload.recurrent_bytes(self.config, self.dtype, layers=2)  # two in flight
+        captures = layers * sum(len(span.capture_at) for span in spans)
         self.offload.fit_forward(self.offload.plan.workspace + growth + captures)
 
     def offload_stats(self) -> dict[str, int] | None:
@@ -250,22 +250,22 @@ class Engine:
 
     def _prefill_forward(self, ids: torch.Tensor, spans: Sequence[Span]) -> tuple[torch.Tensor, list[list[dict]]]:
         """The model's forward over the spans. Under a memory budget, a forward that runs out of
-        device memory is undone (every sequence back where it was: `Rewind`) and run once more with
-        an eighth fewer expert slots; a second failure is raised."""
-        rewinds = [Rewind(span.state) for span in spans] if self.offload is not None else []
-        for attempt in range(2):
-            try:
-                with self._phase("prefill", len(ids)):
-                    return self.model(ids, spans, self.kernels, keep=self._to_host)
-            except torch.OutOfMemoryError:
-                if self.offload is None or attempt:
-                    raise
-            # out of the handler: the failed forward's tensors went with its exception
-            log.warning("a prefill forward of %d tokens ran out of device memory: run again with fewer expert slots", len(ids))
-            for rewind in rewinds:
-                rewind()
-            self.offload.give_up_slots("a prefill forward that ran out of device memory")
-        raise AssertionError("unreachable")
+        device memory is undone (every sequence back where it was: `SequenceState.rewinder`) and
+        run once more with an eighth fewer expert slots; a second failure is raised."""
+        rewinds = [span.state.rewinder() for span in spans] if self.offload is not None else []
+        try:
+            with self._phase("prefill", len(ids)):
+                return self.model(ids, spans, self.kernels, keep=self._to_host)
+        except torch.OutOfMemoryError:
+            if self.offload is None:
+                raise
+        # out of the handler: the failed forward's tensors went with its exception
+        log.warning("a prefill forward of %d tokens ran out of device memory: run again with fewer expert slots", len(ids))
+        for rewind in rewinds:
+            rewind()
+        self.offload.give_up_slots("a prefill forward that ran out of device memory")
+        with self._phase("prefill", len(ids)):
+            return self.model(ids, spans, self.kernels, keep=self._to_host)
 
     def _fits_slot(self, feed: Feed, count: int, limit: int) -> bool:
         """Whether the feed's last `count` tokens can run as captured slot prefills: at most `limit`
@@ -429,27 +429,6 @@ class Engine:
         self.step([(feed, 1)])
         assert feed.result is not None
         return feed.result.logits
-
-
-class Rewind:
-    """A sequence's place before a prefill forward, to go back to if the forward fails partway:
-    its length and its KV caches' (a forward writes KV past them, harmless once they are back),
-    and its DeltaNet states (a forward replaces them layer by layer, never writes into them)."""
-
-    def __init__(self, state: SequenceState):
-        self.state, self.length = state, state.length
-        self.kv = {layer: cache.length for layer, cache in state.kv.items()}
-        self.conv, self.rec = dict(state.conv), dict(state.rec)
-
-    def __call__(self) -> None:
-        state = self.state
-        state.length = self.length
-        for layer, length in self.kv.items():
-            state.kv[layer].length = length
-        state.conv.clear()
-        state.conv.update(self.conv)
-        state.rec.clear()
-        state.rec.update(self.rec)
 
 
 def chunk_tokens(device: torch.device) -> int:

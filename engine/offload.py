@@ -13,7 +13,8 @@ What a forward does with the link (`Policy`, chosen per forward by its token cou
   (`ExpertStream`, engine/expert_stream.py): one copy per part at the link's rate, no host sync;
   only the slots left empty are filled, from the pieces as they pass. Otherwise, the routing of
   layer L+1 is not known before layer L ends, but nearly all of its experts will be needed, so
-  when layer L's experts start, half of layer L+1's slots are filled with experts it does not hold (`ExpertCache.prefetch`): those copies overlap layer L's experts and layer L+1's
+  when layer L's experts start, half of layer L+1's slots are filled with experts it does not
+  hold (`ExpertCache.prefetch`): those copies overlap layer L's experts and layer L+1's
   attention. After its routing, layer L+1 runs its experts in groups of half its slots, the copy
   of each group overlapping the compute of the one before (double buffering within the layer).
 - A shorter chunk (decode, a short suffix) fetches only the experts it routes to, after routing,
@@ -110,13 +111,13 @@ def state_bytes(c: ModelConfig, dtype: torch.dtype, sequences: int, capacity: in
     return (sequences + 1) * (kv + recurrent_bytes(c, dtype))
 
 
-def recurrent_bytes(c: ModelConfig, dtype: torch.dtype) -> int:
-    """Bytes of one sequence's DeltaNet states (conv in `dtype`, recurrent in fp32, every layer):
-    also what a prefill forward captures at each capture point."""
+def recurrent_bytes(c: ModelConfig, dtype: torch.dtype, layers: int | None = None) -> int:
+    """Bytes of one sequence's DeltaNet states (conv in `dtype`, recurrent in fp32) in `layers`
+    layers (default: every DeltaNet layer): also what a prefill forward captures at each point."""
     size = torch.empty(0, dtype=dtype).element_size()
     conv = c.conv_dim * (c.linear_conv_kernel_dim - 1) * size
     rec = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
-    return (conv + rec) * len(c.deltanet_layers)
+    return (conv + rec) * (len(c.deltanet_layers) if layers is None else layers)
 
 
 def workspace_bytes(c: ModelConfig, dtype: torch.dtype, tokens: int, rows: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,24 @@ class SequenceState:
         event = self.pending.pop(layer, None)
         if event is not None:
             event.wait()  # the current stream waits; the host does not
+
+    def rewinder(self) -> Callable[[], None]:
+        """What puts this state back where it is now, after a forward that failed partway: its
+        length and its KV caches' (a forward writes KV past them, harmless once they are back) and
+        its DeltaNet states (a forward replaces them layer by layer, never writes into them)."""
+        length, kv = self.length, {layer: cache.length for layer, cache in self.kv.items()}
+        conv, rec = dict(self.conv), dict(self.rec)
+
+        def rewind() -> None:
+            self.length = length
+            for layer, at in kv.items():
+                self.kv[layer].length = at
+            self.conv.clear()
+            self.conv.update(conv)
+            self.rec.clear()
+            self.rec.update(rec)
+
+        return rewind
 
     def wait_all(self) -> None:
         for layer in list(self.pending):

@@ -207,8 +207,7 @@ def test_every_split_a_gemv_may_run_with_gives_its_sums(mode):
             args = (x.to(dev), w.to(dev), 1, 64, ids.flatten().to(dev))
             kw, top_k, sums = {"top_k": 4}, 4, 1
             want = sum(x[j].float() @ ref[e].T for j, e in enumerate(ids[0].tolist()) if e >= 0)[None]
-    n = args[3]
-    blocks = -(-n // min(quant.GEMV_BLOCK_N, max(16, 1 << (n - 1).bit_length())))
+    blocks = -(-args[3] // quant.gemv_block_n(args[3]))
     splits = quant._splits(1024, quant.GEMV_CHUNK[quant.Q4_K], top_k, blocks * sums)
     assert splits[0] == top_k and len(splits) == 5  # 1024 columns: 1 .. 16 programs of 64 per assignment
     for split in splits:

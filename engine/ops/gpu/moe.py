@@ -91,13 +91,12 @@ def _down_kernel(A, W, IDS, RW, PART, OUT, COUNT, H, INTER, TOPK: tl.constexpr, 
         av = tl.load(A + slot * INTER + i).to(tl.float32)
         acc += tl.sum(tl.load(W + tl.maximum(expert, 0) * (H * INTER) + n[:, None] * INTER + i[None, :]).to(tl.float32) * av[None, :], 1)
     tl.store(PART + slot * H + n, acc * tl.load(RW + slot).to(tl.float32))
-    tl.debug_barrier()  # every thread's partials stored before the ticket (released at gpu scope)
     ticket = COUNT + token * tl.num_programs(1) + block
-    if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == TOPK - 1:
+    if quant.last_to_finish(ticket, TOPK):
         total = tl.zeros([BLOCK_N], tl.float32)
         for j in range(TOPK):
             total += tl.load(PART + (token * TOPK + j) * H + n, cache_modifier=".cg")
-        tl.atomic_xchg(ticket, 0)
+        tl.atomic_xchg(ticket, 0)  # for the next launch
         tl.store(OUT + token * H + n, total.to(OUT.dtype.element_ty))
 
 

@@ -426,19 +426,27 @@ def _gemv_kernel(
         tl.store(PART + (s * rows + m) * width + n, acc, mask=keep)
         if GLU:
             tl.store(PART + (s * rows + m) * width + N + n, acc_up, mask=keep)
-        tl.debug_barrier()  # every thread's partials stored before the ticket (released at gpu scope)
-        ticket = tl.atomic_add(COUNT + m * tl.num_programs(0) + pid, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT - 1:  # the last: sum every program's partials (from L2: .cg)
+        ticket = COUNT + m * tl.num_programs(0) + pid
+        if last_to_finish(ticket, SPLIT):  # sums every program's partials (from L2: .cg)
             acc = tl.zeros([BN], tl.float32)
             acc_up = tl.zeros([BN], tl.float32)
             for t in range(SPLIT):
                 acc += tl.load(PART + (t * rows + m) * width + n, mask=keep, other=0.0, cache_modifier=".cg")
                 if GLU:
                     acc_up += tl.load(PART + (t * rows + m) * width + N + n, mask=keep, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(COUNT + m * tl.num_programs(0) + pid, 0)
+            tl.atomic_xchg(ticket, 0)  # for the next launch
             _gemv_out(OUT, SCALE, acc, acc_up, m, n, N, keep, GLU)
     else:
         _gemv_out(OUT, SCALE, acc, acc_up, m, n, N, keep, GLU)
+
+
+@triton.jit
+def last_to_finish(ticket, programs):
+    """Called by each of `programs` programs after storing its partial results: whether it is the
+    last to do so (then every partial is visible to it; it resets `ticket` to zero when done).
+    The barrier orders the CTA's stores before the ticket, taken with acquire-release at GPU scope."""
+    tl.debug_barrier()
+    return tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == programs - 1
 
 
 @triton.jit
@@ -547,8 +555,7 @@ def _gemv(
     """`rows` output rows of `n` (`_gemv_kernel`), in one launch: K split over as many programs as
     `_split` chooses for this shape (or `split`, one of `_splits`), the split's sums taken by its
     last program."""
-    k = w.shape[-1]
-    bn, chunk = min(GEMV_BLOCK_N, max(16, triton.next_power_of_2(n))), GEMV_CHUNK[w.fmt]
+    k, bn, chunk = w.shape[-1], gemv_block_n(n), GEMV_CHUNK[w.fmt]
     blocks = triton.cdiv(n, bn)
     if blocks * rows > TICKETS:
         raise ValueError(f"GEMV of {rows} x {n} outputs: more than {TICKETS} sums")
@@ -572,6 +579,11 @@ def _gemv(
         raise ValueError(f"split {split} is not one of {splits}")
     launch(split)
     return out
+
+
+def gemv_block_n(n: int) -> int:
+    """Outputs per GEMV program for `n` outputs a row."""
+    return min(GEMV_BLOCK_N, max(16, triton.next_power_of_2(n)))
 
 
 def _splits(k: int, chunk: int, top_k: int, sums: int) -> list[int]:
