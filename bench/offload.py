@@ -37,6 +37,7 @@ from pathlib import Path
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/engine.py would shadow the `engine` package
 
+import msgspec  # noqa: E402
 import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
@@ -222,11 +223,11 @@ def q4_k_m_file(preset: str) -> Path:
 def replay(engine, args, budget: float) -> dict:
     """Each policy over `args.traces` on a fresh store, with this engine (adapters/replay.py)."""
     from adapters.replay import load_traces, run_policy, serve_in_thread  # noqa: PLC0415
-    from adapters.replay_report import summarize  # noqa: PLC0415
+    from adapters.replay_report import request_table, summarize  # noqa: PLC0415
     from gateway.runtime import ServeConfig  # noqa: PLC0415
 
     traces = load_traces([Path(p) for p in args.traces])
-    out = {}
+    out, runs = {}, []
     for policy in args.policies.split(","):
         config = ServeConfig(  # one live sequence: those kept after their answer hold KV outside the plan
             preset=args.preset,
@@ -239,6 +240,7 @@ def replay(engine, args, budget: float) -> dict:
         )
         with serve_in_thread(config, engine) as server:
             run = run_policy(server.url, policy, traces, args.limit, server.wait_idle, False, lambda: None)
+        runs.append(run)
         user = [r.client_ttft_ms for r in run.rows if r.index > 0 and not r.after_tool_result]
         summary = summarize(run)
         out[policy] = {
@@ -248,7 +250,14 @@ def replay(engine, args, budget: float) -> dict:
             "prefilled_tokens": summary.prefilled_tokens,
             "p50_ttft_ms": summary.p50_ttft_ms,
             "seconds": summary.seconds,
+            "requests": [msgspec.to_builtins(r) for r in run.rows],  # each with the server's phases
         }
+    console = Console(width=200)
+    console.print(request_table(runs))
+    for run in runs:  # where each request's time to first token went, by the server's phases
+        for r in run.rows:
+            phases = " ".join(f"{k} {v:,.0f}" for k, v in (r.server_timing or {}).items())
+            console.print(f"{run.policy} #{r.index} ({r.prefilled_tokens:,} prefilled): {phases}")
     return out
 
 

@@ -405,6 +405,7 @@ class Engine:
                     graphs()
 
                 offload.calibrate_workspace(calibrated)
+                offload.calibrate_stream(lambda n: self.prefill(self.new_state(), [1000 + i for i in range(n)]))
             # A first request's eager prefill: unaligned lengths split at captures (the aligned runs
             # above leave other kernel specialisations to it; a cold 2,800-token first request took
             # 1.2-1.9 s on the H200 after them, its later peers 0.1 s).

@@ -39,13 +39,16 @@ import torch
 import torch.nn.functional as F
 
 from engine.loader import dense
-from engine.ops.moe import DECODE_ROWS
 
 if TYPE_CHECKING:
     from engine.expert_stream import ExpertStream
     from engine.offload import OffloadStats
 
 Parts = tuple[torch.Tensor, ...]
+# token x expert assignments up to which a forward reads the experts it does not hold where they lie
+# (a decode step of up to 4 sequences, graph-captured): each assignment reads its expert over the link
+# (~21 GB/s on the H200), so beyond a few tokens fetching or streaming them costs less
+IN_PLACE_ROWS = 32
 HEAT_DECAY = 0.9  # per decode step: an expert's heat is its uses, the older ones worth less
 # uses by which a newcomer must be hotter than the expert it displaces: under routing without
 # locality (random weights) a swap is a copy no later step repays, so a newcomer needs ~3 recent uses
@@ -203,7 +206,7 @@ class ExpertCache:
             return moe_experts(x, weights, self.slot_table[ids], *self.weights)
         if self.stream is not None and self.stream.active:
             return self.stream.run(self, x, weights, ids, moe_experts)
-        if self.mapped_weights is not None and ids.numel() <= DECODE_ROWS:
+        if self.mapped_weights is not None and ids.numel() <= IN_PLACE_ROWS:
             return self.run_mapped(x, weights, ids, moe_experts)
         if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             raise RuntimeError(

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import os
 import time
@@ -56,13 +57,13 @@ import numpy as np
 import torch
 
 from engine.config import ModelConfig
-from engine.expert_cache import ExpertCache, Lane, Parts, host_experts
+from engine.expert_cache import IN_PLACE_ROWS, ExpertCache, Lane, Parts, host_experts
 from engine.expert_stream import ExpertStream, stream_bytes
-from engine.ops.moe import DECODE_ROWS
 
 if TYPE_CHECKING:
     from engine.model import DecoderLayer, HybridForCausalLM
 
+log = logging.getLogger(__name__)
 GiB = 1 << 30
 EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 SWAPS_PER_STEP = 1  # experts a layer may copy into its slots after each decode step (mapped)
@@ -167,7 +168,7 @@ def plan(
     expert = expert_bytes or 3 * c.moe_intermediate_size * c.hidden_size * size
     states = state_bytes(c, dtype, sequences, capacity)
     # and the rows a decode step of `sequences` gathers the experts it reads from host memory into
-    rows = min(DECODE_ROWS, max(sequences, 1) * c.num_experts_per_tok)
+    rows = min(IN_PLACE_ROWS, max(sequences, 1) * c.num_experts_per_tok)
     workspace = workspace_bytes(c, dtype, tokens, max(sequences, 1)) + rows * expert
     if budget < dense:
         raise BudgetError(
@@ -254,6 +255,21 @@ class Policy:
         if c.num_experts_per_tok >= c.num_experts:
             return 1
         return math.ceil(math.log(1 - share) / math.log(1 - c.num_experts_per_tok / c.num_experts))
+
+    @staticmethod
+    def coverage(c: ModelConfig, tokens: int) -> float:
+        """The share of a layer's experts a chunk of `tokens` tokens routes to (uniform routing)."""
+        return 1 - (1 - min(c.num_experts_per_tok / c.num_experts, 1.0)) ** tokens
+
+    def crossover(self, c: ModelConfig, tokens: int, fetched_s: float, streamed_s: float) -> Policy:
+        """This policy with `stream_tokens` where fetching a chunk's routed experts (`fetched_s`
+        measured on `tokens` tokens, taken to grow with the share of experts routed to) costs as
+        much as streaming them all (`streamed_s`, which the link bounds whatever the length);
+        never below the chunks that read in place (`IN_PLACE_ROWS`), never above `coverage_tokens`."""
+        low, high = IN_PLACE_ROWS // c.num_experts_per_tok + 1, self.coverage_tokens(c)
+        share = self.coverage(c, tokens) * streamed_s / max(fetched_s, 1e-9)  # where the two meet
+        at = high if share >= self.coverage(c, high) else self.coverage_tokens(c, share) if share > 0 else low
+        return dataclasses.replace(self, stream_tokens=min(max(at, low), high))
 
     @classmethod
     def measured(cls, c: ModelConfig, link: Link, expert_bytes: int) -> Policy:
@@ -365,6 +381,33 @@ class ExpertOffload:
         first = self.caches[min(self.caches)]
         self.link = measure_link(first)
         self.policy = Policy.measured(self.config, self.link, first.expert_bytes)
+        return self.policy
+
+    def calibrate_stream(self, prefill: Callable[[int], None], tokens: int = 24) -> Policy:
+        """Where a chunk stops fetching the experts it routes to and streams them all instead
+        (`Policy.crossover`), from one `tokens`-token `prefill` timed each way, each after an
+        untimed run (kernel specialisations, host threads: a first short request paid 2-3 s for
+        them on the H200). The estimate from the link's figures alone put the crossover at 73
+        tokens at 8 GiB; measured there, 21 routed tokens took 0.94 s fetched and any chunk
+        0.33-0.47 s streamed."""
+        if self.holds_all:
+            return self.policy
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else lambda _: None
+
+        def timed(stream_tokens: int) -> float:
+            self.policy = dataclasses.replace(measured, stream_tokens=stream_tokens)
+            prefill(tokens)  # untimed: what a first run of this path compiles or starts
+            sync(self.device)
+            start = time.perf_counter()
+            prefill(tokens)
+            sync(self.device)
+            return time.perf_counter() - start
+
+        measured = self.policy
+        fetched, streamed = timed(tokens + 1), timed(tokens)
+        self.policy = measured.crossover(self.config, tokens, fetched, streamed)
+        log.info("a %d-token chunk: %.0f ms fetching its experts, %.0f ms streaming them all: chunks of %d "
+                 "tokens or more stream", tokens, fetched * 1e3, streamed * 1e3, self.policy.stream_tokens)
         return self.policy
 
     @contextlib.contextmanager

@@ -407,14 +407,15 @@ def test_grouped_experts_of_a_streamed_piece_skip_the_absent_assignments():
     """bf16 prefill experts (torch's grouped GEMMs) with ids at -1 (routed outside the streamed
     piece): those rows add nothing (`partial`), the others as the reference loop."""
     from engine.ops.gpu.moe import experts_grouped  # noqa: PLC0415
-    from engine.ops.moe import experts_loop  # noqa: PLC0415
+    from engine.ops.moe import DECODE_ROWS, experts_loop  # noqa: PLC0415
 
     gen = torch.Generator().manual_seed(6)
-    x = torch.randn(40, 256, generator=gen).to(torch.bfloat16).cuda()
+    tokens = DECODE_ROWS // 2 + 20  # 2 assignments each: past the decode kernels, the grouped path
+    x = torch.randn(tokens, 256, generator=gen).to(torch.bfloat16).cuda()
     gate_up = (torch.randn(5, 512, 256, generator=gen) / 16).to(torch.bfloat16).cuda()
     down = (torch.randn(5, 256, 256, generator=gen) / 16).to(torch.bfloat16).cuda()
-    ids = torch.randint(-1, 5, (40, 2), generator=gen).cuda()  # 80 assignments: the grouped path
-    weights = torch.rand(40, 2, generator=gen).to(torch.bfloat16).cuda()
+    ids = torch.randint(-1, 5, (tokens, 2), generator=gen).cuda()
+    weights = torch.rand(tokens, 2, generator=gen).to(torch.bfloat16).cuda()
     got = experts_grouped(x, weights, ids, gate_up, down, partial=True)
     want = experts_loop(x.float(), weights.float(), ids, gate_up.float(), down.float())
     torch.testing.assert_close(got.float(), want, rtol=2**-6, atol=2**-6)

@@ -59,6 +59,38 @@ def test_policy_from_the_link():
     assert policy.costs == ((6 << 20) / 50e9, 1e-3, 1e-4) and policy.stream_tokens == 73
 
 
+def test_stream_threshold_where_fetching_costs_as_much_as_streaming():
+    """Fetching a 24-token chunk's experts (54% of a layer's) took 0.94 s and streaming them all
+    0.35 s: fetching costs as much as the stream at 7 tokens (20% of the experts). Never below what
+    a decode step of 4 sequences reads in place (5 tokens), never above 90% coverage (73)."""
+    c = ModelConfig.from_dict(preset_config("qwen3.6-35b-a3b"))
+    policy = Policy(Policy.coverage_tokens(c))
+    assert policy.crossover(c, 24, 0.94, 0.35).stream_tokens == 7
+    assert policy.crossover(c, 24, 0.35, 0.35).stream_tokens == 24
+    assert policy.crossover(c, 24, 0.2, 0.35).stream_tokens == 73  # fetching cheaper up to 90% coverage
+    assert policy.crossover(c, 24, 5.0, 0.35).stream_tokens == 5
+    assert policy.crossover(c, 24, 0.94, 0.35).costs == policy.costs
+
+
+def test_the_stream_threshold_measured_both_ways(preset_dirs, tiny):
+    """`calibrate_stream` runs the chunk fetched then streamed, twice each (the first untimed)."""
+    engine = _load(preset_dirs, tiny, slots=2)
+    offload = engine.offload
+    assert offload is not None and offload.stream is not None
+    began, streamed = [], []
+    begin = offload.stream.begin
+    offload.stream.begin = lambda: (began.append(1), begin())[1]
+
+    def prefill(n: int) -> None:
+        before = len(began)
+        engine.prefill(engine.new_state(), _prompt(n, 3))
+        streamed.append(len(began) > before)
+
+    policy = offload.calibrate_stream(prefill, tokens=6)
+    assert streamed == [False, False, True, True]
+    assert policy is offload.policy and policy.stream_tokens <= Policy.coverage_tokens(offload.config)
+
+
 def test_host_and_copies_balanced():
     """Misses go to the host, fewest rows first, while the host's total stays within the time of
     the copies left: here copies of 1 s, the host 2 s an expert and 0.5 s a further row."""
