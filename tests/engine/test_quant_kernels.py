@@ -229,11 +229,6 @@ def test_the_untimed_split_fills_the_gpu_with_1024_programs():
     assert quant._heuristic_split([1, 2, 4], 7760) == 1
 
 
-def test_a_gemv_program_loads_up_to_four_chunks_at_once():
-    """The chunks a program takes a step: the largest power of two up to four dividing its own."""
-    assert [quant.gemv_unroll(c) for c in (1, 2, 3, 4, 6, 8, 16)] == [1, 2, 1, 4, 2, 4, 4]
-
-
 @in_this_process
 def test_gather_copies_each_staged_row_from_its_expert_and_skips_absent_ones():
     """The staging gather (engine/ops/gpu/gather.py) equals `gather_rows`: the parts of a Q4_K

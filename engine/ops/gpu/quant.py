@@ -54,9 +54,6 @@ FP8_ROWS = 128  # rows per FP8 scale block
 # Triton's interpreter (the CPU tests) runs one program after another, at a fixed cost each: there
 # the GEMV kernel runs with wider row blocks (a [248320, H] lm_head in 31 programs, not 7760).
 GEMV_BLOCK_N = 8192 if os.environ.get("TRITON_INTERPRET") == "1" else 32
-# chunks of K a GEMV program loads at once (`gemv_unroll`); `FT_GEMV_UNROLL=1`: one at a time, as before
-# (bench/h200_session.sh `q4-unroll` measures decode both ways)
-GEMV_UNROLL = int(os.environ.get("FT_GEMV_UNROLL", "4"))
 
 
 class QuantWeight(nn.Module):
@@ -392,12 +389,11 @@ def _dot(X, P0, P1, P2, P3, row, xm, k0, N, K, FMT: tl.constexpr):
 @triton.jit
 def _gemv_kernel(
     X, P0, P1, P2, P3, PART, OUT, COUNT, EXPERT, SCALE, N, K, K_SPLIT, SPLIT,
-    FMT: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr, UNROLL: tl.constexpr,
+    FMT: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
     GROUPED: tl.constexpr, X_PER: tl.constexpr, TOPK: tl.constexpr, GLU: tl.constexpr,
 ):  # fmt: skip
     """Program (n-block, split s, output row m): BN outputs of row m over one range of K_SPLIT
-    columns, a format-sized chunk at a time (each block's scales loaded once), UNROLL chunks a
-    step (independent loads in flight together: a chunk is ~1 KB a program), summed over the
+    columns, a format-sized chunk at a time (each block's scales loaded once), summed over the
     SPLIT programs of (n-block, m) by the last of them to finish (`COUNT`: one ticket per
     (m, n-block), left at zero for the next launch; fp32 partials in PART [SPLIT, M, N or 2N]).
 
@@ -419,11 +415,10 @@ def _gemv_kernel(
     xm = a // X_PER
     acc = tl.zeros([BN], tl.float32)
     acc_up = tl.zeros([BN], tl.float32)
-    for k0 in range(start, end, CHUNK * UNROLL):
-        for u in tl.static_range(UNROLL):
-            acc += _dot(X, P0, P1, P2, P3, row, xm, k0 + u * CHUNK, N, K, FMT)
-            if GLU:
-                acc_up += _dot(X, P0, P1, P2, P3, row + N, xm, k0 + u * CHUNK, N, K, FMT)
+    for k0 in range(start, end, CHUNK):
+        acc += _dot(X, P0, P1, P2, P3, row, xm, k0, N, K, FMT)
+        if GLU:
+            acc_up += _dot(X, P0, P1, P2, P3, row + N, xm, k0, N, K, FMT)
     keep = n < N
     if SPLIT > 1:
         width = 2 * N if GLU else N
@@ -572,11 +567,9 @@ def _gemv(
 
     def launch(split: int) -> None:
         part = torch.empty(split, rows, 2 * n if glu else n, dtype=torch.float32, device=x.device) if split > 1 else x
-        k_split = k // (split // top_k)
         _gemv_kernel[(blocks, split, rows)](
-            x, *_padded(w), part, out, counters, ids, scale if glu else x, n, k, k_split, split,
-            FMT=w.fmt, BN=bn, CHUNK=chunk, UNROLL=gemv_unroll(k_split // chunk), GROUPED=experts is not None,
-            X_PER=x_per, TOPK=top_k, GLU=glu,
+            x, *_padded(w), part, out, counters, ids, scale if glu else x, n, k, k // (split // top_k), split,
+            FMT=w.fmt, BN=bn, CHUNK=chunk, GROUPED=experts is not None, X_PER=x_per, TOPK=top_k, GLU=glu,
         )  # fmt: skip
 
     if split is None:
@@ -586,15 +579,6 @@ def _gemv(
         raise ValueError(f"split {split} is not one of {splits}")
     launch(split)
     return out
-
-
-def gemv_unroll(chunks: int) -> int:
-    """Chunks of K a GEMV program takes a step, of the `chunks` it walks: the largest power of two
-    up to GEMV_UNROLL that divides them."""
-    unroll = 1
-    while unroll < GEMV_UNROLL and chunks % (2 * unroll) == 0:
-        unroll *= 2
-    return unroll
 
 
 def gemv_block_n(n: int) -> int:
