@@ -263,6 +263,7 @@ class Engine:
         log.warning("a prefill forward of %d tokens ran out of device memory: run again with fewer expert slots", len(ids))
         for rewind in rewinds:
             rewind()
+        self.offload.stats.tokens["prefill"] -= len(ids)  # counted again by the retry (its copies stand)
         self.offload.give_up_slots("a prefill forward that ran out of device memory")
         with self._phase("prefill", len(ids)):
             return self.model(ids, spans, self.kernels, keep=self._to_host)

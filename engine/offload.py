@@ -6,8 +6,10 @@ decode slots of the running sequences and a forward's workspace are placed first
 rest becomes `slots` expert slots per MoE layer, each layer's `ExpertCache` (engine/expert_cache.py)
 with every expert in pinned host memory. Experts run on the slots, copied in on a side stream.
 
-What a forward does with the link (`Policy`, chosen per forward by its token count):
-- A chunk of at least `stream_tokens` tokens routes to nearly every expert of every layer. Where
+What a forward does with the link (`Policy`, chosen per forward by its token count; `stream_tokens`
+starts where a chunk routes to 90% of the experts and, on a GPU, warm-up moves it to where fetching a
+chunk's experts was measured to cost as much as streaming them all, `calibrate_stream`):
+- A chunk of at least `stream_tokens` tokens routes to most experts of every layer. Where
   fewer than half a layer's experts have slots, the plan sets aside a few buffers and such a chunk
   streams every layer's experts whole, in pieces of consecutive experts, whatever the routing
   (`ExpertStream`, engine/expert_stream.py): one copy per part at the link's rate, no host sync;

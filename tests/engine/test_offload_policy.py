@@ -303,9 +303,11 @@ def test_a_prefill_forward_out_of_device_memory_is_undone_and_run_again(preset_d
         return type(last).forward(last, *args, **kwargs)
 
     last.forward = failing
+    counted = engine.offload.stats.tokens["prefill"]
     got = engine.prefill(state, tokens[40:], capture_at=[60, 80])
     want = tiny.prefill(plain, tokens[40:], capture_at=[60, 80])
     assert calls == [0, 1] and engine.offload.plan.slots == 7 and state.length == plain.length == 120
+    assert engine.offload.stats.tokens["prefill"] == counted + 80  # the undone forward's tokens once
     torch.testing.assert_close(got.logits, want.logits, rtol=TOL, atol=TOL)
     for a, b in zip(got.snapshots, want.snapshots, strict=True):
         assert a.tensors.keys() == b.tensors.keys()
