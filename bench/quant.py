@@ -261,13 +261,18 @@ def decode_tuned(eng, args) -> list[dict]:
     finally:
         quant.TUNE = False
         chosen = {str(key[1:]): split for key, split in quant._SPLITS.items()}
+        timed = [{"shape": str(key[1:]), "split": quant._SPLITS[key], "us": us, "bytes": read}
+                 for key, (us, read) in quant.GEMV_TIMES.items()]  # fmt: skip
         quant._SPLITS.clear()
         quant._SPLITS.update(before)
+        quant.GEMV_TIMES.clear()
         eng.runner.drop_graphs()
     for d in rows:
         print(f"decode B={d['batch']} with timed GEMV splits: {d['tok_s']:.1f} tok/s", flush=True)
-    print(f"GEMV splits chosen: {chosen}", flush=True)
-    return [{**d, "splits": chosen} for d in rows]
+    print("GEMV shapes (fmt, rows, n, k, top_k, glu, grouped), slowest first: split, us a launch, MB read, GB/s")
+    for t in sorted(timed, key=lambda t: -t["us"]):
+        print(f"  {t['shape']:<42} {t['split']:>3} {t['us']:8.1f} {t['bytes'] / 1e6:8.2f} {t['bytes'] / t['us'] / 1e3:8.0f}")
+    return [{**d, "splits": chosen, "gemv_times": timed} for d in rows]
 
 
 def profile_generate(eng, prompt: list[int], name: str, steps: int = 8) -> dict:

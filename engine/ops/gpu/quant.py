@@ -535,6 +535,8 @@ MAX_PROGRAMS = 1 << 15  # a GEMV's programs at most, whatever its split
 TUNE_REPEATS = 20  # launches timed per candidate split
 TUNE = os.environ.get("FT_GEMV_TUNE") == "1"  # time each GEMV shape's splits (`_split`); off: the heuristic's
 _SPLITS: dict[tuple, int] = {}  # the split each GEMV shape runs fastest with (`_split`)
+# with TUNE, per GEMV shape: (microseconds a launch with its chosen split, weight bytes it reads)
+GEMV_TIMES: dict[tuple, tuple[float, int]] = {}
 
 
 def tickets(device: torch.device) -> torch.Tensor:
@@ -574,7 +576,8 @@ def _gemv(
 
     if split is None:
         key = (x.device, w.fmt, rows, n, k, top_k, glu, experts is not None)
-        split = _split(key, splits, _heuristic_split(splits, blocks * rows), launch)
+        read = w.nbytes * (2 if glu else 1) * n * (experts.numel() if experts is not None else 1) // math.prod(w.shape[:-1])
+        split = _split(key, splits, _heuristic_split(splits, blocks * rows), launch, read)
     elif split not in splits:
         raise ValueError(f"split {split} is not one of {splits}")
     launch(split)
@@ -602,17 +605,19 @@ def _heuristic_split(splits: list[int], sums: int) -> int:
     return next((s for s in splits if sums * s >= 1024), splits[-1])
 
 
-def _split(key: tuple, splits: list[int], default: int, launch) -> int:
+def _split(key: tuple, splits: list[int], default: int, launch, read: int) -> int:
     """The split this GEMV shape runs with: with TUNE (FT_GEMV_TUNE=1), the fastest of `splits`,
     timed once per shape on a GPU outside graph capture (`_time_split`: decode's graphs are
-    captured after an eager forward, which times them); else, and under capture, `default`."""
+    captured after an eager forward, which times them; its time and the `read` weight bytes kept
+    in GEMV_TIMES); else, and under capture, `default`."""
     if key in _SPLITS:
         return _SPLITS[key]
-    if not TUNE or key[0].type != "cuda" or len(splits) == 1 or torch.cuda.is_current_stream_capturing():
+    if not TUNE or key[0].type != "cuda" or torch.cuda.is_current_stream_capturing():
         return default
     try:
         times = {split: _time_split(launch, split) for split in splits}
         _SPLITS[key] = min(splits, key=lambda s: (times[s], s != default))
+        GEMV_TIMES[key] = (times[_SPLITS[key]] * 1e3 / TUNE_REPEATS, read)
     except torch.OutOfMemoryError:
         raise
     except RuntimeError as exc:  # not a verdict on the kernel: the heuristic's split from now on
