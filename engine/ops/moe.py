@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 # token x expert assignments up to which the GPU's decode kernels run (one program per assignment, GEMV-
-# like); beyond, the grouped GEMMs. On the H200 (e64 bf16, 8K context) the decode kernels at 128 took a
+# like); beyond, the grouped GEMMs. On the H200 (256 experts, bf16, 8K context) the decode kernels at 128 took a
 # batch-8 step in 7.50 ms against the grouped path's 11.70, batch 16 in 11.11 against 16.26
 # (`bash bench/h200_session.sh start rows`: `FT_DECODE_ROWS` moves the threshold)
 DECODE_ROWS = int(os.environ.get("FT_DECODE_ROWS", "128"))
