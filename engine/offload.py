@@ -386,7 +386,8 @@ class ExpertOffload:
         return self.policy
 
     def calibrate_stream(self, prefill: Callable[[int], None], tokens: int = 24) -> Policy:
-        """Where a chunk stops fetching the experts it routes to and streams them all instead
+        """Where a chunk stops fetching the experts it routes to and takes the long chunks' path
+        instead (the stream; where half a layer's experts have slots, prefetching the next layer's)
         (`Policy.crossover`), from one `tokens`-token `prefill` timed each way, each after an
         untimed run (kernel specialisations, host threads: a first short request paid 2-3 s for
         them on the H200). The estimate from the link's figures alone put the crossover at 73
