@@ -8,7 +8,9 @@ variants offline before a lease measures the promising ones.
 Per mode (a dense projection; MoE decode's up with SiLU and routing weight, `glu`; its down summing a
 token's experts, `topk`) and format: registers a thread, and the warps an SM keeps resident
 (65,536 registers, at most 64 warps): what hides the latency of each program's dependent loads.
-Session 10: at the launch's 4 warps and 32 rows a program, 96-255 registers, 8-20 warps an SM.
+Session 10, at the launch's 4 warps and 32 rows a program: 64-255 registers, 8-32 warps an SM; MoE
+decode's up over Q4_K 254 (8 a weight in flight, 8 warps). With each block's scales applied to its
+column sums instead of to every weight: 64-255, Q4_K's up 128 (16 warps), Q6_K's dense 168 -> 128.
 """
 
 from __future__ import annotations

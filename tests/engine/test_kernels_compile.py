@@ -23,7 +23,9 @@ GEMV = {
 PARTS = {  # the field arrays' types per format (quant.FIELDS)
     quant.Q8_0: ("*i8", "*fp16", "*i8", "*i8"),
     quant.Q4_K: ("*u8", "*u8", "*u8", "*fp16"),
+    quant.Q5_K: ("*u8", "*u8", "*u8", "*fp16"),
     quant.Q6_K: ("*u8", "*u8", "*i8", "*fp16"),
+    quant.FP8: ("*fp8e4nv", "*fp32", "*fp8e4nv", "*fp8e4nv"),
 }
 
 

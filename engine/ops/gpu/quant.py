@@ -300,11 +300,12 @@ def _dot_q4_k(X, P0, P1, P2, P3, row, m, k0, K):
     mn0, mn1 = tl.load(P2 + sub).to(tl.float32), tl.load(P2 + sub + 1).to(tl.float32)
     d = tl.load(P3 + (row * (K // 256) + k0 // 256) * 2).to(tl.float32)
     dmin = tl.load(P3 + (row * (K // 256) + k0 // 256) * 2 + 1).to(tl.float32)
-    lo = (d * sc0)[:, None] * (byte & 0x0F).to(tl.float32) - (dmin * mn0)[:, None]
-    hi = (d * sc1)[:, None] * (byte >> 4).to(tl.float32) - (dmin * mn1)[:, None]
     x_lo = tl.load(X + m * K + k0 + col).to(tl.float32)
     x_hi = tl.load(X + m * K + k0 + 32 + col).to(tl.float32)
-    return tl.sum(lo * x_lo[None, :], 1) + tl.sum(hi * x_hi[None, :], 1)
+    # sum_c (d sc q_c - dmin mn) x_c = d sc (sum_c q_c x_c) - dmin mn (sum_c x_c): the scales per row, not per weight
+    q_lo = tl.sum((byte & 0x0F).to(tl.float32) * x_lo[None, :], 1)
+    q_hi = tl.sum((byte >> 4).to(tl.float32) * x_hi[None, :], 1)
+    return d * (sc0 * q_lo + sc1 * q_hi) - dmin * (mn0 * tl.sum(x_lo, 0) + mn1 * tl.sum(x_hi, 0))
 
 
 @triton.jit
@@ -320,13 +321,11 @@ def _dot_q5_k(X, P0, P1, P2, P3, row, m, k0, K):
     mn0, mn1 = tl.load(P2 + sub + 1).to(tl.float32), tl.load(P2 + sub + 3).to(tl.float32)
     d = tl.load(P3 + (row * (K // 256) + k0 // 256) * 2).to(tl.float32)
     dmin = tl.load(P3 + (row * (K // 256) + k0 // 256) * 2 + 1).to(tl.float32)
-    q_lo = ((byte & 0x0F) | (((qh >> j) & 1) << 4)).to(tl.float32)
-    q_hi = ((byte >> 4) | (((qh >> (j + 1)) & 1) << 4)).to(tl.float32)
-    lo = (d * sc0)[:, None] * q_lo - (dmin * mn0)[:, None]
-    hi = (d * sc1)[:, None] * q_hi - (dmin * mn1)[:, None]
     x_lo = tl.load(X + m * K + k0 + col).to(tl.float32)
     x_hi = tl.load(X + m * K + k0 + 32 + col).to(tl.float32)
-    return tl.sum(lo * x_lo[None, :], 1) + tl.sum(hi * x_hi[None, :], 1)
+    q_lo = tl.sum(((byte & 0x0F) | (((qh >> j) & 1) << 4)).to(tl.float32) * x_lo[None, :], 1)
+    q_hi = tl.sum(((byte >> 4) | (((qh >> (j + 1)) & 1) << 4)).to(tl.float32) * x_hi[None, :], 1)
+    return d * (sc0 * q_lo + sc1 * q_hi) - dmin * (mn0 * tl.sum(x_lo, 0) + mn1 * tl.sum(x_hi, 0))  # as Q4_K
 
 
 @triton.jit
@@ -338,17 +337,17 @@ def _dot_q6_k(X, P0, P1, P2, P3, row, m, k0, K):
     ql = P0 + row[:, None] * (K // 2) + half * 64 + col[None, :]
     ql_a, ql_b = tl.load(ql), tl.load(ql + 32)
     qh = tl.load(P1 + row[:, None] * (K // 4) + half * 32 + col[None, :])
-    d = tl.load(P3 + row * (K // 256) + k0 // 256).to(tl.float32)[:, None]
     second = (col >= 16)[None, :]
     acc = tl.zeros([ql_a.shape[0]], tl.float32)
-    for j in tl.static_range(4):
+    for j in tl.static_range(4):  # the scale per row and 16 columns applied to their sums, not per weight
         low = (ql_a if j % 2 == 0 else ql_b) >> (4 * (j // 2))
         q = (((low & 0x0F) | (((qh >> (2 * j)) & 3) << 4)).to(tl.int32) - 32).to(tl.float32)
-        sc_idx = row * (K // 16) + k0 // 16 + 2 * j
-        sc = tl.where(second, tl.load(P2 + sc_idx + 1)[:, None], tl.load(P2 + sc_idx)[:, None]).to(tl.float32)
         x = tl.load(X + m * K + k0 + j * 32 + col).to(tl.float32)
-        acc += tl.sum(((d * sc) * q) * x[None, :], 1)
-    return acc
+        qx = q * x[None, :]
+        sc_idx = row * (K // 16) + k0 // 16 + 2 * j
+        acc += tl.load(P2 + sc_idx).to(tl.float32) * tl.sum(tl.where(second, 0.0, qx), 1)
+        acc += tl.load(P2 + sc_idx + 1).to(tl.float32) * tl.sum(tl.where(second, qx, 0.0), 1)
+    return tl.load(P3 + row * (K // 256) + k0 // 256).to(tl.float32) * acc
 
 
 @triton.jit
@@ -358,7 +357,7 @@ def _dot_q8_0(X, P0, P1, row, m, k0, K):
     q = tl.load(P0 + row[:, None] * K + k0 + col[None, :]).to(tl.float32)
     d = tl.load(P1 + row * (K // 32) + k0 // 32).to(tl.float32)
     x = tl.load(X + m * K + k0 + col).to(tl.float32)
-    return tl.sum((q * d[:, None]) * x[None, :], 1)
+    return d * tl.sum(q * x[None, :], 1)
 
 
 @triton.jit
@@ -368,7 +367,7 @@ def _dot_fp8(X, P0, P1, row, m, k0, N, K):
     w = tl.load(P0 + row[:, None] * K + k0 + col[None, :]).to(tl.float32)
     s = tl.load(P1 + (row // 128) * ((K + 127) // 128) + k0 // 128)
     x = tl.load(X + m * K + k0 + col).to(tl.float32)
-    return tl.sum((w * s[:, None]) * x[None, :], 1)
+    return s * tl.sum(w * x[None, :], 1)
 
 
 @triton.jit
