@@ -85,11 +85,12 @@ def _down_kernel(A, W, IDS, RW, PART, OUT, COUNT, H, INTER, TOPK: tl.constexpr, 
     n = block * BLOCK_N + tl.arange(0, BLOCK_N)
     slot = token * TOPK + tl.program_id(2)
     expert = tl.load(IDS + slot).to(tl.int64)
+    w = W + tl.maximum(expert, 0) * (H * INTER)  # the expert's base: offsets within it fit 32 bits
     acc = tl.zeros([BLOCK_N], tl.float32)
     for i0 in range(0, tl.where(expert >= 0, INTER, 0), BLOCK_I):
         i = i0 + tl.arange(0, BLOCK_I)
         av = tl.load(A + slot * INTER + i).to(tl.float32)
-        acc += tl.sum(tl.load(W + tl.maximum(expert, 0) * (H * INTER) + n[:, None] * INTER + i[None, :]).to(tl.float32) * av[None, :], 1)
+        acc += tl.sum(tl.load(w + (n[:, None] * INTER + i[None, :])).to(tl.float32) * av[None, :], 1)
     tl.store(PART + slot * H + n, acc * tl.load(RW + slot).to(tl.float32))
     ticket = COUNT + token * tl.num_programs(1) + block
     if quant.last_to_finish(ticket, TOPK):
