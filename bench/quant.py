@@ -278,10 +278,10 @@ def decode_tuned(eng, args) -> list[dict]:
 def profile_generate(eng, prompt: list[int], name: str, steps: int = 8) -> dict:
     """`steps` greedy decode steps under torch's profiler (bench/offload.py's `profiled`)."""
     from bench.offload import profiled, show_profile  # noqa: PLC0415
+    from bench.timeline import decoding  # noqa: PLC0415
     from engine import SamplingParams  # noqa: PLC0415
 
-    state = eng.new_state()
-    logits = eng.decode(state, int(eng.prefill(state, prompt).logits.argmax()))  # the graph captured
+    state, logits = decoding(eng, prompt)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 1)
     out = profiled(lambda: list(eng.generate(state, logits, params)), "cuda", steps, top=20)
     show_profile(f"{name}: decode", out, "cuda")

@@ -81,14 +81,19 @@ def show(name: str, summary: dict) -> None:
     print(f"{name}, per token: " + ", ".join(f"{k} {v:.2f}" for k, v in summary.items()), flush=True)
 
 
+def decoding(engine, prompt: list[int]):
+    """A state after a prefill of `prompt` and one greedy decode step (the graph captured, the
+    caches warm), and that step's logits."""
+    state = engine.new_state()
+    return state, engine.decode(state, int(engine.prefill(state, prompt).logits.argmax()))
+
+
 def decode_timeline(engine, prompt: list[int], steps: int = 16) -> dict:
-    """`steps` greedy decode steps after a prefill of `prompt`, under `DecodeTimeline` (one step
-    before it: the graph captured, the caches warm); its summary per token."""
+    """`steps` greedy decode steps after `decoding(prompt)`, under `DecodeTimeline`; its summary
+    per token."""
     from engine import SamplingParams  # noqa: PLC0415
 
-    state = engine.new_state()
-    logits = engine.prefill(state, prompt).logits
-    logits = engine.decode(state, int(logits.argmax()))
+    state, logits = decoding(engine, prompt)
     with DecodeTimeline() as timeline:
         list(engine.generate(state, logits, SamplingParams(temperature=0.0, max_tokens=steps + 1)))
     return timeline.summary(steps)

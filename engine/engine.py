@@ -252,10 +252,13 @@ class Engine:
         """The model's forward over the spans. Under a memory budget, a forward that runs out of
         device memory is undone (every sequence back where it was: `SequenceState.rewinder`) and
         run once more with an eighth fewer expert slots; a second failure is raised."""
-        rewinds = [span.state.rewinder() for span in spans] if self.offload is not None else []
-        try:
+        def forward() -> tuple[torch.Tensor, list[list[dict]]]:
             with self._phase("prefill", len(ids)):
                 return self.model(ids, spans, self.kernels, keep=self._to_host)
+
+        rewinds = [span.state.rewinder() for span in spans] if self.offload is not None else []
+        try:
+            return forward()
         except torch.OutOfMemoryError:
             if self.offload is None:
                 raise
@@ -263,10 +266,8 @@ class Engine:
         log.warning("a prefill forward of %d tokens ran out of device memory: run again with fewer expert slots", len(ids))
         for rewind in rewinds:
             rewind()
-        self.offload.stats.tokens["prefill"] -= len(ids)  # counted again by the retry (its copies stand)
         self.offload.give_up_slots("a prefill forward that ran out of device memory")
-        with self._phase("prefill", len(ids)):
-            return self.model(ids, spans, self.kernels, keep=self._to_host)
+        return forward()
 
     def _fits_slot(self, feed: Feed, count: int, limit: int) -> bool:
         """Whether the feed's last `count` tokens can run as captured slot prefills: at most `limit`

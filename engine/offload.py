@@ -418,8 +418,6 @@ class ExpertOffload:
         """One forward of `tokens` tokens under `name` ("prefill" or "decode"): its copies are
         counted there, and the policy set for its token count (see the module docstring)."""
         self.stats.phase = name
-        self.stats.tokens[name] += tokens
-        self.stats.forwards[name] += 1
         long = tokens >= self.policy.stream_tokens and not self.holds_all
         whole = long and self.stream is not None  # every layer's experts streamed (`ExpertStream`)
         for cache in self.caches.values():
@@ -433,6 +431,8 @@ class ExpertOffload:
             first.prefetch(first.slots // 2)  # overlaps the embedding and the first layer's attention
         try:
             yield
+            self.stats.tokens[name] += tokens  # once it completed: a forward undone and run again counts once
+            self.stats.forwards[name] += 1
         finally:
             if self.stream is not None:
                 self.stream.end()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable
 
 import torch
 import triton
@@ -575,7 +576,10 @@ def _gemv(
 
     if split is None:
         key = (x.device, w.fmt, rows, n, k, top_k, glu, experts is not None)
-        read = w.nbytes * (2 if glu else 1) * n * (experts.numel() if experts is not None else 1) // math.prod(w.shape[:-1])
+        def read() -> int:  # the weight bytes a launch reads (for the timings only)
+            assigned = experts.numel() if experts is not None else 1
+            return w.nbytes * (2 if glu else 1) * n * assigned // math.prod(w.shape[:-1])
+
         split = _split(key, splits, _heuristic_split(splits, blocks * rows), launch, read)
     elif split not in splits:
         raise ValueError(f"split {split} is not one of {splits}")
@@ -604,7 +608,7 @@ def _heuristic_split(splits: list[int], sums: int) -> int:
     return next((s for s in splits if sums * s >= 1024), splits[-1])
 
 
-def _split(key: tuple, splits: list[int], default: int, launch, read: int) -> int:
+def _split(key: tuple, splits: list[int], default: int, launch, read: Callable[[], int]) -> int:
     """The split this GEMV shape runs with: with TUNE (FT_GEMV_TUNE=1), the fastest of `splits`,
     timed once per shape on a GPU outside graph capture (`_time_split`: decode's graphs are
     captured after an eager forward, which times them; its time and the `read` weight bytes kept
@@ -616,7 +620,7 @@ def _split(key: tuple, splits: list[int], default: int, launch, read: int) -> in
     try:
         times = {split: _time_split(launch, split) for split in splits}
         _SPLITS[key] = min(splits, key=lambda s: (times[s], s != default))
-        GEMV_TIMES[key] = (times[_SPLITS[key]] * 1e3 / TUNE_REPEATS, read)
+        GEMV_TIMES[key] = (times[_SPLITS[key]] * 1e3 / TUNE_REPEATS, read())
     except torch.OutOfMemoryError:
         raise
     except RuntimeError as exc:  # not a verdict on the kernel: the heuristic's split from now on
