@@ -40,6 +40,12 @@ def held(buf: str, token: str) -> int:
     return 0
 
 
+def value_held(buf: str) -> int:
+    """What a parameter value's end may still be the start of: its closing tag, after the
+    newline the template writes or right after the value (an empty one, as a model may write)."""
+    return max(held(buf, PARAM_END), held(buf, PARAM_CLOSE))
+
+
 class QwenParser:
     """Feed generated text with `feed`, then call `close` once; both return events.
 
@@ -201,7 +207,7 @@ class QwenParser:
             self._out += self._call.end_param()
             self._buf, self._state = self._buf[i + len(PARAM_CLOSE) :], "params"
             return True
-        keep = len(self._buf) - held(self._buf, PARAM_END)
+        keep = len(self._buf) - value_held(self._buf)
         self._out += self._call.param_text(self._buf[:keep])
         self._buf = self._buf[keep:]
         return False
@@ -243,7 +249,7 @@ class QwenParser:
 
     def _close_value(self) -> None:
         assert self._call is not None
-        raw = self._buf[: len(self._buf) - held(self._buf, PARAM_END)]
+        raw = self._buf[: len(self._buf) - value_held(self._buf)]
         self._out += self._call.param_text(raw)
         self._out += self._call.end_param()
         self._end_call()

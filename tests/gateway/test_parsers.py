@@ -164,6 +164,14 @@ def test_malformed_never_raises_and_is_split_independent(text, cuts, reasoning):
     assert starts == ends == list(range(len(starts)))
 
 
+def test_an_empty_value_closed_across_chunks():
+    """Found by the property above on a clean checkout: `<parameter=timeout></parameter>` with the
+    closing tag split after its '<' gave the value '</parameter>' (only the template's
+    newline-led close was held back)."""
+    text = "<tool_call><function=Bash><parameter=timeout></parameter>"
+    assert _merged(parse([text[:46], text[46:]], False)) == _merged(parse([text], False))
+
+
 def test_qwen_example_streams_string_arguments_progressively():
     text = (
         "Let me run it.\n</think>\n\nRunning.\n\n<tool_call>\n<function=Bash>\n<parameter=command>\necho hi\n"
