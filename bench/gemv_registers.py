@@ -29,7 +29,8 @@ from triton.compiler import ASTSource  # noqa: E402
 from engine.ops.gpu import quant  # noqa: E402
 from tests.engine.test_kernels_compile import GEMV, H200, PARTS  # noqa: E402  (the signature the compile test uses)
 
-MODES = {"linear": (False, 1, 1, False), "glu": (True, 8, 1, True), "topk": (True, 1, 8, False)}
+# a token reads 9 experts, its 8 routed and the shared one folded in (engine.model.SparseMoe.fold_shared)
+MODES = {"linear": (False, 1, 1, False), "glu": (True, 9, 1, True), "topk": (True, 1, 9, False)}
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 

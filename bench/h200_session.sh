@@ -7,6 +7,7 @@
 #       gpu-e64    decode per batch size at the 64-expert shape issue 11's targets name (bench/gpu.py --preset ...-e64)
 #       rows       batched decode with the decode kernels up to 32 assignments and up to 128 (the default)
 #       gpu        decode per batch size and prefill against the machine's ceilings, kernels per decode token (bench/gpu.py)
+#       fold       decode (bf16 per batch size; Q4_K_M) with the shared expert run apart (FT_FOLD_SHARED=0) and folded
 #       quant      bf16 and FP8 at the 256-expert shape (bench/quant.py), beside llama.cpp's CUDA build
 #       gpu-tests  pytest: offload (peak reserved memory within the budget), the engine's GPU tests, the fused kernels
 #       kernel-tests  pytest: the fused and quantized Triton kernels against torch
@@ -55,7 +56,7 @@ steps)
   }
   builder=
   gguf=
-  if [[ " $2 " =~ \ (offload|offload-8|offload-profile|q4|q4-decode|q4-llama)\  ]]; then # the random Q4_K_M (~21 GB, CPU-bound) meanwhile
+  if [[ " $2 " =~ \ (offload|offload-8|offload-profile|q4|q4-decode|q4-llama|fold)\  ]]; then # the random Q4_K_M (~21 GB, CPU-bound) meanwhile
     (python3 -c "from peer.gguf_random import random_gguf; from peer.llama_server import PEER_HOME; \
 print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=$?") &
     gguf=$!
@@ -73,6 +74,14 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
     rows)
       step rows-32 env FT_DECODE_ROWS=32 python3 bench/gpu.py --only batched --json $O/rows-32.json
       step rows-128 python3 bench/gpu.py --only batched --json $O/rows-128.json
+      ;;
+    fold)
+      step fold-apart env FT_FOLD_SHARED=0 python3 bench/gpu.py --only decode,batched --json $O/fold-apart.json
+      step fold-in python3 bench/gpu.py --only decode,batched --json $O/fold-in.json
+      wait $gguf 2>/dev/null
+      step fold-q4-apart env FT_FOLD_SHARED=0 python3 bench/quant.py --preset $P --device cuda --parts q4_k_m \
+        --json $O/fold-q4-apart.json
+      step fold-q4-in python3 bench/quant.py --preset $P --device cuda --parts q4_k_m --json $O/fold-q4-in.json
       ;;
     quant) step quant python3 bench/quant.py --preset $P --device cuda --parts bf16,fp8 --json $O/quant.json ;;
     kernel-tests) step kernel-tests python3 -m pytest -q -p no:cacheprovider tests/engine/test_fused_kernels.py \

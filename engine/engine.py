@@ -44,6 +44,8 @@ class Engine:
         or every expert has a slot; otherwise a step fetches experts between layers and runs
         eagerly. Short prefills then never run as slot graphs (their chunks fetch), and the decode
         slots make room for their growth in the expert cache."""
+        if os.environ.get("FT_FOLD_SHARED", "1") != "0":  # off: the shared expert apart (a same-lease baseline)
+            model.fold_shared_experts()  # before any forward or graph (a no-op for offloaded experts)
         self.model = model
         self.offload = offload
         self.config: ModelConfig = model.config

@@ -104,12 +104,18 @@ def fuse(module: nn.Module, name: str, parts: list[nn.Module], align: int = 1) -
     pad = -last % align if isinstance(runs[-1][0].weight, torch.Tensor) else 0  # after the last outputs
     weights = [_fuse_run(run, pad if run is runs[-1] else 0) for run in runs]
     fused = weights[0] if len(weights) == 1 else Concat(weights)
+    adopt(module, name, fused)
+
+
+def adopt(module: nn.Module, name: str, w) -> None:
+    """`w` (a tensor or a quantized weight) as `module`'s `name`, replacing what was there: a
+    non-persistent buffer or a submodule, so it moves with the model and stays out of state dicts."""
     module._buffers.pop(name, None)  # fused again after a move: the old one goes
     module._modules.pop(name, None)
-    if isinstance(fused, torch.Tensor):
-        module.register_buffer(name, fused, persistent=False)
+    if isinstance(w, torch.Tensor):
+        module.register_buffer(name, w, persistent=False)
     else:
-        module.add_module(name, fused)
+        module.add_module(name, w)
 
 
 class Weight(nn.Module):
@@ -123,7 +129,8 @@ class Weight(nn.Module):
 
 
 class Experts(nn.Module):
-    """Stacked expert weights: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+    """Stacked expert weights: gate_up_proj [E, 2I, H], down_proj [E, H, I]; with the shared expert
+    folded in (`SparseMoe.fold_shared`), views of `gate_up_all` and `down_all`, which end with it."""
 
     gate_up_proj: torch.Tensor
     down_proj: torch.Tensor
@@ -329,6 +336,7 @@ class SparseMoe(nn.Module):
         self.offload: ExpertCache | None = None
         self.shared_expert = MLP(c.hidden_size, c.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
+        self.folded = False  # the shared expert is expert E of the routed stacks (`fold_shared`)
 
     def fuse(self) -> None:
         """The shared expert's gate and up projections, the router and the shared expert's output
@@ -338,8 +346,38 @@ class SparseMoe(nn.Module):
         # gate and up (2 x I) + router (E) + the output gate (1): an odd width, padded to 8 outputs
         fuse(self, "in_proj", [shared.gate_proj, shared.up_proj, self.gate, self.shared_expert_gate], align=8)
 
+    def fold_shared(self) -> None:
+        """Make the shared expert one more routed expert, E, at the end of the stacks (its weights
+        then views of them): the router appends it to each token's experts with weight
+        sigmoid(its gate), and one pair of expert launches runs all nine a token reads, where decode
+        ran the shared expert apart (two more GEMVs or GEMMs, its activation and the gated add,
+        each layer). Only where it has the routed experts' size and kind (in a quantized model,
+        their format) and the experts are in the layer (not offloaded); else nothing changes. The
+        stacks are built anew, one layer's worth of memory at a time."""
+        c, shared, experts = self.c, self.shared_expert, self.experts
+        if self.folded or experts is None or c.shared_expert_intermediate_size != c.moe_intermediate_size:
+            return
+        gate, up = shared.gate_proj.weight, shared.up_proj.weight
+        gate_up = _append_expert(experts.gate_up_proj, [gate, up])
+        down = _append_expert(experts.down_proj, [shared.down_proj.weight])
+        if gate_up is None or down is None:
+            return
+        adopt(experts, "gate_up_all", gate_up)
+        adopt(experts, "down_all", down)
+        e, i = c.num_experts, c.moe_intermediate_size
+        experts.gate_up_proj, shared_gate_up = _split_last(gate_up, e)
+        experts.down_proj, shared.down_proj.weight = _split_last(down, e)
+        shared.gate_proj.weight, shared.up_proj.weight = _rows(shared_gate_up, 0, i), _rows(shared_gate_up, i, i)
+        fuse(self, "in_proj", [self.gate, self.shared_expert_gate], align=8)  # the router and the output gate
+        self.folded = True
+
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         c = self.c
+        if self.folded:  # the router's logits, then the shared expert's gate
+            logits = matmul(x, self.in_proj)[:, : c.num_experts + 1]
+            weights, ids = kernels.route(logits, c.num_experts_per_tok, c.norm_topk_prob, x.dtype, True)
+            assert self.experts is not None
+            return routed_experts(kernels, x, weights, ids, self.experts.gate_up_all, self.experts.down_all)
         splits = [c.shared_expert_intermediate_size, c.shared_expert_intermediate_size, c.num_experts, 1]
         fused = matmul(x, self.in_proj)[:, : sum(splits)]  # without the padding's outputs
         gate, up, router, shared_gate = fused.split(splits, dim=-1)
@@ -352,6 +390,38 @@ class SparseMoe(nn.Module):
             routed = run(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
         shared = matmul(kernels.silu_mul(gate, up), self.shared_expert.down_proj.weight)
         return kernels.add_sigmoid_mul(routed, shared_gate, shared)
+
+
+def _append_expert(stack, rows: list):
+    """A stack [E, N, K] and one more expert given as its row blocks (each [n, K], summing to N) →
+    a fresh stack [E + 1, N, K]; None where they are not all of the stack's kind (dtype, or
+    quantized format and blocks)."""
+    if isinstance(stack, torch.Tensor):
+        if not all(isinstance(w, torch.Tensor) and w.dtype == stack.dtype for w in rows):
+            return None
+        w = torch.cat(rows)
+        return torch.cat([stack, w[None]]) if w.shape == stack.shape[1:] else None
+    if any(isinstance(w, torch.Tensor) for w in rows):
+        return None
+    from engine.ops.gpu.quant import append_expert, can_concat, concat_rows  # noqa: PLC0415
+
+    if not can_concat(rows):
+        return None
+    return append_expert(stack, rows[0] if len(rows) == 1 else concat_rows(rows))
+
+
+def _split_last(stack, count: int):
+    """A stack of count + 1 experts → (the first `count`, the last as one weight [N, K]), views."""
+    if isinstance(stack, torch.Tensor):
+        return nn.Parameter(stack[:count], requires_grad=False), nn.Parameter(stack[count], requires_grad=False)
+    return stack.experts(0, count), stack.expert(count)
+
+
+def _rows(w, start: int, length: int):
+    """Rows [start, start + length) of a weight [N, K], a view."""
+    if isinstance(w, torch.Tensor):
+        return nn.Parameter(w[start : start + length], requires_grad=False)
+    return w.narrow_rows(start, length)
 
 
 def routed_experts(kernels: Kernels, x, weights, ids, gate_up, down, partial: bool = False) -> torch.Tensor:
@@ -434,6 +504,13 @@ class HybridForCausalLM(nn.Module):
         for layer in cast(list[DecoderLayer], self.model.layers):
             (layer.self_attn if layer.is_attention else layer.linear_attn).fuse()
             layer.mlp.fuse()
+
+    def fold_shared_experts(self) -> None:
+        """Each MoE layer's shared expert into its routed stacks where it can be
+        (`SparseMoe.fold_shared`); for a model whose experts stay in the layers (not offloaded), on
+        the device it runs on, before any forward."""
+        for layer in cast(list[DecoderLayer], self.model.layers):
+            layer.mlp.fold_shared()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return matmul(hidden, self.lm_head.weight).float()

@@ -139,15 +139,13 @@ def workspace_bytes(c: ModelConfig, dtype: torch.dtype, tokens: int, rows: int) 
 
 
 def dense_bytes(model: HybridForCausalLM) -> int:
-    """Bytes of every parameter and buffer except the routed experts (each storage once: fused
-    projections are views of one tensor)."""
+    """Bytes of every parameter and buffer but the routed experts: each storage once (fused
+    projections are views of one tensor) less the routed stacks (with the shared expert folded into
+    their storage, `SparseMoe.fold_shared`, it stays counted)."""
     named = [*model.named_parameters(), *model.named_buffers()]
-    storages = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-        for name, t in named
-        if not any(e in name for e in EXPERT_PARAMS)  # the stacks, or a quantized stack's parts
-    }
-    return sum(storages.values())
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for _, t in named}
+    routed = sum(t.nbytes for name, t in named if any(e in name for e in EXPERT_PARAMS))  # stacks, or their parts
+    return sum(storages.values()) - routed
 
 
 def plan(

@@ -15,19 +15,29 @@ import torch
 import torch.nn.functional as F
 
 # token x expert assignments up to which the GPU's decode kernels run (one program per assignment, GEMV-
-# like); beyond, the grouped GEMMs. On the H200 (256 experts, bf16, 8K context) the decode kernels at 128 took a
-# batch-8 step in 7.50 ms against the grouped path's 11.70, batch 16 in 11.11 against 16.26
-# (`bash bench/h200_session.sh start rows`: `FT_DECODE_ROWS` moves the threshold)
-DECODE_ROWS = int(os.environ.get("FT_DECODE_ROWS", "128"))
+# like); beyond, the grouped GEMMs. On the H200 (256 experts, bf16, 8K context) the decode kernels at 128
+# (16 tokens of 8 experts) took a batch-8 step in 7.50 ms against the grouped path's 11.70, batch 16 in
+# 11.11 against 16.26 (`bash bench/h200_session.sh start rows`: `FT_DECODE_ROWS` moves the threshold). A
+# token reads 9 with its shared expert folded in (`SparseMoe.fold_shared`): 144 keeps batch 16 there.
+DECODE_ROWS = int(os.environ.get("FT_DECODE_ROWS", "144"))
 
 
-def route(logits: torch.Tensor, top_k: int, renormalise: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> weights [T, k] (in `dtype`) and expert ids [T, k]."""
-    probs = F.softmax(logits, dim=-1, dtype=torch.float)
+def route(
+    logits: torch.Tensor, top_k: int, renormalise: bool, dtype: torch.dtype, shared: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> weights [T, k] (in `dtype`) and expert ids [T, k]. With `shared`,
+    logits [T, E + 1] end with the shared expert's gate: it joins each token's experts as expert E
+    with weight sigmoid(gate), after the top k (k + 1 columns)."""
+    probs = F.softmax(logits[:, :-1] if shared else logits, dim=-1, dtype=torch.float)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalise:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(dtype), ids
+    weights = weights.to(dtype)
+    if shared:
+        gate = logits[:, -1:]
+        weights = torch.cat([weights, torch.sigmoid(gate).to(dtype)], dim=-1)
+        ids = torch.cat([ids, torch.full_like(gate, logits.shape[1] - 1, dtype=ids.dtype)], dim=-1)
+    return weights, ids
 
 
 def experts_loop(

@@ -86,6 +86,7 @@ def test_add_sigmoid_mul_with_a_per_row_gate(dtype):
 
 
 @in_this_process
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "with-shared"])
 @pytest.mark.parametrize(
     ("rows", "experts", "top_k", "renormalise", "dtype"),
     [
@@ -96,15 +97,22 @@ def test_add_sigmoid_mul_with_a_per_row_gate(dtype):
         (0, 64, 8, True, torch.float32),  # an empty chunk
     ],
 )
-def test_fused_route_equals_the_torch_route(rows, experts, top_k, renormalise, dtype):
+def test_fused_route_equals_the_torch_route(rows, experts, top_k, renormalise, dtype, shared):
+    """With `shared`, the column after the router's is the shared expert's gate: it joins each row
+    as expert `experts`, weighted by its sigmoid, after the top k."""
     gen = torch.Generator().manual_seed(rows * 1000 + experts)
     fused = torch.randn(rows, experts + 40, generator=gen).to(dtype).to(DEVICE)
-    logits = fused[:, :experts]  # a split of the fused projection: rows strided by its whole width
-    weights, ids = moe.route.fast(logits, top_k, renormalise, dtype)
-    want_w, want_ids = route(logits, top_k, renormalise, dtype)
-    assert weights.dtype == dtype and ids.dtype == torch.long and weights.shape == ids.shape == (rows, top_k)
+    logits = fused[:, : experts + shared]  # a split of the fused projection: rows strided by its whole width
+    weights, ids = moe.route.fast(logits, top_k, renormalise, dtype, shared)
+    want_w, want_ids = route(logits, top_k, renormalise, dtype, shared)
+    width = top_k + shared
+    assert weights.dtype == dtype and ids.dtype == torch.long and weights.shape == ids.shape == (rows, width)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(weights, want_w, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-6)
+    if shared:
+        assert (ids[:, -1] == experts).all() and not (ids[:, :-1] == experts).any()
+        torch.testing.assert_close(weights[:, -1], torch.sigmoid(fused[:, experts].float()).to(dtype))
+        assert moe.route._check((logits, top_k, renormalise, dtype, shared))  # the first-use check, as served
 
 
 @in_this_process
@@ -137,8 +145,8 @@ def test_moe_decode_kernels_skip_absent_experts(dtype):
     x = torch.randn(3, 256, generator=gen).to(dtype).to(DEVICE)
     gate_up = (torch.randn(5, 256, 256, generator=gen) / 16).to(dtype).to(DEVICE)
     down = (torch.randn(5, 256, 128, generator=gen) / 11).to(dtype).to(DEVICE)
-    ids = torch.tensor([[0, -1], [4, 2], [-1, -1]], device=DEVICE)
-    weights = torch.rand(3, 2, generator=gen).to(dtype).to(DEVICE)
+    ids = torch.tensor([[0, -1, 3], [4, 2, 1], [-1, -1, -1]], device=DEVICE)  # an odd count a token, as 8 + 1
+    weights = torch.rand(3, 3, generator=gen).to(dtype).to(DEVICE)
     present = ids >= 0
     want = moe.experts_loop(x.float(), (weights * present).float(), ids.clamp(min=0), gate_up.float(), down.float())
     for fn in (moe._experts_triton, moe._experts_triton, moe._experts_gathered, moe.experts_loop):

@@ -41,11 +41,12 @@ def compile_for_h200(fn, signature: dict, constexprs: dict) -> str:
 
 @pytest.mark.parametrize("fmt", sorted(PARTS), ids=lambda f: quant.NAMES[f])
 @pytest.mark.parametrize(
-    "mode", [(False, 1, 1, False), (True, 8, 1, True), (True, 1, 8, False)], ids=["linear", "glu", "topk"]
+    "mode", [(False, 1, 1, False), (True, 9, 1, True), (True, 1, 9, False)], ids=["linear", "glu", "topk"]
 )
 def test_gemv_compiles_with_its_split_sums(fmt, mode):
     """The plain GEMV, MoE decode's up (SiLU and routing weight inside) and down (a token's experts
-    summed): each split's sums taken by its last program behind an acquire-release ticket."""
+    summed; 9 a token: 8 routed and the shared one): each split's sums taken by its last program
+    behind an acquire-release ticket."""
     grouped, x_per, top_k, glu = mode
     signature = {**GEMV, **{f"P{i}": t for i, t in enumerate(PARTS[fmt])}}
     constexprs = {"FMT": fmt, "BN": 32, "CHUNK": quant.GEMV_CHUNK[fmt], "GROUPED": grouped,
@@ -64,11 +65,19 @@ def test_bf16_decode_kernels_compile():
             "H": "i32", "INTER": "i32",
             "TOPK": "constexpr", "BLOCK_N": "constexpr", "BLOCK_I": "constexpr"}  # fmt: skip
     assert ".entry _up_kernel" in compile_for_h200(
-        moe._up_kernel, up, {"TOPK": 8, "BLOCK_I": 8, "BLOCK_H": 256}
+        moe._up_kernel, up, {"TOPK": 9, "BLOCK_I": 8, "BLOCK_H": 256}
     )
     assert ".entry _down_kernel" in compile_for_h200(
-        moe._down_kernel, down, {"TOPK": 8, "BLOCK_N": 32, "BLOCK_I": 128}
+        moe._down_kernel, down, {"TOPK": 9, "BLOCK_N": 32, "BLOCK_I": 128}
     )
+
+
+def test_router_with_the_shared_expert_compiles():
+    """The router's kernel appending the shared expert (its gate's sigmoid, expert E) to the top 8."""
+    signature = {"L": "*bf16", "W": "*bf16", "IDS": "*i64", "E": "i32", "stride": "i32", "TOPK": "constexpr",
+                 "RENORM": "constexpr", "SHARED": "constexpr", "BE": "constexpr", "BK": "constexpr"}  # fmt: skip
+    constexprs = {"TOPK": 8, "RENORM": True, "SHARED": True, "BE": 256, "BK": 16}
+    assert ".entry _route_kernel" in compile_for_h200(moe._route_kernel, signature, constexprs)
 
 
 def test_staging_gather_compiles_to_wide_loads():

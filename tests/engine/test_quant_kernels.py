@@ -147,7 +147,8 @@ def test_quantized_experts_of_a_streamed_piece_skip_the_absent_assignments():
 def test_expert_decode_kernels_equal_per_assignment_matmuls(fmt):
     """MoE decode in two launches: each (token, chosen expert) through gate, up, SiLU and its
     routing weight, then each token's experts through down, summed; only those experts read
-    (-1: none), the split-K sums taken inside the kernel (its counters left at zero)."""
+    (-1: none), the split-K sums taken inside the kernel (its counters left at zero). Three
+    experts a token: an odd count, as the eight routed and the shared one folded in are."""
     from engine.ops.gpu.moe import experts_quantized
     from engine.ops.moe import experts_loop
 
@@ -156,18 +157,18 @@ def test_expert_decode_kernels_equal_per_assignment_matmuls(fmt):
     down, down_ref = weights(fmt, (5, 256, 256)) if fmt == "fp8" else ggml_weight(fmt, (5, 256, 256), seed=1)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(3, 256, generator=gen).to(dtype)
-    ids = torch.tensor([[4, -1], [0, 4], [3, 1]])
-    routing = torch.rand(3, 2, generator=gen).to(dtype)
+    ids = torch.tensor([[4, -1, 2], [0, 4, 1], [3, 1, 4]])
+    routing = torch.rand(3, 3, generator=gen).to(dtype)
     dev = [t.to(DEVICE) for t in (x, gate_up, ids, routing, down)]
     act = quant.experts_glu(dev[0], dev[1], dev[2], dev[3])
     want_act = []
     for a, e in enumerate(ids.flatten().tolist()):
-        gate, up = (x[a // 2].float() @ gate_up_ref[e].T).chunk(2) if e >= 0 else (torch.zeros(256),) * 2
+        gate, up = (x[a // 3].float() @ gate_up_ref[e].T).chunk(2) if e >= 0 else (torch.zeros(256),) * 2
         want_act.append(torch.nn.functional.silu(gate) * up * routing.flatten()[a].float())
     close(act.cpu(), torch.stack(want_act), dtype)
     got = quant.experts_sum(act, dev[4], dev[2]).cpu()
     want = torch.stack(
-        [sum(act[t * 2 + j].cpu().float() @ down_ref[e].T for j, e in enumerate(ids[t].tolist()) if e >= 0)
+        [sum(act[t * 3 + j].cpu().float() @ down_ref[e].T for j, e in enumerate(ids[t].tolist()) if e >= 0)
          for t in range(3)]  # fmt: skip
     )
     close(got, want, dtype)

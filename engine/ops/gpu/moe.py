@@ -78,12 +78,14 @@ def _up_kernel(X, W, IDS, A, H, INTER, TOPK: tl.constexpr, BLOCK_I: tl.constexpr
 @triton.jit
 def _down_kernel(A, W, IDS, RW, PART, OUT, COUNT, H, INTER, TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_I: tl.constexpr):  # fmt: skip
-    """Program (token, n-block, j): the token's j-th expert's down projection, weighted; the last
-    of the token's TOPK programs to finish sums them into OUT (a ticket per (token, n-block) in
-    COUNT, reset by that program: `quant.tickets`)."""
-    token, block = tl.program_id(0), tl.program_id(1)
+    """Program (assignment a = token * TOPK + j, n-block): the token's j-th expert's down projection,
+    weighted; the last of the token's TOPK programs to finish sums them into OUT (a ticket per
+    (token, n-block) in COUNT, reset by that program: `quant.tickets`). The assignments vary
+    fastest, so an expert two tokens chose is read for both in the same wave of programs (once
+    from memory, then from L2), wherever it sits in each token's list."""
+    slot, block = tl.program_id(0), tl.program_id(1)
+    token = slot // TOPK
     n = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    slot = token * TOPK + tl.program_id(2)
     expert = tl.load(IDS + slot).to(tl.int64)
     w = W + tl.maximum(expert, 0) * (H * INTER)  # the expert's base: offsets within it fit 32 bits
     acc = tl.zeros([BLOCK_N], tl.float32)
@@ -111,7 +113,7 @@ def _experts_triton(x, weights, ids, gate_up, down):
     _up_kernel[(num_tokens * top_k, inter // block_i)](x, gate_up, ids, act, hidden, inter, TOPK=top_k, BLOCK_I=block_i, BLOCK_H=block_h)
     part = torch.empty(num_tokens, top_k, hidden, dtype=torch.float32, device=x.device)  # one row per chosen expert
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-    _down_kernel[(num_tokens, hidden // block_n, top_k)](act, down, ids, weights, part, out, quant.tickets(x.device),
+    _down_kernel[(num_tokens * top_k, hidden // block_n)](act, down, ids, weights, part, out, quant.tickets(x.device),
                                                          hidden, inter, TOPK=top_k, BLOCK_N=block_n, BLOCK_I=128)  # fmt: skip
     return out
 
@@ -158,8 +160,10 @@ experts_decode = Checked("moe_decode", _experts_triton, _experts_gathered)
 
 
 @triton.jit
-def _route_kernel(L, W, IDS, E, stride, TOPK: tl.constexpr, RENORM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
-    """One token row: softmax over the experts, top-k by k rounds of arg-max, renormalised."""
+def _route_kernel(L, W, IDS, E, stride, TOPK: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr,
+                  BE: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """One token row: softmax over the experts, top-k by k rounds of arg-max, renormalised; with
+    SHARED, column E (the shared expert's gate) joins as expert E, weighted by its sigmoid."""
     row = tl.program_id(0)
     cols = tl.arange(0, BE)
     mask = cols < E
@@ -178,23 +182,30 @@ def _route_kernel(L, W, IDS, E, stride, TOPK: tl.constexpr, RENORM: tl.constexpr
         p = tl.where(cols == pick, -1.0, p)
     if RENORM:
         values = values / tl.sum(values, 0)
-    keep = slots < TOPK
-    tl.store(W + row * TOPK + slots, values.to(W.dtype.element_ty), mask=keep)
-    tl.store(IDS + row * TOPK + slots, chosen, mask=keep)
+    if SHARED:
+        gate = tl.load(L + row * stride + E).to(tl.float32)
+        values = tl.where(slots == TOPK, tl.sigmoid(gate), values)
+        chosen = tl.where(slots == TOPK, E, chosen)
+    width = TOPK + SHARED
+    keep = slots < width
+    tl.store(W + row * width + slots, values.to(W.dtype.element_ty), mask=keep)
+    tl.store(IDS + row * width + slots, chosen, mask=keep)
 
 
-def _route_triton(logits: torch.Tensor, top_k: int, renormalise: bool, dtype: torch.dtype):
+def _route_triton(logits: torch.Tensor, top_k: int, renormalise: bool, dtype: torch.dtype, shared: bool = False):
     """`engine.ops.moe.route` in one launch (the torch version: softmax, top-k's sort and
-    reductions, the renormalisation and the cast, ~6 kernels per layer)."""
-    rows, experts = logits.shape
+    reductions, the renormalisation and the cast, ~6 kernels per layer; with the shared expert,
+    its sigmoid and two concatenations more)."""
+    rows, columns = logits.shape
+    experts, width = columns - shared, top_k + shared
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    weights = torch.empty(rows, top_k, dtype=dtype, device=logits.device)
-    ids = torch.empty(rows, top_k, dtype=torch.long, device=logits.device)
+    weights = torch.empty(rows, width, dtype=dtype, device=logits.device)
+    ids = torch.empty(rows, width, dtype=torch.long, device=logits.device)
     if rows:
         _route_kernel[(rows,)](
-            logits, weights, ids, experts, logits.stride(0), TOPK=top_k, RENORM=renormalise,
-            BE=triton.next_power_of_2(experts), BK=triton.next_power_of_2(top_k),
+            logits, weights, ids, experts, logits.stride(0), TOPK=top_k, RENORM=renormalise, SHARED=shared,
+            BE=triton.next_power_of_2(experts), BK=triton.next_power_of_2(width),
         )  # fmt: skip
     return weights, ids
 
@@ -202,9 +213,11 @@ def _route_triton(logits: torch.Tensor, top_k: int, renormalise: bool, dtype: to
 def _route_canon(out, args) -> tuple[torch.Tensor, torch.Tensor]:
     """What a routing decides, blind to ties (equal probabilities may be taken in any order, and
     either of two tied at the k-th place): per row the weights, and the probabilities of the
-    chosen experts, each sorted."""
+    chosen routed experts, each sorted."""
     (weights, ids), logits = out, args[0]
-    chosen = torch.softmax(logits.float(), dim=-1).gather(1, ids)
+    shared = len(args) > 4 and args[4]
+    probs = torch.softmax((logits[:, :-1] if shared else logits).float(), dim=-1)
+    chosen = probs.gather(1, ids[:, : ids.shape[1] - shared])
     return weights.float().sort(dim=-1).values, chosen.sort(dim=-1).values
 
 

@@ -162,6 +162,15 @@ class QuantWeight(nn.Module):
             self.fmt, (*self.shape[:-2], length, self.shape[-1]), parts, self.dtype, self.columns
         )
 
+    def experts(self, start: int, length: int) -> QuantWeight:
+        """Experts [start, start + length) of a stack [E, N, K], as views of its arrays."""
+        parts = tuple(p.narrow(0, start, length) for p in self.parts)
+        return QuantWeight(self.fmt, (length, *self.shape[1:]), parts, self.dtype, self.columns)
+
+    def expert(self, e: int) -> QuantWeight:
+        """Expert `e` of a stack [E, N, K]: one weight [N, K], views of the stack's arrays."""
+        return QuantWeight(self.fmt, self.shape[1:], tuple(p[e] for p in self.parts), self.dtype, self.columns)
+
     def take_rows(self, index: torch.Tensor) -> QuantWeight:
         """Rows `index` (a permutation or selection, GGML formats: rows are independent), copied."""
         if self.fmt == FP8:
@@ -201,6 +210,15 @@ def stack(weights: list[QuantWeight]) -> QuantWeight:
         raise ValueError("stacked weights differ in format or shape")
     parts = tuple(torch.stack(fields) for fields in zip(*(w.parts for w in weights), strict=True))
     return QuantWeight(first.fmt, (len(weights), *first.shape), parts, first.dtype)
+
+
+def append_expert(experts: QuantWeight, w: QuantWeight) -> QuantWeight | None:
+    """A stack [E, N, K] and one more expert's weight [N, K] → a fresh stack [E + 1, N, K]; None
+    where `w` is of another format or shape."""
+    if w.fmt != experts.fmt or w.shape != experts.shape[1:] or (w.columns, experts.columns) != (None, None):
+        return None
+    parts = tuple(torch.cat([p, q[None]]) for p, q in zip(experts.parts, w.parts, strict=True))
+    return QuantWeight(experts.fmt, (experts.shape[0] + 1, *w.shape), parts, experts.dtype)
 
 
 def pack_ggml(
