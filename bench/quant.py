@@ -7,11 +7,11 @@ side in our engine, and llama-server on the same Q4_K_M file.
 
 Weights without downloads. `bf16`: the preset's random weights (FT_MATERIALISE=1 builds them in GPU
 memory; on the CPU the preset's own dtype). `fp8`: the same weights block-quantized as Qwen's -FP8
-releases are (`presets.fp8_checkpoint`), written as an HF folder shard by shard from the device they
-were built on, removed after the part. `q4_k_m`: a GGUF of random blocks with llama-quantize's tensor
-types and layout (`peer.gguf_random`, ~21 GB at this shape, cached under .peer/models). Each is
-loaded by the engine's normal path (`Engine.from_preset` / `Engine.load`), so this measures what
-the engine does with them, whatever that is.
+releases are (`presets.fp8_checkpoint`) on the device they were built on, and read by the loader's FP8
+path from there (`fp8_engine`: no folder is written). `q4_k_m`: a GGUF of random blocks with
+llama-quantize's tensor types and layout (`peer.gguf_random`, ~21 GB at this shape, cached under
+.peer/models). Each is loaded by the engine's loading path (`Engine.from_preset` / `Engine.load` /
+`loader.state_dict_of`), so this measures what the engine does with them, whatever that is.
 
 Per format: resident weight bytes (`Engine.memory()`), file size, load seconds, prefill tok/s of
 one sequence (`--prefill`, 8K), decode tok/s at batch 1 and 4 (runner steps at `--context`).
@@ -35,7 +35,6 @@ import json
 import os
 import random
 import runpy
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -80,74 +79,36 @@ def folder_bytes(path: Path) -> int:
     )
 
 
-def write_fp8_preset(preset: str, out: Path, device: str) -> Path:
-    """Preset `preset` built on `device`, block-quantized to FP8 (`presets.fp8_checkpoint`) and written
-    as an HF folder one ~2 GB shard at a time (host memory holds one shard); `out` if it exists."""
-    from safetensors.torch import save_file  # noqa: PLC0415
+def fp8_engine(preset: str, device: str):
+    """Preset `preset` built on `device` and block-quantized as Qwen's -FP8 releases are
+    (`presets.fp8_checkpoint`), tensor by tensor as each bf16 one is dropped, through the FP8 path of
+    the loader (`loader.state_dict_of`: weights paired with their scales, packed, experts stacked)
+    without a folder between (writing the ~36 GB folder took 430 s of a lease, session 6):
+    (engine, the checkpoint's bytes)."""
+    from engine import Engine  # noqa: PLC0415
+    from engine.loader import build_model, fingerprint, state_dict_of  # noqa: PLC0415
+    from engine.presets import fp8_checkpoint, materialise, unstack_experts  # noqa: PLC0415
+    from engine.quant import fp8  # noqa: PLC0415
 
-    from engine.presets import (  # noqa: PLC0415
-        PRESET_REVISION,
-        QWEN36_EOS,
-        SHARD_BYTES,
-        fp8_checkpoint,
-        materialise,
-        unstack_experts,
-    )
+    config, _, built = materialise(preset, device)
+    dtype = built["lm_head.weight"].dtype
+    size = 0
 
-    if (out / "config.json").is_file():
-        return out
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    make_room(tmp, int(0.55 * checkpoint_bytes(preset)), preset)
-    _, raw, state_dict = materialise(preset, device)
-    shard: dict[str, torch.Tensor] = {}
-    weight_map, kept, quant, size, saved = {}, [], {}, 0, 0
-    for name, tensor in unstack_experts(state_dict).items():
-        part, quant = fp8_checkpoint({name: tensor})
-        kept += quant["modules_to_not_convert"]
-        shard |= {n: t.contiguous().cpu() for n, t in part.items()}
-        size += sum(t.nbytes for t in part.values())
-        if size >= SHARD_BYTES:
-            saved += 1
-            weight_map |= _save_shard(shard, tmp, saved, save_file)
-            shard, size = {}, 0
-    if shard:
-        weight_map |= _save_shard(shard, tmp, saved + 1, save_file)
-    del state_dict
-    (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    config = {
-        **raw,
-        "quantization_config": {**quant, "modules_to_not_convert": kept},
-        "ft_preset_revision": PRESET_REVISION,
-    }
-    (tmp / "config.json").write_text(json.dumps(config, indent=2))
-    (tmp / "generation_config.json").write_text(json.dumps({"eos_token_id": QWEN36_EOS}))
-    tmp.rename(out)
-    return out
+    def checkpoint():
+        nonlocal size
+        for name in list(built):
+            for n, t in unstack_experts({name: built.pop(name)}).items():
+                for item in fp8_checkpoint({n: t})[0].items():
+                    size += item[1].nbytes
+                    yield item
 
+    pack = None
+    if torch.device(device).type == "cuda":  # as `Engine.load` does on a GPU: the weights stay FP8
+        from engine.ops.gpu.quant import pack_fp8  # noqa: PLC0415
 
-def make_room(folder: Path, need: int, preset: str) -> None:
-    """`need` bytes free under `folder`, if need be by removing the cached random Q4_K_M of the preset
-    (rewritten in about a minute when a later part needs it): at the 35B shape the FP8 folder (~36 GB)
-    and the GGUF (~21 GB) may not both fit a 64 GiB disk."""
-    from peer.gguf_random import random_gguf_path  # noqa: PLC0415
-    from peer.llama_server import PEER_HOME  # noqa: PLC0415
-
-    gguf = random_gguf_path(preset, PEER_HOME / "models")
-    if shutil.disk_usage(folder).free < need and gguf.is_file():
-        print(f"{need / GB:.1f} GB needed for the FP8 folder: removing {gguf}", flush=True)
-        gguf.unlink()
-    if shutil.disk_usage(folder).free < need:
-        raise OSError(
-            f"{folder}: {need / GB:.1f} GB needed, {shutil.disk_usage(folder).free / GB:.1f} GB free"
-        )
-
-
-def _save_shard(shard: dict[str, torch.Tensor], folder: Path, number: int, save_file) -> dict[str, str]:
-    name = f"model-{number:05d}.safetensors"
-    save_file(shard, str(folder / name), metadata={"format": "pt"})
-    return dict.fromkeys(shard, name)
+        pack = pack_fp8
+    state_dict = state_dict_of(checkpoint(), fp8.Pairing(fp8.BLOCK, dtype, pack), None)
+    return Engine(build_model(config, state_dict), fingerprint(config, state_dict)), size
 
 
 def checkpoint_bytes(preset: str) -> int:
@@ -162,24 +123,20 @@ def checkpoint_bytes(preset: str) -> int:
     return sum(p.numel() for p in params) * getattr(torch, raw["dtype"]).itemsize
 
 
-def load_format(fmt: str, args) -> tuple[object, int, Path | None]:
-    """(engine, file bytes, path to remove after the part) for one format, by the engine's normal loading path."""
+def load_format(fmt: str, args) -> tuple[object, int]:
+    """(engine, file bytes) for one format, by the engine's loading path (FP8: `fp8_engine`)."""
     from engine import Engine  # noqa: PLC0415
-    from engine.presets import default_model_dir  # noqa: PLC0415
     from peer.gguf_random import random_gguf  # noqa: PLC0415
     from peer.llama_server import PEER_HOME  # noqa: PLC0415
 
     if fmt == "bf16":
         eng = Engine.from_preset(args.preset, args.device)
         source = eng.model_dir
-        return eng, folder_bytes(source) if source else checkpoint_bytes(args.preset), None
+        return eng, folder_bytes(source) if source else checkpoint_bytes(args.preset)
     if fmt == "fp8":
-        folder = write_fp8_preset(
-            args.preset, PEER_HOME / "models" / default_model_dir(args.preset, "fp8").name, args.device
-        )
-        return Engine.load(folder, args.device), folder_bytes(folder), None if args.keep_fp8 else folder
+        return fp8_engine(args.preset, args.device)
     path = random_gguf(args.preset, PEER_HOME / "models")
-    return Engine.load(path, args.device), folder_bytes(path), None
+    return Engine.load(path, args.device), folder_bytes(path)
 
 
 # -- our engine
@@ -213,7 +170,7 @@ def bench_decode(eng, context: int, batch: int, steps: int) -> dict:
 def bench_format(fmt: str, args, keep: dict) -> dict:
     """One format's figures; its engine is left in `keep` when the replay on our side follows."""
     start = time.perf_counter()
-    eng, file_bytes, remove = load_format(fmt, args)
+    eng, file_bytes = load_format(fmt, args)
     load_s = time.perf_counter() - start
     memory = eng.memory()
     row = {"format": fmt, "dtype": str(eng.dtype), "device": str(eng.device), "file_bytes": file_bytes,
@@ -243,8 +200,6 @@ def bench_format(fmt: str, args, keep: dict) -> dict:
     release()
     if torch.cuda.is_available():  # what the next part starts with (a leak would show here)
         row["gpu_allocated_after_bytes"] = torch.cuda.memory_allocated()
-    if remove is not None:
-        shutil.rmtree(remove, ignore_errors=True)
     return row
 
 
@@ -504,9 +459,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--llama-arg", action="append", default=[], metavar="ARG", help="extra llama-server argument (repeat)"
     )
     p.add_argument("--ram-cache", type=float, default=48.0, help="replay: our checkpoints' RAM tier, GiB")
-    p.add_argument(
-        "--keep-fp8", action="store_true", help="keep the FP8 folder (~36 GB at this shape) after its part"
-    )
     p.add_argument(
         "--json", type=Path, default=Path("bench/quant.json"), help="results, merged into what it holds"
     )

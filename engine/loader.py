@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,25 +49,37 @@ def read_state_dict(folder: Path, dtype: torch.dtype | None, keep_quantized: boo
     """Every tensor of the text model; FP8 checkpoints (`engine.quant.fp8`) are dequantized to
     `dtype`, by default the checkpoint's own (`dtype` / `torch_dtype` in config.json), or with
     `keep_quantized` packed (`QuantWeight`, engine/ops/gpu/quant.py) standing for that dtype."""
-    fp8 = fp8_pairing(folder, dtype, keep_quantized)
-    raw: dict[str, Any] = {}
+    return state_dict_of(_checkpoint_tensors(folder), fp8_pairing(folder, dtype, keep_quantized), dtype)
+
+
+def _checkpoint_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The text model's tensors of an HF folder, under our names, one at a time."""
     for path in safetensors_files(folder):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 name_out = name.replace("model.language_model.", "model.", 1)
-                if name_out.startswith(IGNORED_PREFIXES):
-                    continue
-                tensor = f.get_tensor(name)
-                if fp8 is not None and fp8.holds(name_out, tensor):
-                    if (paired := fp8.take(name_out, tensor)) is None:
-                        continue
-                    name_out, tensor = paired
-                elif tensor.dtype == torch.float8_e4m3fn:
-                    raise CheckpointError(f"{name}: an fp8 tensor, but config.json has no fp8 quantization_config")
-                if isinstance(tensor, torch.Tensor):
-                    tensor = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
-                    tensor = aligned(tensor)
-                raw[name_out] = tensor
+                if not name_out.startswith(IGNORED_PREFIXES):
+                    yield name_out, f.get_tensor(name)
+
+
+def state_dict_of(
+    tensors: Iterable[tuple[str, torch.Tensor]], fp8: fp8_quant.Pairing | None, dtype: torch.dtype | None
+) -> dict[str, Any]:
+    """A checkpoint's tensors as they are on disk (HF names, per-expert weights, FP8 weights beside
+    their `weight_scale_inv`, paired by `fp8`) → the state dict `build_model` takes: FP8 weights
+    dequantized or packed (`fp8`'s choice), the rest in `dtype`, experts stacked."""
+    raw: dict[str, Any] = {}
+    for name, tensor in tensors:
+        if fp8 is not None and fp8.holds(name, tensor):
+            if (paired := fp8.take(name, tensor)) is None:
+                continue
+            name, tensor = paired
+        elif tensor.dtype == torch.float8_e4m3fn:
+            raise CheckpointError(f"{name}: an fp8 tensor, but config.json has no fp8 quantization_config")
+        if isinstance(tensor, torch.Tensor):
+            tensor = tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
+            tensor = aligned(tensor)
+        raw[name] = tensor
     if fp8 is not None and fp8.unpaired():
         raise CheckpointError(f"fp8 weights and scales without their other half: {', '.join(fp8.unpaired()[:8])}")
     return stack_experts(raw)
