@@ -1,6 +1,6 @@
 """Claude Code transcripts (`~/.claude/projects/*/*.jsonl`) -> Anthropic Messages traces.
 
-Claude Code 2.1 logs each model call: `api-request` names the previous call it extends
+Claude Code 2.1 logs each model call (2.1.332 does; 2.1.197 did not): `api-request` names the previous call it extends
 (`base`), how many of its messages it keeps (`keep`) and the hashes of the messages that
 follow (`tail`); `api-request-shape` holds system and tools; `api-request-blob` the
 messages that are not on the chain as written. From those the bodies are rebuilt exactly as
@@ -32,7 +32,7 @@ from adapters.trace import Trace, TraceRequest, is_tool_result_last
 
 __all__ = ["message_hash", "output_of", "read_claude"]
 NO_API_REQUESTS = (
-    "no api-request lines (Claude Code before 2.1): rebuilt from the parentUuid chain; "
+    "no api-request lines (an older Claude Code: 2.1.197 writes none, 2.1.332 does): rebuilt from the parentUuid chain; "
     "system prompt and tools from the last logged shape, if any; no cache_control marks"
 )
 
