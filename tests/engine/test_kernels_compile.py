@@ -16,9 +16,10 @@ from engine.ops.gpu import gather, moe, quant  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
 GEMV = {
-    "X": "*bf16", "PART": "*fp32", "OUT": "*bf16", "COUNT": "*i32", "EXPERT": "*i64", "SCALE": "*bf16",
+    "X": "*bf16", "PART": "*fp32", "OUT": "*bf16", "COUNT": "*i32", "EXPERT": "*i64", "SCALE": "*bf16", "XCOLS": "*i64",
     "N": "i32", "K": "i32", "K_SPLIT": "i32", "SPLIT": "i32", "FMT": "constexpr", "BN": "constexpr",
     "CHUNK": "constexpr", "GROUPED": "constexpr", "X_PER": "constexpr", "TOPK": "constexpr", "GLU": "constexpr",
+    "XMAP": "constexpr",
 }  # fmt: skip
 PARTS = {  # the field arrays' types per format (quant.FIELDS)
     quant.Q8_0: ("*i8", "*fp16", "*i8", "*i8"),
@@ -41,16 +42,17 @@ def compile_for_h200(fn, signature: dict, constexprs: dict) -> str:
 
 @pytest.mark.parametrize("fmt", sorted(PARTS), ids=lambda f: quant.NAMES[f])
 @pytest.mark.parametrize(
-    "mode", [(False, 1, 1, False), (True, 9, 1, True), (True, 1, 9, False)], ids=["linear", "glu", "topk"]
+    "mode", [(False, 1, 1, False, False), (False, 1, 1, False, True), (True, 9, 1, True, False), (True, 1, 9, False, False)],
+    ids=["linear", "mapped", "glu", "topk"],
 )
 def test_gemv_compiles_with_its_split_sums(fmt, mode):
     """The plain GEMV, MoE decode's up (SiLU and routing weight inside) and down (a token's experts
-    summed; 9 a token: 8 routed and the shared one): each split's sums taken by its last program
-    behind an acquire-release ticket."""
-    grouped, x_per, top_k, glu = mode
+    summed; 9 a token: 8 routed and the shared one), a plain one reading x through a column map:
+    each split's sums taken by its last program behind an acquire-release ticket."""
+    grouped, x_per, top_k, glu, xmap = mode
     signature = {**GEMV, **{f"P{i}": t for i, t in enumerate(PARTS[fmt])}}
     constexprs = {"FMT": fmt, "BN": 32, "CHUNK": quant.GEMV_CHUNK[fmt], "GROUPED": grouped,
-                  "X_PER": x_per, "TOPK": top_k, "GLU": glu}  # fmt: skip
+                  "X_PER": x_per, "TOPK": top_k, "GLU": glu, "XMAP": xmap}  # fmt: skip
     ptx = compile_for_h200(quant._gemv_kernel, signature, constexprs)
     assert ".entry _gemv_kernel" in ptx
     assert "atom.global.gpu.acq_rel.add" in ptx or "atom.acq_rel.gpu.global.add" in ptx, [

@@ -83,6 +83,29 @@ def test_linear_equals_dequantized_matmul(fmt, rows):
 
 
 @in_this_process
+@pytest.mark.parametrize("fmt", FMTS, ids=IDS)
+@pytest.mark.parametrize("rows", [1, 37])  # GEMV, GEMM
+@pytest.mark.parametrize("runs", [128, 1], ids=["heads", "scattered"])
+def test_a_weight_whose_columns_moved_reads_x_through_its_map(fmt, rows, runs):
+    """`columns` (the file's column j is the model's columns[j]: Qwen3.5's DeltaNet out_proj in GGUF,
+    value heads of 128 columns reordered). In runs of whole chunks the GEMV reads x through the map
+    (no gather launch); any other map, and the GEMM, gather x's columns first. Both: x @ w.T in the
+    model's order."""
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    w, reference = weights(fmt, (72, 512))
+    gen = torch.Generator().manual_seed(runs)
+    columns = (torch.randperm(512 // runs, generator=gen)[:, None] * runs + torch.arange(runs)).flatten()
+    moved = quant.QuantWeight(w.fmt, w.shape, w.parts, w.dtype, columns)
+    assert moved.chunked_columns == (runs == 128)
+    model_order = torch.empty_like(reference)
+    model_order[:, columns] = reference
+    torch.testing.assert_close(moved.dequantize(), model_order, rtol=0, atol=0)
+    x = torch.randn(rows, 512, generator=gen).to(dtype)
+    got = moved.to(DEVICE).linear(x.to(DEVICE)).cpu()
+    close(got, x.float() @ model_order.T, dtype)
+
+
+@in_this_process
 def test_gemm_with_identity_returns_the_weights_exactly():
     """fp32 in the interpreter: the kernel's in-register dequantization is the reference's, bit for bit."""
     if CUDA:

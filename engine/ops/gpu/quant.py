@@ -74,6 +74,9 @@ class QuantWeight(nn.Module):
         for name, part in zip(FIELDS[fmt], parts, strict=True):
             self.register_buffer(name, part, persistent=False)
         self.register_buffer("columns", columns, persistent=False)
+        # the GEMV reads x through `columns` a chunk at a time where they move in runs of whole
+        # chunks (the DeltaNet's out_proj: value heads of 128 columns), else x is gathered first
+        self.chunked_columns = columns is not None and _in_runs(columns, GEMV_CHUNK[fmt])
 
     @property
     def parts(self) -> tuple[torch.Tensor, ...]:
@@ -135,7 +138,7 @@ class QuantWeight(nn.Module):
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] @ self.T (see `linear`)."""
-        return linear(x if self.columns is None else x.index_select(-1, self.columns), self)
+        return linear(x, self)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] of a 2-D weight, dequantized to `dtype` [T, K]: an embedding lookup
@@ -180,6 +183,14 @@ class QuantWeight(nn.Module):
         return QuantWeight(
             self.fmt, (*self.shape[:-2], index.numel(), self.shape[-1]), parts, self.dtype, self.columns
         )
+
+
+def _in_runs(columns: torch.Tensor, run: int) -> bool:
+    """Whether each `run` entries of `columns` from a multiple of `run` are consecutive columns."""
+    if columns.numel() % run:
+        return False
+    runs = columns.view(-1, run)
+    return bool((runs - runs[:, :1] == torch.arange(run, device=columns.device)).all())
 
 
 def can_concat(weights: list[QuantWeight]) -> bool:
@@ -309,9 +320,9 @@ def _dequant(P0, P1, P2, P3, e, n, k, N, K, FMT: tl.constexpr):
 
 
 @triton.jit
-def _dot_q4_k(X, P0, P1, P2, P3, row, m, k0, K):
+def _dot_q4_k(XC, P0, P1, P2, P3, row, k0, K):
     """Q4_K, 64 columns from k0 (a 32-byte group of one super-block: two sub-blocks, low and high
-    nibbles): each field is loaded once per row, not once per weight."""
+    nibbles) against x's 64 from XC: each field is loaded once per row, not once per weight."""
     col = tl.arange(0, 32)
     byte = tl.load(P0 + row[:, None] * (K // 2) + (k0 // 256) * 128 + ((k0 % 256) // 64) * 32 + col[None, :])
     sub = row * (K // 32) + k0 // 32
@@ -319,8 +330,8 @@ def _dot_q4_k(X, P0, P1, P2, P3, row, m, k0, K):
     mn0, mn1 = tl.load(P2 + sub).to(tl.float32), tl.load(P2 + sub + 1).to(tl.float32)
     d = tl.load(P3 + (row * (K // 256) + k0 // 256) * 2).to(tl.float32)
     dmin = tl.load(P3 + (row * (K // 256) + k0 // 256) * 2 + 1).to(tl.float32)
-    x_lo = tl.load(X + m * K + k0 + col).to(tl.float32)
-    x_hi = tl.load(X + m * K + k0 + 32 + col).to(tl.float32)
+    x_lo = tl.load(XC + col).to(tl.float32)
+    x_hi = tl.load(XC + 32 + col).to(tl.float32)
     # sum_c (d sc q_c - dmin mn) x_c = d sc (sum_c q_c x_c) - dmin mn (sum_c x_c): the scales per row, not per weight
     q_lo = tl.sum((byte & 0x0F).to(tl.float32) * x_lo[None, :], 1)
     q_hi = tl.sum((byte >> 4).to(tl.float32) * x_hi[None, :], 1)
@@ -328,7 +339,7 @@ def _dot_q4_k(X, P0, P1, P2, P3, row, m, k0, K):
 
 
 @triton.jit
-def _dot_q5_k(X, P0, P1, P2, P3, row, m, k0, K):
+def _dot_q5_k(XC, P0, P1, P2, P3, row, k0, K):
     """Q5_K, 64 columns from k0: Q4_K's two sub-blocks of nibbles, plus their fifth bits (bits j
     and j + 1 of the super-block's 32 qh bytes, j = the first sub-block)."""
     col = tl.arange(0, 32)
@@ -340,15 +351,15 @@ def _dot_q5_k(X, P0, P1, P2, P3, row, m, k0, K):
     mn0, mn1 = tl.load(P2 + sub + 1).to(tl.float32), tl.load(P2 + sub + 3).to(tl.float32)
     d = tl.load(P3 + (row * (K // 256) + k0 // 256) * 2).to(tl.float32)
     dmin = tl.load(P3 + (row * (K // 256) + k0 // 256) * 2 + 1).to(tl.float32)
-    x_lo = tl.load(X + m * K + k0 + col).to(tl.float32)
-    x_hi = tl.load(X + m * K + k0 + 32 + col).to(tl.float32)
+    x_lo = tl.load(XC + col).to(tl.float32)
+    x_hi = tl.load(XC + 32 + col).to(tl.float32)
     q_lo = tl.sum(((byte & 0x0F) | (((qh >> j) & 1) << 4)).to(tl.float32) * x_lo[None, :], 1)
     q_hi = tl.sum(((byte >> 4) | (((qh >> (j + 1)) & 1) << 4)).to(tl.float32) * x_hi[None, :], 1)
     return d * (sc0 * q_lo + sc1 * q_hi) - dmin * (mn0 * tl.sum(x_lo, 0) + mn1 * tl.sum(x_hi, 0))  # as Q4_K
 
 
 @triton.jit
-def _dot_q6_k(X, P0, P1, P2, P3, row, m, k0, K):
+def _dot_q6_k(XC, P0, P1, P2, P3, row, k0, K):
     """Q6_K, 128 columns from k0 (half a super-block): 64 bytes of low nibbles, 32 of high bits,
     8 scales of 16 columns; quarter j holds columns j*32 .. j*32+31."""
     col = tl.arange(0, 32)
@@ -361,7 +372,7 @@ def _dot_q6_k(X, P0, P1, P2, P3, row, m, k0, K):
     for j in tl.static_range(4):  # the scale per row and 16 columns applied to their sums, not per weight
         low = (ql_a if j % 2 == 0 else ql_b) >> (4 * (j // 2))
         q = (((low & 0x0F) | (((qh >> (2 * j)) & 3) << 4)).to(tl.int32) - 32).to(tl.float32)
-        x = tl.load(X + m * K + k0 + j * 32 + col).to(tl.float32)
+        x = tl.load(XC + j * 32 + col).to(tl.float32)
         qx = q * x[None, :]
         sc_idx = row * (K // 16) + k0 // 16 + 2 * j
         acc += tl.load(P2 + sc_idx).to(tl.float32) * tl.sum(tl.where(second, 0.0, qx), 1)
@@ -370,45 +381,45 @@ def _dot_q6_k(X, P0, P1, P2, P3, row, m, k0, K):
 
 
 @triton.jit
-def _dot_q8_0(X, P0, P1, row, m, k0, K):
+def _dot_q8_0(XC, P0, P1, row, k0, K):
     """Q8_0, 32 columns from k0 (one block: one scale per row)."""
     col = tl.arange(0, 32)
     q = tl.load(P0 + row[:, None] * K + k0 + col[None, :]).to(tl.float32)
     d = tl.load(P1 + row * (K // 32) + k0 // 32).to(tl.float32)
-    x = tl.load(X + m * K + k0 + col).to(tl.float32)
+    x = tl.load(XC + col).to(tl.float32)
     return d * tl.sum(q * x[None, :], 1)
 
 
 @triton.jit
-def _dot_fp8(X, P0, P1, row, m, k0, N, K):
+def _dot_fp8(XC, P0, P1, row, k0, N, K):
     """FP8, 128 columns from k0 (one block column: one scale per row)."""
     col = tl.arange(0, 128)
     w = tl.load(P0 + row[:, None] * K + k0 + col[None, :]).to(tl.float32)
     s = tl.load(P1 + (row // 128) * ((K + 127) // 128) + k0 // 128)
-    x = tl.load(X + m * K + k0 + col).to(tl.float32)
+    x = tl.load(XC + col).to(tl.float32)
     return s * tl.sum(w * x[None, :], 1)
 
 
 @triton.jit
-def _dot(X, P0, P1, P2, P3, row, xm, k0, N, K, FMT: tl.constexpr):
-    """The format's chunk of columns from k0: rows `row` [BN] against x's row xm."""
+def _dot(XC, P0, P1, P2, P3, row, k0, N, K, FMT: tl.constexpr):
+    """The format's chunk of columns from k0: rows `row` [BN] against x's chunk at XC."""
     if FMT == 0:
-        return _dot_q8_0(X, P0, P1, row, xm, k0, K)
+        return _dot_q8_0(XC, P0, P1, row, k0, K)
     elif FMT == 1:
-        return _dot_q4_k(X, P0, P1, P2, P3, row, xm, k0, K)
+        return _dot_q4_k(XC, P0, P1, P2, P3, row, k0, K)
     elif FMT == 2:
-        return _dot_q6_k(X, P0, P1, P2, P3, row, xm, k0, K)
+        return _dot_q6_k(XC, P0, P1, P2, P3, row, k0, K)
     elif FMT == 4:
-        return _dot_q5_k(X, P0, P1, P2, P3, row, xm, k0, K)
+        return _dot_q5_k(XC, P0, P1, P2, P3, row, k0, K)
     else:
-        return _dot_fp8(X, P0, P1, row, xm, k0, N, K)
+        return _dot_fp8(XC, P0, P1, row, k0, N, K)
 
 
 @triton.jit
 def _gemv_kernel(
-    X, P0, P1, P2, P3, PART, OUT, COUNT, EXPERT, SCALE, N, K, K_SPLIT, SPLIT,
+    X, P0, P1, P2, P3, PART, OUT, COUNT, EXPERT, SCALE, XCOLS, N, K, K_SPLIT, SPLIT,
     FMT: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
-    GROUPED: tl.constexpr, X_PER: tl.constexpr, TOPK: tl.constexpr, GLU: tl.constexpr,
+    GROUPED: tl.constexpr, X_PER: tl.constexpr, TOPK: tl.constexpr, GLU: tl.constexpr, XMAP: tl.constexpr,
 ):  # fmt: skip
     """Program (n-block, split s, output row m): BN outputs of row m over one range of K_SPLIT
     columns, a format-sized chunk at a time (each block's scales loaded once), summed over the
@@ -418,7 +429,9 @@ def _gemv_kernel(
     GROUPED (w: experts [E, N or 2N, K]): the program's assignment a = m * TOPK + s // (SPLIT / TOPK)
     takes x's row a // X_PER against expert EXPERT[a] (-1: none, nothing read, zeros); TOPK > 1
     sums that many assignments into output row m (the MoE down projection over a token's experts).
-    GLU: rows n (gate) and N + n (up) of the expert, out = silu(gate) * up * SCALE[a] (MoE up)."""
+    GLU: rows n (gate) and N + n (up) of the expert, out = silu(gate) * up * SCALE[a] (MoE up).
+    XMAP: x's columns in the weight's order are XCOLS[k] (`QuantWeight.columns`, in runs of whole
+    chunks): a chunk's are x's from XCOLS[k0] on."""
     pid, s, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n = pid * BN + tl.arange(0, BN)
     row = tl.minimum(n, N - 1).to(tl.int64)
@@ -430,13 +443,14 @@ def _gemv_kernel(
         expert = tl.load(EXPERT + a).to(tl.int64)
         row += tl.maximum(expert, 0) * (2 * N if GLU else N)
         end = tl.where(expert >= 0, end, start)
-    xm = a // X_PER
+    x = X + (a // X_PER) * K  # x's row
     acc = tl.zeros([BN], tl.float32)
     acc_up = tl.zeros([BN], tl.float32)
     for k0 in range(start, end, CHUNK):
-        acc += _dot(X, P0, P1, P2, P3, row, xm, k0, N, K, FMT)
+        xc = x + (tl.load(XCOLS + k0) if XMAP else k0)
+        acc += _dot(xc, P0, P1, P2, P3, row, k0, N, K, FMT)
         if GLU:
-            acc_up += _dot(X, P0, P1, P2, P3, row + N, xm, k0, N, K, FMT)
+            acc_up += _dot(xc, P0, P1, P2, P3, row + N, k0, N, K, FMT)
     keep = n < N
     if SPLIT > 1:
         width = 2 * N if GLU else N
@@ -583,13 +597,15 @@ def _gemv(
     splits = _splits(k, chunk, top_k, blocks * rows)
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     ids = experts if experts is not None else x  # (unread when not grouped)
+    columns = w.columns if w.columns is not None else x  # (unread without a column map)
     counters = tickets(x.device)  # made here, never inside a timing capture
 
     def launch(split: int) -> None:
         part = torch.empty(split, rows, 2 * n if glu else n, dtype=torch.float32, device=x.device) if split > 1 else x
         _gemv_kernel[(blocks, split, rows)](
-            x, *_padded(w), part, out, counters, ids, scale if glu else x, n, k, k // (split // top_k), split,
+            x, *_padded(w), part, out, counters, ids, scale if glu else x, columns, n, k, k // (split // top_k), split,
             FMT=w.fmt, BN=bn, CHUNK=chunk, GROUPED=experts is not None, X_PER=x_per, TOPK=top_k, GLU=glu,
+            XMAP=w.columns is not None,
         )  # fmt: skip
 
     if split is None:
@@ -709,8 +725,10 @@ def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     n, k = w.shape
     x = x.contiguous()
     m = x.shape[0]
-    if m <= GEMV_ROWS and k % GEMV_CHUNK[w.fmt] == 0:
-        return _gemv(x, w, m, n)
+    if m <= GEMV_ROWS and k % GEMV_CHUNK[w.fmt] == 0 and (w.columns is None or w.chunked_columns):
+        return _gemv(x, w, m, n)  # x's columns through w's map, if any, a chunk at a time
+    if w.columns is not None:  # into the packed order
+        x = x.index_select(-1, w.columns)
     if m > DEQUANT_ROWS and x.dtype != torch.float32:
         return x @ dequantize_to(w, x.dtype).T
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
