@@ -5,8 +5,9 @@ variants offline before a lease measures the promising ones.
     python bench/gemv_registers.py                      # the launch's own BN and warps
     python bench/gemv_registers.py --bn 16,32,64 --warps 4,8
 
-Per mode (a dense projection; one reading x through a column map, `mapped`; MoE decode's up with SiLU
-and routing weight, `glu`; its down summing a token's experts, `topk`) and format: registers a thread, and the warps an SM keeps resident
+Per mode (a dense projection; one reading x through a column map, `mapped`; the format's weight and
+a Q4_K one in one launch, `pair`; MoE decode's up with SiLU and routing weight, `glu`; its down summing
+a token's experts, `topk`) and format: registers a thread, and the warps an SM keeps resident
 (65,536 registers, at most 64 warps): what hides the latency of each program's dependent loads.
 Session 10, at the launch's 4 warps and 32 rows a program: 64-255 registers, 8-32 warps an SM; MoE
 decode's up over Q4_K 254 (8 a weight in flight, 8 warps). With each block's scales applied to its
@@ -30,16 +31,20 @@ from engine.ops.gpu import quant  # noqa: E402
 from tests.engine.test_kernels_compile import GEMV, H200, PARTS  # noqa: E402  (the signature the compile test uses)
 
 # a token reads 9 experts, its 8 routed and the shared one folded in (engine.model.SparseMoe.fold_shared)
-MODES = {"linear": (False, 1, 1, False, False), "mapped": (False, 1, 1, False, True),
-         "glu": (True, 9, 1, True, False), "topk": (True, 1, 9, False, False)}  # fmt: skip
+# (grouped, x_per, top_k, glu, x through a column map, a second weight's format or -1)
+MODES = {"linear": (False, 1, 1, False, False, -1), "mapped": (False, 1, 1, False, True, -1),
+         "pair": (False, 1, 1, False, False, quant.Q4_K), "glu": (True, 9, 1, True, False, -1),
+         "topk": (True, 1, 9, False, False, -1)}  # fmt: skip
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
 def registers(fmt: int, mode: str, bn: int, warps: int) -> int:
-    grouped, x_per, top_k, glu, xmap = MODES[mode]
-    signature = {**GEMV, **{f"P{i}": t for i, t in enumerate(PARTS[fmt])}}
+    grouped, x_per, top_k, glu, xmap, fmt2 = MODES[mode]
+    signature = {**GEMV, **{f"P{i}": t for i, t in enumerate(PARTS[fmt])},
+                 **{f"Q{i}": t for i, t in enumerate(PARTS[fmt if fmt2 < 0 else fmt2])}}  # fmt: skip
     constexprs = {"FMT": fmt, "BN": bn, "CHUNK": quant.GEMV_CHUNK[fmt], "GROUPED": grouped, "X_PER": x_per,
-                  "TOPK": top_k, "GLU": glu, "XMAP": xmap}  # fmt: skip
+                  "TOPK": top_k, "GLU": glu, "XMAP": xmap, "FMT2": fmt2,
+                  "CHUNK2": quant.GEMV_CHUNK[fmt2] if fmt2 >= 0 else 1}  # fmt: skip
     kernel = triton.compile(ASTSource(fn=quant._gemv_kernel, signature=signature, constexprs=constexprs),
                             target=H200, options={"num_warps": warps})  # fmt: skip
     with tempfile.TemporaryDirectory() as folder:

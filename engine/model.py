@@ -50,7 +50,14 @@ class Concat(nn.Module):
         return [getattr(self, f"w{i}") for i in range(self.count)]
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([matmul(x, w) for w in self.weights()], dim=-1)
+        weights = self.weights()
+        if len(weights) == 2 and not any(isinstance(w, torch.Tensor) for w in weights):
+            from engine.ops.gpu.quant import linear_pair  # noqa: PLC0415 (Triton: only with quantized weights)
+
+            out = linear_pair(x, *weights)  # decode: both in one GEMV launch, no concatenation
+            if out is not None:
+                return out
+        return torch.cat([matmul(x, w) for w in weights], dim=-1)
 
 
 def _joins(run: list[nn.Module], w) -> bool:

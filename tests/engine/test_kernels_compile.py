@@ -17,9 +17,9 @@ from engine.ops.gpu import gather, moe, quant  # noqa: E402
 H200 = GPUTarget("cuda", 90, 32)
 GEMV = {
     "X": "*bf16", "PART": "*fp32", "OUT": "*bf16", "COUNT": "*i32", "EXPERT": "*i64", "SCALE": "*bf16", "XCOLS": "*i64",
-    "N": "i32", "K": "i32", "K_SPLIT": "i32", "SPLIT": "i32", "FMT": "constexpr", "BN": "constexpr",
+    "N": "i32", "N2": "i32", "K": "i32", "K_SPLIT": "i32", "SPLIT": "i32", "FMT": "constexpr", "BN": "constexpr",
     "CHUNK": "constexpr", "GROUPED": "constexpr", "X_PER": "constexpr", "TOPK": "constexpr", "GLU": "constexpr",
-    "XMAP": "constexpr",
+    "XMAP": "constexpr", "FMT2": "constexpr", "CHUNK2": "constexpr",
 }  # fmt: skip
 PARTS = {  # the field arrays' types per format (quant.FIELDS)
     quant.Q8_0: ("*i8", "*fp16", "*i8", "*i8"),
@@ -50,14 +50,23 @@ def test_gemv_compiles_with_its_split_sums(fmt, mode):
     summed; 9 a token: 8 routed and the shared one), a plain one reading x through a column map:
     each split's sums taken by its last program behind an acquire-release ticket."""
     grouped, x_per, top_k, glu, xmap = mode
-    signature = {**GEMV, **{f"P{i}": t for i, t in enumerate(PARTS[fmt])}}
+    signature = {**GEMV, **{f"P{i}": t for i, t in enumerate(PARTS[fmt])}, **{f"Q{i}": t for i, t in enumerate(PARTS[fmt])}}
     constexprs = {"FMT": fmt, "BN": 32, "CHUNK": quant.GEMV_CHUNK[fmt], "GROUPED": grouped,
-                  "X_PER": x_per, "TOPK": top_k, "GLU": glu, "XMAP": xmap}  # fmt: skip
+                  "X_PER": x_per, "TOPK": top_k, "GLU": glu, "XMAP": xmap, "FMT2": -1, "CHUNK2": 1}  # fmt: skip
     ptx = compile_for_h200(quant._gemv_kernel, signature, constexprs)
     assert ".entry _gemv_kernel" in ptx
     assert "atom.global.gpu.acq_rel.add" in ptx or "atom.acq_rel.gpu.global.add" in ptx, [
         line for line in ptx.splitlines() if "atom" in line
     ]
+
+
+def test_gemv_of_two_formats_compiles():
+    """Q4_K_M's DeltaNet input projection: the Q6_K qkv and the Q4_K gate, b and a in one launch."""
+    signature = {**GEMV, **{f"P{i}": t for i, t in enumerate(PARTS[quant.Q6_K])},
+                 **{f"Q{i}": t for i, t in enumerate(PARTS[quant.Q4_K])}}  # fmt: skip
+    constexprs = {"FMT": quant.Q6_K, "BN": 32, "CHUNK": 128, "GROUPED": False, "X_PER": 1, "TOPK": 1, "GLU": False,
+                  "XMAP": False, "FMT2": quant.Q4_K, "CHUNK2": 64}  # fmt: skip
+    assert ".entry _gemv_kernel" in compile_for_h200(quant._gemv_kernel, signature, constexprs)
 
 
 def test_bf16_decode_kernels_compile():

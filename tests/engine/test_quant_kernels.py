@@ -273,3 +273,34 @@ def test_gather_copies_each_staged_row_from_its_expert_and_skips_absent_ones():
     for g, r in zip(got, want, strict=True):
         assert torch.equal(g, r)
     assert torch.equal(got[0][2], source[0][0]) and not got[0][1].any()
+
+
+@in_this_process
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [(T.Q6_K, T.Q4_K), (T.Q4_K, T.Q8_0), ("fp8", T.Q6_K), (T.Q8_0, T.Q5_K)],
+    ids=["Q6_K+Q4_K", "Q4_K+Q8_0", "fp8+Q6_K", "Q8_0+Q5_K"],
+)
+def test_two_formats_in_one_gemv_launch(first, second):
+    """A fused projection whose parts are in two formats (Q4_K_M's Q6_K qkv beside its Q4_K gate
+    and b, a: `engine.model.Concat`): one GEMV launch writes both parts' outputs side by side, at
+    every split of K both formats' chunks divide, each sum taken by its last program."""
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    dev = torch.device(DEVICE)
+    a, ref_a = weights(first, (72, 1024))  # rows off a block of outputs: masked, in both parts
+    b, ref_b = weights(second, (40, 1024))
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(8)).to(dtype)
+    want = x.float() @ torch.cat([ref_a, ref_b]).T
+    a, b, xd = a.to(dev), b.to(dev), x.to(dev)
+    bn = quant.gemv_block_n(112)
+    blocks = -(-72 // bn) + -(-40 // bn)
+    chunk = max(quant.GEMV_CHUNK[a.fmt], quant.GEMV_CHUNK[b.fmt])
+    splits = quant._splits(1024, chunk, 1, blocks * 3)
+    assert len(splits) >= 3
+    for split in splits:
+        got = quant._gemv(xd, a, 3, 72, second=b, split=split)
+        assert got.shape == (3, 112)
+        close(got.cpu(), want, dtype)
+        assert not quant.tickets(dev).any()
+    close(quant.linear_pair(xd, a, b).cpu(), want, dtype)
+    assert quant.linear_pair(torch.randn(5, 1024).to(dtype).to(dev), a, b) is None  # past decode rows: apart

@@ -417,9 +417,10 @@ def _dot(XC, P0, P1, P2, P3, row, k0, N, K, FMT: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    X, P0, P1, P2, P3, PART, OUT, COUNT, EXPERT, SCALE, XCOLS, N, K, K_SPLIT, SPLIT,
+    X, P0, P1, P2, P3, PART, OUT, COUNT, EXPERT, SCALE, XCOLS, Q0, Q1, Q2, Q3, N, N2, K, K_SPLIT, SPLIT,
     FMT: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
     GROUPED: tl.constexpr, X_PER: tl.constexpr, TOPK: tl.constexpr, GLU: tl.constexpr, XMAP: tl.constexpr,
+    FMT2: tl.constexpr, CHUNK2: tl.constexpr,
 ):  # fmt: skip
     """Program (n-block, split s, output row m): BN outputs of row m over one range of K_SPLIT
     columns, a format-sized chunk at a time (each block's scales loaded once), summed over the
@@ -431,45 +432,62 @@ def _gemv_kernel(
     sums that many assignments into output row m (the MoE down projection over a token's experts).
     GLU: rows n (gate) and N + n (up) of the expert, out = silu(gate) * up * SCALE[a] (MoE up).
     XMAP: x's columns in the weight's order are XCOLS[k] (`QuantWeight.columns`, in runs of whole
-    chunks): a chunk's are x's from XCOLS[k0] on."""
+    chunks): a chunk's are x's from XCOLS[k0] on.
+    FMT2 >= 0: a second plain weight [N2, K] of that format (Q0..Q3) whose outputs follow the first's
+    (out [M, N + N2]: two projections of one input in two formats, one launch); the n-blocks past
+    the first weight's are its (K_SPLIT a multiple of both formats' chunks)."""
     pid, s, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n = pid * BN + tl.arange(0, BN)
-    row = tl.minimum(n, N - 1).to(tl.int64)
     KS = SPLIT // TOPK  # programs per assignment (a run-time value: the split is chosen per shape)
     a = m * TOPK + s // KS
     start = (s % KS) * K_SPLIT
     end = start + K_SPLIT
-    if GROUPED:
-        expert = tl.load(EXPERT + a).to(tl.int64)
-        row += tl.maximum(expert, 0) * (2 * N if GLU else N)
-        end = tl.where(expert >= 0, end, start)
     x = X + (a // X_PER) * K  # x's row
     acc = tl.zeros([BN], tl.float32)
     acc_up = tl.zeros([BN], tl.float32)
-    for k0 in range(start, end, CHUNK):
-        xc = x + (tl.load(XCOLS + k0) if XMAP else k0)
-        acc += _dot(xc, P0, P1, P2, P3, row, k0, N, K, FMT)
-        if GLU:
-            acc_up += _dot(xc, P0, P1, P2, P3, row + N, k0, N, K, FMT)
-    keep = n < N
+    first = tl.cdiv(N, BN)  # the first weight's n-blocks
+    if FMT2 >= 0:
+        second = pid >= first
+    else:
+        second = False
+    if second:
+        n = (pid - first) * BN + tl.arange(0, BN)
+        row = tl.minimum(n, N2 - 1).to(tl.int64)
+        for k0 in range(start, end, CHUNK2):
+            acc += _dot(x + k0, Q0, Q1, Q2, Q3, row, k0, N2, K, FMT2)
+        keep = n < N2
+        n += N  # its outputs' columns
+    else:
+        n = pid * BN + tl.arange(0, BN)
+        row = tl.minimum(n, N - 1).to(tl.int64)
+        if GROUPED:
+            expert = tl.load(EXPERT + a).to(tl.int64)
+            row += tl.maximum(expert, 0) * (2 * N if GLU else N)
+            end = tl.where(expert >= 0, end, start)
+        for k0 in range(start, end, CHUNK):
+            xc = x + (tl.load(XCOLS + k0) if XMAP else k0)
+            acc += _dot(xc, P0, P1, P2, P3, row, k0, N, K, FMT)
+            if GLU:
+                acc_up += _dot(xc, P0, P1, P2, P3, row + N, k0, N, K, FMT)
+        keep = n < N
+    width = N + N2  # the output's (N2 is 0 with one weight)
     if SPLIT > 1:
-        width = 2 * N if GLU else N
+        part = width + N if GLU else width  # gate and up partials
         rows = tl.num_programs(2)
-        tl.store(PART + (s * rows + m) * width + n, acc, mask=keep)
+        tl.store(PART + (s * rows + m) * part + n, acc, mask=keep)
         if GLU:
-            tl.store(PART + (s * rows + m) * width + N + n, acc_up, mask=keep)
+            tl.store(PART + (s * rows + m) * part + N + n, acc_up, mask=keep)
         ticket = COUNT + m * tl.num_programs(0) + pid
         if last_to_finish(ticket, SPLIT):  # sums every program's partials (from L2: .cg)
             acc = tl.zeros([BN], tl.float32)
             acc_up = tl.zeros([BN], tl.float32)
             for t in range(SPLIT):
-                acc += tl.load(PART + (t * rows + m) * width + n, mask=keep, other=0.0, cache_modifier=".cg")
+                acc += tl.load(PART + (t * rows + m) * part + n, mask=keep, other=0.0, cache_modifier=".cg")
                 if GLU:
-                    acc_up += tl.load(PART + (t * rows + m) * width + N + n, mask=keep, other=0.0, cache_modifier=".cg")
+                    acc_up += tl.load(PART + (t * rows + m) * part + N + n, mask=keep, other=0.0, cache_modifier=".cg")
             tl.atomic_xchg(ticket, 0)  # for the next launch
-            _gemv_out(OUT, SCALE, acc, acc_up, m, n, N, keep, GLU)
+            _gemv_out(OUT, SCALE, acc, acc_up, m, n, width, keep, GLU)
     else:
-        _gemv_out(OUT, SCALE, acc, acc_up, m, n, N, keep, GLU)
+        _gemv_out(OUT, SCALE, acc, acc_up, m, n, width, keep, GLU)
 
 
 @triton.jit
@@ -585,34 +603,41 @@ def tickets(device: torch.device) -> torch.Tensor:
 def _gemv(
     x: torch.Tensor, w: QuantWeight, rows: int, n: int, experts: torch.Tensor | None = None,
     x_per: int = 1, top_k: int = 1, scale: torch.Tensor | None = None, split: int | None = None,
+    second: QuantWeight | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """`rows` output rows of `n` (`_gemv_kernel`), in one launch: K split over as many programs as
     `_split` chooses for this shape (or `split`, one of `_splits`), the split's sums taken by its
-    last program."""
-    k, bn, chunk = w.shape[-1], gemv_block_n(n), GEMV_CHUNK[w.fmt]
-    blocks = triton.cdiv(n, bn)
+    last program. `second`: a plain weight of another format whose outputs follow (rows x (n + its N))."""
+    n2 = second.shape[0] if second is not None else 0
+    k, bn = w.shape[-1], gemv_block_n(n + n2)
+    chunk = max(GEMV_CHUNK[w.fmt], GEMV_CHUNK[second.fmt] if second is not None else 0)  # powers of two
+    blocks = triton.cdiv(n, bn) + triton.cdiv(n2, bn)
     if blocks * rows > TICKETS:
-        raise ValueError(f"GEMV of {rows} x {n} outputs: more than {TICKETS} sums")
+        raise ValueError(f"GEMV of {rows} x {n + n2} outputs: more than {TICKETS} sums")
     glu = scale is not None
     splits = _splits(k, chunk, top_k, blocks * rows)
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(rows, n + n2, dtype=x.dtype, device=x.device)
     ids = experts if experts is not None else x  # (unread when not grouped)
     columns = w.columns if w.columns is not None else x  # (unread without a column map)
     counters = tickets(x.device)  # made here, never inside a timing capture
+    fmt2, chunk2, parts2 = (second.fmt, GEMV_CHUNK[second.fmt], _padded(second)) if second is not None else (-1, 1, _padded(w))
 
     def launch(split: int) -> None:
-        part = torch.empty(split, rows, 2 * n if glu else n, dtype=torch.float32, device=x.device) if split > 1 else x
+        part = torch.empty(split, rows, (n if glu else 0) + n + n2, dtype=torch.float32, device=x.device) if split > 1 else x
         _gemv_kernel[(blocks, split, rows)](
-            x, *_padded(w), part, out, counters, ids, scale if glu else x, columns, n, k, k // (split // top_k), split,
-            FMT=w.fmt, BN=bn, CHUNK=chunk, GROUPED=experts is not None, X_PER=x_per, TOPK=top_k, GLU=glu,
-            XMAP=w.columns is not None,
+            x, *_padded(w), part, out, counters, ids, scale if glu else x, columns, *parts2, n, n2, k,
+            k // (split // top_k), split,
+            FMT=w.fmt, BN=bn, CHUNK=GEMV_CHUNK[w.fmt], GROUPED=experts is not None, X_PER=x_per, TOPK=top_k,
+            GLU=glu, XMAP=w.columns is not None, FMT2=fmt2, CHUNK2=chunk2,
         )  # fmt: skip
 
     if split is None:
-        key = (x.device, w.fmt, rows, n, k, top_k, glu, experts is not None)
+        key = (x.device, w.fmt, rows, n, k, top_k, glu, experts is not None, fmt2, n2)
+
         def read() -> int:  # the weight bytes a launch reads (for the timings only)
             assigned = experts.numel() if experts is not None else 1
-            return w.nbytes * (2 if glu else 1) * n * assigned // math.prod(w.shape[:-1])
+            own = w.nbytes * (2 if glu else 1) * n * assigned // math.prod(w.shape[:-1])
+            return own + (second.nbytes if second is not None else 0)
 
         split = _split(key, splits, _heuristic_split(splits, blocks * rows), launch, read)
     elif split not in splits:
@@ -737,6 +762,18 @@ def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     rows = torch.arange(m, device=x.device, dtype=torch.int32)
     zero = torch.zeros_like(tiles)
     return _launch_gemm(x, w, rows, zero, tiles, (tiles + bm).clamp(max=m), n, k, out, bm)
+
+
+def linear_pair(x: torch.Tensor, first: QuantWeight, second: QuantWeight) -> torch.Tensor | None:
+    """x [M, K] @ [first; second].T → [M, N1 + N2] for two weights of different formats (a fused
+    projection that could not be one weight: `engine.model.Concat`) in one GEMV launch; None beyond
+    decode rows or where the GEMV does not take them (a column map, K off a chunk)."""
+    m, k = x.shape
+    if (m > GEMV_ROWS or len(first.shape) != 2 or len(second.shape) != 2 or second.shape[1] != k
+            or first.columns is not None or second.columns is not None
+            or k % max(GEMV_CHUNK[first.fmt], GEMV_CHUNK[second.fmt])):  # fmt: skip
+        return None
+    return _gemv(x.contiguous(), first, m, first.shape[0], second=second)
 
 
 def grouped(
