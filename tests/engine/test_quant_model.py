@@ -24,9 +24,10 @@ RUNNABLE = os.environ.get("TRITON_INTERPRET") == "1"
 in_this_process = pytest.mark.skipif(not RUNNABLE, reason="run in a fresh TRITON_INTERPRET=1 process")
 
 
-GROUPS = {  # each run in its own interpreter process, within ~30 s
+GROUPS = {  # each run in its own interpreter process, within ~30 s (the random Q4_K_M: ~60 s)
     "kquants": "kmix or fusion or moved",
     "presets": "(q8_0 or fp8) and not next",
+    "random": "random",
 }
 
 
@@ -90,6 +91,10 @@ class Models(dict):
                 path = write_kquant_gguf(config, raw, state_dict, root / "kmix.gguf")
         elif name == "fp8":
             path = write_preset("tiny", root / "tiny-fp8", fmt="fp8")
+        elif name == "random-q4_k_m":  # llama-quantize's types at the `small` shape (peer.gguf_random)
+            from peer.gguf_random import write_random_gguf  # noqa: PLC0415
+
+            path = write_random_gguf("small", root / "small-random-q4_k_m.gguf")
         elif name == "llama-q4_k_m":  # llama.cpp's: rows of 64 fall back to Q5_0 / Q5_1 / Q8_0
             from peer.gguf_export import preset_gguf  # noqa: PLC0415
             from peer.llama_server import PEER_HOME  # noqa: PLC0415
@@ -130,24 +135,31 @@ def quantized_weights(engine: Engine) -> dict[int, int]:
 
 @in_this_process
 @pytest.mark.parametrize("name", [
-    "q8_0", pytest.param("next-q8_0", marks=pytest.mark.slow), "fp8", "kmix",
+    "q8_0", pytest.param("next-q8_0", marks=pytest.mark.slow), "fp8", "kmix", "random-q4_k_m",
     pytest.param("llama-q4_k_m", marks=[pytest.mark.slow, pytest.mark.skipif("not llama_quantize_built()")]),
 ])  # fmt: skip
 def test_quantized_logits_equal_the_dequantized_models(models, name):
     """Prefill (GEMM, grouped experts) and decode (GEMV, the runner's slot path) on the kept weights
     give the logits of the fp32 model dequantized at load. llama.cpp's Q4_K_M of tiny keeps only its
-    Q8_0 tensors packed (Q5_0 / Q5_1 are dequantized): fusions of packed and plain parts."""
+    Q8_0 tensors packed (Q5_0 / Q5_1 are dequantized): fusions of packed and plain parts. The random
+    Q4_K_M of `small` has a Q4_K_M file's layout: fused projections of two formats (one GEMV launch
+    each in decode) and the DeltaNet out_proj's reordered value heads (read through its column map)."""
     q, d = pair(models[name])
     formats = quantized_weights(q)
-    expected = {"fp8": {quant.FP8}, "kmix": {quant.Q4_K, quant.Q5_K, quant.Q6_K, quant.Q8_0}}.get(
-        name, {quant.Q8_0}
-    )
+    expected = {"fp8": {quant.FP8}, "kmix": {quant.Q4_K, quant.Q5_K, quant.Q6_K, quant.Q8_0},
+                "random-q4_k_m": {quant.Q4_K, quant.Q6_K}}.get(name, {quant.Q8_0})  # fmt: skip
     assert set(formats) == expected, formats
     # the shared expert folded into the packed stacks (`SparseMoe.fold_shared`), but in tiny's FP8
     # (its 32-row gate and up are off a 128-row scale block: they cannot be one weight)
     assert all(layer.mlp.folded == (name != "fp8") for layer in q.model.model.layers)
+    if name == "random-q4_k_m":
+        pairs = [m for m in q.model.modules() if isinstance(m, Concat) and m.count == 2
+                 and not any(isinstance(w, torch.Tensor) for w in m.weights())]  # fmt: skip
+        mapped = [m for m in q.model.modules() if isinstance(m, quant.QuantWeight) and m.chunked_columns]
+        assert pairs and mapped
+    ids = IDS[:3] if name == "random-q4_k_m" else IDS  # its GEMMs at `small`'s shape: minutes interpreted
     sq, sd = q.new_state(), d.new_state()
-    lq, ld = q.prefill(sq, IDS).logits, d.prefill(sd, IDS).logits
+    lq, ld = q.prefill(sq, ids).logits, d.prefill(sd, ids).logits
     assert (lq - ld).abs().max().item() <= 1e-4
     for token in (11, 12):
         assert (q.decode(sq, token) - d.decode(sd, token)).abs().max().item() <= 1e-4
