@@ -185,10 +185,9 @@ class Attention(nn.Module):
         q = kernels.norm_rope(q, self.q_norm.weight, self.q_norm.eps, *rope)  # [T, Hq, D]
         k = kernels.norm_rope(k.view(length, -1, self.head_dim), self.k_norm.weight, self.k_norm.eps, *rope)  # [T, Hkv, D]
         v = v.view(length, -1, self.head_dim)
-        if isinstance(batch, SlotBatch):  # one query per slot, the new KV row written in place
+        if isinstance(batch, SlotBatch):  # one query per slot, the new KV row written in place by the kernel
             keys, values = batch.buffers.k[layer], batch.buffers.v[layer]
-            keys[batch.index, batch.pos], values[batch.index, batch.pos] = k, v
-            out = kernels.decode_attention(q, keys, values, batch.index, batch.pos + 1)
+            out = kernels.decode_attention(q, keys, values, batch.index, batch.pos + 1, k, v)
         elif isinstance(batch, SlotPrefill):  # a few tokens of one slot: their KV rows written in place
             keys, values = batch.buffers.k[layer], batch.buffers.v[layer]
             rows = (batch.slot.expand(length), batch.pos)

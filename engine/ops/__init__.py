@@ -16,7 +16,7 @@ from engine.ops import attention, conv, deltanet, gates, moe, norm, rope
 class Kernels:
     name: str
     causal_attention: Callable = attention.causal_attention
-    decode_attention: Callable = attention.decode_attention  # one query per slot of stacked caches
+    decode_attention: Callable = attention.decode_attention  # one query per slot of stacked caches, its new KV row written
     slot_prefill_attention: Callable = attention.slot_prefill_attention  # a few queries of one slot
     causal_conv: Callable = conv.causal_conv
     chunk_gated_delta_rule: Callable = deltanet.chunk_gated_delta_rule

@@ -33,11 +33,17 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 def decode_attention(
-    q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, index: torch.Tensor, lengths: torch.Tensor
+    q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, index: torch.Tensor, lengths: torch.Tensor,
+    k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per row against slotted caches: q [B, Hq, D]; k_slots, v_slots [S, capacity, Hkv, D];
     row b reads slot index[b], of which the first lengths[b] positions are valid. Returns [B, Hq, D].
-    Shapes never depend on the lengths (a masked read of the whole capacity), so it runs in a graph."""
+    With k_new, v_new [B, Hkv, D] (the step's token), they are first written at position
+    lengths[b] - 1 of each row's slot. Shapes never depend on the lengths (a masked read of the whole
+    capacity), so it runs in a graph."""
+    if k_new is not None and v_new is not None:
+        last = lengths - 1
+        k_slots[index, last], v_slots[index, last] = k_new, v_new
     num_heads = q.shape[1]
     keys, values = k_slots[index], v_slots[index]  # [B, capacity, Hkv, D]
     group = num_heads // keys.shape[2]

@@ -197,7 +197,21 @@ def test_split_decode_attention_combined_in_one_kernel(dtype):
     index, lengths = torch.tensor([2, 0], device=DEVICE), torch.tensor([90, 7], device=DEVICE)
     want = reference_attention.decode_attention(q.float(), k.float(), v.float(), index, lengths)
     got = attention.decode_attention(q, k, v, index, lengths)
-    torch.testing.assert_close(got.float(), want, rtol=2e-2 if dtype == torch.bfloat16 else 1e-4, atol=2e-2)
+    tol = {"rtol": 2e-2 if dtype == torch.bfloat16 else 1e-4, "atol": 2e-2}
+    torch.testing.assert_close(got.float(), want, **tol)
+    # the step's new key and value rows written by the kernel (each row's last position), then read:
+    # a split's share holding it sees it; the positions before it are untouched
+    fused = _randn(batch, kv_heads, 3 * dim, dtype=dtype, seed=11)  # strided views, as the model's qkv split
+    k_new, v_new = fused[..., :dim], fused[..., 2 * dim :]
+    k_ref, v_ref = k.float().clone(), v.float().clone()
+    want = reference_attention.decode_attention(q.float(), k_ref, v_ref, index, lengths, k_new.float(), v_new.float())
+    before = k.clone()
+    got = attention.decode_attention(q, k, v, index, lengths, k_new, v_new)
+    torch.testing.assert_close(got.float(), want, **tol)
+    last = lengths - 1
+    assert torch.equal(k[index, last], k_new) and torch.equal(v[index, last], v_new)
+    k[index, last] = before[index, last]
+    assert torch.equal(k, before)  # nothing else written
 
 
 @in_this_process

@@ -122,6 +122,23 @@ def test_decode_combine_compiles():
     assert ".entry _decode_combine" in compile_for_h200(attention._decode_combine, signature, constexprs)
 
 
+@pytest.mark.parametrize("write", [False, True], ids=["read", "write-new-row"])
+def test_decode_partial_compiles(write):
+    """The split-K decode attention at the 35B shape, with the step's new key and value rows written
+    by the program whose share holds them (a store, then a barrier before the reads)."""
+    from engine.ops.gpu import attention  # noqa: PLC0415
+
+    pointers = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "INDEX": "*i64", "LENGTH": "*i64", "PO": "*fp32",
+                "PM": "*fp32", "PL": "*fp32", "K_NEW": "*bf16", "V_NEW": "*bf16", "scale": "fp32"}  # fmt: skip
+    strides = ("stride_qb", "stride_qh", "stride_ks", "stride_kn", "stride_kh", "stride_vs", "stride_vn", "stride_vh",
+               "stride_knb", "stride_knh", "stride_vnb", "stride_vnh", "NUM_KV")  # fmt: skip
+    constexprs = {"GROUP": 8, "GPAD": 16, "D": 256, "BLOCK_N": 64, "SPLITS": attention.DECODE_SPLITS, "IEEE": False,
+                  "WRITE": write}  # fmt: skip
+    signature = {**pointers, **dict.fromkeys(strides, "i32"), **dict.fromkeys(constexprs, "constexpr")}
+    ptx = compile_for_h200(attention._decode_partial, signature, constexprs)
+    assert ".entry _decode_partial" in ptx
+
+
 def test_slotted_decode_kernels_compile():
     """The DeltaNet decode step on slotted states (engine/ops/gpu/conv.py, recurrent.py) at the
     35B shape's sizes."""

@@ -31,11 +31,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 @triton.jit
 def _decode_partial(
-    Q, K, V, INDEX, LENGTH, PO, PM, PL, scale,
-    stride_qb, stride_qh, stride_ks, stride_kn, stride_kh, stride_vs, stride_vn, stride_vh, NUM_KV,
+    Q, K, V, INDEX, LENGTH, PO, PM, PL, K_NEW, V_NEW, scale,
+    stride_qb, stride_qh, stride_ks, stride_kn, stride_kh, stride_vs, stride_vn, stride_vh,
+    stride_knb, stride_knh, stride_vnb, stride_vnh, NUM_KV,
     GROUP: tl.constexpr, GPAD: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    SPLITS: tl.constexpr, IEEE: tl.constexpr, WRITE: tl.constexpr,
 ):
+    """Program (kv head, split, row): its share of the row's keys against the head's queries. WRITE:
+    the row's new key and value (K_NEW, V_NEW [B, Hkv, D]) are first stored at position length - 1
+    of its slot by the program whose share holds it (the barrier makes them visible to its reads)."""
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
     row = tl.program_id(2)
@@ -48,6 +52,14 @@ def _decode_partial(
     hi = tl.minimum(lo + per_split, length)
     rows = tl.arange(0, GPAD)
     dims = tl.arange(0, D)
+    if WRITE:
+        last = length - 1
+        if (last >= lo) & (last < hi):
+            kn = tl.load(K_NEW + row * stride_knb + kv_head * stride_knh + dims)
+            vn = tl.load(V_NEW + row * stride_vnb + kv_head * stride_vnh + dims)
+            tl.store(K + last * stride_kn + kv_head * stride_kh + dims, kn)
+            tl.store(V + last * stride_vn + kv_head * stride_vh + dims, vn)
+        tl.debug_barrier()
     q_ptr = Q + row * stride_qb + (kv_head * GROUP + rows)[:, None] * stride_qh + dims[None, :]
     q = tl.load(q_ptr, mask=(rows < GROUP)[:, None], other=0.0)
     m = tl.full([GPAD], float("-inf"), tl.float32)
@@ -79,11 +91,14 @@ def _decode_partial(
 
 
 def decode_attention(
-    q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, index: torch.Tensor, lengths: torch.Tensor
+    q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor, index: torch.Tensor, lengths: torch.Tensor,
+    k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per row against slotted caches: q [B, Hq, D]; k_slots, v_slots [S, capacity, Hkv, D];
     row b reads slot index[b], of which the first lengths[b] positions (on the device) are valid.
-    Returns [B, Hq, D]. Each row's keys are split in DECODE_SPLITS parts, combined afterwards."""
+    Returns [B, Hq, D]. Each row's keys are split in DECODE_SPLITS parts, combined afterwards. With
+    k_new, v_new [B, Hkv, D] (rows of unit stride), the kernel first writes them at position
+    lengths[b] - 1 (`engine.ops.attention.decode_attention`): no index-put launches in front of it."""
     batch, num_heads, dim = q.shape
     num_kv_heads = k_slots.shape[2]
     group = num_heads // num_kv_heads
@@ -94,13 +109,17 @@ def decode_attention(
     pm = torch.empty(batch, num_kv_heads, DECODE_SPLITS, gpad, device=q.device, dtype=torch.float32)
     pl = torch.empty_like(pm)
     q = q.contiguous()
+    write = k_new is not None and v_new is not None
+    if write:
+        k_new, v_new = (t if t.stride(-1) == 1 else t.contiguous() for t in (k_new, v_new))
+    kn, vn = (k_new, v_new) if write else (q, q)  # (unread without WRITE)
     _decode_partial[(num_kv_heads, DECODE_SPLITS, batch)](
-        q, k_slots, v_slots, index, lengths, po, pm, pl, dim**-0.5,
+        q, k_slots, v_slots, index, lengths, po, pm, pl, kn, vn, dim**-0.5,
         q.stride(0), q.stride(1), k_slots.stride(0), k_slots.stride(1), k_slots.stride(2),
-        v_slots.stride(0), v_slots.stride(1), v_slots.stride(2), num_kv_heads,
-        GROUP=group, GPAD=gpad, D=dim, BLOCK_N=block_n, SPLITS=DECODE_SPLITS, IEEE=ieee,
+        v_slots.stride(0), v_slots.stride(1), v_slots.stride(2), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
+        num_kv_heads, GROUP=group, GPAD=gpad, D=dim, BLOCK_N=block_n, SPLITS=DECODE_SPLITS, IEEE=ieee, WRITE=write,
         num_warps=4, num_stages=2,
-    )
+    )  # fmt: skip
     return _combine(po, pm, pl, group, q.dtype)
 
 
