@@ -357,12 +357,16 @@ class SparseMoe(nn.Module):
         then views of them): the router appends it to each token's experts with weight
         sigmoid(its gate), and one pair of expert launches runs all nine a token reads, where decode
         ran the shared expert apart (two more GEMVs or GEMMs, its activation and the gated add,
-        each layer). Only where it has the routed experts' size and kind (in a quantized model,
-        their format) and the experts are in the layer (not offloaded); else nothing changes. The
-        stacks are built anew, one layer's worth of memory at a time."""
+        each layer), and the router and the shared expert's gate are one plain GEMM, or one launch
+        with the routing (`kernels.router`). Only where it has the routed experts' size and kind (in
+        a quantized model, their format), the router is plain and the experts are in the layer (not
+        offloaded); else nothing changes. The stacks are built anew, one layer's worth of memory at
+        a time."""
         c, shared, experts = self.c, self.shared_expert, self.experts
         if self.folded or experts is None or c.shared_expert_intermediate_size != c.moe_intermediate_size:
             return
+        if not all(isinstance(m.weight, torch.Tensor) for m in (self.gate, self.shared_expert_gate)):
+            return  # a quantized router: `kernels.router` takes plain weights (no file so far quantizes it)
         gate, up = shared.gate_proj.weight, shared.up_proj.weight
         gate_up = _append_expert(experts.gate_up_proj, [gate, up])
         down = _append_expert(experts.down_proj, [shared.down_proj.weight])
@@ -379,9 +383,8 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         c = self.c
-        if self.folded:  # the router's logits, then the shared expert's gate
-            logits = matmul(x, self.in_proj)[:, : c.num_experts + 1]
-            weights, ids = kernels.route(logits, c.num_experts_per_tok, c.norm_topk_prob, x.dtype, True)
+        if self.folded:  # in_proj: the router, then the shared expert's gate (plain weights)
+            weights, ids = kernels.router(x, self.in_proj, c.num_experts, c.num_experts_per_tok, c.norm_topk_prob)
             assert self.experts is not None
             return routed_experts(kernels, x, weights, ids, self.experts.gate_up_all, self.experts.down_all)
         splits = [c.shared_expert_intermediate_size, c.shared_expert_intermediate_size, c.num_experts, 1]

@@ -24,6 +24,7 @@ class Kernels:
     decode_gated_delta_rule_slots: Callable = deltanet.decode_gated_delta_rule_slots  # the same
     moe_experts: Callable = moe.experts_loop
     route: Callable = moe.route  # router logits -> (weights, expert ids) of the top k
+    router: Callable = moe.router  # x through the router and the shared expert's gate, then `route`
     add_rms_norm: Callable = norm.add_rms_norm  # (x + residual, its norm): the residual add fused in
     gated_rms_norm: Callable = norm.gated_rms_norm
     norm_rope: Callable = rope.norm_rope  # q_norm / k_norm, then the partial rotary embedding

@@ -40,6 +40,14 @@ def route(
     return weights, ids
 
 
+def router(
+    x: torch.Tensor, w: torch.Tensor, experts: int, top_k: int, renormalise: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, H] through a router w [E + 1 (+ padding), H] whose row E (`experts`) is the shared
+    expert's gate: `route` of those E + 1 logits with the shared expert appended ([T, k + 1])."""
+    return route(F.linear(x, w)[:, : experts + 1], top_k, renormalise, x.dtype, True)
+
+
 def experts_loop(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     partial: bool = False,

@@ -116,6 +116,27 @@ def test_fused_route_equals_the_torch_route(rows, experts, top_k, renormalise, d
 
 
 @in_this_process
+@pytest.mark.parametrize(("rows", "experts", "top_k"), [(1, 256, 8), (3, 10, 3), (16, 64, 8), (17, 8, 2)])
+def test_fused_router_equals_the_gemm_and_the_route(rows, experts, top_k):
+    """The router's GEMM (router rows, then the shared expert's gate, then padding, as the folded
+    layer's in_proj is) and the routing in one launch, for up to 16 rows (beyond: GEMM and route);
+    its logits rounded as the GEMM's. The same experts and weights as `moe.router`."""
+    from engine.ops.moe import router  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(rows * 100 + experts)
+    x = torch.randn(rows, 512, generator=gen).to(DEVICE)
+    w = (torch.randn(experts + 8, 512, generator=gen) / 8).to(DEVICE)
+    w[experts + 1 :] = 0  # the padding rows
+    weights, ids = moe.router.fast(x, w, experts, top_k, True)
+    want_w, want_ids = router(x, w, experts, top_k, True)
+    assert weights.shape == ids.shape == (rows, top_k + 1) and (ids[:, -1] == experts).all()
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
+    assert not quant.tickets(x.device).any()  # each row's ticket left at zero
+    assert moe.router._check((x, w, experts, top_k, True))
+
+
+@in_this_process
 def test_equal_probabilities_take_the_lowest_expert_first():
     logits = torch.tensor([[0.0, 2.0, 2.0, 1.0, 2.0]], device=DEVICE)
     weights, ids = moe.route.fast(logits, 3, True, torch.float32)
@@ -229,6 +250,7 @@ def test_the_model_with_the_fused_kernels_gives_the_reference_logits(preset_dirs
 
     fast = {  # the GPU bundle's fast versions, unchecked (a `Checked` would fall back on a mismatch)
         "route": moe.route.fast,
+        "router": moe.router.fast,
         "norm_rope": norm.norm_rope.fast,
         **{
             name: getattr(gates, name).fast

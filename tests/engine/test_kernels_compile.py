@@ -139,6 +139,17 @@ def test_decode_partial_compiles(write):
     assert ".entry _decode_partial" in ptx
 
 
+def test_fused_router_compiles():
+    """The router's GEMM and the routing in one launch at the 35B shape (256 experts and the shared
+    expert's gate, top 8, hidden 2048)."""
+    signature = {"X": "*bf16", "R": "*bf16", "LOGITS": "*fp32", "W": "*bf16", "IDS": "*i64", "COUNT": "*i32",
+                 "H": "i32", "E": "i32", "stride_r": "i32", "TOPK": "constexpr", "RENORM": "constexpr",
+                 "BE": "constexpr", "BK": "constexpr", "BLOCK_E": "constexpr", "BLOCK_H": "constexpr"}  # fmt: skip
+    constexprs = {"TOPK": 8, "RENORM": True, "BE": 512, "BK": 16, "BLOCK_E": 16, "BLOCK_H": 256}
+    ptx = compile_for_h200(moe._router_kernel, signature, constexprs)
+    assert ".entry _router_kernel" in ptx and ("atom.global.gpu.acq_rel.add" in ptx or "atom.acq_rel.gpu.global.add" in ptx)
+
+
 def test_slotted_decode_kernels_compile():
     """The DeltaNet decode step on slotted states (engine/ops/gpu/conv.py, recurrent.py) at the
     35B shape's sizes."""

@@ -42,6 +42,7 @@ KERNELS = GpuKernels(
     decode_gated_delta_rule_slots=recurrent.checked(deltanet.decode_gated_delta_rule),
     moe_experts=moe.experts_grouped,
     route=moe.route,
+    router=moe.router,
     add_rms_norm=norm.add_rms_norm,
     gated_rms_norm=norm.gated_rms_norm,
     norm_rope=norm.norm_rope,

@@ -13,6 +13,7 @@ from engine.ops.gpu import quant
 from engine.ops.gpu.checked import Checked
 from engine.ops.moe import DECODE_ROWS, experts_loop
 from engine.ops.moe import route as reference_route
+from engine.ops.moe import router as reference_router
 
 _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 GRAPH_TOKENS = 512  # fp32: up to a captured prefill's tokens (engine.runner.PREFILL_BUCKETS) the Triton kernels too
@@ -160,14 +161,11 @@ experts_decode = Checked("moe_decode", _experts_triton, _experts_gathered)
 
 
 @triton.jit
-def _route_kernel(L, W, IDS, E, stride, TOPK: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr,
-                  BE: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-    """One token row: softmax over the experts, top-k by k rounds of arg-max, renormalised; with
-    SHARED, column E (the shared expert's gate) joins as expert E, weighted by its sigmoid."""
-    row = tl.program_id(0)
-    cols = tl.arange(0, BE)
+def _top_k(logits, cols, E, TOPK: tl.constexpr, RENORM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
+    """Logits [BE] fp32 (the first E valid): softmax, top-k by k rounds of arg-max (the lowest index
+    among equals), renormalised → (values [BK], experts [BK], their slots)."""
     mask = cols < E
-    logits = tl.load(L + row * stride + cols, mask=mask, other=-float("inf")).to(tl.float32)
+    logits = tl.where(mask, logits, -float("inf"))
     p = tl.exp(logits - tl.max(logits, 0))
     p = p / tl.sum(p, 0)
     p = tl.where(mask, p, -1.0)  # below any probability: never picked
@@ -176,20 +174,94 @@ def _route_kernel(L, W, IDS, E, stride, TOPK: tl.constexpr, RENORM: tl.constexpr
     chosen = tl.zeros([BK], dtype=tl.int64)
     for j in tl.static_range(TOPK):
         best = tl.max(p, 0)
-        pick = tl.min(tl.where(p == best, cols, BE), 0)  # the lowest index among equals
+        pick = tl.min(tl.where(p == best, cols, BE), 0)
         values = tl.where(slots == j, best, values)
         chosen = tl.where(slots == j, pick, chosen)
         p = tl.where(cols == pick, -1.0, p)
     if RENORM:
         values = values / tl.sum(values, 0)
+    return values, chosen, slots
+
+
+@triton.jit
+def _route_out(W, IDS, row, values, chosen, slots, gate, E, TOPK: tl.constexpr, SHARED: tl.constexpr):
+    """A row's routing stored; with SHARED the shared expert (E) after the top k, weighted sigmoid(gate)."""
     if SHARED:
-        gate = tl.load(L + row * stride + E).to(tl.float32)
         values = tl.where(slots == TOPK, tl.sigmoid(gate), values)
         chosen = tl.where(slots == TOPK, E, chosen)
     width = TOPK + SHARED
     keep = slots < width
     tl.store(W + row * width + slots, values.to(W.dtype.element_ty), mask=keep)
     tl.store(IDS + row * width + slots, chosen, mask=keep)
+
+
+@triton.jit
+def _route_kernel(L, W, IDS, E, stride, TOPK: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr,
+                  BE: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """One token row: softmax over the experts, top-k by k rounds of arg-max, renormalised; with
+    SHARED, column E (the shared expert's gate) joins as expert E, weighted by its sigmoid."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BE)
+    logits = tl.load(L + row * stride + cols, mask=cols < E, other=-float("inf")).to(tl.float32)
+    values, chosen, slots = _top_k(logits, cols, E, TOPK, RENORM, BE, BK)
+    gate = tl.load(L + row * stride + E).to(tl.float32) if SHARED else 0.0
+    _route_out(W, IDS, row, values, chosen, slots, gate, E, TOPK, SHARED)
+
+
+@triton.jit
+def _router_kernel(X, R, LOGITS, W, IDS, COUNT, H, E, stride_r, TOPK: tl.constexpr, RENORM: tl.constexpr,
+                   BE: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+    """Program (block of router rows, token row): BLOCK_E of the row's E + 1 logits (the router's, then
+    the shared expert's gate: rows of R), rounded to x's dtype as a GEMM's output is, into LOGITS
+    [T, BE]; the last of the row's programs to finish (a ticket in COUNT, reset by it) routes them
+    as `_route_kernel` does with SHARED: the router's GEMM and the routing in one launch."""
+    block, row = tl.program_id(0), tl.program_id(1)
+    e = block * BLOCK_E + tl.arange(0, BLOCK_E)
+    valid = e <= E
+    acc = tl.zeros([BLOCK_E], tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        x = tl.load(X + row * H + h).to(tl.float32)
+        r = tl.load(R + e[:, None] * stride_r + h[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
+        acc += tl.sum(r * x[None, :], 1)
+    tl.store(LOGITS + row * BE + e, acc.to(X.dtype.element_ty).to(tl.float32), mask=valid)
+    ticket = COUNT + row
+    if quant.last_to_finish(ticket, tl.num_programs(0)):
+        cols = tl.arange(0, BE)
+        logits = tl.load(LOGITS + row * BE + cols, mask=cols < E, other=-float("inf"), cache_modifier=".cg")
+        values, chosen, slots = _top_k(logits, cols, E, TOPK, RENORM, BE, BK)
+        gate = tl.load(LOGITS + row * BE + E, cache_modifier=".cg")
+        tl.atomic_xchg(ticket, 0)  # for the next launch
+        _route_out(W, IDS, row, values, chosen, slots, gate, E, TOPK, True)
+
+
+ROUTER_ROWS = 16  # tokens up to which `router` runs as one launch (decode); beyond, a GEMM and `route`
+
+
+def _router_triton(x: torch.Tensor, w: torch.Tensor, experts: int, top_k: int, renormalise: bool):
+    """`engine.ops.moe.router` for a few rows (decode) in one launch (`_router_kernel`): it was a
+    GEMM and the routing kernel; more rows: the GEMM, then `route`."""
+    rows, hidden = x.shape
+    block_h = 256
+    if rows > ROUTER_ROWS or hidden % block_h or w.stride(1) != 1:
+        return route(F.linear(x, w)[:, : experts + 1], top_k, renormalise, x.dtype, True)
+    x = x.contiguous()
+    width, be, block_e = top_k + 1, triton.next_power_of_2(experts + 1), 16
+    logits = torch.empty(rows, be, dtype=torch.float32, device=x.device)
+    weights = torch.empty(rows, width, dtype=x.dtype, device=x.device)
+    ids = torch.empty(rows, width, dtype=torch.long, device=x.device)
+    if rows:
+        _router_kernel[(triton.cdiv(experts + 1, block_e), rows)](
+            x, w, logits, weights, ids, quant.tickets(x.device), hidden, experts, w.stride(0), TOPK=top_k,
+            RENORM=renormalise, BE=be, BK=triton.next_power_of_2(width), BLOCK_E=block_e, BLOCK_H=block_h,
+        )  # fmt: skip
+    return weights, ids
+
+
+def _router_canon(out, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_route_canon` of the logits the router computes."""
+    x, w, experts = args[:3]
+    return _route_canon(out, (F.linear(x, w)[:, : experts + 1], *args[3:4], None, None, True))
 
 
 def _route_triton(logits: torch.Tensor, top_k: int, renormalise: bool, dtype: torch.dtype, shared: bool = False):
@@ -222,3 +294,4 @@ def _route_canon(out, args) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 route = Checked("route", _route_triton, reference_route, canon=_route_canon)
+router = Checked("router", _router_triton, reference_router, canon=_router_canon)
