@@ -127,13 +127,13 @@ def test_fused_router_equals_the_gemm_and_the_route(rows, experts, top_k):
     x = torch.randn(rows, 512, generator=gen).to(DEVICE)
     w = (torch.randn(experts + 8, 512, generator=gen) / 8).to(DEVICE)
     w[experts + 1 :] = 0  # the padding rows
-    weights, ids = moe.router.fast(x, w, experts, top_k, True)
+    weights, ids = (moe.router_fused.fast if rows <= moe.ROUTER_ROWS else moe.router)(x, w, experts, top_k, True)
     want_w, want_ids = router(x, w, experts, top_k, True)
     assert weights.shape == ids.shape == (rows, top_k + 1) and (ids[:, -1] == experts).all()
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
     assert not quant.tickets(x.device).any()  # each row's ticket left at zero
-    assert moe.router._check((x, w, experts, top_k, True))
+    assert moe.router_fused._check((x, w, experts, top_k, True))
 
 
 @in_this_process
@@ -250,7 +250,7 @@ def test_the_model_with_the_fused_kernels_gives_the_reference_logits(preset_dirs
 
     fast = {  # the GPU bundle's fast versions, unchecked (a `Checked` would fall back on a mismatch)
         "route": moe.route.fast,
-        "router": moe.router.fast,
+        "router": moe.router,  # its fused kernel taken unchecked below
         "norm_rope": norm.norm_rope.fast,
         **{
             name: getattr(gates, name).fast
@@ -262,9 +262,13 @@ def test_the_model_with_the_fused_kernels_gives_the_reference_logits(preset_dirs
     engine.kernels = engine.runner.kernels = fused
     ids = [1000 + 37 * i % 4000 for i in range(40)]
     out = {}
-    for name, eng in (("plain", plain), ("fused", engine)):
-        state = eng.new_state()
-        out[name] = torch.stack([eng.prefill(state, ids).logits, *eng.feed(state, [11, 12])])
+    verdict, moe.router_fused.verdict = moe.router_fused.verdict, True  # decode's fused router, unchecked
+    try:
+        for name, eng in (("plain", plain), ("fused", engine)):
+            state = eng.new_state()
+            out[name] = torch.stack([eng.prefill(state, ids).logits, *eng.feed(state, [11, 12])])
+    finally:
+        moe.router_fused.verdict = verdict
     torch.testing.assert_close(out["fused"], out["plain"], rtol=1e-4, atol=1e-4)
 
 

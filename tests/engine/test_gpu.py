@@ -310,7 +310,7 @@ def test_graph_decode_matches_prefill_and_states_stay_separate(gpu_engine, gpu32
     if eng.dtype == torch.bfloat16:  # the Triton kernels passed their first-use check against torch
         from engine.ops.gpu import conv, moe, norm
 
-        verdicts = {c.name: c.verdict for c in (conv.causal_conv, moe.experts_decode, moe.router, norm._plain, norm._with_residual, norm.gated_rms_norm)}
+        verdicts = {c.name: c.verdict for c in (conv.causal_conv, moe.experts_decode, moe.router_fused, norm._plain, norm._with_residual, norm.gated_rms_norm)}
         print("METRIC verdicts", verdicts)
         assert all(verdicts.values()), verdicts
 

@@ -236,15 +236,20 @@ def _router_kernel(X, R, LOGITS, W, IDS, COUNT, H, E, stride_r, TOPK: tl.constex
 
 
 ROUTER_ROWS = 16  # tokens up to which `router` runs as one launch (decode); beyond, a GEMM and `route`
+ROUTER_BLOCK_H = 256  # hidden columns a step of `_router_kernel` (at most: a power of two dividing H)
+
+
+def router(x: torch.Tensor, w: torch.Tensor, experts: int, top_k: int, renormalise: bool):
+    """`engine.ops.moe.router`: for a few rows (decode) one launch (`_router_kernel`, checked
+    against the GEMM and torch's routing on its first use: `router_fused`), where it was a GEMM
+    and the routing kernel; more rows, the GEMM, then `route`."""
+    if x.shape[0] > ROUTER_ROWS or w.stride(1) != 1:
+        return route(F.linear(x, w)[:, : experts + 1], top_k, renormalise, x.dtype, True)
+    return router_fused(x, w, experts, top_k, renormalise)
 
 
 def _router_triton(x: torch.Tensor, w: torch.Tensor, experts: int, top_k: int, renormalise: bool):
-    """`engine.ops.moe.router` for a few rows (decode) in one launch (`_router_kernel`): it was a
-    GEMM and the routing kernel; more rows: the GEMM, then `route`."""
     rows, hidden = x.shape
-    block_h = 256
-    if rows > ROUTER_ROWS or hidden % block_h or w.stride(1) != 1:
-        return route(F.linear(x, w)[:, : experts + 1], top_k, renormalise, x.dtype, True)
     x = x.contiguous()
     width, be, block_e = top_k + 1, triton.next_power_of_2(experts + 1), 16
     logits = torch.empty(rows, be, dtype=torch.float32, device=x.device)
@@ -253,7 +258,8 @@ def _router_triton(x: torch.Tensor, w: torch.Tensor, experts: int, top_k: int, r
     if rows:
         _router_kernel[(triton.cdiv(experts + 1, block_e), rows)](
             x, w, logits, weights, ids, quant.tickets(x.device), hidden, experts, w.stride(0), TOPK=top_k,
-            RENORM=renormalise, BE=be, BK=triton.next_power_of_2(width), BLOCK_E=block_e, BLOCK_H=block_h,
+            RENORM=renormalise, BE=be, BK=triton.next_power_of_2(width), BLOCK_E=block_e,
+            BLOCK_H=min(ROUTER_BLOCK_H, hidden & -hidden),
         )  # fmt: skip
     return weights, ids
 
@@ -294,4 +300,4 @@ def _route_canon(out, args) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 route = Checked("route", _route_triton, reference_route, canon=_route_canon)
-router = Checked("router", _router_triton, reference_router, canon=_router_canon)
+router_fused = Checked("router", _router_triton, reference_router, canon=_router_canon)
