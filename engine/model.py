@@ -354,14 +354,12 @@ class SparseMoe(nn.Module):
 
     def fold_shared(self) -> None:
         """Make the shared expert one more routed expert, E, at the end of the stacks (its weights
-        then views of them): the router appends it to each token's experts with weight
-        sigmoid(its gate), and one pair of expert launches runs all nine a token reads, where decode
-        ran the shared expert apart (two more GEMVs or GEMMs, its activation and the gated add,
-        each layer), and the router and the shared expert's gate are one plain GEMM, or one launch
-        with the routing (`kernels.router`). Only where it has the routed experts' size and kind (in
-        a quantized model, their format), the router is plain and the experts are in the layer (not
-        offloaded); else nothing changes. The stacks are built anew, one layer's worth of memory at
-        a time."""
+        then views of them). The router (`kernels.router`: with the shared expert's gate, one plain
+        weight) appends it to each token's experts with weight sigmoid(its gate), and one pair of
+        expert launches runs the nine a token reads: decode loses the shared expert's own GEMVs or
+        GEMMs, its activation and the gated add. Only where it has the routed experts' size and kind
+        (a quantized model: their format), the router is plain and the experts are in the layer (not
+        offloaded); else nothing changes. The new stacks cost one layer's memory while built."""
         c, shared, experts = self.c, self.shared_expert, self.experts
         if self.folded or experts is None or c.shared_expert_intermediate_size != c.moe_intermediate_size:
             return
