@@ -11,7 +11,8 @@
 #       quant      bf16 and FP8 at the 256-expert shape (bench/quant.py), beside llama.cpp's CUDA build
 #       gpu-tests  pytest: offload (peak reserved memory within the budget), the engine's GPU tests, the fused kernels
 #       kernel-tests  pytest: the fused and quantized Triton kernels against torch
-#       capture-tests  pytest: restores and captures on the GPU (tests/engine/test_gpu.py)
+#       capture-tests  pytest: restores, captures and graph decode on the GPU (tests/engine/test_gpu.py)
+#       quant-tests  pytest: quantized models against their dequantized fp32 selves (tests/engine/test_quant_model.py)
 #       offload-tests  pytest: offload on the GPU (tests/engine/test_offload_gpu.py)
 #       offload-peak  pytest: the peak reserved memory tests alone
 #       offload-profile  the random Q4_K_M at 8 GiB: speed, cache, link and a decode profile, no replay
@@ -88,7 +89,8 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
       tests/engine/test_quant_kernels.py \
       tests/engine/test_gpu.py::test_grouped_experts_of_a_streamed_piece_skip_the_absent_assignments ;;
     capture-tests) step capture-tests python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py \
-      -k "restore_then_suffix or prefill_matches_cpu or slot_prefill_matches" ;;
+      -k "restore_then_suffix or prefill_matches_cpu or slot_prefill_matches or graph_decode or batched_decode or padded_batch" ;;
+    quant-tests) step quant-tests python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/engine/test_quant_model.py ;;
     offload-tests) step offload-tests python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_offload_gpu.py ;;
     offload-peak) step offload-peak python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_offload_gpu.py -k peak ;;
     offload-profile)
