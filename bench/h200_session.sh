@@ -8,6 +8,7 @@
 #       rows       batched decode with the decode kernels up to 32 assignments and up to 128 (the default)
 #       gpu        decode per batch size and prefill against the machine's ceilings, kernels per decode token (bench/gpu.py)
 #       fold       decode (bf16 per batch size; Q4_K_M) with the shared expert run apart (FT_FOLD_SHARED=0) and folded
+#       base       the same decode benches on an earlier tree carried as .base/ (`base-tree`, below): a same-lease baseline
 #       quant      bf16 and FP8 at the 256-expert shape (bench/quant.py), beside llama.cpp's CUDA build
 #       gpu-tests  pytest: offload (peak reserved memory within the budget), the engine's GPU tests, the fused kernels
 #       kernel-tests  pytest: the fused and quantized Triton kernels against torch
@@ -25,6 +26,8 @@
 #       sessions   K = 1 and K = 4 sessions, ours and llama-server's (the e64 bf16 GGUF is written first)
 #   bash bench/h200_session.sh poll SECONDS      # wait until done or SECONDS pass; progress, the newest logs,
 #                                                # and every log and JSON so far as $OUT/out.tgz
+#   bash bench/h200_session.sh base-tree [COMMIT]  # here, before the lease: COMMIT's tree (default 663c7cd,
+#                                                # session 10's) into .base/, to carry beside .whl and .peer/dl
 set -uo pipefail
 W=/tmp/h200-session
 P=qwen3.6-35b-a3b
@@ -35,6 +38,10 @@ start)
   steps="${*:-gpu quant gpu-tests offload offload-llama q4 sessions}"
   setsid nohup bash $W/repo/bench/h200_session.sh steps "$steps" >$W/out/session.log 2>&1 </dev/null &
   echo "started: $W/out"
+  ;;
+base-tree)
+  cd "$(dirname "$0")/.."
+  rm -rf .base && mkdir .base && git archive "${2:-663c7cd}" | tar -x -C .base && echo ".base/: ${2:-663c7cd}"
   ;;
 poll)
   for _ in $(seq "${2:-60}"); do grep -q "^=== done" $W/out/steps.log 2>/dev/null && break; sleep 1; done
@@ -57,7 +64,7 @@ steps)
   }
   builder=
   gguf=
-  if [[ " $2 " =~ \ (offload|offload-8|offload-profile|q4|q4-decode|q4-llama|fold)\  ]]; then # the random Q4_K_M (~21 GB, CPU-bound) meanwhile
+  if [[ " $2 " =~ \ (offload|offload-8|offload-profile|q4|q4-decode|q4-llama|fold|base)\  ]]; then # the random Q4_K_M (~21 GB, CPU-bound) meanwhile
     (python3 -c "from peer.gguf_random import random_gguf; from peer.llama_server import PEER_HOME; \
 print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=$?") &
     gguf=$!
@@ -83,6 +90,13 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
       step fold-q4-apart env FT_FOLD_SHARED=0 python3 bench/quant.py --preset $P --device cuda --parts q4_k_m \
         --json $O/fold-q4-apart.json
       step fold-q4-in python3 bench/quant.py --preset $P --device cuda --parts q4_k_m --json $O/fold-q4-in.json
+      ;;
+    base)  # its engine and benches, this tree's wheels and cached GGUF
+      wait $gguf 2>/dev/null
+      step base-gpu env PYTHONPATH=/tmp/site:$PWD/.base FT_PEER_HOME=$PWD/.peer python3 .base/bench/gpu.py \
+        --only decode,batched --json $O/base-gpu.json
+      step base-q4 env PYTHONPATH=/tmp/site:$PWD/.base FT_PEER_HOME=$PWD/.peer python3 .base/bench/quant.py \
+        --preset $P --device cuda --parts q4_k_m --json $O/base-q4.json
       ;;
     quant) step quant python3 bench/quant.py --preset $P --device cuda --parts bf16,fp8 --json $O/quant.json ;;
     kernel-tests) step kernel-tests python3 -m pytest -q -p no:cacheprovider tests/engine/test_fused_kernels.py \
