@@ -162,10 +162,10 @@ experts_decode = Checked("moe_decode", _experts_triton, _experts_gathered)
 
 @triton.jit
 def _top_k(logits, cols, E, TOPK: tl.constexpr, RENORM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
-    """Logits [BE] fp32 (the first E valid): softmax, top-k by k rounds of arg-max (the lowest index
-    among equals), renormalised → (values [BK], experts [BK], their slots)."""
+    """Logits [BE] fp32 (the first E valid, the others -inf as the callers load them): softmax, top-k
+    by k rounds of arg-max (the lowest index among equals), renormalised → (values [BK], experts
+    [BK], their slots)."""
     mask = cols < E
-    logits = tl.where(mask, logits, -float("inf"))
     p = tl.exp(logits - tl.max(logits, 0))
     p = p / tl.sum(p, 0)
     p = tl.where(mask, p, -1.0)  # below any probability: never picked

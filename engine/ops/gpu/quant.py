@@ -226,7 +226,7 @@ def stack(weights: list[QuantWeight]) -> QuantWeight:
 def append_expert(experts: QuantWeight, w: QuantWeight) -> QuantWeight | None:
     """A stack [E, N, K] and one more expert's weight [N, K] → a fresh stack [E + 1, N, K]; None
     where `w` is of another format or shape."""
-    if w.fmt != experts.fmt or w.shape != experts.shape[1:] or (w.columns, experts.columns) != (None, None):
+    if w.fmt != experts.fmt or w.shape != experts.shape[1:] or w.columns is not None or experts.columns is not None:
         return None
     parts = tuple(torch.cat([p, q[None]]) for p, q in zip(experts.parts, w.parts, strict=True))
     return QuantWeight(experts.fmt, (experts.shape[0] + 1, *w.shape), parts, experts.dtype)
