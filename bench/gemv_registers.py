@@ -38,13 +38,13 @@ MODES = {"linear": (False, 1, 1, False, False, -1), "mapped": (False, 1, 1, Fals
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-def registers(fmt: int, mode: str, bn: int, warps: int) -> int:
+def registers(fmt: int, mode: str, bn: int, warps: int, stages=None, unroll=None) -> int:
     grouped, x_per, top_k, glu, xmap, fmt2 = MODES[mode]
     signature = {**GEMV, **{f"P{i}": t for i, t in enumerate(PARTS[fmt])},
                  **{f"Q{i}": t for i, t in enumerate(PARTS[fmt if fmt2 < 0 else fmt2])}}  # fmt: skip
     constexprs = {"FMT": fmt, "BN": bn, "CHUNK": quant.GEMV_CHUNK[fmt], "GROUPED": grouped, "X_PER": x_per,
                   "TOPK": top_k, "GLU": glu, "XMAP": xmap, "FMT2": fmt2,
-                  "CHUNK2": quant.GEMV_CHUNK[fmt2] if fmt2 >= 0 else 1}  # fmt: skip
+                  "CHUNK2": quant.GEMV_CHUNK[fmt2] if fmt2 >= 0 else 1, "STAGES": stages, "UNROLL": unroll}  # fmt: skip
     kernel = triton.compile(ASTSource(fn=quant._gemv_kernel, signature=signature, constexprs=constexprs),
                             target=H200, options={"num_warps": warps})  # fmt: skip
     with tempfile.TemporaryDirectory() as folder:

@@ -20,6 +20,9 @@
 #       offload    the random Q4_K_M at 8 GiB with the replay (24 requests), at 12 and 24 GiB without; profiles
 #       offload-8  the random Q4_K_M at 8 GiB with the replay (24 requests, anchor and prefix), no profiles
 #       offload-llama  llama-server --n-cpu-moe on the same file and requests
+#       q4-variants  our Q4_K_M's decode per GEMV launch setting ($GEMV_VARIANTS, bench/quant.py --gemv-variants)
+#       slot-seed  the graphed slot prefill's bf16 test at one seed ($FT_TEST_SEED), shared expert folded and apart
+#       router-tests  pytest: the routing kernels alone
 #       q4-decode  our Q4_K_M alone: prefill and decode (bench/quant.py), no llama.cpp
 #       q4         our Q4_K_M, its replay, llama-server on the same file and its replay (bench/quant.py)
 #       q4-llama   our Q4_K_M and llama-server on the same file: prefill and decode, no replays
@@ -31,6 +34,7 @@
 set -uo pipefail
 W=/tmp/h200-session
 P=qwen3.6-35b-a3b
+GEMV_VARIANTS=${GEMV_VARIANTS:-4:-:-:32,4:-:2:32,4:3:-:32,8:-:2:32,4:-:-:64}
 case "${1:-}" in
 start)
   shift
@@ -64,7 +68,7 @@ steps)
   }
   builder=
   gguf=
-  if [[ " $2 " =~ \ (offload|offload-8|offload-profile|q4|q4-decode|q4-llama|fold|base)\  ]]; then # the random Q4_K_M (~21 GB, CPU-bound) meanwhile
+  if [[ " $2 " =~ \ (offload|offload-8|offload-profile|q4|q4-decode|q4-variants|q4-llama|fold|base)\  ]]; then # the random Q4_K_M (~21 GB, CPU-bound) meanwhile
     (python3 -c "from peer.gguf_random import random_gguf; from peer.llama_server import PEER_HOME; \
 print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=$?") &
     gguf=$!
@@ -131,6 +135,18 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
       step offload-llama python3 bench/offload.py --preset $P --q4-k-m --budgets '' --limit 24 --llama-server \
         --json $O/offload-llama.json
       ;;
+    q4-variants)
+      wait $gguf 2>/dev/null
+      step q4-variants python3 bench/quant.py --preset $P --device cuda --parts q4_k_m --profile \
+        --gemv-variants "$GEMV_VARIANTS" --json $O/q4-variants.json
+      ;;
+    slot-seed)  # the graphed slot prefill's bf16 test at one seed, the shared expert folded and apart
+      for fold in 1 0; do
+        step slot-seed-fold$fold env FT_TEST_SEED=${FT_TEST_SEED:-933890078} FT_FOLD_SHARED=$fold python3 -m pytest \
+          -q -p no:cacheprovider -s tests/engine/test_gpu.py -k "slot_prefill_matches and bf16"
+      done
+      ;;
+    router-tests) step router-tests python3 -m pytest -q -p no:cacheprovider tests/engine/test_fused_kernels.py -k "route" ;;
     q4-decode)
       wait $gguf 2>/dev/null
       step q4-decode python3 bench/quant.py --preset $P --device cuda --parts q4_k_m --profile --tune-gemv \

@@ -186,6 +186,8 @@ def bench_format(fmt: str, args, keep: dict) -> dict:
         print(f"{fmt}: decode B={d['batch']} at {d['context']}: {d['tok_s']:.1f} tok/s", flush=True)
     if args.tune_gemv and eng.device.type == "cuda":  # the same decode with every GEMV's split timed per shape
         row["decode_tuned_gemv"] = decode_tuned(eng, args)
+    if args.gemv_variants and eng.device.type == "cuda":  # the same decode under other GEMV launch settings
+        row["decode_gemv_variants"] = decode_variants(eng, args)
     if eng.device.type == "cuda":  # where a generated token's wall time goes (host, launch, device)
         from bench.timeline import decode_timeline, show  # noqa: PLC0415
 
@@ -228,6 +230,33 @@ def decode_tuned(eng, args) -> list[dict]:
     for t in sorted(timed, key=lambda t: -t["us"]):
         print(f"  {t['shape']:<42} {t['split']:>3} {t['us']:8.1f} {t['bytes'] / 1e6:8.2f} {t['bytes'] / t['us'] / 1e3:8.0f}")
     return [{**d, "splits": chosen, "gemv_times": timed} for d in rows]
+
+
+def decode_variants(eng, args) -> list[dict]:
+    """Decode again per `--gemv-variants` setting of the quantized GEMV's launch (warps a program,
+    the K loop's pipelining stages and unrolling, rows a program), the graphs captured again for
+    each; the settings in force before are restored."""
+    from engine.ops.gpu import quant  # noqa: PLC0415
+
+    before = (quant.GEMV_WARPS, quant.GEMV_STAGES, quant.GEMV_UNROLL, quant.GEMV_BLOCK_N)
+    out = []
+    try:
+        for spec in args.gemv_variants.split(","):
+            warps, stages, unroll, bn = (int(v) if v not in ("", "-") else None for v in spec.split(":"))
+            quant.GEMV_WARPS, quant.GEMV_STAGES, quant.GEMV_UNROLL = warps, stages, unroll
+            quant.GEMV_BLOCK_N = bn
+            quant._SPLITS.clear()
+            eng.runner.drop_graphs()
+            rows = [bench_decode(eng, args.context, b, args.steps) for b in args.batches]
+            for d in rows:
+                print(f"decode B={d['batch']} GEMV warps {warps} stages {stages} unroll {unroll} rows {bn}: "
+                      f"{d['tok_s']:.1f} tok/s", flush=True)  # fmt: skip
+            out += [{**d, "warps": warps, "stages": stages, "unroll": unroll, "block_n": bn} for d in rows]
+    finally:
+        quant.GEMV_WARPS, quant.GEMV_STAGES, quant.GEMV_UNROLL, quant.GEMV_BLOCK_N = before
+        quant._SPLITS.clear()
+        eng.runner.drop_graphs()
+    return out
 
 
 def profile_generate(eng, prompt: list[int], name: str, steps: int = 8) -> dict:
@@ -464,6 +493,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--markdown", type=Path)
     p.add_argument("--profile", action="store_true", help="GPU: the kernels of a decode token (torch's profiler)")
+    p.add_argument("--gemv-variants", metavar="W:S:U:BN,...",
+                   help="GPU: decode again per quantized-GEMV launch setting: warps, K-loop pipelining stages, "
+                        "unrolling ('-': Triton's default), rows a program; e.g. 4:-:-:32,4:-:2:32")
     p.add_argument("--tune-gemv", action="store_true",
                    help="GPU: decode again with each quantized GEMV's split timed per shape (FT_GEMV_TUNE=1)")
     args = p.parse_args(argv)

@@ -55,6 +55,9 @@ FP8_ROWS = 128  # rows per FP8 scale block
 # Triton's interpreter (the CPU tests) runs one program after another, at a fixed cost each: there
 # the GEMV kernel runs with wider row blocks (a [248320, H] lm_head in 31 programs, not 7760).
 GEMV_BLOCK_N = 8192 if os.environ.get("TRITON_INTERPRET") == "1" else 32
+# the GEMV's warps a program and its K loop's pipelining stages and unrolling (None: Triton's
+# defaults); `bench/quant.py --gemv-variants` times decode under others
+GEMV_WARPS, GEMV_STAGES, GEMV_UNROLL = 4, None, None
 
 
 class QuantWeight(nn.Module):
@@ -420,7 +423,7 @@ def _gemv_kernel(
     X, P0, P1, P2, P3, PART, OUT, COUNT, EXPERT, SCALE, XCOLS, Q0, Q1, Q2, Q3, N, N2, K, K_SPLIT, SPLIT,
     FMT: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
     GROUPED: tl.constexpr, X_PER: tl.constexpr, TOPK: tl.constexpr, GLU: tl.constexpr, XMAP: tl.constexpr,
-    FMT2: tl.constexpr, CHUNK2: tl.constexpr,
+    FMT2: tl.constexpr, CHUNK2: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
 ):  # fmt: skip
     """Program (n-block, split s, output row m): BN outputs of row m over one range of K_SPLIT
     columns, a format-sized chunk at a time (each block's scales loaded once), summed over the
@@ -435,7 +438,8 @@ def _gemv_kernel(
     chunks): a chunk's are x's from XCOLS[k0] on.
     FMT2 >= 0: a second plain weight [N2, K] of that format (Q0..Q3) whose outputs follow the first's
     (out [M, N + N2]: two projections of one input in two formats, one launch); the n-blocks past
-    the first weight's are its (K_SPLIT a multiple of both formats' chunks)."""
+    the first weight's are its (K_SPLIT a multiple of both formats' chunks).
+    STAGES, UNROLL: the K loop's software pipelining and unrolling (`tl.range`; None: Triton's default)."""
     pid, s, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     KS = SPLIT // TOPK  # programs per assignment (a run-time value: the split is chosen per shape)
     a = m * TOPK + s // KS
@@ -452,7 +456,7 @@ def _gemv_kernel(
     if second:
         n = (pid - first) * BN + tl.arange(0, BN)
         row = tl.minimum(n, N2 - 1).to(tl.int64)
-        for k0 in range(start, end, CHUNK2):
+        for k0 in tl.range(start, end, CHUNK2, num_stages=STAGES, loop_unroll_factor=UNROLL):
             acc += _dot(x + k0, Q0, Q1, Q2, Q3, row, k0, N2, K, FMT2)
         keep = n < N2
         n += N  # its outputs' columns
@@ -463,7 +467,7 @@ def _gemv_kernel(
             expert = tl.load(EXPERT + a).to(tl.int64)
             row += tl.maximum(expert, 0) * (2 * N if GLU else N)
             end = tl.where(expert >= 0, end, start)
-        for k0 in range(start, end, CHUNK):
+        for k0 in tl.range(start, end, CHUNK, num_stages=STAGES, loop_unroll_factor=UNROLL):
             xc = x + (tl.load(XCOLS + k0) if XMAP else k0)
             acc += _dot(xc, P0, P1, P2, P3, row, k0, N, K, FMT)
             if GLU:
@@ -628,7 +632,8 @@ def _gemv(
             x, *_padded(w), part, out, counters, ids, scale if glu else x, columns, *parts2, n, n2, k,
             k // (split // top_k), split,
             FMT=w.fmt, BN=bn, CHUNK=GEMV_CHUNK[w.fmt], GROUPED=experts is not None, X_PER=x_per, TOPK=top_k,
-            GLU=glu, XMAP=w.columns is not None, FMT2=fmt2, CHUNK2=chunk2,
+            GLU=glu, XMAP=w.columns is not None, FMT2=fmt2, CHUNK2=chunk2, STAGES=GEMV_STAGES, UNROLL=GEMV_UNROLL,
+            num_warps=GEMV_WARPS,
         )  # fmt: skip
 
     if split is None:
