@@ -142,6 +142,9 @@ def test_equal_probabilities_take_the_lowest_expert_first():
     weights, ids = moe.route.fast(logits, 3, True, torch.float32)
     assert ids.tolist() == [[1, 2, 4]]
     torch.testing.assert_close(weights, torch.full((1, 3), 1 / 3, device=DEVICE))
+    levels = torch.randint(0, 5, (4, 256), generator=torch.Generator().manual_seed(0)).float().to(DEVICE)
+    _, ids = moe.route.fast(levels, 8, True, torch.float32)  # dozens tied at each level
+    assert torch.equal(ids, torch.sort(-levels, dim=1, stable=True).indices[:, :8])
 
 
 @in_this_process
