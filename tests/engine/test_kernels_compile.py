@@ -87,8 +87,8 @@ def test_bf16_decode_kernels_compile():
 def test_router_with_the_shared_expert_compiles():
     """The router's kernel appending the shared expert (its gate's sigmoid, expert E) to the top 8."""
     signature = {"L": "*bf16", "W": "*bf16", "IDS": "*i64", "E": "i32", "stride": "i32", "TOPK": "constexpr",
-                 "RENORM": "constexpr", "SHARED": "constexpr", "BE": "constexpr", "RC": "constexpr"}  # fmt: skip
-    constexprs = {"TOPK": 8, "RENORM": True, "SHARED": True, "BE": 256, "RC": moe.ROUTE_COLUMNS}
+                 "RENORM": "constexpr", "SHARED": "constexpr", "BE": "constexpr", "BK": "constexpr"}  # fmt: skip
+    constexprs = {"TOPK": 8, "RENORM": True, "SHARED": True, "BE": 256, "BK": 16}
     assert ".entry _route_kernel" in compile_for_h200(moe._route_kernel, signature, constexprs)
 
 
@@ -145,10 +145,8 @@ def test_fused_router_compiles():
     expert's gate, top 8, hidden 2048)."""
     signature = {"X": "*bf16", "R": "*bf16", "LOGITS": "*fp32", "W": "*bf16", "IDS": "*i64", "COUNT": "*i32",
                  "H": "i32", "E": "i32", "stride_r": "i32", "TOPK": "constexpr", "RENORM": "constexpr",
-                 "BE": "constexpr", "BR": "constexpr", "RC": "constexpr", "BLOCK_E": "constexpr",
-                 "BLOCK_H": "constexpr"}  # fmt: skip
-    constexprs = {"TOPK": 8, "RENORM": True, "BE": 512, "BR": 256, "RC": moe.ROUTE_COLUMNS,
-                  "BLOCK_E": moe.ROUTER_BLOCK_E, "BLOCK_H": moe.ROUTER_BLOCK_H}  # fmt: skip
+                 "BE": "constexpr", "BK": "constexpr", "BLOCK_E": "constexpr", "BLOCK_H": "constexpr"}  # fmt: skip
+    constexprs = {"TOPK": 8, "RENORM": True, "BE": 512, "BK": 16, "BLOCK_E": 16, "BLOCK_H": 256}
     ptx = compile_for_h200(moe._router_kernel, signature, constexprs)
     assert ".entry _router_kernel" in ptx and ("atom.global.gpu.acq_rel.add" in ptx or "atom.acq_rel.gpu.global.add" in ptx)
 

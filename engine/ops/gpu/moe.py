@@ -161,56 +161,60 @@ experts_decode = Checked("moe_decode", _experts_triton, _experts_gathered)
 
 
 @triton.jit
-def _route_row(L, W, IDS, row, E, gate, TOPK: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr,
-               BE: tl.constexpr, RC: tl.constexpr):  # fmt: skip
-    """A token row's routing from its E logits at L (fp32, read past L1: another program of the
-    launch may have written them): softmax, top-k, renormalised, stored in W and IDS [T, TOPK +
-    SHARED] in descending order; with SHARED the shared expert (E) after them, weighted
-    sigmoid(gate). Top-k by rank, not k rounds of arg-max (two reductions each, ~2 us a row at
-    k = 8): a logit's rank is how many logits are above it, or equal at a lower index (the arg-max
-    rounds' order), counted against RC columns at a time; the rank is the slot, below TOPK."""
-    cols = tl.arange(0, BE)
-    valid = cols < E
-    logits = tl.load(L + cols, mask=valid, other=-float("inf"), cache_modifier=".cg").to(tl.float32)
-    rank = tl.zeros([BE], tl.int32)
-    for c0 in tl.static_range(0, BE, RC):
-        other = c0 + tl.arange(0, RC)
-        theirs = tl.load(L + other, mask=other < E, other=-float("inf"), cache_modifier=".cg").to(tl.float32)
-        ahead = (theirs[None, :] > logits[:, None]) | ((theirs[None, :] == logits[:, None]) & (other[None, :] < cols[:, None]))
-        rank += tl.sum(ahead.to(tl.int32), 1)
-    p = tl.exp(logits - tl.max(logits, 0))  # the padding's: exp(-inf) = 0
+def _top_k(logits, cols, E, TOPK: tl.constexpr, RENORM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr):
+    """Logits [BE] fp32 (the first E valid, the others -inf as the callers load them): softmax, top-k
+    by k rounds of arg-max (the lowest index among equals), renormalised → (values [BK], experts
+    [BK], their slots)."""
+    mask = cols < E
+    p = tl.exp(logits - tl.max(logits, 0))
     p = p / tl.sum(p, 0)
-    chosen = valid & (rank < TOPK)
+    p = tl.where(mask, p, -1.0)  # below any probability: never picked
+    slots = tl.arange(0, BK)
+    values = tl.zeros([BK], dtype=tl.float32)
+    chosen = tl.zeros([BK], dtype=tl.int64)
+    for j in tl.static_range(TOPK):
+        best = tl.max(p, 0)
+        pick = tl.min(tl.where(p == best, cols, BE), 0)
+        values = tl.where(slots == j, best, values)
+        chosen = tl.where(slots == j, pick, chosen)
+        p = tl.where(cols == pick, -1.0, p)
     if RENORM:
-        p = p / tl.sum(tl.where(chosen, p, 0.0), 0)
-    out = row * (TOPK + SHARED)
-    tl.store(W + out + rank, p.to(W.dtype.element_ty), mask=chosen)
-    tl.store(IDS + out + rank, cols.to(tl.int64), mask=chosen)
+        values = values / tl.sum(values, 0)
+    return values, chosen, slots
+
+
+@triton.jit
+def _route_out(W, IDS, row, values, chosen, slots, gate, E, TOPK: tl.constexpr, SHARED: tl.constexpr):
+    """A row's routing stored; with SHARED the shared expert (E) after the top k, weighted sigmoid(gate)."""
     if SHARED:
-        tl.store(W + out + TOPK, tl.sigmoid(gate).to(W.dtype.element_ty))
-        tl.store(IDS + out + TOPK, E.to(tl.int64))
-
-
-ROUTE_COLUMNS = 32  # logits a step of `_route_row`'s rank count compares each logit with
+        values = tl.where(slots == TOPK, tl.sigmoid(gate), values)
+        chosen = tl.where(slots == TOPK, E, chosen)
+    width = TOPK + SHARED
+    keep = slots < width
+    tl.store(W + row * width + slots, values.to(W.dtype.element_ty), mask=keep)
+    tl.store(IDS + row * width + slots, chosen, mask=keep)
 
 
 @triton.jit
 def _route_kernel(L, W, IDS, E, stride, TOPK: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr,
-                  BE: tl.constexpr, RC: tl.constexpr):  # fmt: skip
-    """One token row: `_route_row`; with SHARED, column E (the shared expert's gate) joins as expert E."""
+                  BE: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """One token row: softmax over the experts, top-k by k rounds of arg-max, renormalised; with
+    SHARED, column E (the shared expert's gate) joins as expert E, weighted by its sigmoid."""
     row = tl.program_id(0)
+    cols = tl.arange(0, BE)
+    logits = tl.load(L + row * stride + cols, mask=cols < E, other=-float("inf")).to(tl.float32)
+    values, chosen, slots = _top_k(logits, cols, E, TOPK, RENORM, BE, BK)
     gate = tl.load(L + row * stride + E).to(tl.float32) if SHARED else 0.0
-    _route_row(L + row * stride, W, IDS, row, E, gate, TOPK, RENORM, SHARED, BE, RC)
+    _route_out(W, IDS, row, values, chosen, slots, gate, E, TOPK, SHARED)
 
 
 @triton.jit
 def _router_kernel(X, R, LOGITS, W, IDS, COUNT, H, E, stride_r, TOPK: tl.constexpr, RENORM: tl.constexpr,
-                   BE: tl.constexpr, BR: tl.constexpr, RC: tl.constexpr, BLOCK_E: tl.constexpr,
-                   BLOCK_H: tl.constexpr):  # fmt: skip
+                   BE: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
     """Program (block of router rows, token row): BLOCK_E of the row's E + 1 logits (the router's, then
     the shared expert's gate: rows of R), rounded to x's dtype as a GEMM's output is, into LOGITS
     [T, BE]; the last of the row's programs to finish (a ticket in COUNT, reset by it) routes them
-    (`_route_row` over BR >= E columns, with the shared expert): the router's GEMM and the routing in one launch."""
+    as `_route_kernel` does with SHARED: the router's GEMM and the routing in one launch."""
     block, row = tl.program_id(0), tl.program_id(1)
     e = block * BLOCK_E + tl.arange(0, BLOCK_E)
     valid = e <= E
@@ -223,13 +227,16 @@ def _router_kernel(X, R, LOGITS, W, IDS, COUNT, H, E, stride_r, TOPK: tl.constex
     tl.store(LOGITS + row * BE + e, acc.to(X.dtype.element_ty).to(tl.float32), mask=valid)
     ticket = COUNT + row
     if quant.last_to_finish(ticket, tl.num_programs(0)):
+        cols = tl.arange(0, BE)
+        logits = tl.load(LOGITS + row * BE + cols, mask=cols < E, other=-float("inf"), cache_modifier=".cg")
+        values, chosen, slots = _top_k(logits, cols, E, TOPK, RENORM, BE, BK)
         gate = tl.load(LOGITS + row * BE + E, cache_modifier=".cg")
         tl.atomic_xchg(ticket, 0)  # for the next launch
-        _route_row(LOGITS + row * BE, W, IDS, row, E, gate, TOPK, RENORM, True, BR, RC)
+        _route_out(W, IDS, row, values, chosen, slots, gate, E, TOPK, True)
 
 
 ROUTER_ROWS = 16  # tokens up to which `router` runs as one launch (decode); beyond, a GEMM and `route`
-ROUTER_BLOCK_H = 2048  # hidden columns a step of `_router_kernel` (at most: a power of two dividing H)
+ROUTER_BLOCK_H = 1024  # hidden columns a step of `_router_kernel` (at most: a power of two dividing H)
 # router rows a program of `_router_kernel`: two, so that the 257 rows of a 256-expert router (1 MB in
 # bf16, 2 MB in a GGUF's f32) are read by ~130 programs, about one per SM of an H200, where 16 rows a
 # program left 17 programs reading it at a small fraction of the bandwidth (22 us a layer, measured)
@@ -248,14 +255,14 @@ def router(x: torch.Tensor, w: torch.Tensor, experts: int, top_k: int, renormali
 def _router_triton(x: torch.Tensor, w: torch.Tensor, experts: int, top_k: int, renormalise: bool):
     rows, hidden = x.shape
     x = x.contiguous()
-    width, be, br, block_e = top_k + 1, triton.next_power_of_2(experts + 1), triton.next_power_of_2(experts), ROUTER_BLOCK_E
+    width, be, block_e = top_k + 1, triton.next_power_of_2(experts + 1), ROUTER_BLOCK_E
     logits = torch.empty(rows, be, dtype=torch.float32, device=x.device)
     weights = torch.empty(rows, width, dtype=x.dtype, device=x.device)
     ids = torch.empty(rows, width, dtype=torch.long, device=x.device)
     if rows:
         _router_kernel[(triton.cdiv(experts + 1, block_e), rows)](
             x, w, logits, weights, ids, quant.tickets(x.device), hidden, experts, w.stride(0), TOPK=top_k,
-            RENORM=renormalise, BE=be, BR=br, RC=min(ROUTE_COLUMNS, br), BLOCK_E=block_e,
+            RENORM=renormalise, BE=be, BK=triton.next_power_of_2(width), BLOCK_E=block_e,
             BLOCK_H=min(ROUTER_BLOCK_H, hidden & -hidden),
         )  # fmt: skip
     return weights, ids
@@ -280,7 +287,7 @@ def _route_triton(logits: torch.Tensor, top_k: int, renormalise: bool, dtype: to
     if rows:
         _route_kernel[(rows,)](
             logits, weights, ids, experts, logits.stride(0), TOPK=top_k, RENORM=renormalise, SHARED=shared,
-            BE=triton.next_power_of_2(experts), RC=min(ROUTE_COLUMNS, triton.next_power_of_2(experts)),
+            BE=triton.next_power_of_2(experts), BK=triton.next_power_of_2(width),
         )  # fmt: skip
     return weights, ids
 
