@@ -23,6 +23,7 @@
 #       q4-variants  our Q4_K_M's decode per GEMV launch setting ($GEMV_VARIANTS, bench/quant.py --gemv-variants)
 #       slot-seed  the graphed slot prefill's bf16 test at one seed ($FT_TEST_SEED), shared expert folded and apart
 #       router-tests  pytest: the routing kernels alone
+#       batch-profile  where a batch-8 decode step's time goes at the e64 shape (bench/profile_batch.py)
 #       q4-decode  our Q4_K_M alone: prefill and decode (bench/quant.py), no llama.cpp
 #       q4         our Q4_K_M, its replay, llama-server on the same file and its replay (bench/quant.py)
 #       q4-llama   our Q4_K_M and llama-server on the same file: prefill and decode, no replays
@@ -106,7 +107,7 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
     kernel-tests) step kernel-tests python3 -m pytest -q -p no:cacheprovider tests/engine/test_fused_kernels.py \
       tests/engine/test_quant_kernels.py \
       tests/engine/test_gpu.py::test_grouped_experts_of_a_streamed_piece_skip_the_absent_assignments ;;
-    capture-tests) step capture-tests python3 -m pytest -q -p no:cacheprovider tests/engine/test_gpu.py \
+    capture-tests) step capture-tests python3 -m pytest -q -p no:cacheprovider -o log_cli=true --log-cli-level=WARNING tests/engine/test_gpu.py \
       -k "restore_then_suffix or prefill_matches_cpu or slot_prefill_matches or graph_decode or batched_decode or padded_batch" ;;
     quant-tests) step quant-tests python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/engine/test_quant_model.py ;;
     offload-tests) step offload-tests python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_offload_gpu.py ;;
@@ -146,6 +147,7 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
           -q -p no:cacheprovider -s tests/engine/test_gpu.py -k "slot_prefill_matches and bf16"
       done
       ;;
+    batch-profile) step batch-profile python3 bench/profile_batch.py --preset $P-e64 --batch 8 --context 8192 ;;
     router-tests) step router-tests python3 -m pytest -q -p no:cacheprovider tests/engine/test_fused_kernels.py -k "route" ;;
     q4-decode)
       wait $gguf 2>/dev/null
