@@ -9,9 +9,11 @@ Per mode (a dense projection; one reading x through a column map, `mapped`; the 
 a Q4_K one in one launch, `pair`; MoE decode's up with SiLU and routing weight, `glu`; its down summing
 a token's experts, `topk`) and format: registers a thread, and the warps an SM keeps resident
 (65,536 registers, at most 64 warps): what hides the latency of each program's dependent loads.
-Session 10, at the launch's 4 warps and 32 rows a program: 64-255 registers, 8-32 warps an SM; MoE
-decode's up over Q4_K 254 (8 a weight in flight, 8 warps). With each block's scales applied to its
-column sums instead of to every weight: 64-255, Q4_K's up 128 (16 warps), Q6_K's dense 168 -> 128.
+Compiled as the launcher specialises the kernel (pointers 16-byte aligned; N, N2, K, K_SPLIT
+divisible by 16: `launch_attrs`), session 12, 4 warps and 32 rows a program: 30-96 registers, 20-64
+warps an SM (Q4_K dense 40, its MoE up 56, Q6_K's up 96), the weights loaded 8 or 16 bytes a thread.
+Sessions 10 and 11 compiled without that specialisation: byte-wide loads and 64-255 registers, figures
+of a kernel that never ran.
 """
 
 from __future__ import annotations
@@ -38,6 +40,15 @@ MODES = {"linear": (False, 1, 1, False, False, -1), "mapped": (False, 1, 1, Fals
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
+def launch_attrs(signature: dict) -> dict:
+    """What Triton's launcher specialises at the decode shapes: every pointer 16-byte aligned (torch's
+    allocations), and N, N2, K, K_SPLIT divisible by 16. Without it the compile assumes nothing: the
+    weights' loads come out a byte at a time and the registers differ from the launched kernel's."""
+    names = quant._gemv_kernel.arg_names
+    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
+            if signature.get(name, "").startswith("*") or name in ("N", "N2", "K", "K_SPLIT")}  # fmt: skip
+
+
 def registers(fmt: int, mode: str, bn: int, warps: int, stages=None, unroll=None) -> int:
     grouped, x_per, top_k, glu, xmap, fmt2 = MODES[mode]
     signature = {**GEMV, **{f"P{i}": t for i, t in enumerate(PARTS[fmt])},
@@ -45,8 +56,8 @@ def registers(fmt: int, mode: str, bn: int, warps: int, stages=None, unroll=None
     constexprs = {"FMT": fmt, "BN": bn, "CHUNK": quant.GEMV_CHUNK[fmt], "GROUPED": grouped, "X_PER": x_per,
                   "TOPK": top_k, "GLU": glu, "XMAP": xmap, "FMT2": fmt2,
                   "CHUNK2": quant.GEMV_CHUNK[fmt2] if fmt2 >= 0 else 1, "STAGES": stages, "UNROLL": unroll}  # fmt: skip
-    kernel = triton.compile(ASTSource(fn=quant._gemv_kernel, signature=signature, constexprs=constexprs),
-                            target=H200, options={"num_warps": warps})  # fmt: skip
+    source = ASTSource(fn=quant._gemv_kernel, signature=signature, constexprs=constexprs, attrs=launch_attrs(signature))
+    kernel = triton.compile(source, target=H200, options={"num_warps": warps})
     with tempfile.TemporaryDirectory() as folder:
         cubin = Path(folder) / "gemv.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
