@@ -30,7 +30,7 @@ import triton  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from engine.ops.gpu import quant  # noqa: E402
-from tests.engine.test_kernels_compile import GEMV, H200, PARTS  # noqa: E402  (the signature the compile test uses)
+from tests.engine.test_kernels_compile import GEMV, GEMV_DIVISIBLE, H200, PARTS, launch_attrs  # noqa: E402  (the signature the compile test uses)
 
 # a token reads 9 experts, its 8 routed and the shared one folded in (engine.model.SparseMoe.fold_shared)
 # (grouped, x_per, top_k, glu, x through a column map, a second weight's format or -1)
@@ -40,15 +40,6 @@ MODES = {"linear": (False, 1, 1, False, False, -1), "mapped": (False, 1, 1, Fals
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-def launch_attrs(signature: dict) -> dict:
-    """What Triton's launcher specialises at the decode shapes: every pointer 16-byte aligned (torch's
-    allocations), and N, N2, K, K_SPLIT divisible by 16. Without it the compile assumes nothing: the
-    weights' loads come out a byte at a time and the registers differ from the launched kernel's."""
-    names = quant._gemv_kernel.arg_names
-    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names)
-            if signature.get(name, "").startswith("*") or name in ("N", "N2", "K", "K_SPLIT")}  # fmt: skip
-
-
 def registers(fmt: int, mode: str, bn: int, warps: int, stages=None, unroll=None) -> int:
     grouped, x_per, top_k, glu, xmap, fmt2 = MODES[mode]
     signature = {**GEMV, **{f"P{i}": t for i, t in enumerate(PARTS[fmt])},
@@ -56,7 +47,8 @@ def registers(fmt: int, mode: str, bn: int, warps: int, stages=None, unroll=None
     constexprs = {"FMT": fmt, "BN": bn, "CHUNK": quant.GEMV_CHUNK[fmt], "GROUPED": grouped, "X_PER": x_per,
                   "TOPK": top_k, "GLU": glu, "XMAP": xmap, "FMT2": fmt2,
                   "CHUNK2": quant.GEMV_CHUNK[fmt2] if fmt2 >= 0 else 1, "STAGES": stages, "UNROLL": unroll}  # fmt: skip
-    source = ASTSource(fn=quant._gemv_kernel, signature=signature, constexprs=constexprs, attrs=launch_attrs(signature))
+    attrs = launch_attrs(quant._gemv_kernel, signature, GEMV_DIVISIBLE)
+    source = ASTSource(fn=quant._gemv_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(source, target=H200, options={"num_warps": warps})
     with tempfile.TemporaryDirectory() as folder:
         cubin = Path(folder) / "gemv.cubin"

@@ -30,9 +30,21 @@ PARTS = {  # the field arrays' types per format (quant.FIELDS)
 }
 
 
-def compile_for_h200(fn, signature: dict, constexprs: dict) -> str:
+GEMV_DIVISIBLE = ("N", "N2", "K", "K_SPLIT")  # at the decode shapes, as the launcher specialises them
+
+
+def launch_attrs(fn, signature: dict, divisible: tuple[str, ...] = ()) -> dict:
+    """What Triton's launcher specialises a launch on: every pointer 16-byte aligned (torch's
+    allocations) and the `divisible` integers multiples of 16. A compile without them assumes
+    neither: other loads (a byte at a time) and other registers than the launched kernel's."""
+    return {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+            if signature.get(name, "").startswith("*") or name in divisible}  # fmt: skip
+
+
+def compile_for_h200(fn, signature: dict, constexprs: dict, divisible: tuple[str, ...] = ()) -> str:
     try:
-        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs), target=H200)
+        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=launch_attrs(fn, signature, divisible))
+        kernel = triton.compile(source, target=H200)
     except (FileNotFoundError, RuntimeError) as exc:  # no CUDA backend or ptxas in this triton build
         if "ptxas" in str(exc) or "backend" in str(exc):
             pytest.skip(f"triton cannot compile for sm_90 here: {exc}")
@@ -54,7 +66,7 @@ def test_gemv_compiles_with_its_split_sums(fmt, mode):
     constexprs = {"FMT": fmt, "BN": 32, "CHUNK": quant.GEMV_CHUNK[fmt], "GROUPED": grouped,
                   "X_PER": x_per, "TOPK": top_k, "GLU": glu, "XMAP": xmap, "FMT2": -1, "CHUNK2": 1,
                   "STAGES": quant.GEMV_STAGES, "UNROLL": quant.GEMV_UNROLL}  # fmt: skip
-    ptx = compile_for_h200(quant._gemv_kernel, signature, constexprs)
+    ptx = compile_for_h200(quant._gemv_kernel, signature, constexprs, GEMV_DIVISIBLE)
     assert ".entry _gemv_kernel" in ptx
     assert "atom.global.gpu.acq_rel.add" in ptx or "atom.acq_rel.gpu.global.add" in ptx, [
         line for line in ptx.splitlines() if "atom" in line
@@ -67,7 +79,7 @@ def test_gemv_of_two_formats_compiles():
                  **{f"Q{i}": t for i, t in enumerate(PARTS[quant.Q4_K])}}  # fmt: skip
     constexprs = {"FMT": quant.Q6_K, "BN": 32, "CHUNK": 128, "GROUPED": False, "X_PER": 1, "TOPK": 1, "GLU": False,
                   "XMAP": False, "FMT2": quant.Q4_K, "CHUNK2": 64, "STAGES": 3, "UNROLL": 2}  # fmt: skip
-    assert ".entry _gemv_kernel" in compile_for_h200(quant._gemv_kernel, signature, constexprs)
+    assert ".entry _gemv_kernel" in compile_for_h200(quant._gemv_kernel, signature, constexprs, GEMV_DIVISIBLE)
 
 
 def test_bf16_decode_kernels_compile():
