@@ -45,7 +45,12 @@ def router(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H] through a router w [E + 1 (+ padding), H] whose row E (`experts`) is the shared
     expert's gate: `route` of those E + 1 logits with the shared expert appended ([T, k + 1])."""
-    return route(F.linear(x, w)[:, : experts + 1], top_k, renormalise, x.dtype, True)
+    return route(router_logits(x, w, experts), top_k, renormalise, x.dtype, True)
+
+
+def router_logits(x: torch.Tensor, w: torch.Tensor, experts: int) -> torch.Tensor:
+    """The router's E logits and the shared expert's gate [T, E + 1] (w's padding rows left out)."""
+    return F.linear(x, w)[:, : experts + 1]
 
 
 def experts_loop(

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from engine.ops.gpu import quant
 from engine.ops.gpu.checked import Checked
-from engine.ops.moe import DECODE_ROWS, experts_loop
+from engine.ops.moe import DECODE_ROWS, experts_loop, router_logits
 from engine.ops.moe import route as reference_route
 from engine.ops.moe import router as reference_router
 
@@ -249,7 +249,7 @@ def router(x: torch.Tensor, w: torch.Tensor, experts: int, top_k: int, renormali
     against the GEMM and torch's routing on its first use: `router_fused`), where it was a GEMM
     and the routing kernel; more rows, the GEMM, then `route`."""
     if x.shape[0] > ROUTER_ROWS or w.stride(1) != 1:
-        return route(F.linear(x, w)[:, : experts + 1], top_k, renormalise, x.dtype, True)
+        return route(router_logits(x, w, experts), top_k, renormalise, x.dtype, True)
     return router_fused(x, w, experts, top_k, renormalise)
 
 
@@ -270,9 +270,9 @@ def _router_triton(x: torch.Tensor, w: torch.Tensor, experts: int, top_k: int, r
 
 
 def _router_canon(out, args) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_route_canon` of the logits the router computes."""
+    """`_routing_canon` of the logits the router computes (with the shared expert)."""
     x, w, experts = args[:3]
-    return _route_canon(out, (F.linear(x, w)[:, : experts + 1], *args[3:4], None, None, True))
+    return _routing_canon(*out, router_logits(x, w, experts), shared=True)
 
 
 def _route_triton(logits: torch.Tensor, top_k: int, renormalise: bool, dtype: torch.dtype, shared: bool = False):
@@ -294,11 +294,14 @@ def _route_triton(logits: torch.Tensor, top_k: int, renormalise: bool, dtype: to
 
 
 def _route_canon(out, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_routing_canon` of `route`'s arguments (logits, top_k, renormalise, dtype[, shared])."""
+    return _routing_canon(*out, args[0], shared=len(args) > 4 and args[4])
+
+
+def _routing_canon(weights: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor, shared: bool):
     """What a routing decides, blind to ties (equal probabilities may be taken in any order, and
     either of two tied at the k-th place): per row the weights, and the probabilities of the
     chosen routed experts, each sorted."""
-    (weights, ids), logits = out, args[0]
-    shared = len(args) > 4 and args[4]
     probs = torch.softmax((logits[:, :-1] if shared else logits).float(), dim=-1)
     chosen = probs.gather(1, ids[:, : ids.shape[1] - shared])
     return weights.float().sort(dim=-1).values, chosen.sort(dim=-1).values
