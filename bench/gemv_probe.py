@@ -1,0 +1,223 @@
+"""What holds the quantized decode GEMV at 0.8-1.6 TB/s on the H200: memory latency, or the
+instructions each weight costs? One Q4_K weight [N, K], one row of x, timed as CUDA graphs of
+20 launches (the best of three) at a decode-sized and a streaming-sized N, for:
+
+- `current`: `quant._gemv` (the engine's kernel) at each split of K;
+- `loads`: the same programs' loads (the weight's 32-bit words and its scales) and nothing else
+  (an XOR a word): the memory side's ceiling for this program shape;
+- `lean`: weights as 32-bit words, nibbles turned to floats with the exponent trick (an OR, then
+  a subtraction) instead of integer conversions, dequantized as the reference does
+  (d*sc*q - dmin*mn) and accumulated per column, one reduction after the K loop;
+- `bytes`: `lean` over the group's bytes (x's columns contiguous), each byte widened once;
+- torch's bf16 GEMV and a copy of the weight's bytes, as the device's yardsticks.
+
+    python bench/gemv_probe.py [--json OUT.json]            # on a GPU
+    TRITON_INTERPRET=1 python bench/gemv_probe.py --check   # the Triton kernels against quant.linear, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/engine.py would shadow the `engine` package
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from engine.ops.gpu import quant  # noqa: E402
+from engine.quant.ggml import T  # noqa: E402
+
+
+@triton.jit
+def _q4k_lean(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: tl.constexpr):
+    pid, s = tl.program_id(0), tl.program_id(1)
+    n = pid * BN + tl.arange(0, BN)
+    row = tl.minimum(n, N - 1).to(tl.int64)
+    words = tl.arange(0, 8)
+    qw = QS.to(tl.pointer_type(tl.uint32))
+    acc = tl.zeros([BN, 8], tl.float32)
+    for k0 in range(s * K_SPLIT, (s + 1) * K_SPLIT, 64):
+        # the 32 bytes of this 64-column group: byte j holds column j (low nibble) and 32 + j (high)
+        w = tl.load(qw + row[:, None] * (K // 8) + k0 // 8 + words[None, :])
+        sub = row * (K // 32) + k0 // 32
+        dd = DD + (row * (K // 256) + k0 // 256) * 2
+        d, dmin = tl.load(dd).to(tl.float32), tl.load(dd + 1).to(tl.float32)
+        s0 = d * tl.load(SC + sub).to(tl.float32)
+        s1 = d * tl.load(SC + sub + 1).to(tl.float32)
+        m0 = dmin * tl.load(MN + sub).to(tl.float32)
+        m1 = dmin * tl.load(MN + sub + 1).to(tl.float32)
+        for b in tl.static_range(4):
+            lo = (((w >> (8 * b)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            hi = (((w >> (8 * b + 4)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            x_lo = tl.load(X + k0 + 4 * words + b).to(tl.float32)
+            x_hi = tl.load(X + k0 + 32 + 4 * words + b).to(tl.float32)
+            acc += (s0[:, None] * lo - m0[:, None]) * x_lo[None, :]
+            acc += (s1[:, None] * hi - m1[:, None]) * x_hi[None, :]
+    out = tl.sum(acc, 1)
+    if ATOMIC:
+        tl.atomic_add(OUT + n, out, mask=n < N)
+    else:
+        tl.store(OUT + n, out, mask=n < N)
+
+
+@triton.jit
+def _q4k_bytes(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: tl.constexpr):
+    """`lean` over the group's bytes [BN, 32] (x's columns contiguous), each widened once."""
+    pid, s = tl.program_id(0), tl.program_id(1)
+    n = pid * BN + tl.arange(0, BN)
+    row = tl.minimum(n, N - 1).to(tl.int64)
+    col = tl.arange(0, 32)
+    acc = tl.zeros([BN, 32], tl.float32)
+    for k0 in range(s * K_SPLIT, (s + 1) * K_SPLIT, 64):
+        byte = tl.load(QS + row[:, None] * (K // 2) + k0 // 2 + col[None, :]).to(tl.uint32)
+        sub = row * (K // 32) + k0 // 32
+        dd = DD + (row * (K // 256) + k0 // 256) * 2
+        d, dmin = tl.load(dd).to(tl.float32), tl.load(dd + 1).to(tl.float32)
+        s0 = d * tl.load(SC + sub).to(tl.float32)
+        s1 = d * tl.load(SC + sub + 1).to(tl.float32)
+        m0 = dmin * tl.load(MN + sub).to(tl.float32)
+        m1 = dmin * tl.load(MN + sub + 1).to(tl.float32)
+        lo = ((byte & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        hi = ((byte >> 4) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        x_lo = tl.load(X + k0 + col).to(tl.float32)
+        x_hi = tl.load(X + k0 + 32 + col).to(tl.float32)
+        acc += (s0[:, None] * lo - m0[:, None]) * x_lo[None, :]
+        acc += (s1[:, None] * hi - m1[:, None]) * x_hi[None, :]
+    out = tl.sum(acc, 1)
+    if ATOMIC:
+        tl.atomic_add(OUT + n, out, mask=n < N)
+    else:
+        tl.store(OUT + n, out, mask=n < N)
+
+
+@triton.jit
+def _q4k_loads(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: tl.constexpr):
+    pid, s = tl.program_id(0), tl.program_id(1)
+    n = pid * BN + tl.arange(0, BN)
+    row = tl.minimum(n, N - 1).to(tl.int64)
+    words = tl.arange(0, 8)
+    qw = QS.to(tl.pointer_type(tl.int32))
+    acc = tl.zeros([BN, 8], tl.int32)
+    extra = tl.zeros([BN], tl.int32)
+    for k0 in range(s * K_SPLIT, (s + 1) * K_SPLIT, 64):
+        acc ^= tl.load(qw + row[:, None] * (K // 8) + k0 // 8 + words[None, :])
+        sub = row * (K // 32) + k0 // 32
+        extra ^= tl.load(SC + sub).to(tl.int32) ^ tl.load(MN + sub + 1).to(tl.int32)
+        extra ^= tl.load((DD + (row * (K // 256) + k0 // 256) * 2).to(tl.pointer_type(tl.int32)))
+    out = (tl.sum(acc, 1) ^ extra).to(tl.float32)
+    if ATOMIC:
+        tl.atomic_add(OUT + n, out, mask=n < N)
+    else:
+        tl.store(OUT + n, out, mask=n < N)
+
+
+def launcher(kernel, x: torch.Tensor, w: quant.QuantWeight, bn: int, split: int, warps: int = 4):
+    n, k = w.shape
+    out = torch.zeros(n, dtype=torch.float32, device=x.device)
+
+    def launch() -> torch.Tensor:
+        if split > 1:
+            out.zero_()
+        kernel[(triton.cdiv(n, bn), split)](x, *w.parts, out, n, k, k // split, BN=bn, ATOMIC=split > 1,
+                                           num_warps=warps)  # fmt: skip
+        return out
+
+    return launch
+
+
+def graph_us(fn, repeats: int = 20) -> float:
+    """Microseconds a call, from a CUDA graph of `repeats` calls (the best of three replays)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    best = math.inf
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / repeats)
+    return best
+
+
+def random_q4k(n: int, k: int, device) -> quant.QuantWeight:
+    from bench.quant_kernels import random_weight  # noqa: PLC0415
+
+    return random_weight(T.Q4_K, (n, k), device)
+
+
+def check() -> None:
+    """The probe's Triton kernels against the engine's `quant.linear` (fp32, Triton's interpreter)."""
+    w = random_q4k(96, 512, "cpu")
+    x = torch.randn(1, 512)
+    want = quant.linear(x, w)[0]
+    for bn, split in ((32, 1), (64, 2), (128, 4)):
+        got = launcher(_q4k_lean, x, w, bn, split)()
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        print(f"lean BN={bn} split={split}: max relative error {err:.2e}")
+        assert err < 1e-5, err
+        got = launcher(_q4k_bytes, x, w, bn, split)()
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        print(f"bytes BN={bn} split={split}: max relative error {err:.2e}")
+        assert err < 1e-5, err
+        launcher(_q4k_loads, x, w, bn, split)()  # runs
+    print("ok")
+
+
+def probe(n: int, k: int) -> list[dict]:
+    """Every kernel's time on one random Q4_K weight [n, k] and one bf16 row of x."""
+    rows: list[dict] = []
+    w = random_q4k(n, k, "cuda")
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    want = quant.linear(x, w)[0].float()
+    plain = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    copy_src = torch.empty(w.nbytes, dtype=torch.uint8, device="cuda")
+    copy_dst = torch.empty_like(copy_src)
+
+    def row(kind, us, nbytes=w.nbytes, err=None, **kw):
+        r = {"shape": f"{n}x{k}", "kind": kind, **kw, "us": us, "TB/s": nbytes / us / 1e6, "rel_err": err}
+        rows.append(r)
+        extra = " ".join(f"{a}={b}" for a, b in kw.items())
+        e = f"  err {err:.1e}" if err is not None else ""
+        print(f"{r['shape']:>11} {kind:8} {extra:22} {us:8.1f} us {r['TB/s']:6.2f} TB/s{e}", flush=True)
+
+    def timed(kind, fn, **kw):
+        err = ((fn() - want).abs().max() / want.abs().max()).item() if kind != "loads" else None
+        row(kind, graph_us(fn), err=err, **kw)
+
+    row("copy", graph_us(lambda: copy_dst.copy_(copy_src)), 2 * w.nbytes)
+    row("bf16", graph_us(lambda: x @ plain.T), plain.numel() * 2)
+    for split in quant._splits(k, 64, 1, triton.cdiv(n, 32)):
+        timed("current", lambda split=split: quant._gemv(x, w, 1, n, split=split)[0], split=split)
+    for bn, warps in ((32, 4), (64, 4), (128, 4), (128, 8)):
+        for split in (1, 2, 4, 8):
+            if k % (64 * split) == 0:
+                for kind, kernel in (("lean", _q4k_lean), ("bytes", _q4k_bytes), ("loads", _q4k_loads)):
+                    timed(kind, launcher(kernel, x, w, bn, split, warps), bn=bn, warps=warps, split=split)
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="the kernels against quant.linear (CPU, interpreter)")
+    p.add_argument("--json", type=Path)
+    p.add_argument("--shapes", default="9216x2048,12352x2048,65536x2048")
+    args = p.parse_args()
+    if args.check:
+        return check()
+    rows = [r for shape in args.shapes.split(",") for r in probe(*map(int, shape.split("x")))]
+    if args.json:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
