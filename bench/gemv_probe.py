@@ -98,6 +98,118 @@ def _q4k_bytes(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: 
 
 
 @triton.jit
+def _q4k_wide(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: tl.constexpr,
+              G: tl.constexpr, LOADS: tl.constexpr):  # fmt: skip
+    """G 64-column groups a step as one [BN, G, 32]-byte tile: each row's G * 32 bytes contiguous
+    (a warp reads whole lines of one row), per-row sums reduced once a step. LOADS: the loads alone."""
+    pid, s = tl.program_id(0), tl.program_id(1)
+    n = pid * BN + tl.arange(0, BN)
+    row = tl.minimum(n, N - 1).to(tl.int64)[:, None, None]
+    g = tl.arange(0, G)[None, :, None]
+    j = tl.arange(0, 32)[None, None, :]
+    acc = tl.zeros([BN], tl.float32)
+    for k0 in range(s * K_SPLIT, (s + 1) * K_SPLIT, 64 * G):
+        byte = tl.load(QS + row * (K // 2) + k0 // 2 + g * 32 + j)
+        sub = row * (K // 32) + k0 // 32 + 2 * g  # [BN, G, 1]
+        dd = DD + (row * (K // 256) + (k0 + 64 * g) // 256) * 2
+        if LOADS:
+            acc += tl.sum(tl.sum((byte.to(tl.int32) ^ tl.load(SC + sub).to(tl.int32) ^ tl.load(MN + sub + 1).to(tl.int32))
+                                 .to(tl.float32) + tl.load(dd).to(tl.float32), 2), 1)  # fmt: skip
+        else:
+            d, dmin = tl.load(dd).to(tl.float32), tl.load(dd + 1).to(tl.float32)
+            s0 = d * tl.load(SC + sub).to(tl.float32)
+            s1 = d * tl.load(SC + sub + 1).to(tl.float32) * 0.0625
+            m0 = dmin * tl.load(MN + sub).to(tl.float32)
+            m1 = dmin * tl.load(MN + sub + 1).to(tl.float32)
+            b = byte.to(tl.uint32)
+            lo = ((b & 0x0F) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            hi = ((b & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            x_lo = tl.load(X + k0 + 64 * g + j).to(tl.float32)
+            x_hi = tl.load(X + k0 + 64 * g + 32 + j).to(tl.float32)
+            acc += tl.sum(tl.sum((s0 * lo - m0) * x_lo + (s1 * hi - m1) * x_hi, 2), 1)
+    if ATOMIC:
+        tl.atomic_add(OUT + n, acc, mask=n < N)
+    else:
+        tl.store(OUT + n, acc, mask=n < N)
+
+
+@triton.jit
+def _q4k_w2(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: tl.constexpr,
+            G: tl.constexpr, LOADS: tl.constexpr):  # fmt: skip
+    """`wide` as a 2-D tile [BN, G * 32 bytes]: byte b of a step is column (b // 32) * 64 + b % 32
+    (low nibble) and that + 32 (high) of the step; its scales those of group b // 32."""
+    pid, s = tl.program_id(0), tl.program_id(1)
+    n = pid * BN + tl.arange(0, BN)
+    row = tl.minimum(n, N - 1).to(tl.int64)[:, None]
+    b = tl.arange(0, G * 32)[None, :]
+    col = (b // 32) * 64 + b % 32  # the low nibble's column in the step
+    acc = tl.zeros([BN], tl.float32)
+    for k0 in range(s * K_SPLIT, (s + 1) * K_SPLIT, 64 * G):
+        byte = tl.load(QS + row * (K // 2) + k0 // 2 + b)
+        sub = row * (K // 32) + k0 // 32 + 2 * (b // 32)
+        dd = DD + (row * (K // 256) + (k0 + col) // 256) * 2
+        if LOADS:
+            acc += tl.sum((byte.to(tl.int32) ^ tl.load(SC + sub).to(tl.int32) ^ tl.load(MN + sub + 1).to(tl.int32))
+                          .to(tl.float32) + tl.load(dd).to(tl.float32), 1)  # fmt: skip
+        else:
+            d, dmin = tl.load(dd).to(tl.float32), tl.load(dd + 1).to(tl.float32)
+            s0 = d * tl.load(SC + sub).to(tl.float32)
+            s1 = d * tl.load(SC + sub + 1).to(tl.float32) * 0.0625
+            m0 = dmin * tl.load(MN + sub).to(tl.float32)
+            m1 = dmin * tl.load(MN + sub + 1).to(tl.float32)
+            q = byte.to(tl.uint32)
+            lo = ((q & 0x0F) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            hi = ((q & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            x_lo = tl.load(X + k0 + col).to(tl.float32)
+            x_hi = tl.load(X + k0 + 32 + col).to(tl.float32)
+            acc += tl.sum((s0 * lo - m0) * x_lo + (s1 * hi - m1) * x_hi, 1)
+    if ATOMIC:
+        tl.atomic_add(OUT + n, acc, mask=n < N)
+    else:
+        tl.store(OUT + n, acc, mask=n < N)
+
+
+@triton.jit
+def _q4k_dot(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: tl.constexpr,
+             G: tl.constexpr, LOADS: tl.constexpr):  # fmt: skip
+    """`wide`'s tile dequantized to bf16 (x's dtype) and multiplied on the tensor cores: x's row as
+    column 0 of a [G * 32, 16] operand, the products summed by the MMA (no per-weight FFMA with
+    x, no shuffles). LOADS is unused (one kernel, for the probe's table)."""
+    pid, s = tl.program_id(0), tl.program_id(1)
+    n = pid * BN + tl.arange(0, BN)
+    row = tl.minimum(n, N - 1).to(tl.int64)[:, None, None]
+    g = tl.arange(0, G)[None, :, None]
+    j = tl.arange(0, 32)[None, None, :]
+    c = tl.arange(0, G * 32)[:, None]
+    m = tl.arange(0, 16)[None, :]
+    acc = tl.zeros([BN, 16], tl.float32)
+    for k0 in range(s * K_SPLIT, (s + 1) * K_SPLIT, 64 * G):
+        byte = tl.load(QS + row * (K // 2) + k0 // 2 + g * 32 + j)
+        sub = row * (K // 32) + k0 // 32 + 2 * g  # [BN, G, 1]
+        dd = DD + (row * (K // 256) + (k0 + 64 * g) // 256) * 2
+        d, dmin = tl.load(dd).to(tl.float32), tl.load(dd + 1).to(tl.float32)
+        s0 = d * tl.load(SC + sub).to(tl.float32)
+        s1 = d * tl.load(SC + sub + 1).to(tl.float32) * 0.0625
+        m0 = dmin * tl.load(MN + sub).to(tl.float32)
+        m1 = dmin * tl.load(MN + sub + 1).to(tl.float32)
+        q = byte.to(tl.uint32)
+        lo = ((q & 0x0F) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        hi = ((q & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        w_lo = tl.reshape((s0 * lo - m0).to(X.dtype.element_ty), [BN, G * 32])
+        w_hi = tl.reshape((s1 * hi - m1).to(X.dtype.element_ty), [BN, G * 32])
+        xc = X + m * K + k0 + (c // 32) * 64 + c % 32  # [G * 32, 16]: x's row 0 in column 0
+        x_lo = tl.load(xc, mask=m < 1, other=0.0)
+        x_hi = tl.load(xc + 32, mask=m < 1, other=0.0)
+        acc = tl.dot(w_lo, x_lo, acc)
+        acc = tl.dot(w_hi, x_hi, acc)
+    out = tl.sum(tl.where(m == 0, acc, 0.0), 1)
+    if ATOMIC:
+        tl.atomic_add(OUT + n, out, mask=n < N)
+    else:
+        tl.store(OUT + n, out, mask=n < N)
+
+
+@triton.jit
 def _q4k_loads(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: tl.constexpr):
     pid, s = tl.program_id(0), tl.program_id(1)
     n = pid * BN + tl.arange(0, BN)
@@ -118,7 +230,9 @@ def _q4k_loads(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: 
         tl.store(OUT + n, out, mask=n < N)
 
 
-def launcher(kernel, x: torch.Tensor, w: quant.QuantWeight, bn: int, split: int, warps: int = 4):
+def launcher(
+    kernel, x: torch.Tensor, w: quant.QuantWeight, bn: int, split: int, warps: int = 4, **constexprs
+):
     n, k = w.shape
     out = torch.zeros(n, dtype=torch.float32, device=x.device)
 
@@ -126,7 +240,7 @@ def launcher(kernel, x: torch.Tensor, w: quant.QuantWeight, bn: int, split: int,
         if split > 1:
             out.zero_()
         kernel[(triton.cdiv(n, bn), split)](x, *w.parts, out, n, k, k // split, BN=bn, ATOMIC=split > 1,
-                                           num_warps=warps)  # fmt: skip
+                                           num_warps=warps, **constexprs)  # fmt: skip
         return out
 
     return launch
@@ -172,10 +286,26 @@ def check() -> None:
         print(f"bytes BN={bn} split={split}: max relative error {err:.2e}")
         assert err < 1e-5, err
         launcher(_q4k_loads, x, w, bn, split)()  # runs
+    for bn, split, g in ((8, 1, 8), (16, 2, 4), (4, 1, 2)):
+        got = launcher(_q4k_wide, x, w, bn, split, G=g, LOADS=False)()
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        print(f"wide BN={bn} split={split} G={g}: max relative error {err:.2e}")
+        assert err < 1e-5, err
+        launcher(_q4k_wide, x, w, bn, split, G=g, LOADS=True)()  # runs
+        got = launcher(_q4k_w2, x, w, bn, split, G=g, LOADS=False)()
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        print(f"w2 BN={bn} split={split} G={g}: max relative error {err:.2e}")
+        assert err < 1e-5, err
+        launcher(_q4k_w2, x, w, bn, split, G=g, LOADS=True)()  # runs
+    for bn, split, g in ((16, 1, 4), (32, 2, 2), (64, 1, 1)):
+        got = launcher(_q4k_dot, x, w, bn, split, G=g, LOADS=False)()
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        print(f"dot BN={bn} split={split} G={g}: max relative error {err:.2e}")
+        assert err < 1e-5, err
     print("ok")
 
 
-def probe(n: int, k: int) -> list[dict]:
+def probe(n: int, k: int, kinds: set[str]) -> list[dict]:
     """Every kernel's time on one random Q4_K weight [n, k] and one bf16 row of x."""
     rows: list[dict] = []
     w = random_q4k(n, k, "cuda")
@@ -193,18 +323,117 @@ def probe(n: int, k: int) -> list[dict]:
         print(f"{r['shape']:>11} {kind:8} {extra:22} {us:8.1f} us {r['TB/s']:6.2f} TB/s{e}", flush=True)
 
     def timed(kind, fn, **kw):
-        err = ((fn() - want).abs().max() / want.abs().max()).item() if kind != "loads" else None
+        err = (
+            ((fn() - want).abs().max() / want.abs().max()).item()
+            if kind not in ("loads", "wide-ld")
+            else None
+        )
         row(kind, graph_us(fn), err=err, **kw)
 
     row("copy", graph_us(lambda: copy_dst.copy_(copy_src)), 2 * w.nbytes)
     row("bf16", graph_us(lambda: x @ plain.T), plain.numel() * 2)
     for split in quant._splits(k, 64, 1, triton.cdiv(n, 32)):
         timed("current", lambda split=split: quant._gemv(x, w, 1, n, split=split)[0], split=split)
-    for bn, warps in ((32, 4), (64, 4), (128, 4), (128, 8)):
-        for split in (1, 2, 4, 8):
-            if k % (64 * split) == 0:
-                for kind, kernel in (("lean", _q4k_lean), ("bytes", _q4k_bytes), ("loads", _q4k_loads)):
-                    timed(kind, launcher(kernel, x, w, bn, split, warps), bn=bn, warps=warps, split=split)
+    if "narrow" in kinds:
+        for bn, warps in ((32, 4), (64, 4), (128, 4), (128, 8)):
+            for split in (1, 2, 4, 8):
+                if k % (64 * split) == 0:
+                    for kind, kernel in (("lean", _q4k_lean), ("bytes", _q4k_bytes), ("loads", _q4k_loads)):
+                        timed(kind, launcher(kernel, x, w, bn, split, warps), bn=bn, warps=warps, split=split)
+    if "wide" in kinds:
+        for g, bn, warps in (
+            (16, 4, 4),
+            (16, 8, 4),
+            (16, 16, 4),
+            (16, 8, 8),
+            (8, 8, 4),
+            (8, 16, 4),
+            (4, 16, 4),
+            (4, 32, 4),
+        ):
+            for split in (1, 2, 4):
+                if k % (64 * g * split) == 0:
+                    for kind, kernel, loads in (("wide", _q4k_wide, False), ("wide-ld", _q4k_wide, True),
+                                                ("w2", _q4k_w2, False), ("w2-ld", _q4k_w2, True)):  # fmt: skip
+                        fn = launcher(kernel, x, w, bn, split, warps, G=g, LOADS=loads)
+                        timed(kind, fn, bn=bn, warps=warps, split=split, g=g)
+    if "dot" in kinds:
+        for g, bn, warps in (
+            (4, 64, 4),
+            (4, 32, 4),
+            (8, 32, 4),
+            (8, 64, 4),
+            (2, 64, 4),
+            (4, 128, 4),
+            (4, 64, 8),
+        ):
+            for split in (1, 2, 4):
+                if k % (64 * g * split) == 0:
+                    timed("dot", launcher(_q4k_dot, x, w, bn, split, warps, G=g, LOADS=False),
+                          bn=bn, warps=warps, split=split, g=g)  # fmt: skip
+    return rows
+
+
+ENGINE_SHAPES = {  # the Q4_K_M decode GEMVs of the 35B shape: (format, rows, cols, experts a token or 0)
+    "Q4_K moe up [9 x 1024, 2048]": (T.Q4_K, 1024, 2048, 9),
+    "Q6_K moe down [9 x 2048, 512]": (T.Q6_K, 2048, 512, 9),
+    "Q4_K moe down [9 x 2048, 512]": (T.Q4_K, 2048, 512, 9),
+    "Q4_K out_proj [2048, 4096]": (T.Q4_K, 2048, 4096, 0),
+    "Q4_K [12352, 2048]": (T.Q4_K, 12352, 2048, 0),
+    "Q6_K [8192, 2048]": (T.Q6_K, 8192, 2048, 0),
+    "Q6_K lm_head [248320, 2048]": (T.Q6_K, 248320, 2048, 0),
+}
+
+
+def engine_rows() -> list[dict]:
+    """The engine's own GEMV (`quant.linear`, `experts_glu`, `experts_sum`) at each decode shape,
+    with and without the lean Q4_K / Q6_K chunks (`quant.GEMV_LEAN`) and at 32 and 64 rows a
+    program, the split the engine picks (its heuristic)."""
+    from bench.quant_kernels import random_weight  # noqa: PLC0415
+
+    rows = []
+    before = quant.GEMV_LEAN, quant.GEMV_BLOCK_N
+    for name, (fmt, n, k, experts) in ENGINE_SHAPES.items():
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        if experts:  # a stack of 64 experts, a token's 9 of them
+            w = random_weight(fmt, (64, n, k), "cuda")
+            ids = torch.randperm(64, device="cuda")[:experts][None]
+            weights = torch.rand(1, experts, device="cuda", dtype=torch.bfloat16)
+            xs = x.expand(experts, k).contiguous()
+            nbytes = w.nbytes * experts // 64
+            if "up" in name:
+                fn = lambda x=x, w=w, ids=ids, weights=weights: quant.experts_glu(x, w, ids, weights)  # noqa: E731
+            else:
+                fn = lambda w=w, ids=ids, xs=xs: quant.experts_sum(xs, w, ids)  # noqa: E731
+        else:
+            w = random_weight(fmt, (n, k), "cuda")
+            fn = lambda x=x, w=w: quant.linear(x, w)  # noqa: E731
+            nbytes = w.nbytes
+        try:
+            quant.GEMV_LEAN, quant.GEMV_BLOCK_N = True, 32
+            want = fn().float()
+            for lean in (False, True):
+                for bn in (32, 64):
+                    quant.GEMV_LEAN, quant.GEMV_BLOCK_N = lean, bn
+                    quant._SPLITS.clear()
+                    err = ((fn().float() - want).abs().max() / want.abs().max()).item()
+                    us = graph_us(fn)
+                    rows.append(
+                        {
+                            "shape": name,
+                            "lean": lean,
+                            "bn": bn,
+                            "us": us,
+                            "TB/s": nbytes / us / 1e6,
+                            "rel_err": err,
+                        }
+                    )
+                    print(f"{name:32} lean={lean!s:5} BN={bn:3} {us:8.1f} us {nbytes / us / 1e6:6.2f} TB/s  err {err:.1e}",
+                          flush=True)  # fmt: skip
+        finally:
+            quant.GEMV_LEAN, quant.GEMV_BLOCK_N = before
+            quant._SPLITS.clear()
+        del w
     return rows
 
 
@@ -212,11 +441,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="the kernels against quant.linear (CPU, interpreter)")
     p.add_argument("--json", type=Path)
+    p.add_argument(
+        "--kinds", default="narrow,wide,w2", help="narrow: 64 columns a step; wide: G groups of 64"
+    )
     p.add_argument("--shapes", default="9216x2048,12352x2048,65536x2048")
     args = p.parse_args()
     if args.check:
         return check()
-    rows = [r for shape in args.shapes.split(",") for r in probe(*map(int, shape.split("x")))]
+    kinds = set(args.kinds.split(","))
+    rows = engine_rows() if "engine" in kinds else []
+    rows += [r for shape in args.shapes.split(",") for r in probe(*map(int, shape.split("x")), kinds)]
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=2))
 

@@ -44,9 +44,8 @@ def registers(fmt: int, mode: str, bn: int, warps: int, stages=None, unroll=None
     grouped, x_per, top_k, glu, xmap, fmt2 = MODES[mode]
     signature = {**GEMV, **{f"P{i}": t for i, t in enumerate(PARTS[fmt])},
                  **{f"Q{i}": t for i, t in enumerate(PARTS[fmt if fmt2 < 0 else fmt2])}}  # fmt: skip
-    constexprs = {"FMT": fmt, "BN": bn, "CHUNK": quant.GEMV_CHUNK[fmt], "GROUPED": grouped, "X_PER": x_per,
-                  "TOPK": top_k, "GLU": glu, "XMAP": xmap, "FMT2": fmt2,
-                  "CHUNK2": quant.GEMV_CHUNK[fmt2] if fmt2 >= 0 else 1, "STAGES": stages, "UNROLL": unroll}  # fmt: skip
+    constexprs = {**quant.gemv_constexprs(fmt, bn, grouped, x_per, top_k, glu, xmap, fmt2),
+                  "STAGES": stages, "UNROLL": unroll}  # fmt: skip
     attrs = launch_attrs(quant._gemv_kernel, signature, GEMV_DIVISIBLE)
     source = ASTSource(fn=quant._gemv_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     kernel = triton.compile(source, target=H200, options={"num_warps": warps})

@@ -20,6 +20,7 @@ GEMV = {
     "N": "i32", "N2": "i32", "K": "i32", "K_SPLIT": "i32", "SPLIT": "i32", "FMT": "constexpr", "BN": "constexpr",
     "CHUNK": "constexpr", "GROUPED": "constexpr", "X_PER": "constexpr", "TOPK": "constexpr", "GLU": "constexpr",
     "XMAP": "constexpr", "FMT2": "constexpr", "CHUNK2": "constexpr", "STAGES": "constexpr", "UNROLL": "constexpr",
+    "LEAN": "constexpr", "W": "constexpr", "W2": "constexpr",
 }  # fmt: skip
 PARTS = {  # the field arrays' types per format (quant.FIELDS)
     quant.Q8_0: ("*i8", "*fp16", "*i8", "*i8"),
@@ -63,9 +64,7 @@ def test_gemv_compiles_with_its_split_sums(fmt, mode):
     each split's sums taken by its last program behind an acquire-release ticket."""
     grouped, x_per, top_k, glu, xmap = mode
     signature = {**GEMV, **{f"P{i}": t for i, t in enumerate(PARTS[fmt])}, **{f"Q{i}": t for i, t in enumerate(PARTS[fmt])}}
-    constexprs = {"FMT": fmt, "BN": 32, "CHUNK": quant.GEMV_CHUNK[fmt], "GROUPED": grouped,
-                  "X_PER": x_per, "TOPK": top_k, "GLU": glu, "XMAP": xmap, "FMT2": -1, "CHUNK2": 1,
-                  "STAGES": quant.GEMV_STAGES, "UNROLL": quant.GEMV_UNROLL}  # fmt: skip
+    constexprs = quant.gemv_constexprs(fmt, 32, grouped, x_per, top_k, glu, xmap)
     ptx = compile_for_h200(quant._gemv_kernel, signature, constexprs, GEMV_DIVISIBLE)
     assert ".entry _gemv_kernel" in ptx
     assert "atom.global.gpu.acq_rel.add" in ptx or "atom.acq_rel.gpu.global.add" in ptx, [
@@ -77,8 +76,7 @@ def test_gemv_of_two_formats_compiles():
     """Q4_K_M's DeltaNet input projection: the Q6_K qkv and the Q4_K gate, b and a in one launch."""
     signature = {**GEMV, **{f"P{i}": t for i, t in enumerate(PARTS[quant.Q6_K])},
                  **{f"Q{i}": t for i, t in enumerate(PARTS[quant.Q4_K])}}  # fmt: skip
-    constexprs = {"FMT": quant.Q6_K, "BN": 32, "CHUNK": 128, "GROUPED": False, "X_PER": 1, "TOPK": 1, "GLU": False,
-                  "XMAP": False, "FMT2": quant.Q4_K, "CHUNK2": 64, "STAGES": 3, "UNROLL": 2}  # fmt: skip
+    constexprs = {**quant.gemv_constexprs(quant.Q6_K, 32, fmt2=quant.Q4_K), "STAGES": 3, "UNROLL": 2}
     assert ".entry _gemv_kernel" in compile_for_h200(quant._gemv_kernel, signature, constexprs, GEMV_DIVISIBLE)
 
 
