@@ -1,18 +1,28 @@
 """What holds the quantized decode GEMV at 0.8-1.6 TB/s on the H200: memory latency, or the
-instructions each weight costs? One Q4_K weight [N, K], one row of x, timed as CUDA graphs of
-20 launches (the best of three) at a decode-sized and a streaming-sized N, for:
+instructions each weight costs? Kernels timed as CUDA graphs of 20 launches (the best of three):
 
-- `current`: `quant._gemv` (the engine's kernel) at each split of K;
-- `loads`: the same programs' loads (the weight's 32-bit words and its scales) and nothing else
-  (an XOR a word): the memory side's ceiling for this program shape;
-- `lean`: weights as 32-bit words, nibbles turned to floats with the exponent trick (an OR, then
-  a subtraction) instead of integer conversions, dequantized as the reference does
-  (d*sc*q - dmin*mn) and accumulated per column, one reduction after the K loop;
-- `bytes`: `lean` over the group's bytes (x's columns contiguous), each byte widened once;
+- `engine` (the default): the engine's GEMVs (`quant.linear`, `experts_glu`, `experts_sum`) at the
+  Q4_K_M decode shapes of the 35B model, 32 and 64 rows a program;
+- on one Q4_K weight [N, K] and one row of x, at a decode-sized and a streaming-sized N:
+  `current` (`quant._gemv` at each split of K); `loads` (the same programs' loads, the weight's
+  32-bit words and its scales, and an XOR a word: the memory side's ceiling for 64 columns a step);
+  `lean` (32-bit words, nibbles made floats by the exponent trick, an OR and a subtraction,
+  instead of integer conversions, per-column sums reduced once after the K loop); `bytes` (`lean`
+  over the bytes, x's columns contiguous); `wide` and `w2` (G groups of 64 columns a step as a
+  [BN, G, 32] or [BN, G * 32] tile: each row's bytes contiguous, whole lines a warp; `-ld`: their
+  loads alone); `dot` (the tile dequantized to bf16 and multiplied on the tensor cores);
 - torch's bf16 GEMV and a copy of the weight's bytes, as the device's yardsticks.
 
-    python bench/gemv_probe.py [--json OUT.json]            # on a GPU
-    TRITON_INTERPRET=1 python bench/gemv_probe.py --check   # the Triton kernels against quant.linear, CPU
+Session 13 (H200, `bench/results/gemv-probe-h200-s13.json`), the MoE up's size (9216 x 2048 Q4_K,
+10.9 MB): copy 4.2 us, torch's bf16 GEMV 8.5 us for 3.5 times the bytes (4.4 TB/s), `current`
+13.5 us (0.81 TB/s); its loads alone 8.2-11 us, `wide` loads alone 5.8 us; `lean` 11.7, `bytes`
+12.2, `wide` 12.4, `dot` 18-29 us. In the engine (lean Q4_K and Q6_K chunks, tried and removed):
+Q4_K 3% faster, Q6_K 2.6-3.4 times slower (the lm_head 888 against 262 us). Neither the access
+pattern nor the instruction count alone moves it far: Triton's loads of 32-byte row pieces reach
+1-2.6 TB/s even with nothing to compute.
+
+    python bench/gemv_probe.py [--kinds engine,narrow,wide,w2,dot] [--json OUT.json]   # on a GPU
+    TRITON_INTERPRET=1 python bench/gemv_probe.py --check   # the probe's kernels against quant.linear, CPU
 """
 
 from __future__ import annotations
@@ -386,13 +396,12 @@ ENGINE_SHAPES = {  # the Q4_K_M decode GEMVs of the 35B shape: (format, rows, co
 
 
 def engine_rows() -> list[dict]:
-    """The engine's own GEMV (`quant.linear`, `experts_glu`, `experts_sum`) at each decode shape,
-    with and without the lean Q4_K / Q6_K chunks (`quant.GEMV_LEAN`) and at 32 and 64 rows a
-    program, the split the engine picks (its heuristic)."""
+    """The engine's own GEMV (`quant.linear`, `experts_glu`, `experts_sum`) at each decode shape, at
+    32 and 64 rows a program, the split the engine picks (its heuristic)."""
     from bench.quant_kernels import random_weight  # noqa: PLC0415
 
     rows = []
-    before = quant.GEMV_LEAN, quant.GEMV_BLOCK_N
+    before = quant.GEMV_BLOCK_N
     for name, (fmt, n, k, experts) in ENGINE_SHAPES.items():
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         if experts:  # a stack of 64 experts, a token's 9 of them
@@ -410,28 +419,14 @@ def engine_rows() -> list[dict]:
             fn = lambda x=x, w=w: quant.linear(x, w)  # noqa: E731
             nbytes = w.nbytes
         try:
-            quant.GEMV_LEAN, quant.GEMV_BLOCK_N = True, 32
-            want = fn().float()
-            for lean in (False, True):
-                for bn in (32, 64):
-                    quant.GEMV_LEAN, quant.GEMV_BLOCK_N = lean, bn
-                    quant._SPLITS.clear()
-                    err = ((fn().float() - want).abs().max() / want.abs().max()).item()
-                    us = graph_us(fn)
-                    rows.append(
-                        {
-                            "shape": name,
-                            "lean": lean,
-                            "bn": bn,
-                            "us": us,
-                            "TB/s": nbytes / us / 1e6,
-                            "rel_err": err,
-                        }
-                    )
-                    print(f"{name:32} lean={lean!s:5} BN={bn:3} {us:8.1f} us {nbytes / us / 1e6:6.2f} TB/s  err {err:.1e}",
-                          flush=True)  # fmt: skip
+            for bn in (32, 64):
+                quant.GEMV_BLOCK_N = bn
+                quant._SPLITS.clear()
+                us = graph_us(fn)
+                rows.append({"shape": name, "bn": bn, "us": us, "TB/s": nbytes / us / 1e6})
+                print(f"{name:32} BN={bn:3} {us:8.1f} us {nbytes / us / 1e6:6.2f} TB/s", flush=True)
         finally:
-            quant.GEMV_LEAN, quant.GEMV_BLOCK_N = before
+            quant.GEMV_BLOCK_N = before
             quant._SPLITS.clear()
         del w
     return rows

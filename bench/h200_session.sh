@@ -23,7 +23,7 @@
 #       q4-variants  our Q4_K_M's decode per GEMV launch setting ($GEMV_VARIANTS, bench/quant.py --gemv-variants)
 #       slot-seed  the graphed slot prefill's bf16 test at one seed ($FT_TEST_SEED), shared expert folded and apart
 #       router-tests  pytest: the routing kernels alone
-#       gemv-probe  the Q4_K decode GEMV against its own loads alone and leaner variants (bench/gemv_probe.py)
+#       gemv-probe  the quantized decode GEMVs at the Q4_K_M shapes, 32 and 64 rows a program (bench/gemv_probe.py)
 #       batch-profile  where a batch-8 decode step's time goes at the e64 shape (bench/profile_batch.py)
 #       q4-decode  our Q4_K_M alone: prefill and decode (bench/quant.py), no llama.cpp
 #       q4         our Q4_K_M, its replay, llama-server on the same file and its replay (bench/quant.py)

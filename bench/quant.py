@@ -234,30 +234,26 @@ def decode_tuned(eng, args) -> list[dict]:
 
 def decode_variants(eng, args) -> list[dict]:
     """Decode again per `--gemv-variants` setting of the quantized GEMV's launch (warps a program,
-    the K loop's pipelining stages and unrolling, rows a program, and whether Q4_K and Q6_K take
-    the lean chunks, `quant.GEMV_LEAN`), the graphs captured again for each; the settings in force
-    before are restored."""
+    the K loop's pipelining stages and unrolling, rows a program), the graphs captured again for
+    each; the settings in force before are restored."""
     from engine.ops.gpu import quant  # noqa: PLC0415
 
-    before = (quant.GEMV_WARPS, quant.GEMV_STAGES, quant.GEMV_UNROLL, quant.GEMV_BLOCK_N, quant.GEMV_LEAN)
+    before = (quant.GEMV_WARPS, quant.GEMV_STAGES, quant.GEMV_UNROLL, quant.GEMV_BLOCK_N)
     out = []
     try:
         for spec in args.gemv_variants.split(","):
-            fields = [int(v) if v not in ("", "-") else None for v in spec.split(":")]
-            warps, stages, unroll, bn, lean = fields + [None] * (5 - len(fields))
-            lean = before[4] if lean is None else bool(lean)
+            warps, stages, unroll, bn = (int(v) if v not in ("", "-") else None for v in spec.split(":"))
             quant.GEMV_WARPS, quant.GEMV_STAGES, quant.GEMV_UNROLL = warps, stages, unroll
-            quant.GEMV_BLOCK_N, quant.GEMV_LEAN = bn, lean
+            quant.GEMV_BLOCK_N = bn
             quant._SPLITS.clear()
             eng.runner.drop_graphs()
             rows = [bench_decode(eng, args.context, b, args.steps) for b in args.batches]
             for d in rows:
-                print(f"decode B={d['batch']} GEMV warps {warps} stages {stages} unroll {unroll} rows {bn} "
-                      f"lean {lean}: {d['tok_s']:.1f} tok/s", flush=True)  # fmt: skip
-            out += [{**d, "warps": warps, "stages": stages, "unroll": unroll, "block_n": bn, "lean": lean}
-                    for d in rows]  # fmt: skip
+                print(f"decode B={d['batch']} GEMV warps {warps} stages {stages} unroll {unroll} rows {bn}: "
+                      f"{d['tok_s']:.1f} tok/s", flush=True)  # fmt: skip
+            out += [{**d, "warps": warps, "stages": stages, "unroll": unroll, "block_n": bn} for d in rows]
     finally:
-        quant.GEMV_WARPS, quant.GEMV_STAGES, quant.GEMV_UNROLL, quant.GEMV_BLOCK_N, quant.GEMV_LEAN = before
+        quant.GEMV_WARPS, quant.GEMV_STAGES, quant.GEMV_UNROLL, quant.GEMV_BLOCK_N = before
         quant._SPLITS.clear()
         eng.runner.drop_graphs()
     return out
@@ -497,10 +493,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--markdown", type=Path)
     p.add_argument("--profile", action="store_true", help="GPU: the kernels of a decode token (torch's profiler)")
-    p.add_argument("--gemv-variants", metavar="W:S:U:BN[:LEAN],...",
+    p.add_argument("--gemv-variants", metavar="W:S:U:BN,...",
                    help="GPU: decode again per quantized-GEMV launch setting: warps, K-loop pipelining stages, "
-                        "unrolling ('-': Triton's default), rows a program, lean Q4_K/Q6_K chunks (1/0, default "
-                        "as set); e.g. 4:-:-:32:0,4:-:-:32:1")
+                        "unrolling ('-': Triton's default), rows a program; e.g. 4:-:-:32,4:-:2:32")
     p.add_argument("--tune-gemv", action="store_true",
                    help="GPU: decode again with each quantized GEMV's split timed per shape (FT_GEMV_TUNE=1)")
     args = p.parse_args(argv)

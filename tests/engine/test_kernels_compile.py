@@ -20,7 +20,6 @@ GEMV = {
     "N": "i32", "N2": "i32", "K": "i32", "K_SPLIT": "i32", "SPLIT": "i32", "FMT": "constexpr", "BN": "constexpr",
     "CHUNK": "constexpr", "GROUPED": "constexpr", "X_PER": "constexpr", "TOPK": "constexpr", "GLU": "constexpr",
     "XMAP": "constexpr", "FMT2": "constexpr", "CHUNK2": "constexpr", "STAGES": "constexpr", "UNROLL": "constexpr",
-    "LEAN": "constexpr", "W": "constexpr", "W2": "constexpr",
 }  # fmt: skip
 PARTS = {  # the field arrays' types per format (quant.FIELDS)
     quant.Q8_0: ("*i8", "*fp16", "*i8", "*i8"),

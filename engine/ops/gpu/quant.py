@@ -58,10 +58,6 @@ GEMV_BLOCK_N = 8192 if os.environ.get("TRITON_INTERPRET") == "1" else 32
 # the GEMV's warps a program and its K loop's pipelining stages and unrolling (None: Triton's
 # defaults); `bench/quant.py --gemv-variants` times decode under others
 GEMV_WARPS, GEMV_STAGES, GEMV_UNROLL = 4, None, None
-# Q4_K and Q6_K GEMVs take their chunks as 32-bit words, nibbles made floats by the exponent trick,
-# and keep per-column partial sums until the K loop ends (`_lean_q4_k`); off: `_dot`'s per-chunk sums
-GEMV_LEAN = os.environ.get("FT_GEMV_LEAN", "1") == "1"
-LEAN = (Q4_K, Q6_K)
 
 
 class QuantWeight(nn.Module):
@@ -423,76 +419,11 @@ def _dot(XC, P0, P1, P2, P3, row, k0, N, K, FMT: tl.constexpr):
 
 
 @triton.jit
-def _float_of(bits, offset: tl.constexpr):
-    """Small unsigned integers (uint32, < 2^23) as fp32 minus `offset`: ORed into the mantissa of
-    2^23 (bits 0x4B000000) and subtracted, exact, two full-rate instructions instead of a conversion."""
-    return (bits | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + offset)
-
-
-@triton.jit
-def _lean_q4_k(XC, P0, P1, P2, P3, row, k0, K):
-    """`_dot_q4_k`'s 64 columns as [BN, 8] per-column partial sums (summed by the caller after its
-    K loop): the 32 bytes of each row as 8 words, byte b of word i holding columns 4i + b (low
-    nibble) and 32 + 4i + b (high; taken in place, 16 times its value, its scale divided by 16:
-    exact); each weight dequantized as the reference does, d * sc * q - dmin * mn."""
-    words = tl.arange(0, 8)[None, :]
-    w = tl.load(P0.to(tl.pointer_type(tl.uint32)) + row[:, None] * (K // 8) + k0 // 8 + words)
-    sub = (row * (K // 32) + k0 // 32)[:, None]
-    dd = P3 + (row * (K // 256) + k0 // 256)[:, None] * 2
-    d, dmin = tl.load(dd).to(tl.float32), tl.load(dd + 1).to(tl.float32)
-    s0, s1 = d * tl.load(P1 + sub).to(tl.float32), d * tl.load(P1 + sub + 1).to(tl.float32) * 0.0625
-    m0, m1 = dmin * tl.load(P2 + sub).to(tl.float32), dmin * tl.load(P2 + sub + 1).to(tl.float32)
-    acc = tl.zeros(w.shape, tl.float32)
-    for b in tl.static_range(4):
-        byte = w >> (8 * b)
-        x_lo = tl.load(XC + 4 * words + b).to(tl.float32)
-        x_hi = tl.load(XC + 32 + 4 * words + b).to(tl.float32)
-        acc += (s0 * _float_of(byte & 0x0F, 0.0) - m0) * x_lo
-        acc += (s1 * _float_of(byte & 0xF0, 0.0) - m1) * x_hi
-    return acc
-
-
-@triton.jit
-def _lean_q6_k(XC, P0, P1, P2, P3, row, k0, K):
-    """`_dot_q6_k`'s 128 columns as [BN, 8] per-column partial sums: quarter t's column 4i + b
-    is byte b of word i of the low nibbles (t even: bytes 0-31, odd: 32-63; t >= 2: high nibbles)
-    and bits 2t of byte b of the highs' word i; its scale the one of its 16 columns (i >= 4: the second)."""
-    words = tl.arange(0, 8)[None, :]
-    half = k0 // 128
-    ql = P0.to(tl.pointer_type(tl.uint32)) + row[:, None] * (K // 8) + half * 16 + words
-    ql_a, ql_b = tl.load(ql), tl.load(ql + 8)
-    qh = tl.load(P1.to(tl.pointer_type(tl.uint32)) + row[:, None] * (K // 16) + half * 8 + words)
-    sc = P2 + row[:, None] * (K // 16) + k0 // 16 + (words >= 4)
-    d = tl.load(P3 + row[:, None] * (K // 256) + k0 // 256).to(tl.float32)
-    acc = tl.zeros(qh.shape, tl.float32)
-    for t in tl.static_range(4):
-        scale = d * tl.load(sc + 2 * t).to(tl.float32)
-        low = ql_a if t % 2 == 0 else ql_b
-        for b in tl.static_range(4):
-            bits = ((low >> (8 * b + 4 * (t // 2))) & 0x0F) | (((qh >> (8 * b + 2 * t)) & 3) << 4)
-            x = tl.load(XC + 32 * t + 4 * words + b).to(tl.float32)
-            acc += (scale * _float_of(bits, 32.0)) * x
-    return acc
-
-
-@triton.jit
-def _lean(XC, P0, P1, P2, P3, row, k0, N, K, FMT: tl.constexpr, LEAN: tl.constexpr):
-    """A chunk's partial sums [BN, 8] (LEAN: Q4_K, Q6_K) or [BN, 1] (`_dot`'s, other formats)."""
-    if LEAN and FMT == 1:
-        return _lean_q4_k(XC, P0, P1, P2, P3, row, k0, K)
-    elif LEAN and FMT == 2:
-        return _lean_q6_k(XC, P0, P1, P2, P3, row, k0, K)
-    else:
-        return _dot(XC, P0, P1, P2, P3, row, k0, N, K, FMT)[:, None]
-
-
-@triton.jit
 def _gemv_kernel(
     X, P0, P1, P2, P3, PART, OUT, COUNT, EXPERT, SCALE, XCOLS, Q0, Q1, Q2, Q3, N, N2, K, K_SPLIT, SPLIT,
     FMT: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
     GROUPED: tl.constexpr, X_PER: tl.constexpr, TOPK: tl.constexpr, GLU: tl.constexpr, XMAP: tl.constexpr,
     FMT2: tl.constexpr, CHUNK2: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
-    LEAN: tl.constexpr, W: tl.constexpr, W2: tl.constexpr,
 ):  # fmt: skip
     """Program (n-block, split s, output row m): BN outputs of row m over one range of K_SPLIT
     columns, a format-sized chunk at a time (each block's scales loaded once), summed over the
@@ -508,9 +439,7 @@ def _gemv_kernel(
     FMT2 >= 0: a second plain weight [N2, K] of that format (Q0..Q3) whose outputs follow the first's
     (out [M, N + N2]: two projections of one input in two formats, one launch); the n-blocks past
     the first weight's are its (K_SPLIT a multiple of both formats' chunks).
-    STAGES, UNROLL: the K loop's software pipelining and unrolling (`tl.range`; None: Triton's default).
-    LEAN: Q4_K and Q6_K chunks as `_lean_q4_k` / `_lean_q6_k` partial sums [BN, 8] (W, W2: the
-    widths of the two weights' partial sums, 8 or 1), reduced once after the K loop."""
+    STAGES, UNROLL: the K loop's software pipelining and unrolling (`tl.range`; None: Triton's default)."""
     pid, s, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     KS = SPLIT // TOPK  # programs per assignment (a run-time value: the split is chosen per shape)
     a = m * TOPK + s // KS
@@ -527,10 +456,8 @@ def _gemv_kernel(
     if second:
         n = (pid - first) * BN + tl.arange(0, BN)
         row = tl.minimum(n, N2 - 1).to(tl.int64)
-        sums2 = tl.zeros([BN, W2], tl.float32)
         for k0 in tl.range(start, end, CHUNK2, num_stages=STAGES, loop_unroll_factor=UNROLL):
-            sums2 += _lean(x + k0, Q0, Q1, Q2, Q3, row, k0, N2, K, FMT2, LEAN)
-        acc = tl.sum(sums2, 1)
+            acc += _dot(x + k0, Q0, Q1, Q2, Q3, row, k0, N2, K, FMT2)
         keep = n < N2
         n += N  # its outputs' columns
     else:
@@ -540,15 +467,11 @@ def _gemv_kernel(
             expert = tl.load(EXPERT + a).to(tl.int64)
             row += tl.maximum(expert, 0) * (2 * N if GLU else N)
             end = tl.where(expert >= 0, end, start)
-        sums = tl.zeros([BN, W], tl.float32)
-        sums_up = tl.zeros([BN, W], tl.float32)
         for k0 in tl.range(start, end, CHUNK, num_stages=STAGES, loop_unroll_factor=UNROLL):
             xc = x + (tl.load(XCOLS + k0) if XMAP else k0)
-            sums += _lean(xc, P0, P1, P2, P3, row, k0, N, K, FMT, LEAN)
+            acc += _dot(xc, P0, P1, P2, P3, row, k0, N, K, FMT)
             if GLU:
-                sums_up += _lean(xc, P0, P1, P2, P3, row + N, k0, N, K, FMT, LEAN)
-        acc = tl.sum(sums, 1)
-        acc_up = tl.sum(sums_up, 1)
+                acc_up += _dot(xc, P0, P1, P2, P3, row + N, k0, N, K, FMT)
         keep = n < N
     width = N + N2  # the output's (N2 is 0 with one weight)
     if SPLIT > 1:
@@ -729,18 +652,10 @@ def _gemv(
 def gemv_constexprs(fmt: int, bn: int, grouped: bool = False, x_per: int = 1, top_k: int = 1, glu: bool = False,
                     xmap: bool = False, fmt2: int = -1) -> dict:  # fmt: skip
     """`_gemv_kernel`'s compile-time arguments for a launch of this kind under the module's settings
-    (GEMV_STAGES, GEMV_UNROLL, GEMV_LEAN): the launcher's, the sm_90 compile tests' and
-    `bench/gemv_registers.py`'s."""
+    (GEMV_STAGES, GEMV_UNROLL): the launcher's, the sm_90 compile tests' and `bench/gemv_registers.py`'s."""
     return {"FMT": fmt, "BN": bn, "CHUNK": GEMV_CHUNK[fmt], "GROUPED": grouped, "X_PER": x_per, "TOPK": top_k,
             "GLU": glu, "XMAP": xmap, "FMT2": fmt2, "CHUNK2": GEMV_CHUNK[fmt2] if fmt2 >= 0 else 1,
-            "STAGES": GEMV_STAGES, "UNROLL": GEMV_UNROLL, "LEAN": GEMV_LEAN, "W": lean_width(fmt),
-            "W2": lean_width(fmt2)}  # fmt: skip
-
-
-def lean_width(fmt: int) -> int:
-    """Columns of the GEMV's per-column partial sums for a format: 8 words for `LEAN` formats
-    under GEMV_LEAN, else 1 (each chunk summed at once)."""
-    return 8 if GEMV_LEAN and fmt in LEAN else 1
+            "STAGES": GEMV_STAGES, "UNROLL": GEMV_UNROLL}  # fmt: skip
 
 
 def gemv_block_n(n: int) -> int:
