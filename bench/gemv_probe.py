@@ -2,7 +2,7 @@
 instructions each weight costs? Kernels timed as CUDA graphs of 20 launches (the best of three):
 
 - `engine` (the default): the engine's GEMVs (`quant.linear`, `experts_glu`, `experts_sum`) at the
-  Q4_K_M decode shapes of the 35B model, Q4_K against x's Q8 blocks (dp4a) and not;
+  Q4_K_M decode shapes of the 35B model, 32 and 64 rows a program;
 - on one Q4_K weight [N, K] and one row of x, at a decode-sized and a streaming-sized N:
   `current` (`quant._gemv` at each split of K); `loads` (the same programs' loads, the weight's
   32-bit words and its scales, and an XOR a word: the memory side's ceiling for 64 columns a step);
@@ -220,74 +220,6 @@ def _q4k_dot(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: tl
 
 
 @triton.jit
-def _dp4a(a, b, NATIVE: tl.constexpr):
-    """Per int32 lane: the dot product of a's four unsigned bytes with b's four signed bytes
-    (PTX dp4a.u32.s32); NATIVE off (Triton's interpreter): the same integers by shifts."""
-    if NATIVE:
-        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b], dtype=tl.int32,
-                                         is_pure=True, pack=1)  # fmt: skip
-    else:
-        a = a.to(tl.int32, bitcast=True)
-        b = b.to(tl.int32, bitcast=True)
-        acc = tl.zeros(a.shape, tl.int32)
-        for j in tl.static_range(4):
-            acc += ((a >> (8 * j)) & 0xFF) * ((b << (24 - 8 * j)) >> 24)
-        return acc
-
-
-@triton.jit
-def _q4k_dp4a(XQ, XD, XS, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: tl.constexpr,
-              NATIVE: tl.constexpr):  # fmt: skip
-    """x quantized as llama.cpp's Q8_1 (int8 in 32-column blocks: XQ words of four, XD the blocks'
-    scales, XS scale * sum of the block's ints) against Q4_K in integer dot products (dp4a): a word
-    of four low nibbles (or high) against a word of x, its sum scaled once a sub-block."""
-    pid, s = tl.program_id(0), tl.program_id(1)
-    n = pid * BN + tl.arange(0, BN)
-    row = tl.minimum(n, N - 1).to(tl.int64)
-    words = tl.arange(0, 8)[None, :]
-    qw = QS.to(tl.pointer_type(tl.uint32))
-    acc = tl.zeros([BN, 8], tl.float32)
-    mins = tl.zeros([BN], tl.float32)
-    for k0 in range(s * K_SPLIT, (s + 1) * K_SPLIT, 64):
-        w = tl.load(qw + row[:, None] * (K // 8) + k0 // 8 + words)
-        sub = row * (K // 32) + k0 // 32
-        dd = DD + (row * (K // 256) + k0 // 256) * 2
-        d, dmin = tl.load(dd).to(tl.float32), tl.load(dd + 1).to(tl.float32)
-        x_lo = tl.load(XQ + k0 // 4 + words)
-        x_hi = tl.load(XQ + k0 // 4 + 8 + words)
-        dx0, dx1 = tl.load(XD + k0 // 32), tl.load(XD + k0 // 32 + 1)
-        s0 = d * tl.load(SC + sub).to(tl.float32) * dx0
-        s1 = d * tl.load(SC + sub + 1).to(tl.float32) * dx1
-        lo = _dp4a(w & 0x0F0F0F0F, x_lo, NATIVE).to(tl.float32)
-        hi = _dp4a((w >> 4) & 0x0F0F0F0F, x_hi, NATIVE).to(tl.float32)
-        acc += s0[:, None] * lo + s1[:, None] * hi
-        mins += dmin * (tl.load(MN + sub).to(tl.float32) * tl.load(XS + k0 // 32)
-                        + tl.load(MN + sub + 1).to(tl.float32) * tl.load(XS + k0 // 32 + 1))  # fmt: skip
-    out = tl.sum(acc, 1) - mins
-    if ATOMIC:
-        tl.atomic_add(OUT + n, out, mask=n < N)
-    else:
-        tl.store(OUT + n, out, mask=n < N)
-
-
-def q8_1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [K] as llama.cpp's Q8_1: int8 in blocks of 32 (round half away from zero of x / d, d the
-    block's largest magnitude / 127), packed four to an int32; d [K/32]; d * sum of the ints [K/32]."""
-    blocks = x.float().view(-1, 32)
-    d = blocks.abs().amax(1) / 127
-    q = torch.where(d[:, None] > 0, blocks / d.clamp_min(1e-30)[:, None], 0.0)
-    q = (q.sign() * (q.abs() + 0.5).floor()).to(torch.int8)
-    return q.view(-1).view(torch.int32), d, d * q.float().sum(1)
-
-
-def q8_1_reference(x: torch.Tensor, w: quant.QuantWeight) -> torch.Tensor:
-    """What `_q4k_dp4a` computes, in torch: the dequantized Q4_K against x's Q8_1 ints times their scales."""
-    xq, d, _ = q8_1(x)
-    xr = (xq.view(torch.int8).float().view(-1, 32) * d[:, None]).view(-1)
-    return w.dequantize() @ xr
-
-
-@triton.jit
 def _q4k_loads(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: tl.constexpr):
     pid, s = tl.program_id(0), tl.program_id(1)
     n = pid * BN + tl.arange(0, BN)
@@ -319,24 +251,6 @@ def launcher(
             out.zero_()
         kernel[(triton.cdiv(n, bn), split)](x, *w.parts, out, n, k, k // split, BN=bn, ATOMIC=split > 1,
                                            num_warps=warps, **constexprs)  # fmt: skip
-        return out
-
-    return launch
-
-
-def dp4a_launcher(
-    x: torch.Tensor, w: quant.QuantWeight, bn: int, split: int, warps: int = 4, native: bool = True
-):
-    """`_q4k_dp4a` over x's row 0, quantized once here (as a separate launch would)."""
-    n, k = w.shape
-    out = torch.zeros(n, dtype=torch.float32, device=x.device)
-    xq, xd, xs = q8_1(x[0])
-
-    def launch() -> torch.Tensor:
-        if split > 1:
-            out.zero_()
-        _q4k_dp4a[(triton.cdiv(n, bn), split)](xq, xd, xs, *w.parts, out, n, k, k // split, BN=bn, ATOMIC=split > 1,
-                                               NATIVE=native, num_warps=warps)  # fmt: skip
         return out
 
     return launch
@@ -393,14 +307,6 @@ def check() -> None:
         print(f"w2 BN={bn} split={split} G={g}: max relative error {err:.2e}")
         assert err < 1e-5, err
         launcher(_q4k_w2, x, w, bn, split, G=g, LOADS=True)()  # runs
-    xq, xd, xs = q8_1(x[0])
-    want8 = q8_1_reference(x[0], w)
-    for bn, split in ((32, 1), (64, 2), (16, 4)):
-        got = dp4a_launcher(x, w, bn, split, native=False)()
-        err = ((got - want8).abs().max() / want8.abs().max()).item()
-        print(f"dp4a BN={bn} split={split}: max relative error {err:.2e} against the Q8_1 reference, "
-              f"{((got - want).abs().max() / want.abs().max()).item():.2e} against x in full")  # fmt: skip
-        assert err < 1e-5, err
     for bn, split, g in ((16, 1, 4), (32, 2, 2), (64, 1, 1)):
         got = launcher(_q4k_dot, x, w, bn, split, G=g, LOADS=False)()
         err = ((got - want).abs().max() / want.abs().max()).item()
@@ -461,13 +367,6 @@ def probe(n: int, k: int, kinds: set[str]) -> list[dict]:
                                                 ("w2", _q4k_w2, False), ("w2-ld", _q4k_w2, True)):  # fmt: skip
                         fn = launcher(kernel, x, w, bn, split, warps, G=g, LOADS=loads)
                         timed(kind, fn, bn=bn, warps=warps, split=split, g=g)
-    if "dp4a" in kinds:
-        want8 = q8_1_reference(x[0], w).float()
-        for bn, warps in ((32, 4), (64, 4), (128, 4), (128, 8), (256, 8)):
-            for split in (1, 2, 4, 8):
-                fn = dp4a_launcher(x, w, bn, split, warps)
-                err = ((fn() - want8).abs().max() / want8.abs().max()).item()
-                row("dp4a", graph_us(fn), err=err, bn=bn, warps=warps, split=split)
     if "dot" in kinds:
         for g, bn, warps in (
             (4, 64, 4),
@@ -497,13 +396,12 @@ ENGINE_SHAPES = {  # the Q4_K_M decode GEMVs of the 35B shape: (format, rows, co
 
 
 def engine_rows() -> list[dict]:
-    """The engine's own GEMVs (`quant.linear`, `experts_glu`, `experts_sum`) at each decode shape of
-    bf16 x, Q4_K against x's Q8 blocks (`quant.GEMV_Q8`, its default) and not, the rows a program and
-    the split the engine picks; each one's largest difference from the other (relative)."""
+    """The engine's own GEMV (`quant.linear`, `experts_glu`, `experts_sum`) at each decode shape, at
+    32 and 64 rows a program, the split the engine picks (its heuristic)."""
     from bench.quant_kernels import random_weight  # noqa: PLC0415
 
     rows = []
-    before = quant.GEMV_Q8
+    before = quant.GEMV_BLOCK_N
     for name, (fmt, n, k, experts) in ENGINE_SHAPES.items():
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         if experts:  # a stack of 64 experts, a token's 9 of them
@@ -521,19 +419,14 @@ def engine_rows() -> list[dict]:
             fn = lambda x=x, w=w: quant.linear(x, w)  # noqa: E731
             nbytes = w.nbytes
         try:
-            outs = {}
-            for q8 in ("off", "16bit"):
-                quant.GEMV_Q8 = q8
+            for bn in (32, 64):
+                quant.GEMV_BLOCK_N = bn
                 quant._SPLITS.clear()
-                outs[q8] = fn().float()
                 us = graph_us(fn)
-                rows.append({"shape": name, "q8": q8, "us": us, "TB/s": nbytes / us / 1e6})
-                print(f"{name:32} Q8 {q8:5} {us:8.1f} us {nbytes / us / 1e6:6.2f} TB/s", flush=True)
-            diff = ((outs["16bit"] - outs["off"]).abs().max() / outs["off"].abs().max()).item()
-            rows[-1]["rel_diff"] = diff
-            print(f"{name:32} Q8 against x in full: {diff:.2e} (largest, relative)", flush=True)
+                rows.append({"shape": name, "bn": bn, "us": us, "TB/s": nbytes / us / 1e6})
+                print(f"{name:32} BN={bn:3} {us:8.1f} us {nbytes / us / 1e6:6.2f} TB/s", flush=True)
         finally:
-            quant.GEMV_Q8 = before
+            quant.GEMV_BLOCK_N = before
             quant._SPLITS.clear()
         del w
     return rows

@@ -23,9 +23,7 @@
 #       q4-variants  our Q4_K_M's decode per GEMV launch setting ($GEMV_VARIANTS, bench/quant.py --gemv-variants)
 #       slot-seed  the graphed slot prefill's bf16 test at one seed ($FT_TEST_SEED), shared expert folded and apart
 #       router-tests  pytest: the routing kernels alone
-#       gemv-probe  the quantized decode GEMVs at the Q4_K_M shapes, Q4_K against x's Q8 blocks and not (bench/gemv_probe.py)
-#       q8-tests   pytest: the quantized kernels and the Q4_K_M model within bf16 noise (x's Q8 blocks in its GEMVs)
-#       q8-off     our Q4_K_M decode with x in full in its Q4_K GEMVs (FT_GEMV_Q8=off): the baseline of the default
+#       gemv-probe  the quantized decode GEMVs at the Q4_K_M shapes, 32 and 64 rows a program (bench/gemv_probe.py)
 #       batch-profile  where a batch-8 decode step's time goes at the e64 shape (bench/profile_batch.py)
 #       q4-decode  our Q4_K_M alone: prefill and decode (bench/quant.py), no llama.cpp
 #       q4         our Q4_K_M, its replay, llama-server on the same file and its replay (bench/quant.py)
@@ -72,7 +70,7 @@ steps)
   }
   builder=
   gguf=
-  if [[ " $2 " =~ \ (offload|offload-8|offload-profile|q4|q4-decode|q4-variants|q4-llama|q8-off|fold|base)\  ]]; then # the random Q4_K_M (~21 GB, CPU-bound) meanwhile
+  if [[ " $2 " =~ \ (offload|offload-8|offload-profile|q4|q4-decode|q4-variants|q4-llama|fold|base)\  ]]; then # the random Q4_K_M (~21 GB, CPU-bound) meanwhile
     (python3 -c "from peer.gguf_random import random_gguf; from peer.llama_server import PEER_HOME; \
 print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=$?") &
     gguf=$!
@@ -150,13 +148,6 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
           -q -p no:cacheprovider -s tests/engine/test_gpu.py -k "slot_prefill_matches and bf16"
       done
       ;;
-    q8-tests) step q8-tests python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_quant_kernels.py \
-      tests/engine/test_gpu_quant.py ;;
-    q8-off)  # our Q4_K_M with its Q4_K GEMVs against x in full (FT_GEMV_Q8=off), the default's baseline
-      wait $gguf 2>/dev/null
-      step q8-off env FT_GEMV_Q8=off python3 bench/quant.py --preset $P --device cuda --parts q4_k_m --profile \
-        --json $O/q8-off.json
-      ;;
     gemv-probe) step gemv-probe python3 bench/gemv_probe.py --json $O/gemv-probe.json ;;
     batch-profile) step batch-profile python3 bench/profile_batch.py --preset $P-e64 --batch 8 --context 8192 ;;
     router-tests) step router-tests python3 -m pytest -q -p no:cacheprovider tests/engine/test_fused_kernels.py -k "route" ;;
@@ -167,7 +158,7 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
       ;;
     q4-llama)
       wait $builder $gguf 2>/dev/null
-      step q4-llama python3 bench/quant.py --preset $P --device cuda --parts q4_k_m,llama --threads 8 --profile \
+      step q4-llama python3 bench/quant.py --preset $P --device cuda --parts q4_k_m,llama --threads 8 \
         --json $O/q4-llama.json --markdown $O/q4-llama.md
       ;;
     q4)

@@ -20,7 +20,6 @@ GEMV = {
     "N": "i32", "N2": "i32", "K": "i32", "K_SPLIT": "i32", "SPLIT": "i32", "FMT": "constexpr", "BN": "constexpr",
     "CHUNK": "constexpr", "GROUPED": "constexpr", "X_PER": "constexpr", "TOPK": "constexpr", "GLU": "constexpr",
     "XMAP": "constexpr", "FMT2": "constexpr", "CHUNK2": "constexpr", "STAGES": "constexpr", "UNROLL": "constexpr",
-    "Q8": "constexpr",
 }  # fmt: skip
 PARTS = {  # the field arrays' types per format (quant.FIELDS)
     quant.Q8_0: ("*i8", "*fp16", "*i8", "*i8"),
@@ -70,19 +69,6 @@ def test_gemv_compiles_with_its_split_sums(fmt, mode):
     assert "atom.global.gpu.acq_rel.add" in ptx or "atom.acq_rel.gpu.global.add" in ptx, [
         line for line in ptx.splitlines() if "atom" in line
     ]
-
-
-@pytest.mark.parametrize(
-    "mode", [(False, 1, 1, False, False), (False, 1, 1, False, True), (True, 9, 1, True, False), (True, 1, 9, False, False)],
-    ids=["linear", "mapped", "glu", "topk"],
-)
-def test_q4_k_gemv_against_q8_blocks_of_x_compiles_to_dp4a(mode):
-    """A 16-bit model's Q4_K GEMVs: x's Q8 blocks made in the kernel, the nibbles in dp4a."""
-    signature = {**GEMV, **{f"P{i}": t for i, t in enumerate(PARTS[quant.Q4_K])},
-                 **{f"Q{i}": t for i, t in enumerate(PARTS[quant.Q4_K])}}  # fmt: skip
-    constexprs = quant.gemv_constexprs(quant.Q4_K, quant.GEMV_Q8_BLOCK_N, *mode, q8=True)
-    ptx = compile_for_h200(quant._gemv_kernel, signature, constexprs, GEMV_DIVISIBLE)
-    assert "dp4a.u32.s32" in ptx
 
 
 def test_gemv_of_two_formats_compiles():

@@ -63,14 +63,6 @@ def test_packed_reference_equals_the_files_dequantization(fmt):
         assert w.nbytes <= file_bytes * 1.03
 
 
-def gemv_want(x: torch.Tensor, w: quant.QuantWeight, reference: torch.Tensor) -> torch.Tensor:
-    """x @ reference.T as the kernels compute it: a Q4_K GEMV (x of up to GEMV_ROWS rows, of a
-    dtype `quant.gemv_q8` takes) against x's Q8 blocks (`quant.q8_reference`), all else against x."""
-    if w.fmt == quant.Q4_K and quant.gemv_q8(x.dtype) and x.shape[0] <= quant.GEMV_ROWS:
-        return quant.q8_reference(x.float(), w, reference)
-    return x.float() @ reference.T
-
-
 def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     scale = want.abs().max().item()
@@ -87,7 +79,7 @@ def test_linear_equals_dequantized_matmul(fmt, rows):
     w, reference = weights(fmt, (72, 512))
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(dtype)
     got = quant.linear(x.to(DEVICE), w.to(DEVICE)).cpu()
-    close(got, gemv_want(x, w, reference), dtype)
+    close(got, x.float() @ reference.T, dtype)
 
 
 @in_this_process
@@ -110,10 +102,7 @@ def test_a_weight_whose_columns_moved_reads_x_through_its_map(fmt, rows, runs):
     torch.testing.assert_close(moved.dequantize(), model_order, rtol=0, atol=0)
     x = torch.randn(rows, 512, generator=gen).to(dtype)
     got = moved.to(DEVICE).linear(x.to(DEVICE)).cpu()
-    if runs == 128:  # the GEMV reads x in place through the map: Q8 blocks of the model's columns
-        close(got, gemv_want(x, moved, model_order), dtype)
-    else:  # x gathered into the file's order, then the tiled kernel
-        close(got, x.float() @ model_order.T, dtype)
+    close(got, x.float() @ model_order.T, dtype)
 
 
 @in_this_process
@@ -163,12 +152,12 @@ def test_quantized_experts_of_a_streamed_piece_skip_the_absent_assignments():
     down, down_ref = ggml_weight(T.Q6_K, (4, 256, 256), seed=1)  # [E, H, I]
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(20, 256, generator=gen).to(dtype)
-    ids = torch.randint(-1, 4, (20, 2), generator=gen)  # 40 assignments: the decode kernels (DECODE_ROWS)
+    ids = torch.randint(-1, 4, (20, 2), generator=gen)  # 40 assignments: the prefill path
     weights = torch.rand(20, 2, generator=gen).to(dtype)
     args = (t.to(DEVICE) for t in (x, weights, ids, gate_up, down))
     got = experts_quantized(*args, partial=True).cpu()
     want = experts_loop(x.float(), weights.float(), ids, gate_up_ref, down_ref)
-    close(got, want, torch.bfloat16 if quant.gemv_q8(dtype) else dtype)  # Q4_K against x's Q8 blocks
+    close(got, want, dtype)
     # what no GEMM wrote may hold anything: NaN there, and nothing of it in the sums
     order, _ = group_by_expert(ids, 4)
     ys = torch.where((ids.flatten()[order] < 0)[:, None], float("nan"), torch.ones(40, 3))
@@ -197,42 +186,19 @@ def test_expert_decode_kernels_equal_per_assignment_matmuls(fmt):
     act = quant.experts_glu(dev[0], dev[1], dev[2], dev[3])
     want_act = []
     for a, e in enumerate(ids.flatten().tolist()):
-        gate, up = gemv_want(x[a // 3 : a // 3 + 1], gate_up.expert(e), gate_up_ref[e])[0].chunk(2) if e >= 0 else (torch.zeros(256),) * 2
+        gate, up = (x[a // 3].float() @ gate_up_ref[e].T).chunk(2) if e >= 0 else (torch.zeros(256),) * 2
         want_act.append(torch.nn.functional.silu(gate) * up * routing.flatten()[a].float())
     close(act.cpu(), torch.stack(want_act), dtype)
     got = quant.experts_sum(act, dev[4], dev[2]).cpu()
-    rows = act.cpu()
     want = torch.stack(
-        [sum(gemv_want(rows[t * 3 + j : t * 3 + j + 1], down.expert(e), down_ref[e])[0]
-             for j, e in enumerate(ids[t].tolist()) if e >= 0)
+        [sum(act[t * 3 + j].cpu().float() @ down_ref[e].T for j, e in enumerate(ids[t].tolist()) if e >= 0)
          for t in range(3)]  # fmt: skip
     )
     close(got, want, dtype)
     assert not quant.tickets(torch.device(DEVICE)).any()
-    # the model's decode path, against the per-expert loop on the dequantized weights (Q4_K: x in
-    # Q8 blocks twice, within bf16's tolerance)
+    # the model's decode path, against the per-expert loop on the dequantized weights
     got = experts_quantized(dev[0], dev[3], dev[2], dev[1], dev[4]).cpu()
-    want = experts_loop(x.float(), routing.float(), ids, gate_up_ref, down_ref)
-    close(got, want, torch.bfloat16 if fmt == T.Q4_K and quant.gemv_q8(dtype) else dtype)
-
-
-@in_this_process
-def test_q4_k_gemvs_against_x_in_q8_blocks(monkeypatch):
-    """A 16-bit model's Q4_K GEMVs take x's Q8 blocks (32 columns as 8-bit ints and a scale,
-    integer dot products); with FT_GEMV_Q8=all fp32 x too, so here every kind of launch (plain,
-    x through a column map, MoE up and down, two formats in one launch, each split) equals
-    `quant.q8_reference` to fp32 summation order."""
-    monkeypatch.setattr(quant, "GEMV_Q8", "all")
-    for rows in (1, 3):
-        test_linear_equals_dequantized_matmul(T.Q4_K, rows)
-    test_a_weight_whose_columns_moved_reads_x_through_its_map(T.Q4_K, 1, 128)
-    test_expert_decode_kernels_equal_per_assignment_matmuls(T.Q4_K)
-    for mode in ("linear", "glu", "topk"):
-        test_every_split_a_gemv_may_run_with_gives_its_sums(mode)
-    test_two_formats_in_one_gemv_launch(T.Q6_K, T.Q4_K)
-    test_two_formats_in_one_gemv_launch(T.Q4_K, T.Q8_0)
-    x = torch.tensor([[127.0, 0.5, -0.5, 1.5, -2.5] + [0.0] * 59])  # d = 1: halves away from zero; zeros stay
-    assert torch.equal(quant.q8_blocks(x), torch.tensor([[127.0, 1.0, -1.0, 2.0, -3.0] + [0.0] * 59]))
+    close(got, experts_loop(x.float(), routing.float(), ids, gate_up_ref, down_ref), dtype)
 
 
 @in_this_process
@@ -247,7 +213,7 @@ def test_every_split_a_gemv_may_run_with_gives_its_sums(mode):
     if mode == "linear":
         w, ref = weights(T.Q4_K, (72, 1024))
         x = torch.randn(2, 1024, generator=gen).to(dtype)
-        args, want = (x.to(dev), w.to(dev), 2, 72), gemv_want(x, w, ref)
+        args, want = (x.to(dev), w.to(dev), 2, 72), x.float() @ ref.T
         kw, top_k, sums = {}, 1, 2
     else:
         w, ref = weights(T.Q4_K, (3, 128, 1024) if mode == "glu" else (3, 64, 1024))
@@ -257,15 +223,15 @@ def test_every_split_a_gemv_may_run_with_gives_its_sums(mode):
             routing = torch.rand(4, generator=gen).to(dtype)
             args = (x.to(dev), w.to(dev), 4, 64, ids.flatten().to(dev), 4)
             kw, top_k, sums = {"scale": routing.to(dev)}, 1, 4
-            gate_up = [gemv_want(x, w.expert(e), ref[e])[0] if e >= 0 else torch.zeros(128) for e in ids[0].tolist()]
+            gate_up = [x[0].float() @ ref[e].T if e >= 0 else torch.zeros(128) for e in ids[0].tolist()]
             want = torch.stack([torch.nn.functional.silu(g[:64]) * g[64:] * r.float()
                                 for g, r in zip(gate_up, routing, strict=True)])  # fmt: skip
         else:
             x = torch.randn(4, 1024, generator=gen).to(dtype)
             args = (x.to(dev), w.to(dev), 1, 64, ids.flatten().to(dev))
             kw, top_k, sums = {"top_k": 4}, 4, 1
-            want = sum(gemv_want(x[j : j + 1], w.expert(e), ref[e])[0] for j, e in enumerate(ids[0].tolist()) if e >= 0)[None]
-    blocks = -(-args[3] // quant.gemv_block_n(args[3], quant.gemv_q8(dtype)))
+            want = sum(x[j].float() @ ref[e].T for j, e in enumerate(ids[0].tolist()) if e >= 0)[None]
+    blocks = -(-args[3] // quant.gemv_block_n(args[3]))
     splits = quant._splits(1024, quant.GEMV_CHUNK[quant.Q4_K], top_k, blocks * sums)
     assert splits[0] == top_k and len(splits) == 5  # 1024 columns: 1 .. 16 programs of 64 per assignment
     for split in splits:
@@ -324,9 +290,9 @@ def test_two_formats_in_one_gemv_launch(first, second):
     a, ref_a = weights(first, (72, 1024))  # rows off a block of outputs: masked, in both parts
     b, ref_b = weights(second, (40, 1024))
     x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(8)).to(dtype)
-    want = torch.cat([gemv_want(x, a, ref_a), gemv_want(x, b, ref_b)], 1)
+    want = x.float() @ torch.cat([ref_a, ref_b]).T
     a, b, xd = a.to(dev), b.to(dev), x.to(dev)
-    bn = quant.gemv_block_n(112, a.fmt == T.Q4_K and quant.gemv_q8(dtype))
+    bn = quant.gemv_block_n(112)
     blocks = -(-72 // bn) + -(-40 // bn)
     chunk = max(quant.GEMV_CHUNK[a.fmt], quant.GEMV_CHUNK[b.fmt])
     splits = quant._splits(1024, chunk, 1, blocks * 3)

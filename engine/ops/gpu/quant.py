@@ -54,14 +54,7 @@ DEQUANT_ROWS = 64  # above this many rows (bf16), dequantize once and use cuBLAS
 FP8_ROWS = 128  # rows per FP8 scale block
 # Triton's interpreter (the CPU tests) runs one program after another, at a fixed cost each: there
 # the GEMV kernel runs with wider row blocks (a [248320, H] lm_head in 31 programs, not 7760).
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-GEMV_BLOCK_N = 8192 if INTERPRET else 32
-# Q4_K GEMVs of a 16-bit model take x as llama.cpp's MMVQ does: each 32 columns as 8-bit integers
-# and a scale (x's Q8 blocks, made in the kernel; bf16 keeps 8 bits of each value too), against the
-# nibbles in integer dot products (dp4a: four products an instruction). "16bit" (the default): bf16
-# and fp16 x; "all": fp32 x too (the tests of the Q8 path); "off": x in fp32, nibbles converted one by one.
-GEMV_Q8 = os.environ.get("FT_GEMV_Q8", "16bit")
-GEMV_Q8_BLOCK_N = 128  # Q4_K rows a program against Q8 blocks of x (the interpreter's GEMV_BLOCK_N, if larger)
+GEMV_BLOCK_N = 8192 if os.environ.get("TRITON_INTERPRET") == "1" else 32
 # the GEMV's warps a program and its K loop's pipelining stages and unrolling (None: Triton's
 # defaults); `bench/quant.py --gemv-variants` times decode under others
 GEMV_WARPS, GEMV_STAGES, GEMV_UNROLL = 4, None, None
@@ -242,25 +235,6 @@ def append_expert(experts: QuantWeight, w: QuantWeight) -> QuantWeight | None:
     return QuantWeight(experts.fmt, (experts.shape[0] + 1, *w.shape), parts, experts.dtype)
 
 
-def q8_blocks(x: torch.Tensor) -> torch.Tensor:
-    """x [.., K] as the Q4_K GEMV sees it (`_q8_block`): each 32 columns rounded to q * d, |q| <=
-    127, d = their largest |x| / 127, in fp32 (the kernel's mins still meet the sums of x itself)."""
-    b = x.float().unflatten(-1, (-1, 32))
-    d = b.abs().amax(-1, keepdim=True) / 127
-    v = b / torch.where(d > 0, d, torch.ones_like(d))
-    return (torch.where(v < 0, -torch.floor(0.5 - v), torch.floor(v + 0.5)) * d).flatten(-2)
-
-
-def q8_reference(x: torch.Tensor, w: QuantWeight, dequantized: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ w.T (Q4_K [N, K], its `dequantized` form if given) as the decode GEMV computes
-    it against x's Q8 blocks (`gemv_q8`): the scales' part of each weight (d sc q) against the
-    blocks, the mins' (dmin mn) against x. fp32."""
-    mins = QuantWeight(w.fmt, w.shape, (torch.zeros_like(w.parts[0]), *w.parts[1:]), columns=w.columns)
-    mins = mins.dequantize()  # -dmin mn at every column of its sub-block
-    scales = (w.dequantize() if dequantized is None else dequantized) - mins
-    return q8_blocks(x) @ scales.T + x.float() @ mins.T
-
-
 def pack_ggml(
     raw: torch.Tensor, qtype, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
 ) -> QuantWeight:
@@ -430,59 +404,9 @@ def _dot_fp8(XC, P0, P1, row, k0, N, K):
 
 
 @triton.jit
-def _dp4a(a, b, NATIVE: tl.constexpr):
-    """Per int32 lane: the dot product of a's four unsigned bytes with b's four signed bytes (PTX
-    dp4a.u32.s32); NATIVE off (Triton's interpreter): the same integers by shifts."""
-    if NATIVE:
-        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b], dtype=tl.int32,
-                                         is_pure=True, pack=1)  # fmt: skip
-    else:
-        a = a.to(tl.int32, bitcast=True)
-        b = b.to(tl.int32, bitcast=True)
-        acc = tl.zeros(a.shape, tl.int32)
-        for j in tl.static_range(4):
-            acc += ((a >> (8 * j)) & 0xFF) * ((b << (24 - 8 * j)) >> 24)
-        return acc
-
-
-@triton.jit
-def _q8_block(XB):
-    """x's 32 columns from XB as a Q8 block: their ints (|q| <= 127, q = x / d rounded half away
-    from zero, d = the largest |x| / 127, IEEE divisions) four to an int32 [8] (byte j of word i:
-    column 4i + j), d, and the sum of the 32 x (fp32). `q8_blocks` is its torch twin."""
-    byte = tl.arange(0, 4)[None, :]
-    x = tl.load(XB + 4 * tl.arange(0, 8)[:, None] + byte).to(tl.float32)  # [8, 4]
-    d = tl.div_rn(tl.max(tl.max(tl.abs(x), 1), 0), 127.0)
-    v = tl.div_rn(x, tl.where(d > 0, d, 1.0))
-    q = tl.where(v < 0, -tl.floor(0.5 - v), tl.floor(v + 0.5)).to(tl.int32)
-    return tl.sum((q & 0xFF) << (8 * byte), 1), d, tl.sum(tl.sum(x, 1), 0)
-
-
-@triton.jit
-def _dot_q4_k_q8(XC, P0, P1, P2, P3, row, k0, K, NATIVE: tl.constexpr):
-    """`_dot_q4_k` with x's two 32-column blocks as Q8 (`_q8_block`): word i of the group's 32
-    bytes holds columns 4i..4i+3 in its low nibbles and 32 + 4i.. in its high ones, each four
-    multiplied with x's word i in one dp4a; per row and sub-block d sc dx (sum q qx) - dmin mn (sum x)."""
-    q_lo, d_lo, s_lo = _q8_block(XC)
-    q_hi, d_hi, s_hi = _q8_block(XC + 32)
-    w = tl.load(P0.to(tl.pointer_type(tl.uint32)) + row[:, None] * (K // 8) + k0 // 8 + tl.arange(0, 8)[None, :])
-    lo = tl.sum(_dp4a(w & 0x0F0F0F0F, q_lo[None, :], NATIVE), 1).to(tl.float32)
-    hi = tl.sum(_dp4a((w >> 4) & 0x0F0F0F0F, q_hi[None, :], NATIVE), 1).to(tl.float32)
-    sub = row * (K // 32) + k0 // 32
-    sc0, sc1 = tl.load(P1 + sub).to(tl.float32), tl.load(P1 + sub + 1).to(tl.float32)
-    mn0, mn1 = tl.load(P2 + sub).to(tl.float32), tl.load(P2 + sub + 1).to(tl.float32)
-    d = tl.load(P3 + (row * (K // 256) + k0 // 256) * 2).to(tl.float32)
-    dmin = tl.load(P3 + (row * (K // 256) + k0 // 256) * 2 + 1).to(tl.float32)
-    return d * (sc0 * (d_lo * lo) + sc1 * (d_hi * hi)) - dmin * (mn0 * s_lo + mn1 * s_hi)
-
-
-@triton.jit
-def _dot(XC, P0, P1, P2, P3, row, k0, N, K, FMT: tl.constexpr, Q8: tl.constexpr):
-    """The format's chunk of columns from k0: rows `row` [BN] against x's chunk at XC (Q8: Q4_K
-    against x's Q8 blocks, 2 with native dp4a, 1 emulated)."""
-    if FMT == 1 and Q8 > 0:
-        return _dot_q4_k_q8(XC, P0, P1, P2, P3, row, k0, K, Q8 == 2)
-    elif FMT == 0:
+def _dot(XC, P0, P1, P2, P3, row, k0, N, K, FMT: tl.constexpr):
+    """The format's chunk of columns from k0: rows `row` [BN] against x's chunk at XC."""
+    if FMT == 0:
         return _dot_q8_0(XC, P0, P1, row, k0, K)
     elif FMT == 1:
         return _dot_q4_k(XC, P0, P1, P2, P3, row, k0, K)
@@ -499,7 +423,7 @@ def _gemv_kernel(
     X, P0, P1, P2, P3, PART, OUT, COUNT, EXPERT, SCALE, XCOLS, Q0, Q1, Q2, Q3, N, N2, K, K_SPLIT, SPLIT,
     FMT: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
     GROUPED: tl.constexpr, X_PER: tl.constexpr, TOPK: tl.constexpr, GLU: tl.constexpr, XMAP: tl.constexpr,
-    FMT2: tl.constexpr, CHUNK2: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr, Q8: tl.constexpr,
+    FMT2: tl.constexpr, CHUNK2: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
 ):  # fmt: skip
     """Program (n-block, split s, output row m): BN outputs of row m over one range of K_SPLIT
     columns, a format-sized chunk at a time (each block's scales loaded once), summed over the
@@ -515,8 +439,7 @@ def _gemv_kernel(
     FMT2 >= 0: a second plain weight [N2, K] of that format (Q0..Q3) whose outputs follow the first's
     (out [M, N + N2]: two projections of one input in two formats, one launch); the n-blocks past
     the first weight's are its (K_SPLIT a multiple of both formats' chunks).
-    STAGES, UNROLL: the K loop's software pipelining and unrolling (`tl.range`; None: Triton's default).
-    Q8: Q4_K weights against x's Q8 blocks (`_dot_q4_k_q8`; 2: native dp4a, 1: emulated, 0: off)."""
+    STAGES, UNROLL: the K loop's software pipelining and unrolling (`tl.range`; None: Triton's default)."""
     pid, s, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     KS = SPLIT // TOPK  # programs per assignment (a run-time value: the split is chosen per shape)
     a = m * TOPK + s // KS
@@ -534,7 +457,7 @@ def _gemv_kernel(
         n = (pid - first) * BN + tl.arange(0, BN)
         row = tl.minimum(n, N2 - 1).to(tl.int64)
         for k0 in tl.range(start, end, CHUNK2, num_stages=STAGES, loop_unroll_factor=UNROLL):
-            acc += _dot(x + k0, Q0, Q1, Q2, Q3, row, k0, N2, K, FMT2, Q8)
+            acc += _dot(x + k0, Q0, Q1, Q2, Q3, row, k0, N2, K, FMT2)
         keep = n < N2
         n += N  # its outputs' columns
     else:
@@ -546,9 +469,9 @@ def _gemv_kernel(
             end = tl.where(expert >= 0, end, start)
         for k0 in tl.range(start, end, CHUNK, num_stages=STAGES, loop_unroll_factor=UNROLL):
             xc = x + (tl.load(XCOLS + k0) if XMAP else k0)
-            acc += _dot(xc, P0, P1, P2, P3, row, k0, N, K, FMT, Q8)
+            acc += _dot(xc, P0, P1, P2, P3, row, k0, N, K, FMT)
             if GLU:
-                acc_up += _dot(xc, P0, P1, P2, P3, row + N, k0, N, K, FMT, Q8)
+                acc_up += _dot(xc, P0, P1, P2, P3, row + N, k0, N, K, FMT)
         keep = n < N
     width = N + N2  # the output's (N2 is 0 with one weight)
     if SPLIT > 1:
@@ -690,8 +613,7 @@ def _gemv(
     `_split` chooses for this shape (or `split`, one of `_splits`), the split's sums taken by its
     last program. `second`: a plain weight of another format whose outputs follow (rows x (n + its N))."""
     n2 = second.shape[0] if second is not None else 0
-    q8 = gemv_q8(x.dtype) and Q4_K in (w.fmt, second.fmt if second is not None else -1)
-    k, bn = w.shape[-1], gemv_block_n(n + n2, q8 and w.fmt == Q4_K)
+    k, bn = w.shape[-1], gemv_block_n(n + n2)
     chunk = max(GEMV_CHUNK[w.fmt], GEMV_CHUNK[second.fmt] if second is not None else 0)  # powers of two
     blocks = triton.cdiv(n, bn) + triton.cdiv(n2, bn)
     if blocks * rows > TICKETS:
@@ -703,7 +625,7 @@ def _gemv(
     columns = w.columns if w.columns is not None else x  # (unread without a column map)
     counters = tickets(x.device)  # made here, never inside a timing capture
     fmt2, parts2 = (second.fmt, _padded(second)) if second is not None else (-1, _padded(w))
-    constexprs = gemv_constexprs(w.fmt, bn, experts is not None, x_per, top_k, glu, w.columns is not None, fmt2, q8)
+    constexprs = gemv_constexprs(w.fmt, bn, experts is not None, x_per, top_k, glu, w.columns is not None, fmt2)
 
     def launch(split: int) -> None:
         part = torch.empty(split, rows, (n if glu else 0) + n + n2, dtype=torch.float32, device=x.device) if split > 1 else x
@@ -728,24 +650,17 @@ def _gemv(
 
 
 def gemv_constexprs(fmt: int, bn: int, grouped: bool = False, x_per: int = 1, top_k: int = 1, glu: bool = False,
-                    xmap: bool = False, fmt2: int = -1, q8: bool = False) -> dict:  # fmt: skip
+                    xmap: bool = False, fmt2: int = -1) -> dict:  # fmt: skip
     """`_gemv_kernel`'s compile-time arguments for a launch of this kind under the module's settings
-    (GEMV_STAGES, GEMV_UNROLL; `q8`: Q4_K against x's Q8 blocks): the launcher's, the sm_90 compile
-    tests' and `bench/gemv_registers.py`'s."""
+    (GEMV_STAGES, GEMV_UNROLL): the launcher's, the sm_90 compile tests' and `bench/gemv_registers.py`'s."""
     return {"FMT": fmt, "BN": bn, "CHUNK": GEMV_CHUNK[fmt], "GROUPED": grouped, "X_PER": x_per, "TOPK": top_k,
             "GLU": glu, "XMAP": xmap, "FMT2": fmt2, "CHUNK2": GEMV_CHUNK[fmt2] if fmt2 >= 0 else 1,
-            "STAGES": GEMV_STAGES, "UNROLL": GEMV_UNROLL, "Q8": (1 if INTERPRET else 2) if q8 else 0}  # fmt: skip
+            "STAGES": GEMV_STAGES, "UNROLL": GEMV_UNROLL}  # fmt: skip
 
 
-def gemv_q8(dtype: torch.dtype) -> bool:
-    """Whether Q4_K GEMVs over x of `dtype` take x's Q8 blocks (GEMV_Q8)."""
-    return GEMV_Q8 == "all" or (GEMV_Q8 == "16bit" and dtype in (torch.bfloat16, torch.float16))
-
-
-def gemv_block_n(n: int, q8: bool = False) -> int:
-    """Outputs per GEMV program for `n` outputs a row (`q8`: Q4_K against x's Q8 blocks, GEMV_Q8_BLOCK_N)."""
-    most = max(GEMV_BLOCK_N, GEMV_Q8_BLOCK_N) if q8 else GEMV_BLOCK_N
-    return min(most, max(16, triton.next_power_of_2(n)))
+def gemv_block_n(n: int) -> int:
+    """Outputs per GEMV program for `n` outputs a row."""
+    return min(GEMV_BLOCK_N, max(16, triton.next_power_of_2(n)))
 
 
 def _splits(k: int, chunk: int, top_k: int, sums: int) -> list[int]:
