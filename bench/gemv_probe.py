@@ -10,18 +10,22 @@ instructions each weight costs? Kernels timed as CUDA graphs of 20 launches (the
   instead of integer conversions, per-column sums reduced once after the K loop); `bytes` (`lean`
   over the bytes, x's columns contiguous); `wide` and `w2` (G groups of 64 columns a step as a
   [BN, G, 32] or [BN, G * 32] tile: each row's bytes contiguous, whole lines a warp; `-ld`: their
-  loads alone); `dot` (the tile dequantized to bf16 and multiplied on the tensor cores);
+  loads alone); `dp4a` (x as llama.cpp's Q8_1, 8-bit ints in 32-column blocks quantized once
+  outside, against the nibbles in integer dot products); `dot` (the tile dequantized to bf16 and
+  multiplied on the tensor cores);
 - torch's bf16 GEMV and a copy of the weight's bytes, as the device's yardsticks.
 
 Session 13 (H200, `bench/results/gemv-probe-h200-s13.json`), the MoE up's size (9216 x 2048 Q4_K,
 10.9 MB): copy 4.2 us, torch's bf16 GEMV 8.5 us for 3.5 times the bytes (4.4 TB/s), `current`
 13.5 us (0.81 TB/s); its loads alone 8.2-11 us, `wide` loads alone 5.8 us; `lean` 11.7, `bytes`
-12.2, `wide` 12.4, `dot` 18-29 us. In the engine (lean Q4_K and Q6_K chunks, tried and removed):
-Q4_K 3% faster, Q6_K 2.6-3.4 times slower (the lm_head 888 against 262 us). Neither the access
-pattern nor the instruction count alone moves it far: Triton's loads of 32-byte row pieces reach
-1-2.6 TB/s even with nothing to compute.
+12.2, `wide` 12.4, `dp4a` 9.2 (128 rows a program; 10.5 against 16.2 at 12352 rows, 43 against
+69 at 65536), `dot` 18-29 us. Tried in the engine and removed: lean Q4_K and Q6_K chunks (Q4_K 3%
+faster, Q6_K 2.6-3.4 times slower: the lm_head 888 against 262 us); Q4_K against x's Q8 blocks
+made inside each GEMV with dp4a (five instructions a weight against 12.8): Q4_K_M decode 264.8
+tok/s against 289.9 without, in the same lease. Neither the access pattern nor the instruction
+count alone moves it far: Triton's loads of 32-byte row pieces reach 1-2.6 TB/s with nothing to compute.
 
-    python bench/gemv_probe.py [--kinds engine,narrow,wide,w2,dot] [--json OUT.json]   # on a GPU
+    python bench/gemv_probe.py [--kinds engine,narrow,wide,w2,dp4a,dot] [--json OUT.json]   # on a GPU
     TRITON_INTERPRET=1 python bench/gemv_probe.py --check   # the probe's kernels against quant.linear, CPU
 """
 
@@ -220,6 +224,74 @@ def _q4k_dot(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: tl
 
 
 @triton.jit
+def _dp4a(a, b, NATIVE: tl.constexpr):
+    """Per int32 lane: the dot product of a's four unsigned bytes with b's four signed bytes
+    (PTX dp4a.u32.s32); NATIVE off (Triton's interpreter): the same integers by shifts."""
+    if NATIVE:
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b], dtype=tl.int32,
+                                         is_pure=True, pack=1)  # fmt: skip
+    else:
+        a = a.to(tl.int32, bitcast=True)
+        b = b.to(tl.int32, bitcast=True)
+        acc = tl.zeros(a.shape, tl.int32)
+        for j in tl.static_range(4):
+            acc += ((a >> (8 * j)) & 0xFF) * ((b << (24 - 8 * j)) >> 24)
+        return acc
+
+
+@triton.jit
+def _q4k_dp4a(XQ, XD, XS, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: tl.constexpr,
+              NATIVE: tl.constexpr):  # fmt: skip
+    """x quantized as llama.cpp's Q8_1 (int8 in 32-column blocks: XQ words of four, XD the blocks'
+    scales, XS scale * sum of the block's ints) against Q4_K in integer dot products (dp4a): a word
+    of four low nibbles (or high) against a word of x, its sum scaled once a sub-block."""
+    pid, s = tl.program_id(0), tl.program_id(1)
+    n = pid * BN + tl.arange(0, BN)
+    row = tl.minimum(n, N - 1).to(tl.int64)
+    words = tl.arange(0, 8)[None, :]
+    qw = QS.to(tl.pointer_type(tl.uint32))
+    acc = tl.zeros([BN, 8], tl.float32)
+    mins = tl.zeros([BN], tl.float32)
+    for k0 in range(s * K_SPLIT, (s + 1) * K_SPLIT, 64):
+        w = tl.load(qw + row[:, None] * (K // 8) + k0 // 8 + words)
+        sub = row * (K // 32) + k0 // 32
+        dd = DD + (row * (K // 256) + k0 // 256) * 2
+        d, dmin = tl.load(dd).to(tl.float32), tl.load(dd + 1).to(tl.float32)
+        x_lo = tl.load(XQ + k0 // 4 + words)
+        x_hi = tl.load(XQ + k0 // 4 + 8 + words)
+        dx0, dx1 = tl.load(XD + k0 // 32), tl.load(XD + k0 // 32 + 1)
+        s0 = d * tl.load(SC + sub).to(tl.float32) * dx0
+        s1 = d * tl.load(SC + sub + 1).to(tl.float32) * dx1
+        lo = _dp4a(w & 0x0F0F0F0F, x_lo, NATIVE).to(tl.float32)
+        hi = _dp4a((w >> 4) & 0x0F0F0F0F, x_hi, NATIVE).to(tl.float32)
+        acc += s0[:, None] * lo + s1[:, None] * hi
+        mins += dmin * (tl.load(MN + sub).to(tl.float32) * tl.load(XS + k0 // 32)
+                        + tl.load(MN + sub + 1).to(tl.float32) * tl.load(XS + k0 // 32 + 1))  # fmt: skip
+    out = tl.sum(acc, 1) - mins
+    if ATOMIC:
+        tl.atomic_add(OUT + n, out, mask=n < N)
+    else:
+        tl.store(OUT + n, out, mask=n < N)
+
+
+def q8_1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [K] as llama.cpp's Q8_1: int8 in blocks of 32 (round half away from zero of x / d, d the
+    block's largest magnitude / 127), packed four to an int32; d [K/32]; d * sum of the ints [K/32]."""
+    blocks = x.float().view(-1, 32)
+    d = blocks.abs().amax(1) / 127
+    q = torch.where(d[:, None] > 0, blocks / d.clamp_min(1e-30)[:, None], 0.0)
+    q = (q.sign() * (q.abs() + 0.5).floor()).to(torch.int8)
+    return q.view(-1).view(torch.int32), d, d * q.float().sum(1)
+
+
+def q8_1_reference(x: torch.Tensor, w: quant.QuantWeight) -> torch.Tensor:
+    """What `_q4k_dp4a` computes, in torch: the dequantized Q4_K against x's Q8_1 ints times their scales."""
+    xq, d, _ = q8_1(x)
+    xr = (xq.view(torch.int8).float().view(-1, 32) * d[:, None]).view(-1)
+    return w.dequantize() @ xr
+
+
+@triton.jit
 def _q4k_loads(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: tl.constexpr):
     pid, s = tl.program_id(0), tl.program_id(1)
     n = pid * BN + tl.arange(0, BN)
@@ -251,6 +323,24 @@ def launcher(
             out.zero_()
         kernel[(triton.cdiv(n, bn), split)](x, *w.parts, out, n, k, k // split, BN=bn, ATOMIC=split > 1,
                                            num_warps=warps, **constexprs)  # fmt: skip
+        return out
+
+    return launch
+
+
+def dp4a_launcher(
+    x: torch.Tensor, w: quant.QuantWeight, bn: int, split: int, warps: int = 4, native: bool = True
+):
+    """`_q4k_dp4a` over x's row 0, quantized once here (as a separate launch would)."""
+    n, k = w.shape
+    out = torch.zeros(n, dtype=torch.float32, device=x.device)
+    xq, xd, xs = q8_1(x[0])
+
+    def launch() -> torch.Tensor:
+        if split > 1:
+            out.zero_()
+        _q4k_dp4a[(triton.cdiv(n, bn), split)](xq, xd, xs, *w.parts, out, n, k, k // split, BN=bn, ATOMIC=split > 1,
+                                               NATIVE=native, num_warps=warps)  # fmt: skip
         return out
 
     return launch
@@ -307,6 +397,14 @@ def check() -> None:
         print(f"w2 BN={bn} split={split} G={g}: max relative error {err:.2e}")
         assert err < 1e-5, err
         launcher(_q4k_w2, x, w, bn, split, G=g, LOADS=True)()  # runs
+    xq, xd, xs = q8_1(x[0])
+    want8 = q8_1_reference(x[0], w)
+    for bn, split in ((32, 1), (64, 2), (16, 4)):
+        got = dp4a_launcher(x, w, bn, split, native=False)()
+        err = ((got - want8).abs().max() / want8.abs().max()).item()
+        print(f"dp4a BN={bn} split={split}: max relative error {err:.2e} against the Q8_1 reference, "
+              f"{((got - want).abs().max() / want.abs().max()).item():.2e} against x in full")  # fmt: skip
+        assert err < 1e-5, err
     for bn, split, g in ((16, 1, 4), (32, 2, 2), (64, 1, 1)):
         got = launcher(_q4k_dot, x, w, bn, split, G=g, LOADS=False)()
         err = ((got - want).abs().max() / want.abs().max()).item()
@@ -367,6 +465,13 @@ def probe(n: int, k: int, kinds: set[str]) -> list[dict]:
                                                 ("w2", _q4k_w2, False), ("w2-ld", _q4k_w2, True)):  # fmt: skip
                         fn = launcher(kernel, x, w, bn, split, warps, G=g, LOADS=loads)
                         timed(kind, fn, bn=bn, warps=warps, split=split, g=g)
+    if "dp4a" in kinds:
+        want8 = q8_1_reference(x[0], w).float()
+        for bn, warps in ((32, 4), (64, 4), (128, 4), (128, 8), (256, 8)):
+            for split in (1, 2, 4, 8):
+                fn = dp4a_launcher(x, w, bn, split, warps)
+                err = ((fn() - want8).abs().max() / want8.abs().max()).item()
+                row("dp4a", graph_us(fn), err=err, bn=bn, warps=warps, split=split)
     if "dot" in kinds:
         for g, bn, warps in (
             (4, 64, 4),
@@ -437,7 +542,10 @@ def main() -> None:
     p.add_argument("--check", action="store_true", help="the kernels against quant.linear (CPU, interpreter)")
     p.add_argument("--json", type=Path)
     p.add_argument(
-        "--kinds", default="narrow,wide,w2", help="narrow: 64 columns a step; wide: G groups of 64"
+        "--kinds",
+        default="engine",
+        help="engine: the engine's GEMVs at the Q4_K_M decode shapes, 32 and 64 rows a program; probes of one "
+        "Q4_K weight: narrow (64 columns a step), wide, w2 (G groups of 64), dp4a, dot",
     )
     p.add_argument("--shapes", default="9216x2048,12352x2048,65536x2048")
     args = p.parse_args()

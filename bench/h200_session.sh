@@ -24,6 +24,7 @@
 #       slot-seed  the graphed slot prefill's bf16 test at one seed ($FT_TEST_SEED), shared expert folded and apart
 #       router-tests  pytest: the routing kernels alone
 #       gemv-probe  the quantized decode GEMVs at the Q4_K_M shapes, 32 and 64 rows a program (bench/gemv_probe.py)
+#       wide-off   our Q4_K_M decode with the large plain GEMVs at 32 rows a program, not 64 (FT_GEMV_WIDE_N)
 #       batch-profile  where a batch-8 decode step's time goes at the e64 shape (bench/profile_batch.py)
 #       q4-decode  our Q4_K_M alone: prefill and decode (bench/quant.py), no llama.cpp
 #       q4         our Q4_K_M, its replay, llama-server on the same file and its replay (bench/quant.py)
@@ -70,7 +71,7 @@ steps)
   }
   builder=
   gguf=
-  if [[ " $2 " =~ \ (offload|offload-8|offload-profile|q4|q4-decode|q4-variants|q4-llama|fold|base)\  ]]; then # the random Q4_K_M (~21 GB, CPU-bound) meanwhile
+  if [[ " $2 " =~ \ (offload|offload-8|offload-profile|q4|q4-decode|q4-variants|q4-llama|wide-off|fold|base)\  ]]; then # the random Q4_K_M (~21 GB, CPU-bound) meanwhile
     (python3 -c "from peer.gguf_random import random_gguf; from peer.llama_server import PEER_HOME; \
 print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=$?") &
     gguf=$!
@@ -147,6 +148,11 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
         step slot-seed-fold$fold env FT_TEST_SEED=${FT_TEST_SEED:-933890078} FT_FOLD_SHARED=$fold python3 -m pytest \
           -q -p no:cacheprovider -s tests/engine/test_gpu.py -k "slot_prefill_matches and bf16"
       done
+      ;;
+    wide-off)  # our Q4_K_M decode with every plain GEMV at 32 rows a program (FT_GEMV_WIDE_N off)
+      wait $gguf 2>/dev/null
+      step wide-off env FT_GEMV_WIDE_N=1000000000 python3 bench/quant.py --preset $P --device cuda --parts q4_k_m \
+        --json $O/wide-off.json
       ;;
     gemv-probe) step gemv-probe python3 bench/gemv_probe.py --json $O/gemv-probe.json ;;
     batch-profile) step batch-profile python3 bench/profile_batch.py --preset $P-e64 --batch 8 --context 8192 ;;

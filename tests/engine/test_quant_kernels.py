@@ -231,7 +231,7 @@ def test_every_split_a_gemv_may_run_with_gives_its_sums(mode):
             args = (x.to(dev), w.to(dev), 1, 64, ids.flatten().to(dev))
             kw, top_k, sums = {"top_k": 4}, 4, 1
             want = sum(x[j].float() @ ref[e].T for j, e in enumerate(ids[0].tolist()) if e >= 0)[None]
-    blocks = -(-args[3] // quant.gemv_block_n(args[3]))
+    blocks = -(-args[3] // quant.gemv_block_n(args[3], grouped=mode != "linear"))
     splits = quant._splits(1024, quant.GEMV_CHUNK[quant.Q4_K], top_k, blocks * sums)
     assert splits[0] == top_k and len(splits) == 5  # 1024 columns: 1 .. 16 programs of 64 per assignment
     for split in splits:
@@ -251,6 +251,10 @@ def test_the_untimed_split_fills_the_gpu_with_1024_programs():
     assert quant._heuristic_split(quant._splits(512, 64, 8, 64), 64) == 16  # a token's experts, down
     assert quant._splits(2048, 64, 1, 7760) == [1, 2, 4]  # lm_head: 7,760 sums
     assert quant._heuristic_split([1, 2, 4], 7760) == 1
+    # rows a program: 64 for a plain GEMV of GEMV_WIDE_N outputs or more (the lm_head), not for experts
+    assert quant.gemv_block_n(248320) == max(quant.GEMV_BLOCK_N, 64)
+    assert quant.gemv_block_n(248320, grouped=True) == quant.GEMV_BLOCK_N
+    assert quant.gemv_block_n(2048) == min(quant.GEMV_BLOCK_N, 2048)
 
 
 @in_this_process

@@ -55,6 +55,10 @@ FP8_ROWS = 128  # rows per FP8 scale block
 # Triton's interpreter (the CPU tests) runs one program after another, at a fixed cost each: there
 # the GEMV kernel runs with wider row blocks (a [248320, H] lm_head in 31 programs, not 7760).
 GEMV_BLOCK_N = 8192 if os.environ.get("TRITON_INTERPRET") == "1" else 32
+# a plain (not grouped) GEMV of at least this many outputs runs 64 rows a program (the H200, session
+# 13: the lm_head 250 against 262 us, a [12352, 2048] Q4_K 15.2 against 16.4; experts' GEMVs and
+# smaller ones slower at 64)
+GEMV_WIDE_N = int(os.environ.get("FT_GEMV_WIDE_N", "8192"))
 # the GEMV's warps a program and its K loop's pipelining stages and unrolling (None: Triton's
 # defaults); `bench/quant.py --gemv-variants` times decode under others
 GEMV_WARPS, GEMV_STAGES, GEMV_UNROLL = 4, None, None
@@ -613,7 +617,7 @@ def _gemv(
     `_split` chooses for this shape (or `split`, one of `_splits`), the split's sums taken by its
     last program. `second`: a plain weight of another format whose outputs follow (rows x (n + its N))."""
     n2 = second.shape[0] if second is not None else 0
-    k, bn = w.shape[-1], gemv_block_n(n + n2)
+    k, bn = w.shape[-1], gemv_block_n(n + n2, grouped=experts is not None)
     chunk = max(GEMV_CHUNK[w.fmt], GEMV_CHUNK[second.fmt] if second is not None else 0)  # powers of two
     blocks = triton.cdiv(n, bn) + triton.cdiv(n2, bn)
     if blocks * rows > TICKETS:
@@ -658,9 +662,10 @@ def gemv_constexprs(fmt: int, bn: int, grouped: bool = False, x_per: int = 1, to
             "STAGES": GEMV_STAGES, "UNROLL": GEMV_UNROLL}  # fmt: skip
 
 
-def gemv_block_n(n: int) -> int:
-    """Outputs per GEMV program for `n` outputs a row."""
-    return min(GEMV_BLOCK_N, max(16, triton.next_power_of_2(n)))
+def gemv_block_n(n: int, grouped: bool = False) -> int:
+    """Outputs per GEMV program for `n` outputs a row (of each expert, `grouped`)."""
+    most = max(GEMV_BLOCK_N, 64) if n >= GEMV_WIDE_N and not grouped else GEMV_BLOCK_N
+    return min(most, max(16, triton.next_power_of_2(n)))
 
 
 def _splits(k: int, chunk: int, top_k: int, sums: int) -> list[int]:
