@@ -315,32 +315,17 @@ def _q4k_loads(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: 
 def launcher(
     kernel, x: torch.Tensor, w: quant.QuantWeight, bn: int, split: int, warps: int = 4, **constexprs
 ):
+    """A call of `kernel` over x's row (the dp4a kernel: its Q8_1, made once here, as a separate
+    launch would) and w, K split `split` ways (atomic sums into a zeroed output)."""
     n, k = w.shape
     out = torch.zeros(n, dtype=torch.float32, device=x.device)
+    xs = q8_1(x[0]) if kernel is _q4k_dp4a else (x,)
 
     def launch() -> torch.Tensor:
         if split > 1:
             out.zero_()
-        kernel[(triton.cdiv(n, bn), split)](x, *w.parts, out, n, k, k // split, BN=bn, ATOMIC=split > 1,
+        kernel[(triton.cdiv(n, bn), split)](*xs, *w.parts, out, n, k, k // split, BN=bn, ATOMIC=split > 1,
                                            num_warps=warps, **constexprs)  # fmt: skip
-        return out
-
-    return launch
-
-
-def dp4a_launcher(
-    x: torch.Tensor, w: quant.QuantWeight, bn: int, split: int, warps: int = 4, native: bool = True
-):
-    """`_q4k_dp4a` over x's row 0, quantized once here (as a separate launch would)."""
-    n, k = w.shape
-    out = torch.zeros(n, dtype=torch.float32, device=x.device)
-    xq, xd, xs = q8_1(x[0])
-
-    def launch() -> torch.Tensor:
-        if split > 1:
-            out.zero_()
-        _q4k_dp4a[(triton.cdiv(n, bn), split)](xq, xd, xs, *w.parts, out, n, k, k // split, BN=bn, ATOMIC=split > 1,
-                                               NATIVE=native, num_warps=warps)  # fmt: skip
         return out
 
     return launch
@@ -400,7 +385,7 @@ def check() -> None:
     xq, xd, xs = q8_1(x[0])
     want8 = q8_1_reference(x[0], w)
     for bn, split in ((32, 1), (64, 2), (16, 4)):
-        got = dp4a_launcher(x, w, bn, split, native=False)()
+        got = launcher(_q4k_dp4a, x, w, bn, split, NATIVE=False)()
         err = ((got - want8).abs().max() / want8.abs().max()).item()
         print(f"dp4a BN={bn} split={split}: max relative error {err:.2e} against the Q8_1 reference, "
               f"{((got - want).abs().max() / want.abs().max()).item():.2e} against x in full")  # fmt: skip
@@ -469,7 +454,7 @@ def probe(n: int, k: int, kinds: set[str]) -> list[dict]:
         want8 = q8_1_reference(x[0], w).float()
         for bn, warps in ((32, 4), (64, 4), (128, 4), (128, 8), (256, 8)):
             for split in (1, 2, 4, 8):
-                fn = dp4a_launcher(x, w, bn, split, warps)
+                fn = launcher(_q4k_dp4a, x, w, bn, split, warps, NATIVE=True)
                 err = ((fn() - want8).abs().max() / want8.abs().max()).item()
                 row("dp4a", graph_us(fn), err=err, bn=bn, warps=warps, split=split)
     if "dot" in kinds:

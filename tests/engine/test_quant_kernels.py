@@ -249,7 +249,7 @@ def test_the_untimed_split_fills_the_gpu_with_1024_programs():
     assert quant._splits(2048, 64, 1, 386) == [1, 2, 4, 8, 16, 32]
     assert quant._heuristic_split([1, 2, 4, 8, 16, 32], 386) == 4  # the DeltaNet input projection
     assert quant._heuristic_split(quant._splits(512, 64, 8, 64), 64) == 16  # a token's experts, down
-    assert quant._splits(2048, 64, 1, 7760) == [1, 2, 4]  # lm_head: 7,760 sums
+    assert quant._splits(2048, 64, 1, 7760) == [1, 2, 4]  # the lm_head at 32 rows a program: 7,760 sums
     assert quant._heuristic_split([1, 2, 4], 7760) == 1
     # rows a program: 64 for a plain GEMV of GEMV_WIDE_N outputs or more (the lm_head), not for experts
     assert quant.gemv_block_n(248320) == max(quant.GEMV_BLOCK_N, 64)

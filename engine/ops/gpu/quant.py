@@ -53,7 +53,7 @@ GEMV_CHUNK = {Q8_0: 32, Q4_K: 64, Q5_K: 64, Q6_K: 128, FP8: 128}  # columns per 
 DEQUANT_ROWS = 64  # above this many rows (bf16), dequantize once and use cuBLAS
 FP8_ROWS = 128  # rows per FP8 scale block
 # Triton's interpreter (the CPU tests) runs one program after another, at a fixed cost each: there
-# the GEMV kernel runs with wider row blocks (a [248320, H] lm_head in 31 programs, not 7760).
+# the GEMV kernel runs with wider row blocks (a [248320, H] lm_head in 31 programs, not thousands).
 GEMV_BLOCK_N = 8192 if os.environ.get("TRITON_INTERPRET") == "1" else 32
 # a plain (not grouped) GEMV of at least this many outputs runs 64 rows a program (the H200, session
 # 13: the lm_head 250 against 262 us, a [12352, 2048] Q4_K 15.2 against 16.4; experts' GEMVs and
