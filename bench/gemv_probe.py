@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -45,6 +44,31 @@ import triton.language as tl  # noqa: E402
 
 from engine.ops.gpu import quant  # noqa: E402
 from engine.quant.ggml import T  # noqa: E402
+
+
+@triton.jit
+def _scales(SC, MN, dd, sub):
+    """A 64-column group's two sub-blocks: d * sc (the high nibble's divided by 16: it is taken in
+    place, 16 times its value) and dmin * mn, at the rows and groups `sub` and `dd` index."""
+    d, dmin = tl.load(dd).to(tl.float32), tl.load(dd + 1).to(tl.float32)
+    s0, s1 = d * tl.load(SC + sub).to(tl.float32), d * tl.load(SC + sub + 1).to(tl.float32) * 0.0625
+    return s0, s1, dmin * tl.load(MN + sub).to(tl.float32), dmin * tl.load(MN + sub + 1).to(tl.float32)
+
+
+@triton.jit
+def _nibbles(q):
+    """Bytes (uint32) as fp32: the low nibble and 16 times the high one, by the exponent trick."""
+    lo = ((q & 0x0F) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return lo, ((q & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _store(OUT, n, N, out, ATOMIC: tl.constexpr):
+    """A program's sums: added atomically (K split) or stored."""
+    if ATOMIC:
+        tl.atomic_add(OUT + n, out, mask=n < N)
+    else:
+        tl.store(OUT + n, out, mask=n < N)
 
 
 @triton.jit
@@ -73,10 +97,7 @@ def _q4k_lean(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: t
             acc += (s0[:, None] * lo - m0[:, None]) * x_lo[None, :]
             acc += (s1[:, None] * hi - m1[:, None]) * x_hi[None, :]
     out = tl.sum(acc, 1)
-    if ATOMIC:
-        tl.atomic_add(OUT + n, out, mask=n < N)
-    else:
-        tl.store(OUT + n, out, mask=n < N)
+    _store(OUT, n, N, out, ATOMIC)
 
 
 @triton.jit
@@ -93,22 +114,14 @@ def _q4k_bytes(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: 
         byte = tl.load(QS + row * (K // 2) + k0 // 2 + col).to(tl.uint32)
         sub = row * (K // 32) + k0 // 32
         dd = DD + (row * (K // 256) + k0 // 256) * 2
-        d, dmin = tl.load(dd).to(tl.float32), tl.load(dd + 1).to(tl.float32)
-        s0 = d * tl.load(SC + sub).to(tl.float32)
-        s1 = d * tl.load(SC + sub + 1).to(tl.float32) * 0.0625
-        m0 = dmin * tl.load(MN + sub).to(tl.float32)
-        m1 = dmin * tl.load(MN + sub + 1).to(tl.float32)
-        lo = ((byte & 0x0F) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        hi = ((byte & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        s0, s1, m0, m1 = _scales(SC, MN, dd, sub)
+        lo, hi = _nibbles(byte)
         x_lo = tl.load(X + k0 + col).to(tl.float32)
         x_hi = tl.load(X + k0 + 32 + col).to(tl.float32)
         acc += (s0 * lo - m0) * x_lo
         acc += (s1 * hi - m1) * x_hi
     out = tl.sum(acc, 1)
-    if ATOMIC:
-        tl.atomic_add(OUT + n, out, mask=n < N)
-    else:
-        tl.store(OUT + n, out, mask=n < N)
+    _store(OUT, n, N, out, ATOMIC)
 
 
 @triton.jit
@@ -130,21 +143,13 @@ def _q4k_wide(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: t
             acc += tl.sum(tl.sum((byte.to(tl.int32) ^ tl.load(SC + sub).to(tl.int32) ^ tl.load(MN + sub + 1).to(tl.int32))
                                  .to(tl.float32) + tl.load(dd).to(tl.float32), 2), 1)  # fmt: skip
         else:
-            d, dmin = tl.load(dd).to(tl.float32), tl.load(dd + 1).to(tl.float32)
-            s0 = d * tl.load(SC + sub).to(tl.float32)
-            s1 = d * tl.load(SC + sub + 1).to(tl.float32) * 0.0625
-            m0 = dmin * tl.load(MN + sub).to(tl.float32)
-            m1 = dmin * tl.load(MN + sub + 1).to(tl.float32)
+            s0, s1, m0, m1 = _scales(SC, MN, dd, sub)
             b = byte.to(tl.uint32)
-            lo = ((b & 0x0F) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            hi = ((b & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            lo, hi = _nibbles(b)
             x_lo = tl.load(X + k0 + 64 * g + j).to(tl.float32)
             x_hi = tl.load(X + k0 + 64 * g + 32 + j).to(tl.float32)
             acc += tl.sum(tl.sum((s0 * lo - m0) * x_lo + (s1 * hi - m1) * x_hi, 2), 1)
-    if ATOMIC:
-        tl.atomic_add(OUT + n, acc, mask=n < N)
-    else:
-        tl.store(OUT + n, acc, mask=n < N)
+    _store(OUT, n, N, acc, ATOMIC)
 
 
 @triton.jit
@@ -166,21 +171,13 @@ def _q4k_w2(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: tl.
             acc += tl.sum((byte.to(tl.int32) ^ tl.load(SC + sub).to(tl.int32) ^ tl.load(MN + sub + 1).to(tl.int32))
                           .to(tl.float32) + tl.load(dd).to(tl.float32), 1)  # fmt: skip
         else:
-            d, dmin = tl.load(dd).to(tl.float32), tl.load(dd + 1).to(tl.float32)
-            s0 = d * tl.load(SC + sub).to(tl.float32)
-            s1 = d * tl.load(SC + sub + 1).to(tl.float32) * 0.0625
-            m0 = dmin * tl.load(MN + sub).to(tl.float32)
-            m1 = dmin * tl.load(MN + sub + 1).to(tl.float32)
+            s0, s1, m0, m1 = _scales(SC, MN, dd, sub)
             q = byte.to(tl.uint32)
-            lo = ((q & 0x0F) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-            hi = ((q & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+            lo, hi = _nibbles(q)
             x_lo = tl.load(X + k0 + col).to(tl.float32)
             x_hi = tl.load(X + k0 + 32 + col).to(tl.float32)
             acc += tl.sum((s0 * lo - m0) * x_lo + (s1 * hi - m1) * x_hi, 1)
-    if ATOMIC:
-        tl.atomic_add(OUT + n, acc, mask=n < N)
-    else:
-        tl.store(OUT + n, acc, mask=n < N)
+    _store(OUT, n, N, acc, ATOMIC)
 
 
 @triton.jit
@@ -201,14 +198,9 @@ def _q4k_dot(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: tl
         byte = tl.load(QS + row * (K // 2) + k0 // 2 + g * 32 + j)
         sub = row * (K // 32) + k0 // 32 + 2 * g  # [BN, G, 1]
         dd = DD + (row * (K // 256) + (k0 + 64 * g) // 256) * 2
-        d, dmin = tl.load(dd).to(tl.float32), tl.load(dd + 1).to(tl.float32)
-        s0 = d * tl.load(SC + sub).to(tl.float32)
-        s1 = d * tl.load(SC + sub + 1).to(tl.float32) * 0.0625
-        m0 = dmin * tl.load(MN + sub).to(tl.float32)
-        m1 = dmin * tl.load(MN + sub + 1).to(tl.float32)
+        s0, s1, m0, m1 = _scales(SC, MN, dd, sub)
         q = byte.to(tl.uint32)
-        lo = ((q & 0x0F) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-        hi = ((q & 0xF0) | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+        lo, hi = _nibbles(q)
         w_lo = tl.reshape((s0 * lo - m0).to(X.dtype.element_ty), [BN, G * 32])
         w_hi = tl.reshape((s1 * hi - m1).to(X.dtype.element_ty), [BN, G * 32])
         xc = X + m * K + k0 + (c // 32) * 64 + c % 32  # [G * 32, 16]: x's row 0 in column 0
@@ -217,10 +209,7 @@ def _q4k_dot(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: tl
         acc = tl.dot(w_lo, x_lo, acc)
         acc = tl.dot(w_hi, x_hi, acc)
     out = tl.sum(tl.where(m == 0, acc, 0.0), 1)
-    if ATOMIC:
-        tl.atomic_add(OUT + n, out, mask=n < N)
-    else:
-        tl.store(OUT + n, out, mask=n < N)
+    _store(OUT, n, N, out, ATOMIC)
 
 
 @triton.jit
@@ -268,10 +257,7 @@ def _q4k_dp4a(XQ, XD, XS, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, 
         mins += dmin * (tl.load(MN + sub).to(tl.float32) * tl.load(XS + k0 // 32)
                         + tl.load(MN + sub + 1).to(tl.float32) * tl.load(XS + k0 // 32 + 1))  # fmt: skip
     out = tl.sum(acc, 1) - mins
-    if ATOMIC:
-        tl.atomic_add(OUT + n, out, mask=n < N)
-    else:
-        tl.store(OUT + n, out, mask=n < N)
+    _store(OUT, n, N, out, ATOMIC)
 
 
 def q8_1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -306,10 +292,7 @@ def _q4k_loads(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: 
         extra ^= tl.load(SC + sub).to(tl.int32) ^ tl.load(MN + sub + 1).to(tl.int32)
         extra ^= tl.load((DD + (row * (K // 256) + k0 // 256) * 2).to(tl.pointer_type(tl.int32)))
     out = (tl.sum(acc, 1) ^ extra).to(tl.float32)
-    if ATOMIC:
-        tl.atomic_add(OUT + n, out, mask=n < N)
-    else:
-        tl.store(OUT + n, out, mask=n < N)
+    _store(OUT, n, N, out, ATOMIC)
 
 
 def launcher(
@@ -331,23 +314,9 @@ def launcher(
     return launch
 
 
-def graph_us(fn, repeats: int = 20) -> float:
-    """Microseconds a call, from a CUDA graph of `repeats` calls (the best of three replays)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            fn()
-    best = math.inf
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / repeats)
-    return best
+def graph_us(fn) -> float:
+    """Microseconds a call: `quant._time_split`'s CUDA graph of TUNE_REPEATS calls, the best of three."""
+    return quant._time_split(lambda _split: fn(), 1) * 1e3 / quant.TUNE_REPEATS
 
 
 def random_q4k(n: int, k: int, device) -> quant.QuantWeight:
@@ -357,45 +326,35 @@ def random_q4k(n: int, k: int, device) -> quant.QuantWeight:
 
 
 def check() -> None:
-    """The probe's Triton kernels against the engine's `quant.linear` (fp32, Triton's interpreter)."""
+    """The probe's Triton kernels against the engine's `quant.linear` (dp4a: against its torch
+    twin, `q8_1_reference`), fp32 in Triton's interpreter; the loads-only ones just run."""
     w = random_q4k(96, 512, "cpu")
     x = torch.randn(1, 512)
     want = quant.linear(x, w)[0]
-    for bn, split in ((32, 1), (64, 2), (128, 4)):
-        got = launcher(_q4k_lean, x, w, bn, split)()
-        err = ((got - want).abs().max() / want.abs().max()).item()
-        print(f"lean BN={bn} split={split}: max relative error {err:.2e}")
-        assert err < 1e-5, err
-        got = launcher(_q4k_bytes, x, w, bn, split)()
-        err = ((got - want).abs().max() / want.abs().max()).item()
-        print(f"bytes BN={bn} split={split}: max relative error {err:.2e}")
-        assert err < 1e-5, err
-        launcher(_q4k_loads, x, w, bn, split)()  # runs
-    for bn, split, g in ((8, 1, 8), (16, 2, 4), (4, 1, 2)):
-        got = launcher(_q4k_wide, x, w, bn, split, G=g, LOADS=False)()
-        err = ((got - want).abs().max() / want.abs().max()).item()
-        print(f"wide BN={bn} split={split} G={g}: max relative error {err:.2e}")
-        assert err < 1e-5, err
-        launcher(_q4k_wide, x, w, bn, split, G=g, LOADS=True)()  # runs
-        got = launcher(_q4k_w2, x, w, bn, split, G=g, LOADS=False)()
-        err = ((got - want).abs().max() / want.abs().max()).item()
-        print(f"w2 BN={bn} split={split} G={g}: max relative error {err:.2e}")
-        assert err < 1e-5, err
-        launcher(_q4k_w2, x, w, bn, split, G=g, LOADS=True)()  # runs
-    xq, xd, xs = q8_1(x[0])
-    want8 = q8_1_reference(x[0], w)
-    for bn, split in ((32, 1), (64, 2), (16, 4)):
-        got = launcher(_q4k_dp4a, x, w, bn, split, NATIVE=False)()
-        err = ((got - want8).abs().max() / want8.abs().max()).item()
-        print(f"dp4a BN={bn} split={split}: max relative error {err:.2e} against the Q8_1 reference, "
-              f"{((got - want).abs().max() / want.abs().max()).item():.2e} against x in full")  # fmt: skip
-        assert err < 1e-5, err
-    for bn, split, g in ((16, 1, 4), (32, 2, 2), (64, 1, 1)):
-        got = launcher(_q4k_dot, x, w, bn, split, G=g, LOADS=False)()
-        err = ((got - want).abs().max() / want.abs().max()).item()
-        print(f"dot BN={bn} split={split} G={g}: max relative error {err:.2e}")
-        assert err < 1e-5, err
+    wide = ((8, 1, {"G": 8}), (16, 2, {"G": 4}), (4, 1, {"G": 2}))
+    cases = [
+        (_q4k_lean, ((32, 1, {}), (64, 2, {}), (128, 4, {})), want),
+        (_q4k_bytes, ((32, 1, {}), (64, 2, {}), (128, 4, {})), want),
+        (_q4k_loads, ((32, 1, {}), (64, 2, {})), None),
+        *((k, tuple((bn, sp, {**c, "LOADS": loads}) for bn, sp, c in wide), None if loads else want)
+          for k in (_q4k_wide, _q4k_w2) for loads in (False, True)),
+        (_q4k_dp4a, tuple((bn, sp, {"NATIVE": False}) for bn, sp in ((32, 1), (64, 2), (16, 4))), q8_1_reference(x[0], w)),
+        (_q4k_dot, tuple((bn, sp, {"G": g, "LOADS": False}) for bn, sp, g in ((16, 1, 4), (32, 2, 2), (64, 1, 1))), want),
+    ]  # fmt: skip
+    for kernel, configs, reference in cases:
+        for bn, split, constexprs in configs:
+            got = launcher(kernel, x, w, bn, split, **constexprs)()
+            if reference is None:
+                continue
+            err = ((got - reference).abs().max() / reference.abs().max()).item()
+            print(f"{kernel.__name__} BN={bn} split={split} {constexprs}: max relative error {err:.2e}")
+            assert err < 1e-5, (kernel.__name__, err)
     print("ok")
+
+
+# the (groups a step, rows a program, warps) each probe of G-group tiles sweeps
+WIDE_GRID = ((16, 4, 4), (16, 8, 4), (16, 16, 4), (16, 8, 8), (8, 8, 4), (8, 16, 4), (4, 16, 4), (4, 32, 4))
+DOT_GRID = ((4, 64, 4), (4, 32, 4), (8, 32, 4), (8, 64, 4), (2, 64, 4), (4, 128, 4), (4, 64, 8))
 
 
 def probe(n: int, k: int, kinds: set[str]) -> list[dict]:
@@ -434,16 +393,7 @@ def probe(n: int, k: int, kinds: set[str]) -> list[dict]:
                     for kind, kernel in (("lean", _q4k_lean), ("bytes", _q4k_bytes), ("loads", _q4k_loads)):
                         timed(kind, launcher(kernel, x, w, bn, split, warps), bn=bn, warps=warps, split=split)
     if "wide" in kinds:
-        for g, bn, warps in (
-            (16, 4, 4),
-            (16, 8, 4),
-            (16, 16, 4),
-            (16, 8, 8),
-            (8, 8, 4),
-            (8, 16, 4),
-            (4, 16, 4),
-            (4, 32, 4),
-        ):
+        for g, bn, warps in WIDE_GRID:
             for split in (1, 2, 4):
                 if k % (64 * g * split) == 0:
                     for kind, kernel, loads in (("wide", _q4k_wide, False), ("wide-ld", _q4k_wide, True),
@@ -458,15 +408,7 @@ def probe(n: int, k: int, kinds: set[str]) -> list[dict]:
                 err = ((fn() - want8).abs().max() / want8.abs().max()).item()
                 row("dp4a", graph_us(fn), err=err, bn=bn, warps=warps, split=split)
     if "dot" in kinds:
-        for g, bn, warps in (
-            (4, 64, 4),
-            (4, 32, 4),
-            (8, 32, 4),
-            (8, 64, 4),
-            (2, 64, 4),
-            (4, 128, 4),
-            (4, 64, 8),
-        ):
+        for g, bn, warps in DOT_GRID:
             for split in (1, 2, 4):
                 if k % (64 * g * split) == 0:
                     timed("dot", launcher(_q4k_dot, x, w, bn, split, warps, G=g, LOADS=False),
