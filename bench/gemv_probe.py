@@ -11,7 +11,8 @@ instructions each weight costs? Kernels timed as CUDA graphs of 20 launches (the
   over the bytes, x's columns contiguous); `wide` and `w2` (G groups of 64 columns a step as a
   [BN, G, 32] or [BN, G * 32] tile: each row's bytes contiguous, whole lines a warp; `-ld`: their
   loads alone); `dp4a` (x as llama.cpp's Q8_1, 8-bit ints in 32-column blocks quantized once
-  outside, against the nibbles in integer dot products); `dot` (the tile dequantized to bf16 and
+  outside, against the nibbles in integer dot products); `wide-dp4a` (`dp4a` over `wide`'s tiles:
+  2.5-4 instructions a weight, SASS; not yet timed); `dot` (the tile dequantized to bf16 and
   multiplied on the tensor cores);
 - torch's bf16 GEMV and a copy of the weight's bytes, as the device's yardsticks.
 
@@ -25,7 +26,7 @@ made inside each GEMV with dp4a (five instructions a weight against 12.8): Q4_K_
 tok/s against 289.9 without, in the same lease. Neither the access pattern nor the instruction
 count alone moves it far: Triton's loads of 32-byte row pieces reach 1-2.6 TB/s with nothing to compute.
 
-    python bench/gemv_probe.py [--kinds engine,narrow,wide,w2,dp4a,dot] [--json OUT.json]   # on a GPU
+    python bench/gemv_probe.py [--kinds engine,narrow,wide,w2,dp4a,wide-dp4a,dot] [--json OUT.json]   # on a GPU
     TRITON_INTERPRET=1 python bench/gemv_probe.py --check   # the probe's kernels against quant.linear, CPU
 """
 
@@ -260,6 +261,36 @@ def _q4k_dp4a(XQ, XD, XS, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, 
     _store(OUT, n, N, out, ATOMIC)
 
 
+@triton.jit
+def _q4k_wide_dp4a(XQ, XD, XS, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: tl.constexpr,
+                   G: tl.constexpr, NATIVE: tl.constexpr):  # fmt: skip
+    """`dp4a` over `wide`'s tiles: G 64-column groups a step as [BN, G, 8] words (each row's G * 32
+    bytes contiguous), x's Q8_1 words [G, 8] and scales [G] beside them; per row and sub-block the
+    integer sum scaled once, each step's [BN, G] sums reduced over the groups."""
+    pid, s = tl.program_id(0), tl.program_id(1)
+    n = pid * BN + tl.arange(0, BN)
+    row = tl.minimum(n, N - 1).to(tl.int64)[:, None]  # [BN, 1]
+    g = tl.arange(0, G)[None, :, None]
+    words = tl.arange(0, 8)[None, None, :]
+    qw = QS.to(tl.pointer_type(tl.uint32))
+    acc = tl.zeros([BN], tl.float32)
+    for k0 in range(s * K_SPLIT, (s + 1) * K_SPLIT, 64 * G):
+        w = tl.load(qw + row[:, :, None] * (K // 8) + k0 // 8 + g * 8 + words)  # [BN, G, 8]
+        xw = XQ + k0 // 4 + g * 16 + words  # [1, G, 8]: the group's low words, then its high ones
+        lo = tl.sum(_dp4a(w & 0x0F0F0F0F, tl.load(xw), NATIVE), 2).to(tl.float32)  # [BN, G]
+        hi = tl.sum(_dp4a((w >> 4) & 0x0F0F0F0F, tl.load(xw + 8), NATIVE), 2).to(tl.float32)
+        b = k0 // 32 + 2 * tl.arange(0, G)[None, :]  # x's blocks: the groups' low sub-blocks [1, G]
+        sub = row * (K // 32) + b  # the weight's, [BN, G]
+        dd = DD + (row * (K // 256) + (k0 + 64 * tl.arange(0, G)[None, :]) // 256) * 2
+        d, dmin = tl.load(dd).to(tl.float32), tl.load(dd + 1).to(tl.float32)
+        scaled = d * (tl.load(SC + sub).to(tl.float32) * tl.load(XD + b) * lo
+                      + tl.load(SC + sub + 1).to(tl.float32) * tl.load(XD + b + 1) * hi)  # fmt: skip
+        mins = dmin * (tl.load(MN + sub).to(tl.float32) * tl.load(XS + b)
+                       + tl.load(MN + sub + 1).to(tl.float32) * tl.load(XS + b + 1))  # fmt: skip
+        acc += tl.sum(scaled - mins, 1)
+    _store(OUT, n, N, acc, ATOMIC)
+
+
 def q8_1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [K] as llama.cpp's Q8_1: int8 in blocks of 32 (round half away from zero of x / d, d the
     block's largest magnitude / 127), packed four to an int32; d [K/32]; d * sum of the ints [K/32]."""
@@ -302,7 +333,7 @@ def launcher(
     launch would) and w, K split `split` ways (atomic sums into a zeroed output)."""
     n, k = w.shape
     out = torch.zeros(n, dtype=torch.float32, device=x.device)
-    xs = q8_1(x[0]) if kernel is _q4k_dp4a else (x,)
+    xs = q8_1(x[0]) if kernel in (_q4k_dp4a, _q4k_wide_dp4a) else (x,)
 
     def launch() -> torch.Tensor:
         if split > 1:
@@ -339,6 +370,7 @@ def check() -> None:
         *((k, tuple((bn, sp, {**c, "LOADS": loads}) for bn, sp, c in wide), None if loads else want)
           for k in (_q4k_wide, _q4k_w2) for loads in (False, True)),
         (_q4k_dp4a, tuple((bn, sp, {"NATIVE": False}) for bn, sp in ((32, 1), (64, 2), (16, 4))), q8_1_reference(x[0], w)),
+        (_q4k_wide_dp4a, tuple((bn, sp, {**c, "NATIVE": False}) for bn, sp, c in wide), q8_1_reference(x[0], w)),
         (_q4k_dot, tuple((bn, sp, {"G": g, "LOADS": False}) for bn, sp, g in ((16, 1, 4), (32, 2, 2), (64, 1, 1))), want),
     ]  # fmt: skip
     for kernel, configs, reference in cases:
@@ -354,6 +386,7 @@ def check() -> None:
 
 # the (groups a step, rows a program, warps) each probe of G-group tiles sweeps
 WIDE_GRID = ((16, 4, 4), (16, 8, 4), (16, 16, 4), (16, 8, 8), (8, 8, 4), (8, 16, 4), (4, 16, 4), (4, 32, 4))
+WIDE_DP4A_GRID = ((16, 8, 4), (16, 16, 4), (8, 16, 4), (8, 32, 4), (4, 32, 4), (4, 64, 4))
 DOT_GRID = ((4, 64, 4), (4, 32, 4), (8, 32, 4), (8, 64, 4), (2, 64, 4), (4, 128, 4), (4, 64, 8))
 
 
@@ -407,6 +440,14 @@ def probe(n: int, k: int, kinds: set[str]) -> list[dict]:
                 fn = launcher(_q4k_dp4a, x, w, bn, split, warps, NATIVE=True)
                 err = ((fn() - want8).abs().max() / want8.abs().max()).item()
                 row("dp4a", graph_us(fn), err=err, bn=bn, warps=warps, split=split)
+    if "wide-dp4a" in kinds:
+        want8 = q8_1_reference(x[0], w).float()
+        for g, bn, warps in WIDE_DP4A_GRID:
+            for split in (1, 2, 4):
+                if k % (64 * g * split) == 0:
+                    fn = launcher(_q4k_wide_dp4a, x, w, bn, split, warps, G=g, NATIVE=True)
+                    err = ((fn() - want8).abs().max() / want8.abs().max()).item()
+                    row("wide-dp4a", graph_us(fn), err=err, bn=bn, warps=warps, split=split, g=g)
     if "dot" in kinds:
         for g, bn, warps in DOT_GRID:
             for split in (1, 2, 4):
@@ -472,7 +513,7 @@ def main() -> None:
         "--kinds",
         default="engine",
         help="engine: the engine's GEMVs at the Q4_K_M decode shapes, 32 and 64 rows a program; probes of one "
-        "Q4_K weight: narrow (64 columns a step), wide, w2 (G groups of 64), dp4a, dot",
+        "Q4_K weight: narrow (64 columns a step), wide, w2 (G groups of 64), dp4a, wide-dp4a, dot",
     )
     p.add_argument("--shapes", default="9216x2048,12352x2048,65536x2048")
     args = p.parse_args()

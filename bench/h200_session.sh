@@ -23,7 +23,8 @@
 #       q4-variants  our Q4_K_M's decode per GEMV launch setting ($GEMV_VARIANTS, bench/quant.py --gemv-variants)
 #       slot-seed  the graphed slot prefill's bf16 test at one seed ($FT_TEST_SEED), shared expert folded and apart
 #       router-tests  pytest: the routing kernels alone
-#       gemv-probe  the quantized decode GEMVs at the Q4_K_M shapes, 32 and 64 rows a program (bench/gemv_probe.py)
+#       gemv-probe  the quantized decode GEMVs at the Q4_K_M shapes, 32 and 64 rows a program, or the probes
+#                  $PROBE_KINDS names (bench/gemv_probe.py --kinds, e.g. wide-dp4a,dp4a)
 #       wide-off   our Q4_K_M decode with the large plain GEMVs at 32 rows a program, not 64 (FT_GEMV_WIDE_N)
 #       batch-profile  where a batch-8 decode step's time goes at the e64 shape (bench/profile_batch.py)
 #       q4-decode  our Q4_K_M alone: prefill and decode (bench/quant.py), no llama.cpp
@@ -154,7 +155,7 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
       step wide-off env FT_GEMV_WIDE_N=1000000000 python3 bench/quant.py --preset $P --device cuda --parts q4_k_m \
         --json $O/wide-off.json
       ;;
-    gemv-probe) step gemv-probe python3 bench/gemv_probe.py --json $O/gemv-probe.json ;;
+    gemv-probe) step gemv-probe python3 bench/gemv_probe.py --kinds "${PROBE_KINDS:-engine}" --json $O/gemv-probe.json ;;
     batch-profile) step batch-profile python3 bench/profile_batch.py --preset $P-e64 --batch 8 --context 8192 ;;
     router-tests) step router-tests python3 -m pytest -q -p no:cacheprovider tests/engine/test_fused_kernels.py -k "route" ;;
     q4-decode)
