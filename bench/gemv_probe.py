@@ -48,6 +48,14 @@ from engine.quant.ggml import T  # noqa: E402
 
 
 @triton.jit
+def _rows(N, BN: tl.constexpr):
+    """A probe program's split s, its BN output rows n and the weight rows they read (n clamped to
+    N - 1, int64): program (n-block, s) of the grid."""
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    return tl.program_id(1), n, tl.minimum(n, N - 1).to(tl.int64)
+
+
+@triton.jit
 def _scales(SC, MN, dd, sub):
     """A 64-column group's two sub-blocks: d * sc (the high nibble's divided by 16: it is taken in
     place, 16 times its value) and dmin * mn, at the rows and groups `sub` and `dd` index."""
@@ -74,9 +82,8 @@ def _store(OUT, n, N, out, ATOMIC: tl.constexpr):
 
 @triton.jit
 def _q4k_lean(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: tl.constexpr):
-    pid, s = tl.program_id(0), tl.program_id(1)
-    n = pid * BN + tl.arange(0, BN)
-    row = tl.minimum(n, N - 1).to(tl.int64)
+    """64 columns a step as [BN, 8] 32-bit words; per-column sums, reduced after the K loop."""
+    s, n, row = _rows(N, BN)
     words = tl.arange(0, 8)
     qw = QS.to(tl.pointer_type(tl.uint32))
     acc = tl.zeros([BN, 8], tl.float32)
@@ -106,9 +113,8 @@ def _q4k_bytes(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: 
     """`lean` over the group's bytes [BN, 32] (x's columns contiguous), each widened once; the
     per-row scales kept as [BN, 1] (the tile's own layout: no shuffle through shared memory), the
     high nibble taken in place (16 times its value, the scale divided by 16: exact)."""
-    pid, s = tl.program_id(0), tl.program_id(1)
-    n = pid * BN + tl.arange(0, BN)
-    row = tl.minimum(n, N - 1).to(tl.int64)[:, None]
+    s, n, row = _rows(N, BN)
+    row = row[:, None]
     col = tl.arange(0, 32)[None, :]
     acc = tl.zeros([BN, 32], tl.float32)
     for k0 in range(s * K_SPLIT, (s + 1) * K_SPLIT, 64):
@@ -130,9 +136,8 @@ def _q4k_wide(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: t
               G: tl.constexpr, LOADS: tl.constexpr):  # fmt: skip
     """G 64-column groups a step as one [BN, G, 32]-byte tile: each row's G * 32 bytes contiguous
     (a warp reads whole lines of one row), per-row sums reduced once a step. LOADS: the loads alone."""
-    pid, s = tl.program_id(0), tl.program_id(1)
-    n = pid * BN + tl.arange(0, BN)
-    row = tl.minimum(n, N - 1).to(tl.int64)[:, None, None]
+    s, n, row = _rows(N, BN)
+    row = row[:, None, None]
     g = tl.arange(0, G)[None, :, None]
     j = tl.arange(0, 32)[None, None, :]
     acc = tl.zeros([BN], tl.float32)
@@ -158,9 +163,8 @@ def _q4k_w2(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: tl.
             G: tl.constexpr, LOADS: tl.constexpr):  # fmt: skip
     """`wide` as a 2-D tile [BN, G * 32 bytes]: byte b of a step is column (b // 32) * 64 + b % 32
     (low nibble) and that + 32 (high) of the step; its scales those of group b // 32."""
-    pid, s = tl.program_id(0), tl.program_id(1)
-    n = pid * BN + tl.arange(0, BN)
-    row = tl.minimum(n, N - 1).to(tl.int64)[:, None]
+    s, n, row = _rows(N, BN)
+    row = row[:, None]
     b = tl.arange(0, G * 32)[None, :]
     col = (b // 32) * 64 + b % 32  # the low nibble's column in the step
     acc = tl.zeros([BN], tl.float32)
@@ -187,9 +191,8 @@ def _q4k_dot(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: tl
     """`wide`'s tile dequantized to bf16 (x's dtype) and multiplied on the tensor cores: x's row as
     column 0 of a [G * 32, 16] operand, the products summed by the MMA (no per-weight FFMA with
     x, no shuffles). LOADS is unused (one kernel, for the probe's table)."""
-    pid, s = tl.program_id(0), tl.program_id(1)
-    n = pid * BN + tl.arange(0, BN)
-    row = tl.minimum(n, N - 1).to(tl.int64)[:, None, None]
+    s, n, row = _rows(N, BN)
+    row = row[:, None, None]
     g = tl.arange(0, G)[None, :, None]
     j = tl.arange(0, 32)[None, None, :]
     c = tl.arange(0, G * 32)[:, None]
@@ -235,9 +238,7 @@ def _q4k_dp4a(XQ, XD, XS, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, 
     """x quantized as llama.cpp's Q8_1 (int8 in 32-column blocks: XQ words of four, XD the blocks'
     scales, XS scale * sum of the block's ints) against Q4_K in integer dot products (dp4a): a word
     of four low nibbles (or high) against a word of x, its sum scaled once a sub-block."""
-    pid, s = tl.program_id(0), tl.program_id(1)
-    n = pid * BN + tl.arange(0, BN)
-    row = tl.minimum(n, N - 1).to(tl.int64)
+    s, n, row = _rows(N, BN)
     words = tl.arange(0, 8)[None, :]
     qw = QS.to(tl.pointer_type(tl.uint32))
     acc = tl.zeros([BN, 8], tl.float32)
@@ -267,9 +268,8 @@ def _q4k_wide_dp4a(XQ, XD, XS, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.conste
     """`dp4a` over `wide`'s tiles: G 64-column groups a step as [BN, G, 8] words (each row's G * 32
     bytes contiguous), x's Q8_1 words [G, 8] and scales [G] beside them; per row and sub-block the
     integer sum scaled once, each step's [BN, G] sums reduced over the groups."""
-    pid, s = tl.program_id(0), tl.program_id(1)
-    n = pid * BN + tl.arange(0, BN)
-    row = tl.minimum(n, N - 1).to(tl.int64)[:, None]  # [BN, 1]
+    s, n, row = _rows(N, BN)
+    row = row[:, None]  # [BN, 1]
     g = tl.arange(0, G)[None, :, None]
     words = tl.arange(0, 8)[None, None, :]
     qw = QS.to(tl.pointer_type(tl.uint32))
@@ -310,9 +310,8 @@ def q8_1_reference(x: torch.Tensor, w: quant.QuantWeight) -> torch.Tensor:
 
 @triton.jit
 def _q4k_loads(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: tl.constexpr):
-    pid, s = tl.program_id(0), tl.program_id(1)
-    n = pid * BN + tl.arange(0, BN)
-    row = tl.minimum(n, N - 1).to(tl.int64)
+    """`_q4k_lean`'s loads alone, the same program shape on purpose (each word XORed in)."""
+    s, n, row = _rows(N, BN)
     words = tl.arange(0, 8)
     qw = QS.to(tl.pointer_type(tl.int32))
     acc = tl.zeros([BN, 8], tl.int32)
@@ -396,6 +395,7 @@ def probe(n: int, k: int, kinds: set[str]) -> list[dict]:
     w = random_q4k(n, k, "cuda")
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     want = quant.linear(x, w)[0].float()
+    want8 = q8_1_reference(x[0], w).float()  # what the dp4a probes compute: x's row as Q8_1
     plain = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     copy_src = torch.empty(w.nbytes, dtype=torch.uint8, device="cuda")
     copy_dst = torch.empty_like(copy_src)
@@ -407,12 +407,8 @@ def probe(n: int, k: int, kinds: set[str]) -> list[dict]:
         e = f"  err {err:.1e}" if err is not None else ""
         print(f"{r['shape']:>11} {kind:8} {extra:22} {us:8.1f} us {r['TB/s']:6.2f} TB/s{e}", flush=True)
 
-    def timed(kind, fn, **kw):
-        err = (
-            ((fn() - want).abs().max() / want.abs().max()).item()
-            if kind not in ("loads", "wide-ld")
-            else None
-        )
+    def timed(kind, fn, reference=want, **kw):  # reference None: a loads-only probe, nothing to compare
+        err = None if reference is None else ((fn() - reference).abs().max() / reference.abs().max()).item()
         row(kind, graph_us(fn), err=err, **kw)
 
     row("copy", graph_us(lambda: copy_dst.copy_(copy_src)), 2 * w.nbytes)
@@ -423,8 +419,10 @@ def probe(n: int, k: int, kinds: set[str]) -> list[dict]:
         for bn, warps in ((32, 4), (64, 4), (128, 4), (128, 8)):
             for split in (1, 2, 4, 8):
                 if k % (64 * split) == 0:
-                    for kind, kernel in (("lean", _q4k_lean), ("bytes", _q4k_bytes), ("loads", _q4k_loads)):
-                        timed(kind, launcher(kernel, x, w, bn, split, warps), bn=bn, warps=warps, split=split)
+                    for kind, kernel, ref in (("lean", _q4k_lean, want), ("bytes", _q4k_bytes, want),
+                                              ("loads", _q4k_loads, None)):  # fmt: skip
+                        fn = launcher(kernel, x, w, bn, split, warps)
+                        timed(kind, fn, ref, bn=bn, warps=warps, split=split)
     if "wide" in kinds:
         for g, bn, warps in WIDE_GRID:
             for split in (1, 2, 4):
@@ -432,22 +430,18 @@ def probe(n: int, k: int, kinds: set[str]) -> list[dict]:
                     for kind, kernel, loads in (("wide", _q4k_wide, False), ("wide-ld", _q4k_wide, True),
                                                 ("w2", _q4k_w2, False), ("w2-ld", _q4k_w2, True)):  # fmt: skip
                         fn = launcher(kernel, x, w, bn, split, warps, G=g, LOADS=loads)
-                        timed(kind, fn, bn=bn, warps=warps, split=split, g=g)
+                        timed(kind, fn, None if loads else want, bn=bn, warps=warps, split=split, g=g)
     if "dp4a" in kinds:
-        want8 = q8_1_reference(x[0], w).float()
         for bn, warps in ((32, 4), (64, 4), (128, 4), (128, 8), (256, 8)):
             for split in (1, 2, 4, 8):
                 fn = launcher(_q4k_dp4a, x, w, bn, split, warps, NATIVE=True)
-                err = ((fn() - want8).abs().max() / want8.abs().max()).item()
-                row("dp4a", graph_us(fn), err=err, bn=bn, warps=warps, split=split)
+                timed("dp4a", fn, want8, bn=bn, warps=warps, split=split)
     if "wide-dp4a" in kinds:
-        want8 = q8_1_reference(x[0], w).float()
         for g, bn, warps in WIDE_DP4A_GRID:
             for split in (1, 2, 4):
                 if k % (64 * g * split) == 0:
                     fn = launcher(_q4k_wide_dp4a, x, w, bn, split, warps, G=g, NATIVE=True)
-                    err = ((fn() - want8).abs().max() / want8.abs().max()).item()
-                    row("wide-dp4a", graph_us(fn), err=err, bn=bn, warps=warps, split=split, g=g)
+                    timed("wide-dp4a", fn, want8, bn=bn, warps=warps, split=split, g=g)
     if "dot" in kinds:
         for g, bn, warps in DOT_GRID:
             for split in (1, 2, 4):

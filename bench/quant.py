@@ -205,16 +205,24 @@ def bench_format(fmt: str, args, keep: dict) -> dict:
     return row
 
 
+def decode_afresh(eng, args) -> list[dict]:
+    """`bench_decode` per batch size under the GEMV settings now in force: each shape's split chosen
+    again and every decode graph captured again."""
+    from engine.ops.gpu import quant  # noqa: PLC0415
+
+    quant._SPLITS.clear()
+    eng.runner.drop_graphs()
+    return [bench_decode(eng, args.context, b, args.steps) for b in args.batches]
+
+
 def decode_tuned(eng, args) -> list[dict]:
     """Decode again with FT_GEMV_TUNE's timing of each GEMV shape's split (the graphs captured
     again over the chosen splits), beside the heuristic's figures of the same run; the choices."""
     from engine.ops.gpu import quant  # noqa: PLC0415
 
     quant.TUNE, before = True, dict(quant._SPLITS)
-    quant._SPLITS.clear()
-    eng.runner.drop_graphs()
     try:
-        rows = [bench_decode(eng, args.context, b, args.steps) for b in args.batches]
+        rows = decode_afresh(eng, args)
     finally:
         quant.TUNE = False
         chosen = {str(key[1:]): split for key, split in quant._SPLITS.items()}
@@ -245,9 +253,7 @@ def decode_variants(eng, args) -> list[dict]:
             warps, stages, unroll, bn = (int(v) if v not in ("", "-") else None for v in spec.split(":"))
             quant.GEMV_WARPS, quant.GEMV_STAGES, quant.GEMV_UNROLL = warps, stages, unroll
             quant.GEMV_BLOCK_N = bn
-            quant._SPLITS.clear()
-            eng.runner.drop_graphs()
-            rows = [bench_decode(eng, args.context, b, args.steps) for b in args.batches]
+            rows = decode_afresh(eng, args)
             for d in rows:
                 print(f"decode B={d['batch']} GEMV warps {warps} stages {stages} unroll {unroll} rows {bn}: "
                       f"{d['tok_s']:.1f} tok/s", flush=True)  # fmt: skip
