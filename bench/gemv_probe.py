@@ -216,20 +216,7 @@ def _q4k_dot(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: tl
     _store(OUT, n, N, out, ATOMIC)
 
 
-@triton.jit
-def _dp4a(a, b, NATIVE: tl.constexpr):
-    """Per int32 lane: the dot product of a's four unsigned bytes with b's four signed bytes
-    (PTX dp4a.u32.s32); NATIVE off (Triton's interpreter): the same integers by shifts."""
-    if NATIVE:
-        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b], dtype=tl.int32,
-                                         is_pure=True, pack=1)  # fmt: skip
-    else:
-        a = a.to(tl.int32, bitcast=True)
-        b = b.to(tl.int32, bitcast=True)
-        acc = tl.zeros(a.shape, tl.int32)
-        for j in tl.static_range(4):
-            acc += ((a >> (8 * j)) & 0xFF) * ((b << (24 - 8 * j)) >> 24)
-        return acc
+_dp4a = quant._dp4a  # the engine's (dp4a.u32.s32; shifts in the interpreter)
 
 
 @triton.jit
@@ -291,14 +278,7 @@ def _q4k_wide_dp4a(XQ, XD, XS, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.conste
     _store(OUT, n, N, acc, ATOMIC)
 
 
-def q8_1(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [K] as llama.cpp's Q8_1: int8 in blocks of 32 (round half away from zero of x / d, d the
-    block's largest magnitude / 127), packed four to an int32; d [K/32]; d * sum of the ints [K/32]."""
-    blocks = x.float().view(-1, 32)
-    d = blocks.abs().amax(1) / 127
-    q = torch.where(d[:, None] > 0, blocks / d.clamp_min(1e-30)[:, None], 0.0)
-    q = (q.sign() * (q.abs() + 0.5).floor()).to(torch.int8)
-    return q.view(-1).view(torch.int32), d, d * q.float().sum(1)
+q8_1 = quant.q8_1_reference  # x [K] as Q8_1: what `quant.quantize_x` writes, in torch
 
 
 def q8_1_reference(x: torch.Tensor, w: quant.QuantWeight) -> torch.Tensor:

@@ -201,39 +201,58 @@ def test_expert_decode_kernels_equal_per_assignment_matmuls(fmt):
     close(got, experts_loop(x.float(), routing.float(), ids, gate_up_ref, down_ref), dtype)
 
 
+def q8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x's rows as the Q8_1 GEMV reads them (`quant.q8_1_reference`), back in fp32."""
+    rows = []
+    for row in x.float():
+        q, d, _ = quant.q8_1_reference(row)
+        rows.append((q.view(torch.int8).float().view(-1, 32) * d[:, None]).flatten())
+    return torch.stack(rows)
+
+
 @in_this_process
 @pytest.mark.parametrize("mode", ["linear", "glu", "topk"])
-def test_every_split_a_gemv_may_run_with_gives_its_sums(mode):
+@pytest.mark.parametrize("q8x", [False, True], ids=["x", "x-q8_1"])
+def test_every_split_a_gemv_may_run_with_gives_its_sums(mode, q8x, monkeypatch):
     """Whatever split a GEMV shape is timed into (`quant._split`: on a GPU, per shape), each of
     the candidates gives the same sums, taken by the last program of each split (its counter
-    left at zero), launch after launch."""
+    left at zero), launch after launch. With x as Q8_1 (`quant.Q8X`: Q4_K against x's 8-bit ints
+    in dp4a), the sums are those of x rounded to its Q8_1 blocks."""
+    monkeypatch.setattr(quant, "Q8X", "always" if q8x else "0")
     dtype = torch.bfloat16 if CUDA else torch.float32
     dev = torch.device(DEVICE)
     gen = torch.Generator().manual_seed(5)
     if mode == "linear":
         w, ref = weights(T.Q4_K, (72, 1024))
         x = torch.randn(2, 1024, generator=gen).to(dtype)
-        args, want = (x.to(dev), w.to(dev), 2, 72), x.float() @ ref.T
+        xr = q8_rows(x) if q8x else x.float()
+        args, want = (x.to(dev), w.to(dev), 2, 72), xr @ ref.T
         kw, top_k, sums = {}, 1, 2
     else:
         w, ref = weights(T.Q4_K, (3, 128, 1024) if mode == "glu" else (3, 64, 1024))
         ids = torch.tensor([[2, -1, 0, 1]])  # one token, four experts (-1: none)
         if mode == "glu":
             x = torch.randn(1, 1024, generator=gen).to(dtype)
+            xr = q8_rows(x) if q8x else x.float()
             routing = torch.rand(4, generator=gen).to(dtype)
             args = (x.to(dev), w.to(dev), 4, 64, ids.flatten().to(dev), 4)
             kw, top_k, sums = {"scale": routing.to(dev)}, 1, 4
-            gate_up = [x[0].float() @ ref[e].T if e >= 0 else torch.zeros(128) for e in ids[0].tolist()]
+            gate_up = [xr[0] @ ref[e].T if e >= 0 else torch.zeros(128) for e in ids[0].tolist()]
             want = torch.stack([torch.nn.functional.silu(g[:64]) * g[64:] * r.float()
                                 for g, r in zip(gate_up, routing, strict=True)])  # fmt: skip
         else:
             x = torch.randn(4, 1024, generator=gen).to(dtype)
+            xr = q8_rows(x) if q8x else x.float()
             args = (x.to(dev), w.to(dev), 1, 64, ids.flatten().to(dev))
             kw, top_k, sums = {"top_k": 4}, 4, 1
-            want = sum(x[j].float() @ ref[e].T for j, e in enumerate(ids[0].tolist()) if e >= 0)[None]
-    blocks = -(-args[3] // quant.gemv_block_n(args[3], grouped=mode != "linear"))
-    splits = quant._splits(1024, quant.GEMV_CHUNK[quant.Q4_K], top_k, blocks * sums)
-    assert splits[0] == top_k and len(splits) == 5  # 1024 columns: 1 .. 16 programs of 64 per assignment
+            want = sum(xr[j] @ ref[e].T for j, e in enumerate(ids[0].tolist()) if e >= 0)[None]
+    groups = quant.q8x_groups(args[0], args[1])
+    assert bool(groups) == q8x
+    blocks = -(-args[3] // quant.gemv_block_n(args[3], grouped=mode != "linear", q8x=groups))
+    chunk = 64 * groups if q8x else quant.GEMV_CHUNK[quant.Q4_K]
+    splits = quant._splits(1024, chunk, top_k, blocks * sums)
+    # 1024 columns: 1 .. 16 programs of 64 per assignment, or 1 and 2 of 512 (Q8_1's eight groups a step)
+    assert splits[0] == top_k and len(splits) == (2 if q8x else 5)
     for split in splits:
         for _ in range(2):
             got = quant._gemv(*args, **kw, split=split)
@@ -241,6 +260,35 @@ def test_every_split_a_gemv_may_run_with_gives_its_sums(mode):
             assert not quant.tickets(dev).any()
     with pytest.raises(ValueError, match="not one of"):
         quant._gemv(*args, **kw, split=3 * top_k)
+
+
+@in_this_process
+@pytest.mark.parametrize("rows", [1, 3])
+def test_q8_1_of_x_is_llama_cpps_and_reads_through_a_column_map(rows, monkeypatch):
+    """`quantize_x` writes llama.cpp's Q8_1 of each row (the ints of x / d rounded half away from
+    zero, d = the block's largest magnitude / 127, d * the ints' sum), a zero block as zeros; with a
+    weight's column map, of x's columns in the file's order: a Q4_K GEMV through a map reads the
+    map once, at quantization, and gives x @ w.T in the model's order."""
+    monkeypatch.setattr(quant, "Q8X", "always")
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
+    x[0, 32:64] = 0.0
+    got = quant.quantize_x(x.to(DEVICE)).cpu()
+    for r in range(rows):
+        q, d, s = quant.q8_1_reference(x[r])
+        ints = got[r, :128].view(torch.int32).view(torch.int8).int()
+        assert (ints - q.view(torch.int8).int()).abs().max() <= (1 if CUDA else 0)  # a GPU's fp32 divide
+        assert torch.equal(got[r, 128:144], d)
+        torch.testing.assert_close(got[r, 144:], s, rtol=1e-6, atol=1e-6 * s.abs().max().item())
+    w, reference = ggml_weight(T.Q4_K, (72, 512))
+    columns = (torch.randperm(4, generator=torch.Generator().manual_seed(9))[:, None] * 128 + torch.arange(128)).flatten()
+    moved = quant.QuantWeight(w.fmt, w.shape, w.parts, w.dtype, columns)
+    model_order = torch.empty_like(reference)
+    model_order[:, columns] = reference
+    assert quant.q8x_groups(x, moved) == 8
+    got = moved.to(DEVICE).linear(x.to(DEVICE)).cpu()
+    want = torch.empty_like(x)
+    want[:, columns] = q8_rows(x[:, columns])  # x's blocks are taken in the file's order
+    close(got, want @ model_order.T, torch.float32)
 
 
 def test_the_untimed_split_fills_the_gpu_with_1024_programs():

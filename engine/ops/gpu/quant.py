@@ -54,11 +54,21 @@ DEQUANT_ROWS = 64  # above this many rows (bf16), dequantize once and use cuBLAS
 FP8_ROWS = 128  # rows per FP8 scale block
 # Triton's interpreter (the CPU tests) runs one program after another, at a fixed cost each: there
 # the GEMV kernel runs with wider row blocks (a [248320, H] lm_head in 31 programs, not thousands).
-GEMV_BLOCK_N = 8192 if os.environ.get("TRITON_INTERPRET") == "1" else 32
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+GEMV_BLOCK_N = 8192 if INTERPRETED else 32
 # a plain (not grouped) GEMV of at least this many outputs runs 64 rows a program (the H200, session
 # 13: the lm_head 250 against 262 us, a [12352, 2048] Q4_K 15.2 against 16.4; experts' GEMVs and
 # smaller ones slower at 64)
 GEMV_WIDE_N = int(os.environ.get("FT_GEMV_WIDE_N", "8192"))
+# Q4_K GEMVs of bf16 activations on a GPU take x as llama.cpp's Q8_1 (int8 in blocks of 32 with a
+# scale and a scaled sum, `quantize_x`: one small launch) and multiply the nibbles with it in integer
+# dot products (dp4a) over whole-line tiles: Q8X_GROUPS 64-column groups of Q8X_BLOCK_N rows a step.
+# The H200, session 14 (`bench/gemv_probe.py`): [9216, 2048] 8.0 against 12.7 us, [12352, 2048] 9.0
+# against 15.2. x's rounding to 8 bits is llama.cpp's on these files (its MMVQ). FT_Q8X=0: x as it
+# is, in fp32 chunks; "always": fp32 activations and the interpreter too (the tests).
+Q8X = os.environ.get("FT_Q8X", "1")
+Q8X_GROUPS, Q8X_BLOCK_N = 8, 16
+Q8X_PROGRAMS = 256  # the untimed split fills the GPU with this many of its programs (1,024 for the others)
 # the GEMV's warps a program and its K loop's pipelining stages and unrolling (None: Triton's
 # defaults); `bench/quant.py --gemv-variants` times decode under others
 GEMV_WARPS, GEMV_STAGES, GEMV_UNROLL = 4, None, None
@@ -408,6 +418,68 @@ def _dot_fp8(XC, P0, P1, row, k0, N, K):
 
 
 @triton.jit
+def _dp4a(a, b, NATIVE: tl.constexpr):
+    """Per int32 lane: the dot product of a's four unsigned bytes with b's four signed bytes (PTX
+    dp4a.u32.s32); NATIVE off (Triton's interpreter): the same integers by shifts."""
+    if NATIVE:
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b], dtype=tl.int32,
+                                         is_pure=True, pack=1)  # fmt: skip
+    else:
+        a = a.to(tl.int32, bitcast=True)
+        b = b.to(tl.int32, bitcast=True)
+        acc = tl.zeros(a.shape, tl.int32)
+        for j in tl.static_range(4):
+            acc += ((a >> (8 * j)) & 0xFF) * ((b << (24 - 8 * j)) >> 24)
+        return acc
+
+
+@triton.jit
+def _dot_q4_k_q8(XC, P0, P1, P2, P3, row, k0, K, G: tl.constexpr, NATIVE: tl.constexpr):
+    """Q4_K, G groups of 64 columns from k0 (each row's G * 32 nibble bytes contiguous: [BN, G, 8]
+    words), against x's Q8_1 row at XC (`quantize_x`'s layout: K / 4 words, then K / 32 scales, then
+    K / 32 scaled sums): per row and 32-column sub-block one integer sum, scaled once."""
+    r = row[:, None]  # [BN, 1]
+    groups = tl.arange(0, G)[None, :]  # [1, G]
+    words = tl.arange(0, 8)[None, None, :]
+    w = tl.load(P0.to(tl.pointer_type(tl.uint32)) + r[:, :, None] * (K // 8) + k0 // 8 + groups[:, :, None] * 8 + words)
+    xw = XC.to(tl.pointer_type(tl.int32)) + k0 // 4 + groups[:, :, None] * 16 + words  # a group's low words, then its high
+    lo = tl.sum(_dp4a(w & 0x0F0F0F0F, tl.load(xw), NATIVE), 2).to(tl.float32)  # [BN, G]
+    hi = tl.sum(_dp4a((w >> 4) & 0x0F0F0F0F, tl.load(xw + 8), NATIVE), 2).to(tl.float32)
+    b = k0 // 32 + 2 * groups  # x's blocks: each group's low sub-block
+    xd, xs = XC + K // 4, XC + K // 4 + K // 32
+    sub = r * (K // 32) + b  # the weight's sub-blocks [BN, G]
+    dd = P3 + (r * (K // 256) + (k0 + 64 * groups) // 256) * 2
+    d, dmin = tl.load(dd).to(tl.float32), tl.load(dd + 1).to(tl.float32)
+    scaled = d * (tl.load(P1 + sub).to(tl.float32) * tl.load(xd + b) * lo
+                  + tl.load(P1 + sub + 1).to(tl.float32) * tl.load(xd + b + 1) * hi)  # fmt: skip
+    mins = dmin * (tl.load(P2 + sub).to(tl.float32) * tl.load(xs + b)
+                   + tl.load(P2 + sub + 1).to(tl.float32) * tl.load(xs + b + 1))  # fmt: skip
+    return tl.sum(scaled - mins, 1)
+
+
+@triton.jit
+def _q8_1_kernel(X, COLS, OUT, K, XMAP: tl.constexpr, BLOCKS: tl.constexpr):
+    """Program (row r, p): BLOCKS blocks of 32 of x's row r (in the weight's column order: with XMAP
+    x's columns COLS[k]) as Q8_1 into OUT's row (K / 4 + K / 16 fp32 words): the blocks' int8 four
+    to a word, their scales d (largest magnitude / 127), d * the sums of their ints."""
+    r, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    blocks = p * BLOCKS + tl.arange(0, BLOCKS)
+    col = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]
+    if XMAP:
+        col = tl.load(COLS + col)
+    x = tl.load(X + r * K + col).to(tl.float32)
+    d = tl.max(tl.abs(x), 1) / 127
+    q = x / tl.where(d > 0, d, 1.0)[:, None]
+    q = tl.where(q >= 0, tl.floor(q + 0.5), -tl.floor(0.5 - q))  # half away from zero
+    ints = tl.reshape(q.to(tl.int32) & 0xFF, [BLOCKS, 8, 4]).to(tl.uint32)
+    word = tl.sum(ints << (tl.arange(0, 4) * 8)[None, None, :].to(tl.uint32), 2)  # disjoint bytes: a sum is an or
+    out = OUT + r * (K // 4 + K // 16)
+    tl.store(out.to(tl.pointer_type(tl.uint32)) + blocks[:, None] * 8 + tl.arange(0, 8)[None, :], word)
+    tl.store(out + K // 4 + blocks, d)
+    tl.store(out + K // 4 + K // 32 + blocks, d * tl.sum(q, 1))
+
+
+@triton.jit
 def _dot(XC, P0, P1, P2, P3, row, k0, N, K, FMT: tl.constexpr):
     """The format's chunk of columns from k0: rows `row` [BN] against x's chunk at XC."""
     if FMT == 0:
@@ -424,10 +496,11 @@ def _dot(XC, P0, P1, P2, P3, row, k0, N, K, FMT: tl.constexpr):
 
 @triton.jit
 def _gemv_kernel(
-    X, P0, P1, P2, P3, PART, OUT, COUNT, EXPERT, SCALE, XCOLS, Q0, Q1, Q2, Q3, N, N2, K, K_SPLIT, SPLIT,
+    X, P0, P1, P2, P3, PART, OUT, COUNT, EXPERT, SCALE, XCOLS, Q0, Q1, Q2, Q3, N, N2, K, K_SPLIT, SPLIT, XROW,
     FMT: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
     GROUPED: tl.constexpr, X_PER: tl.constexpr, TOPK: tl.constexpr, GLU: tl.constexpr, XMAP: tl.constexpr,
     FMT2: tl.constexpr, CHUNK2: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
+    Q8X: tl.constexpr, NATIVE: tl.constexpr,
 ):  # fmt: skip
     """Program (n-block, split s, output row m): BN outputs of row m over one range of K_SPLIT
     columns, a format-sized chunk at a time (each block's scales loaded once), summed over the
@@ -443,13 +516,15 @@ def _gemv_kernel(
     FMT2 >= 0: a second plain weight [N2, K] of that format (Q0..Q3) whose outputs follow the first's
     (out [M, N + N2]: two projections of one input in two formats, one launch); the n-blocks past
     the first weight's are its (K_SPLIT a multiple of both formats' chunks).
-    STAGES, UNROLL: the K loop's software pipelining and unrolling (`tl.range`; None: Triton's default)."""
+    STAGES, UNROLL: the K loop's software pipelining and unrolling (`tl.range`; None: Triton's default).
+    Q8X > 0 (a Q4_K weight): x's rows are Q8_1 (`quantize_x`, XROW words a row), CHUNK = Q8X groups of
+    64 columns (`_dot_q4_k_q8`, dp4a where NATIVE)."""
     pid, s, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     KS = SPLIT // TOPK  # programs per assignment (a run-time value: the split is chosen per shape)
     a = m * TOPK + s // KS
     start = (s % KS) * K_SPLIT
     end = start + K_SPLIT
-    x = X + (a // X_PER) * K  # x's row
+    x = X + (a // X_PER) * XROW  # x's row
     acc = tl.zeros([BN], tl.float32)
     acc_up = tl.zeros([BN], tl.float32)
     first = tl.cdiv(N, BN)  # the first weight's n-blocks
@@ -472,10 +547,15 @@ def _gemv_kernel(
             row += tl.maximum(expert, 0) * (2 * N if GLU else N)
             end = tl.where(expert >= 0, end, start)
         for k0 in tl.range(start, end, CHUNK, num_stages=STAGES, loop_unroll_factor=UNROLL):
-            xc = x + (tl.load(XCOLS + k0) if XMAP else k0)
-            acc += _dot(xc, P0, P1, P2, P3, row, k0, N, K, FMT)
-            if GLU:
-                acc_up += _dot(xc, P0, P1, P2, P3, row + N, k0, N, K, FMT)
+            if Q8X > 0:
+                acc += _dot_q4_k_q8(x, P0, P1, P2, P3, row, k0, K, Q8X, NATIVE)
+                if GLU:
+                    acc_up += _dot_q4_k_q8(x, P0, P1, P2, P3, row + N, k0, K, Q8X, NATIVE)
+            else:
+                xc = x + (tl.load(XCOLS + k0) if XMAP else k0)
+                acc += _dot(xc, P0, P1, P2, P3, row, k0, N, K, FMT)
+                if GLU:
+                    acc_up += _dot(xc, P0, P1, P2, P3, row + N, k0, N, K, FMT)
         keep = n < N
     width = N + N2  # the output's (N2 is 0 with one weight)
     if SPLIT > 1:
@@ -615,55 +695,100 @@ def _gemv(
 ) -> torch.Tensor:  # fmt: skip
     """`rows` output rows of `n` (`_gemv_kernel`), in one launch: K split over as many programs as
     `_split` chooses for this shape (or `split`, one of `_splits`), the split's sums taken by its
-    last program. `second`: a plain weight of another format whose outputs follow (rows x (n + its N))."""
+    last program. `second`: a plain weight of another format whose outputs follow (rows x (n + its N)).
+    A Q4_K weight `q8x_groups` takes: x quantized first (`quantize_x`, through w's column map)."""
     n2 = second.shape[0] if second is not None else 0
-    k, bn = w.shape[-1], gemv_block_n(n + n2, grouped=experts is not None)
-    chunk = max(GEMV_CHUNK[w.fmt], GEMV_CHUNK[second.fmt] if second is not None else 0)  # powers of two
+    k, grouped = w.shape[-1], experts is not None
+    q8x = q8x_groups(x, w, second)
+    bn = gemv_block_n(n + n2, grouped, q8x)
+    chunk = 64 * q8x if q8x else max(GEMV_CHUNK[w.fmt], GEMV_CHUNK[second.fmt] if second is not None else 0)
     blocks = triton.cdiv(n, bn) + triton.cdiv(n2, bn)
     if blocks * rows > TICKETS:
         raise ValueError(f"GEMV of {rows} x {n + n2} outputs: more than {TICKETS} sums")
     glu = scale is not None
     splits = _splits(k, chunk, top_k, blocks * rows)
     out = torch.empty(rows, n + n2, dtype=x.dtype, device=x.device)
-    ids = experts if experts is not None else x  # (unread when not grouped)
-    columns = w.columns if w.columns is not None else x  # (unread without a column map)
+    xmap = w.columns is not None and not q8x
+    xin = quantize_x(x, w.columns) if q8x else x
+    ids = experts if grouped else x  # (unread when not grouped)
+    columns = w.columns if xmap else x  # (unread without a column map)
     counters = tickets(x.device)  # made here, never inside a timing capture
     fmt2, parts2 = (second.fmt, _padded(second)) if second is not None else (-1, _padded(w))
-    constexprs = gemv_constexprs(w.fmt, bn, experts is not None, x_per, top_k, glu, w.columns is not None, fmt2)
+    constexprs = gemv_constexprs(w.fmt, bn, grouped, x_per, top_k, glu, xmap, fmt2, q8x)
 
     def launch(split: int) -> None:
         part = torch.empty(split, rows, (n if glu else 0) + n + n2, dtype=torch.float32, device=x.device) if split > 1 else x
         _gemv_kernel[(blocks, split, rows)](
-            x, *_padded(w), part, out, counters, ids, scale if glu else x, columns, *parts2, n, n2, k,
-            k // (split // top_k), split, **constexprs, num_warps=GEMV_WARPS,
+            xin, *_padded(w), part, out, counters, ids, scale if glu else x, columns, *parts2, n, n2, k,
+            k // (split // top_k), split, xin.shape[-1], **constexprs, num_warps=GEMV_WARPS,
         )  # fmt: skip
 
     if split is None:
-        key = (x.device, w.fmt, rows, n, k, top_k, glu, experts is not None, fmt2, n2)
+        key = (x.device, w.fmt, rows, n, k, top_k, glu, grouped, fmt2, n2, q8x)
 
         def read() -> int:  # the weight bytes a launch reads (for the timings only)
-            assigned = experts.numel() if experts is not None else 1
+            assigned = experts.numel() if grouped else 1
             own = w.nbytes * (2 if glu else 1) * n * assigned // math.prod(w.shape[:-1])
             return own + (second.nbytes if second is not None else 0)
 
-        split = _split(key, splits, _heuristic_split(splits, blocks * rows), launch, read)
+        fill = Q8X_PROGRAMS if q8x else 1024
+        split = _split(key, splits, _heuristic_split(splits, blocks * rows, fill), launch, read)
     elif split not in splits:
         raise ValueError(f"split {split} is not one of {splits}")
     launch(split)
     return out
 
 
+def q8x_groups(x: torch.Tensor, w: QuantWeight, second: QuantWeight | None = None) -> int:
+    """The 64-column groups a step of a GEMV of w taking x as Q8_1 (`Q8X`), or 0: x as it is."""
+    if Q8X == "0" or w.fmt != Q4_K or second is not None or w.parts[0].data_ptr() % 16:
+        return 0
+    if Q8X != "always" and (x.device.type != "cuda" or x.dtype != torch.bfloat16):
+        return 0
+    groups = Q8X_GROUPS
+    while w.shape[-1] % (64 * groups):
+        groups //= 2
+    return groups
+
+
+def quantize_x(x: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (its columns in the order `columns` gives, if any) as llama.cpp's Q8_1, one launch:
+    fp32 [M, K / 4 + K / 16], each row its int8 four to a word, the 32-column blocks' scales d
+    (largest magnitude / 127: int8 = x / d rounded half away from zero), then d * their int sums."""
+    m, k = x.shape
+    if k % 32:
+        raise ValueError(f"Q8_1 of K={k}: not a multiple of 32")
+    out = torch.empty(m, k // 4 + k // 16, dtype=torch.float32, device=x.device)
+    per = min(32, (k // 32) & -(k // 32))  # blocks a program: a power of two dividing K / 32
+    if m:
+        _q8_1_kernel[(m, k // 32 // per)](x, columns if columns is not None else x, out, k,
+                                           XMAP=columns is not None, BLOCKS=per)  # fmt: skip
+    return out
+
+
+def q8_1_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`quantize_x` of one row [K] in torch: the ints packed [K / 4] int32, d [K / 32], d * sums [K / 32]."""
+    blocks = x.float().view(-1, 32)
+    d = blocks.abs().amax(1) / 127
+    q = blocks / torch.where(d > 0, d, 1.0)[:, None]
+    q = (q.sign() * (q.abs() + 0.5).floor()).to(torch.int8)
+    return q.view(-1).view(torch.int32), d, d * q.float().sum(1)
+
+
 def gemv_constexprs(fmt: int, bn: int, grouped: bool = False, x_per: int = 1, top_k: int = 1, glu: bool = False,
-                    xmap: bool = False, fmt2: int = -1) -> dict:  # fmt: skip
+                    xmap: bool = False, fmt2: int = -1, q8x: int = 0) -> dict:  # fmt: skip
     """`_gemv_kernel`'s compile-time arguments for a launch of this kind under the module's settings
     (GEMV_STAGES, GEMV_UNROLL): the launcher's, the sm_90 compile tests' and `bench/gemv_registers.py`'s."""
-    return {"FMT": fmt, "BN": bn, "CHUNK": GEMV_CHUNK[fmt], "GROUPED": grouped, "X_PER": x_per, "TOPK": top_k,
-            "GLU": glu, "XMAP": xmap, "FMT2": fmt2, "CHUNK2": GEMV_CHUNK[fmt2] if fmt2 >= 0 else 1,
-            "STAGES": GEMV_STAGES, "UNROLL": GEMV_UNROLL}  # fmt: skip
+    return {"FMT": fmt, "BN": bn, "CHUNK": 64 * q8x if q8x else GEMV_CHUNK[fmt], "GROUPED": grouped,
+            "X_PER": x_per, "TOPK": top_k, "GLU": glu, "XMAP": xmap, "FMT2": fmt2,
+            "CHUNK2": GEMV_CHUNK[fmt2] if fmt2 >= 0 else 1, "STAGES": GEMV_STAGES, "UNROLL": GEMV_UNROLL,
+            "Q8X": q8x, "NATIVE": not INTERPRETED}  # fmt: skip
 
 
-def gemv_block_n(n: int, grouped: bool = False) -> int:
-    """Outputs per GEMV program for `n` outputs a row (of each expert, `grouped`)."""
+def gemv_block_n(n: int, grouped: bool = False, q8x: int = 0) -> int:
+    """Outputs per GEMV program for `n` outputs a row (of each expert, `grouped`; x as Q8_1, `q8x`)."""
+    if q8x and not INTERPRETED:
+        return Q8X_BLOCK_N
     most = max(GEMV_BLOCK_N, 64) if n >= GEMV_WIDE_N and not grouped else GEMV_BLOCK_N
     return min(most, max(16, triton.next_power_of_2(n)))
 
@@ -679,9 +804,9 @@ def _splits(k: int, chunk: int, top_k: int, sums: int) -> list[int]:
     return splits
 
 
-def _heuristic_split(splits: list[int], sums: int) -> int:
-    """The smallest split that fills the GPU with 1,024 programs (where none is measured)."""
-    return next((s for s in splits if sums * s >= 1024), splits[-1])
+def _heuristic_split(splits: list[int], sums: int, programs: int = 1024) -> int:
+    """The smallest split that fills the GPU with `programs` programs (where none is measured)."""
+    return next((s for s in splits if sums * s >= programs), splits[-1])
 
 
 def _split(key: tuple, splits: list[int], default: int, launch, read: Callable[[], int]) -> int:
