@@ -393,7 +393,8 @@ def probe(n: int, k: int, kinds: set[str]) -> list[dict]:
 
     row("copy", graph_us(lambda: copy_dst.copy_(copy_src)), 2 * w.nbytes)
     row("bf16", graph_us(lambda: x @ plain.T), plain.numel() * 2)
-    for split in quant._splits(k, 64, 1, triton.cdiv(n, 32)):
+    q8x = quant.q8x_groups(x, w)  # the engine's GEMV as it runs here (FT_Q8X)
+    for split in quant._splits(k, 64 * q8x or 64, 1, triton.cdiv(n, quant.gemv_block_n(n, q8x=q8x))):
         timed("current", lambda split=split: quant._gemv(x, w, 1, n, split=split)[0], split=split)
     if "narrow" in kinds:
         for bn, warps in ((32, 4), (64, 4), (128, 4), (128, 8)):

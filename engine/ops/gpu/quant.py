@@ -60,13 +60,15 @@ GEMV_BLOCK_N = 8192 if INTERPRETED else 32
 # 13: the lm_head 250 against 262 us, a [12352, 2048] Q4_K 15.2 against 16.4; experts' GEMVs and
 # smaller ones slower at 64)
 GEMV_WIDE_N = int(os.environ.get("FT_GEMV_WIDE_N", "8192"))
-# Q4_K GEMVs of bf16 activations on a GPU take x as llama.cpp's Q8_1 (int8 in blocks of 32 with a
-# scale and a scaled sum, `quantize_x`: one small launch) and multiply the nibbles with it in integer
-# dot products (dp4a) over whole-line tiles: Q8X_GROUPS 64-column groups of Q8X_BLOCK_N rows a step.
-# The H200, session 14 (`bench/gemv_probe.py`): [9216, 2048] 8.0 against 12.7 us, [12352, 2048] 9.0
-# against 15.2. x's rounding to 8 bits is llama.cpp's on these files (its MMVQ). FT_Q8X=0: x as it
-# is, in fp32 chunks; "always": fp32 activations and the interpreter too (the tests).
-Q8X = os.environ.get("FT_Q8X", "1")
+# FT_Q8X=1: Q4_K GEMVs of bf16 activations on a GPU take x as llama.cpp's Q8_1 (int8 in blocks of 32
+# with a scale and a scaled sum, `quantize_x`: one small launch a GEMV) and multiply the nibbles with
+# it in integer dot products (dp4a) over whole-line tiles, Q8X_GROUPS 64-column groups of Q8X_BLOCK_N
+# rows a step: llama.cpp's arithmetic (its MMVQ). Off by default: the H200, session 14, same lease, the
+# 256-expert Q4_K_M decode 279.5 / 554.0 tok/s (batch 1 / 4) with it against 294.6 / 500.2 without
+# (the extra launches cost batch 1 more than the GEMVs save), and its 8-bit x puts the small Q4_K_M's
+# graph decode 0.122 from fp32 against bf16's 0.014. "always": fp32 activations and the interpreter
+# too (the tests).
+Q8X = os.environ.get("FT_Q8X", "0")
 Q8X_GROUPS, Q8X_BLOCK_N = 8, 16
 Q8X_PROGRAMS = 256  # the untimed split fills the GPU with this many of its programs (1,024 for the others)
 # the GEMV's warps a program and its K loop's pipelining stages and unrolling (None: Triton's
