@@ -25,8 +25,6 @@
 #       router-tests  pytest: the routing kernels alone
 #       gemv-probe  the quantized decode GEMVs at the Q4_K_M shapes, 32 and 64 rows a program, or the probes
 #                  $PROBE_KINDS names (bench/gemv_probe.py --kinds, e.g. wide-dp4a,dp4a)
-#       gemv-flags our Q4_K_M decode per GEMV flag pair FT_GEMV_PREFETCH:FT_GEMV_PDL (0:0 1:0 0:1 1:1), each a process
-#       pdl-tests  pytest: the quantized kernels and the Q4_K_M model on the GPU with both flags on
 #       q8x        our Q4_K_M decode with the Q4_K GEMVs taking x as Q8_1, in dp4a (FT_Q8X=1)
 #       gpu-quant-tests  pytest: the Q4_K_M model on the GPU against its dequantized selves (tests/engine/test_gpu_quant.py)
 #       wide-off   our Q4_K_M decode with the large plain GEMVs at 32 rows a program, not 64 (FT_GEMV_WIDE_N)
@@ -76,7 +74,7 @@ steps)
   }
   builder=
   gguf=
-  if [[ " $2 " =~ \ (offload|offload-8|offload-profile|q4|q4-decode|q4-variants|q4-llama|wide-off|q8x|gemv-flags|fold|base)\  ]]; then # the random Q4_K_M (~21 GB, CPU-bound) meanwhile
+  if [[ " $2 " =~ \ (offload|offload-8|offload-profile|q4|q4-decode|q4-variants|q4-llama|wide-off|q8x|fold|base)\  ]]; then # the random Q4_K_M (~21 GB, CPU-bound) meanwhile
     (python3 -c "from peer.gguf_random import random_gguf; from peer.llama_server import PEER_HOME; \
 print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=$?") &
     gguf=$!
@@ -154,15 +152,6 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
           -q -p no:cacheprovider -s tests/engine/test_gpu.py -k "slot_prefill_matches and bf16"
       done
       ;;
-    gemv-flags)  # our Q4_K_M decode without and with the GEMV's L2 prefetch and programmatic dependent launch
-      wait $gguf 2>/dev/null
-      for flags in 0:0 1:0 0:1 1:1; do
-        step gemv-flags-$flags env FT_GEMV_PREFETCH=${flags%:*} FT_GEMV_PDL=${flags#*:} python3 bench/quant.py \
-          --preset $P --device cuda --parts q4_k_m --json $O/gemv-flags-$flags.json
-      done
-      ;;
-    pdl-tests) step pdl-tests env FT_GEMV_PREFETCH=1 FT_GEMV_PDL=1 python3 -m pytest -q -p no:cacheprovider -s \
-      tests/engine/test_quant_kernels.py tests/engine/test_gpu_quant.py ;;
     q8x)  # our Q4_K_M decode with x as Q8_1 in the Q4_K GEMVs (FT_Q8X=1: dp4a), not as it is (fp32 chunks)
       wait $gguf 2>/dev/null
       step q8x env FT_Q8X=1 python3 bench/quant.py --preset $P --device cuda --parts q4_k_m --json $O/q8x.json

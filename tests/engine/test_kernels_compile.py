@@ -20,7 +20,7 @@ GEMV = {
     "N": "i32", "N2": "i32", "K": "i32", "K_SPLIT": "i32", "SPLIT": "i32", "XROW": "i32", "FMT": "constexpr",
     "BN": "constexpr", "CHUNK": "constexpr", "GROUPED": "constexpr", "X_PER": "constexpr", "TOPK": "constexpr",
     "GLU": "constexpr", "XMAP": "constexpr", "FMT2": "constexpr", "CHUNK2": "constexpr", "STAGES": "constexpr",
-    "UNROLL": "constexpr", "Q8X": "constexpr", "NATIVE": "constexpr", "PREFETCH": "constexpr", "PDL": "constexpr",
+    "UNROLL": "constexpr", "Q8X": "constexpr", "NATIVE": "constexpr",
 }  # fmt: skip
 PARTS = {  # the field arrays' types per format (quant.FIELDS)
     quant.Q8_0: ("*i8", "*fp16", "*i8", "*i8"),
@@ -83,20 +83,6 @@ def test_q4_k_gemv_of_q8_1_activations_compiles_to_dp4a(mode):
     assert "dp4a.u32.s32" in ptx
     signature = {"X": "*bf16", "COLS": "*i64", "OUT": "*fp32", "K": "i32", "XMAP": "constexpr", "BLOCKS": "constexpr"}
     assert ".entry _q8_1_kernel" in compile_for_h200(quant._q8_1_kernel, signature, {"XMAP": True, "BLOCKS": 32}, ("K",))
-
-
-@pytest.mark.parametrize("fmt", [quant.Q4_K, quant.Q6_K, quant.FP8], ids=lambda f: quant.NAMES[f])
-@pytest.mark.parametrize("mode", [(False, 1, 1, False, -1), (True, 9, 1, True, -1), (False, 1, 1, False, quant.Q4_K)],
-                         ids=["linear", "glu", "pair"])  # fmt: skip
-def test_gemv_with_l2_prefetch_and_programmatic_dependent_launch_compiles(fmt, mode):
-    """`FT_GEMV_PREFETCH` and `FT_GEMV_PDL`: the weight's lines asked into L2 before the K loop, and
-    the wait on the kernels in front (griddepcontrol) before anything they write is read."""
-    grouped, x_per, top_k, glu, fmt2 = mode
-    signature = {**GEMV, **{f"P{i}": t for i, t in enumerate(PARTS[fmt])},
-                 **{f"Q{i}": t for i, t in enumerate(PARTS[fmt if fmt2 < 0 else fmt2])}}  # fmt: skip
-    constexprs = {**quant.gemv_constexprs(fmt, 32, grouped, x_per, top_k, glu, fmt2=fmt2), "PREFETCH": True, "PDL": True}
-    ptx = compile_for_h200(quant._gemv_kernel, signature, constexprs, GEMV_DIVISIBLE)
-    assert "prefetch.global.L2" in ptx and "griddepcontrol.wait" in ptx
 
 
 def test_gemv_of_two_formats_compiles():

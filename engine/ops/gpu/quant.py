@@ -31,11 +31,6 @@ from torch import nn
 
 from engine.quant.ggml import T, k_scale_min
 
-try:  # programmatic dependent launch (Hopper): Triton 3.4 and later
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover
-    gdc_launch_dependents = gdc_wait = None
-
 log = logging.getLogger(__name__)
 Q8_0, Q4_K, Q6_K, FP8, Q5_K = 0, 1, 2, 3, 4
 FORMATS = {T.Q8_0: Q8_0, T.Q4_K: Q4_K, T.Q5_K: Q5_K, T.Q6_K: Q6_K}
@@ -75,11 +70,6 @@ GEMV_WIDE_N = int(os.environ.get("FT_GEMV_WIDE_N", "8192"))
 # too (the tests).
 Q8X = os.environ.get("FT_Q8X", "0")
 Q8X_GROUPS, Q8X_BLOCK_N = 8, 16
-# FT_GEMV_PREFETCH=1: each GEMV program asks its weight bytes into L2 up front (`_prefetch_rows`);
-# FT_GEMV_PDL=1: GEMVs are launched as programmatic dependent launches (Hopper), a plain weight's
-# prefetch overlapping the kernel in front (`gdc_wait`). Neither on the interpreter.
-GEMV_PREFETCH = os.environ.get("FT_GEMV_PREFETCH", "0") == "1" and not INTERPRETED
-GEMV_PDL = os.environ.get("FT_GEMV_PDL", "0") == "1" and not INTERPRETED and gdc_wait is not None
 Q8X_PROGRAMS = 256  # the untimed split fills the GPU with this many of its programs (1,024 for the others)
 # the GEMV's warps a program and its K loop's pipelining stages and unrolling (None: Triton's
 # defaults); `bench/quant.py --gemv-variants` times decode under others
@@ -512,7 +502,7 @@ def _gemv_kernel(
     FMT: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
     GROUPED: tl.constexpr, X_PER: tl.constexpr, TOPK: tl.constexpr, GLU: tl.constexpr, XMAP: tl.constexpr,
     FMT2: tl.constexpr, CHUNK2: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
-    Q8X: tl.constexpr, NATIVE: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    Q8X: tl.constexpr, NATIVE: tl.constexpr,
 ):  # fmt: skip
     """Program (n-block, split s, output row m): BN outputs of row m over one range of K_SPLIT
     columns, a format-sized chunk at a time (each block's scales loaded once), summed over the
@@ -530,14 +520,8 @@ def _gemv_kernel(
     the first weight's are its (K_SPLIT a multiple of both formats' chunks).
     STAGES, UNROLL: the K loop's software pipelining and unrolling (`tl.range`; None: Triton's default).
     Q8X > 0 (a Q4_K weight): x's rows are Q8_1 (`quantize_x`, XROW words a row), CHUNK = Q8X groups of
-    64 columns (`_dot_q4_k_q8`, dp4a where NATIVE).
-    PREFETCH: the program's quant bytes (P0's K range of its rows) asked into L2 before the K loop,
-    all at once. PDL (launched as a programmatic dependent launch): nothing the kernels before it
-    write is read, and nothing written, before `gdc_wait`; a plain weight's prefetch goes before it,
-    overlapping the kernel in front, and the kernel after it may launch once all its programs began."""
+    64 columns (`_dot_q4_k_q8`, dp4a where NATIVE)."""
     pid, s, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if PDL:
-        gdc_launch_dependents()  # the next GEMV may start its prefetch once every program here has begun
     KS = SPLIT // TOPK  # programs per assignment (a run-time value: the split is chosen per shape)
     a = m * TOPK + s // KS
     start = (s % KS) * K_SPLIT
@@ -551,8 +535,6 @@ def _gemv_kernel(
     else:
         second = False
     if second:
-        if PDL:
-            gdc_wait()
         n = (pid - first) * BN + tl.arange(0, BN)
         row = tl.minimum(n, N2 - 1).to(tl.int64)
         for k0 in tl.range(start, end, CHUNK2, num_stages=STAGES, loop_unroll_factor=UNROLL):
@@ -563,17 +545,9 @@ def _gemv_kernel(
         n = pid * BN + tl.arange(0, BN)
         row = tl.minimum(n, N - 1).to(tl.int64)
         if GROUPED:
-            if PDL:
-                gdc_wait()  # the experts are the router's
             expert = tl.load(EXPERT + a).to(tl.int64)
             row += tl.maximum(expert, 0) * (2 * N if GLU else N)
             end = tl.where(expert >= 0, end, start)
-        if PREFETCH:
-            _prefetch_rows(P0, row, K, start, end, FMT)
-            if GLU:
-                _prefetch_rows(P0, row + N, K, start, end, FMT)
-        if PDL and not GROUPED:
-            gdc_wait()
         for k0 in tl.range(start, end, CHUNK, num_stages=STAGES, loop_unroll_factor=UNROLL):
             if Q8X > 0:
                 acc += _dot_q4_k_q8(x, P0, P1, P2, P3, row, k0, K, Q8X, NATIVE)
@@ -604,19 +578,6 @@ def _gemv_kernel(
             _gemv_out(OUT, SCALE, acc, acc_up, m, n, width, keep, GLU)
     else:
         _gemv_out(OUT, SCALE, acc, acc_up, m, n, width, keep, GLU)
-
-
-@triton.jit
-def _prefetch_rows(P0, row, K, start, end, FMT: tl.constexpr):
-    """L2 prefetches of the quant bytes (P0: one byte a column for Q8_0 and FP8, half for the K-quants)
-    of columns [start, end) of rows `row`, 128-byte lines, eight lines a row a step."""
-    per: tl.constexpr = 2 if (FMT == 1 or FMT == 2 or FMT == 4) else 1  # columns a byte
-    lo, span = start // per, (end - start) // per
-    lines = tl.arange(0, 8)[None, :] * 128
-    for off in range(0, span, 1024):
-        at = P0 + row[:, None] * (K // per) + lo + tl.minimum(off + lines, span - 1)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [at], dtype=tl.int32,
-                                  is_pure=False, pack=1)  # fmt: skip
 
 
 @triton.jit
@@ -708,7 +669,6 @@ def dequantize_to(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-LAUNCH = {"launch_pdl": True} if GEMV_PDL else {}  # the GEMV's launch options
 _TICKETS: dict[torch.device, torch.Tensor] = {}
 TICKETS = 1 << 16  # (row, n-block) counters of the GEMV's split-K sums
 MAX_PROGRAMS = 1 << 15  # a GEMV's programs at most, whatever its split
@@ -762,7 +722,7 @@ def _gemv(
         part = torch.empty(split, rows, (n if glu else 0) + n + n2, dtype=torch.float32, device=x.device) if split > 1 else x
         _gemv_kernel[(blocks, split, rows)](
             xin, *_padded(w), part, out, counters, ids, scale if glu else x, columns, *parts2, n, n2, k,
-            k // (split // top_k), split, xin.shape[-1], **constexprs, num_warps=GEMV_WARPS, **LAUNCH,
+            k // (split // top_k), split, xin.shape[-1], **constexprs, num_warps=GEMV_WARPS,
         )  # fmt: skip
 
     if split is None:
@@ -824,7 +784,7 @@ def gemv_constexprs(fmt: int, bn: int, grouped: bool = False, x_per: int = 1, to
     return {"FMT": fmt, "BN": bn, "CHUNK": 64 * q8x if q8x else GEMV_CHUNK[fmt], "GROUPED": grouped,
             "X_PER": x_per, "TOPK": top_k, "GLU": glu, "XMAP": xmap, "FMT2": fmt2,
             "CHUNK2": GEMV_CHUNK[fmt2] if fmt2 >= 0 else 1, "STAGES": GEMV_STAGES, "UNROLL": GEMV_UNROLL,
-            "Q8X": q8x, "NATIVE": not INTERPRETED, "PREFETCH": GEMV_PREFETCH, "PDL": GEMV_PDL}  # fmt: skip
+            "Q8X": q8x, "NATIVE": not INTERPRETED}  # fmt: skip
 
 
 def gemv_block_n(n: int, grouped: bool = False, q8x: int = 0) -> int:
