@@ -26,14 +26,26 @@ made inside each GEMV with dp4a (five instructions a weight against 12.8): Q4_K_
 tok/s against 289.9 without, in the same lease. Neither the access pattern nor the instruction
 count alone moves it far: Triton's loads of 32-byte row pieces reach 1-2.6 TB/s with nothing to compute.
 
-    python bench/gemv_probe.py [--kinds engine,narrow,wide,w2,dp4a,wide-dp4a,dot] [--json OUT.json]   # on a GPU
+Session 14: each of those graphs repeats one weight, and a weight under the H200's 50 MB of L2 stays in
+it from call to call: warm figures, where a decode token reads every weight once, from HBM. In the
+engine `wide-dp4a` (8.0 against 12.7 us warm at 9216 rows) left the decode slower (`quant.Q8X`).
+`--cold` rotates each kernel's calls over copies of the weight (different experts for the engine's
+MoE rows), 160 MB of them, so that no call finds its weight in L2. Cold, at 9216 x 2048
+(`gemv-probe-h200-cold-s14.json`): copy 6.5 us, torch's bf16 12.1, `current` 13.7, `dp4a` 10.5,
+`wide-dp4a` 10.1, `wide` loads alone 7.6; the engine's MoE up 13.8 us, 17.6 with x as Q8_1, its
+[12352, 2048] 17.6 and 12.1, and still a decode with Q8_1 in that GEMV alone ran 294.0 tok/s against
+303.2 without: the added launch per GEMV costs a decode token more than these figures show.
+
+    python bench/gemv_probe.py [--kinds engine,narrow,wide,w2,dp4a,wide-dp4a,dot] [--cold] [--json OUT.json]   # on a GPU
     TRITON_INTERPRET=1 python bench/gemv_probe.py --check   # the probe's kernels against quant.linear, CPU
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -324,6 +336,22 @@ def launcher(
     return launch
 
 
+COLD_BYTES = 160e6  # with --cold: the weight copies a kernel's calls rotate over, at least this many bytes
+COLD = False
+
+
+def copies(make) -> list:
+    """One `make()` (a weight or a tensor), or with COLD as many as COLD_BYTES of them take."""
+    first = make()
+    return [first] + [make() for _ in range(math.ceil(COLD_BYTES / first.nbytes) - 1 if COLD else 0)]
+
+
+def rotate(fns: list):
+    """A call of the next of `fns` each time (from the first): a CUDA graph of calls reads each weight once in turn."""
+    turn = itertools.cycle(fns)
+    return lambda: next(turn)()
+
+
 def graph_us(fn) -> float:
     """Microseconds a call: `quant._time_split`'s CUDA graph of TUNE_REPEATS calls, the best of three."""
     return quant._time_split(lambda _split: fn(), 1) * 1e3 / quant.TUNE_REPEATS
@@ -372,13 +400,17 @@ DOT_GRID = ((4, 64, 4), (4, 32, 4), (8, 32, 4), (8, 64, 4), (2, 64, 4), (4, 128,
 def probe(n: int, k: int, kinds: set[str]) -> list[dict]:
     """Every kernel's time on one random Q4_K weight [n, k] and one bf16 row of x."""
     rows: list[dict] = []
-    w = random_q4k(n, k, "cuda")
+    ws = copies(lambda: random_q4k(n, k, "cuda"))
+    w = ws[0]
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     want = quant.linear(x, w)[0].float()
     want8 = q8_1_reference(x[0], w).float()  # what the dp4a probes compute: x's row as Q8_1
-    plain = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    copy_src = torch.empty(w.nbytes, dtype=torch.uint8, device="cuda")
-    copy_dst = torch.empty_like(copy_src)
+    plains = copies(lambda: torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+    copy_srcs = copies(lambda: torch.empty(w.nbytes, dtype=torch.uint8, device="cuda"))
+    copy_dst = torch.empty_like(copy_srcs[0])
+
+    def launchers(kernel, *args, **constexprs):  # the kernel over each copy of the weight in turn
+        return rotate([launcher(kernel, x, wi, *args, **constexprs) for wi in ws])
 
     def row(kind, us, nbytes=w.nbytes, err=None, **kw):
         r = {"shape": f"{n}x{k}", "kind": kind, **kw, "us": us, "TB/s": nbytes / us / 1e6, "rel_err": err}
@@ -391,18 +423,19 @@ def probe(n: int, k: int, kinds: set[str]) -> list[dict]:
         err = None if reference is None else ((fn() - reference).abs().max() / reference.abs().max()).item()
         row(kind, graph_us(fn), err=err, **kw)
 
-    row("copy", graph_us(lambda: copy_dst.copy_(copy_src)), 2 * w.nbytes)
-    row("bf16", graph_us(lambda: x @ plain.T), plain.numel() * 2)
+    row("copy", graph_us(rotate([lambda src=src: copy_dst.copy_(src) for src in copy_srcs])), 2 * w.nbytes)
+    row("bf16", graph_us(rotate([lambda plain=plain: x @ plain.T for plain in plains])), n * k * 2)
     q8x = quant.q8x_groups(x, w)  # the engine's GEMV as it runs here (FT_Q8X)
     for split in quant._splits(k, 64 * q8x or 64, 1, triton.cdiv(n, quant.gemv_block_n(n, q8x=q8x))):
-        timed("current", lambda split=split: quant._gemv(x, w, 1, n, split=split)[0], split=split)
+        timed("current", rotate([lambda wi=wi, split=split: quant._gemv(x, wi, 1, n, split=split)[0] for wi in ws]),
+              split=split)  # fmt: skip
     if "narrow" in kinds:
         for bn, warps in ((32, 4), (64, 4), (128, 4), (128, 8)):
             for split in (1, 2, 4, 8):
                 if k % (64 * split) == 0:
                     for kind, kernel, ref in (("lean", _q4k_lean, want), ("bytes", _q4k_bytes, want),
                                               ("loads", _q4k_loads, None)):  # fmt: skip
-                        fn = launcher(kernel, x, w, bn, split, warps)
+                        fn = launchers(kernel, bn, split, warps)
                         timed(kind, fn, ref, bn=bn, warps=warps, split=split)
     if "wide" in kinds:
         for g, bn, warps in WIDE_GRID:
@@ -410,24 +443,24 @@ def probe(n: int, k: int, kinds: set[str]) -> list[dict]:
                 if k % (64 * g * split) == 0:
                     for kind, kernel, loads in (("wide", _q4k_wide, False), ("wide-ld", _q4k_wide, True),
                                                 ("w2", _q4k_w2, False), ("w2-ld", _q4k_w2, True)):  # fmt: skip
-                        fn = launcher(kernel, x, w, bn, split, warps, G=g, LOADS=loads)
+                        fn = launchers(kernel, bn, split, warps, G=g, LOADS=loads)
                         timed(kind, fn, None if loads else want, bn=bn, warps=warps, split=split, g=g)
     if "dp4a" in kinds:
         for bn, warps in ((32, 4), (64, 4), (128, 4), (128, 8), (256, 8)):
             for split in (1, 2, 4, 8):
-                fn = launcher(_q4k_dp4a, x, w, bn, split, warps, NATIVE=True)
+                fn = launchers(_q4k_dp4a, bn, split, warps, NATIVE=True)
                 timed("dp4a", fn, want8, bn=bn, warps=warps, split=split)
     if "wide-dp4a" in kinds:
         for g, bn, warps in WIDE_DP4A_GRID:
             for split in (1, 2, 4):
                 if k % (64 * g * split) == 0:
-                    fn = launcher(_q4k_wide_dp4a, x, w, bn, split, warps, G=g, NATIVE=True)
+                    fn = launchers(_q4k_wide_dp4a, bn, split, warps, G=g, NATIVE=True)
                     timed("wide-dp4a", fn, want8, bn=bn, warps=warps, split=split, g=g)
     if "dot" in kinds:
         for g, bn, warps in DOT_GRID:
             for split in (1, 2, 4):
                 if k % (64 * g * split) == 0:
-                    timed("dot", launcher(_q4k_dot, x, w, bn, split, warps, G=g, LOADS=False),
+                    timed("dot", launchers(_q4k_dot, bn, split, warps, G=g, LOADS=False),
                           bn=bn, warps=warps, split=split, g=g)  # fmt: skip
     return rows
 
@@ -452,20 +485,22 @@ def engine_rows() -> list[dict]:
     before = quant.GEMV_BLOCK_N
     for name, (fmt, n, k, experts) in ENGINE_SHAPES.items():
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        if experts:  # a stack of 64 experts, a token's 9 of them
-            w = random_weight(fmt, (64, n, k), "cuda")
-            ids = torch.randperm(64, device="cuda")[:experts][None]
+        if experts:  # a stack of 64 experts (cold: the model's 256), a token's 9 of them (cold: other 9 each call)
+            stack = 256 if COLD else 64
+            w = random_weight(fmt, (stack, n, k), "cuda")
+            nbytes = w.nbytes * experts // stack
             weights = torch.rand(1, experts, device="cuda", dtype=torch.bfloat16)
             xs = x.expand(experts, k).contiguous()
-            nbytes = w.nbytes * experts // 64
+            picks = [torch.randperm(stack, device="cuda")[:experts][None] for _ in range(stack // experts if COLD else 1)]
             if "up" in name:
-                fn = lambda x=x, w=w, ids=ids, weights=weights: quant.experts_glu(x, w, ids, weights)  # noqa: E731
+                fns = [lambda x=x, w=w, ids=ids, r=weights: quant.experts_glu(x, w, ids, r) for ids in picks]
             else:
-                fn = lambda w=w, ids=ids, xs=xs: quant.experts_sum(xs, w, ids)  # noqa: E731
+                fns = [lambda xs=xs, w=w, ids=ids: quant.experts_sum(xs, w, ids) for ids in picks]
         else:
-            w = random_weight(fmt, (n, k), "cuda")
-            fn = lambda x=x, w=w: quant.linear(x, w)  # noqa: E731
-            nbytes = w.nbytes
+            ws = copies(lambda fmt=fmt, n=n, k=k: random_weight(fmt, (n, k), "cuda"))
+            fns = [lambda x=x, wi=wi: quant.linear(x, wi) for wi in ws]
+            nbytes = ws[0].nbytes
+        fn = rotate(fns)
         try:
             for bn in (32, 64):
                 quant.GEMV_BLOCK_N = bn
@@ -476,7 +511,7 @@ def engine_rows() -> list[dict]:
         finally:
             quant.GEMV_BLOCK_N = before
             quant._SPLITS.clear()
-        del w
+        del fns, fn
     return rows
 
 
@@ -491,14 +526,17 @@ def main() -> None:
         "Q4_K weight: narrow (64 columns a step), wide, w2 (G groups of 64), dp4a, wide-dp4a, dot",
     )
     p.add_argument("--shapes", default="9216x2048,12352x2048,65536x2048")
+    p.add_argument("--cold", action="store_true", help="each call reads a weight not in L2 (copies rotated, 160 MB)")
     args = p.parse_args()
     if args.check:
         return check()
+    global COLD
+    COLD = args.cold
     kinds = set(args.kinds.split(","))
     rows = engine_rows() if "engine" in kinds else []
     rows += [r for shape in args.shapes.split(",") for r in probe(*map(int, shape.split("x")), kinds)]
     if args.json:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=2))
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "cold": COLD, "rows": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@
 #       router-tests  pytest: the routing kernels alone
 #       gemv-probe  the quantized decode GEMVs at the Q4_K_M shapes, 32 and 64 rows a program, or the probes
 #                  $PROBE_KINDS names (bench/gemv_probe.py --kinds, e.g. wide-dp4a,dp4a)
-#       q8x        our Q4_K_M decode with the Q4_K GEMVs taking x as Q8_1, in dp4a (FT_Q8X=1)
+#       q8x        our Q4_K_M decode per FT_Q8X in $Q8X_VALUES (default 0 1): the Q4_K GEMVs taking x as Q8_1, in dp4a
 #       gpu-quant-tests  pytest: the Q4_K_M model on the GPU against its dequantized selves (tests/engine/test_gpu_quant.py)
 #       wide-off   our Q4_K_M decode with the large plain GEMVs at 32 rows a program, not 64 (FT_GEMV_WIDE_N)
 #       batch-profile  where a batch-8 decode step's time goes at the e64 shape (bench/profile_batch.py)
@@ -152,9 +152,11 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
           -q -p no:cacheprovider -s tests/engine/test_gpu.py -k "slot_prefill_matches and bf16"
       done
       ;;
-    q8x)  # our Q4_K_M decode with x as Q8_1 in the Q4_K GEMVs (FT_Q8X=1: dp4a), not as it is (fp32 chunks)
+    q8x)  # our Q4_K_M decode with x as it is in the Q4_K GEMVs and as Q8_1 (FT_Q8X)
       wait $gguf 2>/dev/null
-      step q8x env FT_Q8X=1 python3 bench/quant.py --preset $P --device cuda --parts q4_k_m --json $O/q8x.json
+      for q8x in ${Q8X_VALUES:-0 1}; do
+        step q8x-$q8x env FT_Q8X=$q8x python3 bench/quant.py --preset $P --device cuda --parts q4_k_m --json $O/q8x-$q8x.json
+      done
       ;;
     gpu-quant-tests) step gpu-quant-tests python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_gpu_quant.py ;;
     wide-off)  # our Q4_K_M decode with every plain GEMV at 32 rows a program (FT_GEMV_WIDE_N off)

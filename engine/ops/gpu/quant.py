@@ -65,9 +65,9 @@ GEMV_WIDE_N = int(os.environ.get("FT_GEMV_WIDE_N", "8192"))
 # it in integer dot products (dp4a) over whole-line tiles, Q8X_GROUPS 64-column groups of Q8X_BLOCK_N
 # rows a step: llama.cpp's arithmetic (its MMVQ). Off by default: the H200, session 14, same lease, the
 # 256-expert Q4_K_M decode 279.5 / 554.0 tok/s (batch 1 / 4) with it against 294.6 / 500.2 without
-# (the extra launches cost batch 1 more than the GEMVs save), and its 8-bit x puts the small Q4_K_M's
-# graph decode 0.122 from fp32 against bf16's 0.014. "always": fp32 activations and the interpreter
-# too (the tests).
+# (the extra launches cost batch 1 more than the GEMVs save; in the [12352, 2048] projections alone,
+# 294.0 against 303.2), and its 8-bit x puts the small Q4_K_M's graph decode 0.122 from fp32 against
+# bf16's 0.014. "always": fp32 activations and the interpreter too (the tests).
 Q8X = os.environ.get("FT_Q8X", "0")
 Q8X_GROUPS, Q8X_BLOCK_N = 8, 16
 Q8X_PROGRAMS = 256  # the untimed split fills the GPU with this many of its programs (1,024 for the others)
