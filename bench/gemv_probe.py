@@ -261,32 +261,18 @@ def _q4k_dp4a(XQ, XD, XS, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, 
     _store(OUT, n, N, out, ATOMIC)
 
 
+_dot_q4_k_q8 = quant._dot_q4_k_q8  # the engine's chunk (FT_Q8X), at this probe's own rows and groups a step
+
+
 @triton.jit
-def _q4k_wide_dp4a(XQ, XD, XS, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: tl.constexpr,
+def _q4k_wide_dp4a(XC, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: tl.constexpr,
                    G: tl.constexpr, NATIVE: tl.constexpr):  # fmt: skip
-    """`dp4a` over `wide`'s tiles: G 64-column groups a step as [BN, G, 8] words (each row's G * 32
-    bytes contiguous), x's Q8_1 words [G, 8] and scales [G] beside them; per row and sub-block the
-    integer sum scaled once, each step's [BN, G] sums reduced over the groups."""
+    """`dp4a` over `wide`'s tiles: the engine's `_dot_q4_k_q8` (G 64-column groups a step as [BN, G, 8]
+    words, x's row as `quant.quantize_x` writes it), BN rows a program, K split."""
     s, n, row = _rows(N, BN)
-    row = row[:, None]  # [BN, 1]
-    g = tl.arange(0, G)[None, :, None]
-    words = tl.arange(0, 8)[None, None, :]
-    qw = QS.to(tl.pointer_type(tl.uint32))
     acc = tl.zeros([BN], tl.float32)
     for k0 in range(s * K_SPLIT, (s + 1) * K_SPLIT, 64 * G):
-        w = tl.load(qw + row[:, :, None] * (K // 8) + k0 // 8 + g * 8 + words)  # [BN, G, 8]
-        xw = XQ + k0 // 4 + g * 16 + words  # [1, G, 8]: the group's low words, then its high ones
-        lo = tl.sum(_dp4a(w & 0x0F0F0F0F, tl.load(xw), NATIVE), 2).to(tl.float32)  # [BN, G]
-        hi = tl.sum(_dp4a((w >> 4) & 0x0F0F0F0F, tl.load(xw + 8), NATIVE), 2).to(tl.float32)
-        b = k0 // 32 + 2 * tl.arange(0, G)[None, :]  # x's blocks: the groups' low sub-blocks [1, G]
-        sub = row * (K // 32) + b  # the weight's, [BN, G]
-        dd = DD + (row * (K // 256) + (k0 + 64 * tl.arange(0, G)[None, :]) // 256) * 2
-        d, dmin = tl.load(dd).to(tl.float32), tl.load(dd + 1).to(tl.float32)
-        scaled = d * (tl.load(SC + sub).to(tl.float32) * tl.load(XD + b) * lo
-                      + tl.load(SC + sub + 1).to(tl.float32) * tl.load(XD + b + 1) * hi)  # fmt: skip
-        mins = dmin * (tl.load(MN + sub).to(tl.float32) * tl.load(XS + b)
-                       + tl.load(MN + sub + 1).to(tl.float32) * tl.load(XS + b + 1))  # fmt: skip
-        acc += tl.sum(scaled - mins, 1)
+        acc += _dot_q4_k_q8(XC, QS, SC, MN, DD, row, k0, K, G, NATIVE)
     _store(OUT, n, N, acc, ATOMIC)
 
 
@@ -324,7 +310,7 @@ def launcher(
     launch would) and w, K split `split` ways (atomic sums into a zeroed output)."""
     n, k = w.shape
     out = torch.zeros(n, dtype=torch.float32, device=x.device)
-    xs = q8_1(x[0]) if kernel in (_q4k_dp4a, _q4k_wide_dp4a) else (x,)
+    xs = q8_1(x[0]) if kernel is _q4k_dp4a else (quant.quantize_x(x),) if kernel is _q4k_wide_dp4a else (x,)
 
     def launch() -> torch.Tensor:
         if split > 1:

@@ -10,7 +10,9 @@ the reference (`engine.quant.ggml`, `engine.quant.fp8`), and multiply it with th
   for some more, and for prefill a transient bf16 copy (`dequantize_to`) and cuBLAS;
 - `grouped(x, w, order, offs)`: rows grouped by expert (`moe.group_by_expert`) times each row's
   expert's weight, tiles never straddling two experts, or for many rows a transient copy and
-  torch's grouped GEMM (MoE prefill); no host sync.
+  torch's grouped GEMM (MoE prefill); no host sync;
+- with FT_Q8X=1 (off by default), a Q4_K GEMV quantizes x to llama.cpp's Q8_1 first (`quantize_x`)
+  and multiplies in integer dot products (`_dot_q4_k_q8`), as llama.cpp does.
 
 On a GPU the dequantized tile is cast to the activations' dtype (bf16) before `tl.dot`, so results
 are within bf16 rounding of `x @ w.dequantize().T`; in fp32 (the CPU tests, TRITON_INTERPRET=1)
