@@ -54,6 +54,8 @@ def test_bf16_and_fp8_parts(tmp_path):
     for row in result["formats"].values():
         assert row["weights_bytes"] > 0 and row["file_bytes"] > 0 and row["prefill"]["tok_s"] > 0
         assert [d["batch"] for d in row["decode"]] == [1, 4] and all(d["tok_s"] > 0 for d in row["decode"])
+        for d in row["decode"]:  # the best of every timed run, each kept
+            assert len(d["runs_tok_s"]) == 3 and d["tok_s"] == max(d["runs_tok_s"])
     assert not list((tmp_path / "peer").glob("**/*fp8*")), "FP8 is quantized in memory: no folder"
     fp8, bf16 = result["formats"]["fp8"], result["formats"]["bf16"]
     assert fp8["file_bytes"] < bf16["file_bytes"]  # e4m3 and scales (tiny's fp32 embeddings and lm_head stay)
@@ -73,6 +75,7 @@ def test_q4_k_m_llama_and_replays_merge_into_the_same_json(tmp_path):
     q4 = result["formats"]["q4_k_m"]
     assert q4["file_bytes"] == result["llama"]["file_bytes"]  # the same file on both sides
     assert result["llama"]["prefill"]["tok_s"] > 0 and result["llama"]["decode"]["tok_s"] > 0
+    assert result["llama"]["decode"]["tok_s"] == max(result["llama"]["decode"]["runs_tok_s"])
     for side in ("replay-ft", "replay-llama"):
         (session,) = result[side]["sessions"].values()
         assert session["summary"]["requests"] == 3 and session["summary"]["worst_ttft_after_tool_ms"] > 0
