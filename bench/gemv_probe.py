@@ -462,7 +462,7 @@ ENGINE_SHAPES = {  # the Q4_K_M decode GEMVs of the 35B shape: (format, rows, co
 }
 
 
-def engine_rows() -> list[dict]:
+def engine_rows(only: str = "") -> list[dict]:
     """The engine's own GEMV (`quant.linear`, `experts_glu`, `experts_sum`) at each decode shape, at
     32 and 64 rows a program, the split the engine picks (its heuristic)."""
     from bench.quant_kernels import random_weight  # noqa: PLC0415
@@ -470,6 +470,8 @@ def engine_rows() -> list[dict]:
     rows = []
     before = quant.GEMV_BLOCK_N
     for name, (fmt, n, k, experts) in ENGINE_SHAPES.items():
+        if only not in name:
+            continue
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         if experts:  # a stack of 64 experts (cold: the model's 256), a token's 9 of them (cold: other 9 each call)
             stack = 256 if COLD else 64
@@ -512,6 +514,8 @@ def main() -> None:
         "Q4_K weight: narrow (64 columns a step), wide, w2 (G groups of 64), dp4a, wide-dp4a, dot",
     )
     p.add_argument("--shapes", default="9216x2048,12352x2048,65536x2048")
+    p.add_argument("--engine-only", default="", metavar="TEXT", help="engine: the shapes whose name holds TEXT")
+    p.add_argument("--shapes-off", action="store_true", help="no probes of one weight (--shapes), the engine's rows only")
     p.add_argument("--cold", action="store_true", help="each call reads a weight not in L2 (copies rotated, 160 MB)")
     args = p.parse_args()
     if args.check:
@@ -519,8 +523,9 @@ def main() -> None:
     global COLD
     COLD = args.cold
     kinds = set(args.kinds.split(","))
-    rows = engine_rows() if "engine" in kinds else []
-    rows += [r for shape in args.shapes.split(",") for r in probe(*map(int, shape.split("x")), kinds)]
+    rows = engine_rows(args.engine_only) if "engine" in kinds else []
+    if not args.shapes_off:
+        rows += [r for shape in args.shapes.split(",") for r in probe(*map(int, shape.split("x")), kinds)]
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "cold": COLD, "rows": rows}, indent=2))
 
