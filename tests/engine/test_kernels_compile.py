@@ -72,15 +72,13 @@ def test_gemv_compiles_with_its_split_sums(fmt, mode):
     ]
 
 
-@pytest.mark.parametrize("fmt", [quant.Q4_K, quant.Q6_K], ids=lambda f: quant.NAMES[f])
 @pytest.mark.parametrize("mode", [(False, 1, 1, False), (True, 9, 1, True), (True, 1, 9, False)], ids=["linear", "glu", "topk"])
-def test_gemv_of_q8_1_activations_compiles_to_dp4a(fmt, mode):
-    """A Q4_K or Q6_K GEMV taking x as Q8_1 (`quant.q8x_groups`): integer dot products (dp4a), in the
-    plain GEMV and both MoE decode launches; and `quantize_x`'s kernel, through a map."""
+def test_q4_k_gemv_of_q8_1_activations_compiles_to_dp4a(mode):
+    """A Q4_K GEMV taking x as Q8_1 (`quant.q8x_groups`): integer dot products (dp4a) over whole-line
+    tiles, in the plain GEMV and both MoE decode launches; and `quantize_x`'s kernel, through a map."""
     grouped, x_per, top_k, glu = mode
-    parts = {f"{p}{i}": t for p in "PQ" for i, t in enumerate(PARTS[fmt])}
-    bn, q8x = (quant.Q8X_BLOCK_N, 8) if fmt == quant.Q4_K else (64, 2)
-    constexprs = {**quant.gemv_constexprs(fmt, bn, grouped, x_per, top_k, glu, q8x=q8x), "NATIVE": True}
+    parts = {f"{p}{i}": t for p in "PQ" for i, t in enumerate(PARTS[quant.Q4_K])}
+    constexprs = {**quant.gemv_constexprs(quant.Q4_K, quant.Q8X_BLOCK_N, grouped, x_per, top_k, glu, q8x=8), "NATIVE": True}
     ptx = compile_for_h200(quant._gemv_kernel, {**GEMV, "X": "*fp32", **parts}, constexprs, GEMV_DIVISIBLE)
     assert "dp4a.u32.s32" in ptx
     signature = {"X": "*bf16", "COLS": "*i64", "OUT": "*fp32", "K": "i32", "XMAP": "constexpr", "BLOCKS": "constexpr"}

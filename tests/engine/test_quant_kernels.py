@@ -263,40 +263,6 @@ def test_every_split_a_gemv_may_run_with_gives_its_sums(mode, q8x, monkeypatch):
 
 
 @in_this_process
-def test_q6_k_gemvs_of_q8_1_x_give_the_sums_of_x_rounded_to_its_blocks(monkeypatch):
-    """Q6_K against x as Q8_1 (`quant.Q8X`: the lm_head's "head" setting; here "always"): a plain
-    GEMV at every split, MoE up (GLU) and down (a token's experts summed), each equal to the
-    dequantized weights times x rounded to its Q8_1 blocks."""
-    monkeypatch.setattr(quant, "Q8X", "always")
-    dtype = torch.bfloat16 if CUDA else torch.float32
-    dev = torch.device(DEVICE)
-    gen = torch.Generator().manual_seed(11)
-    w, ref = ggml_weight(T.Q6_K, (72, 1024))
-    x = torch.randn(3, 1024, generator=gen).to(dtype)
-    assert quant.q8x_groups(x, w) == 2
-    bn = quant.gemv_block_n(72)
-    splits = quant._splits(1024, 128, 1, -(-72 // bn) * 3)
-    assert len(splits) >= 3
-    for split in splits:
-        close(quant._gemv(x.to(dev), w.to(dev), 3, 72, split=split).cpu(), q8_rows(x) @ ref.T, dtype)
-        assert not quant.tickets(dev).any()
-    gate_up, gate_up_ref = ggml_weight(T.Q6_K, (3, 128, 512), seed=2)
-    down, down_ref = ggml_weight(T.Q6_K, (3, 256, 512), seed=3)
-    xe = torch.randn(1, 512, generator=gen).to(dtype)
-    ids = torch.tensor([[2, -1, 0]])
-    routing = torch.rand(1, 3, generator=gen).to(dtype)
-    act = quant.experts_glu(xe.to(dev), gate_up.to(dev), ids.to(dev), routing.to(dev))
-    want = []
-    for a, e in enumerate(ids[0].tolist()):
-        g = q8_rows(xe)[0] @ gate_up_ref[e].T if e >= 0 else torch.zeros(128)
-        want.append(torch.nn.functional.silu(g[:64]) * g[64:] * routing[0, a].float())
-    close(act.cpu(), torch.stack(want), dtype)
-    acts = torch.randn(3, 512, generator=gen).to(dtype)
-    got = quant.experts_sum(acts.to(dev), down.to(dev), ids.to(dev)).cpu()
-    close(got, sum(q8_rows(acts)[j] @ down_ref[e].T for j, e in enumerate(ids[0].tolist()) if e >= 0)[None], dtype)
-
-
-@in_this_process
 @pytest.mark.parametrize("rows", [1, 3])
 def test_q8_1_of_x_is_llama_cpps_and_reads_through_a_column_map(rows, monkeypatch):
     """`quantize_x` writes llama.cpp's Q8_1 of each row (the ints of x / d rounded half away from

@@ -62,20 +62,16 @@ GEMV_BLOCK_N = 8192 if INTERPRETED else 32
 # 13: the lm_head 250 against 262 us, a [12352, 2048] Q4_K 15.2 against 16.4; experts' GEMVs and
 # smaller ones slower at 64)
 GEMV_WIDE_N = int(os.environ.get("FT_GEMV_WIDE_N", "8192"))
-# FT_Q8X: GEMVs of bf16 activations on a GPU that take x as llama.cpp's Q8_1 (int8 in blocks of 32
-# with a scale and a scaled sum, `quantize_x`: one small launch a GEMV) and multiply the quants with
-# it in integer dot products (dp4a): llama.cpp's arithmetic (its MMVQ). Q4_K over whole-line tiles,
-# Q8X_GROUPS 64-column groups of Q8X_BLOCK_N rows a step; Q6_K half a super-block a step.
-#   "0" (default): none. "head": plain GEMVs of Q8X_HEAD_BYTES or more (the lm_head: one launch
-#   of `quantize_x` against ~400 MB read). "1": those and every Q4_K GEMV. "always": every Q4_K and
-#   Q6_K GEMV, fp32 activations and the interpreter too (the tests).
-# "1" on the H200, session 14, same lease, the 256-expert Q4_K_M decode (Q4_K only): 279.5 / 554.0
-# tok/s (batch 1 / 4) against 294.6 / 500.2 without (the extra launches cost batch 1 more than the
-# GEMVs save; in the [12352, 2048] projections alone, 294.0 against 303.2), and its 8-bit x put the
-# small Q4_K_M's graph decode 0.122 from fp32 against bf16's 0.014.
+# FT_Q8X=1: Q4_K GEMVs of bf16 activations on a GPU take x as llama.cpp's Q8_1 (int8 in blocks of 32
+# with a scale and a scaled sum, `quantize_x`: one small launch a GEMV) and multiply the nibbles with
+# it in integer dot products (dp4a) over whole-line tiles, Q8X_GROUPS 64-column groups of Q8X_BLOCK_N
+# rows a step: llama.cpp's arithmetic (its MMVQ). Off by default: the H200, session 14, same lease, the
+# 256-expert Q4_K_M decode 279.5 / 554.0 tok/s (batch 1 / 4) with it against 294.6 / 500.2 without
+# (the extra launches cost batch 1 more than the GEMVs save; in the [12352, 2048] projections alone,
+# 294.0 against 303.2), and its 8-bit x puts the small Q4_K_M's graph decode 0.122 from fp32 against
+# bf16's 0.014. "always": fp32 activations and the interpreter too (the tests).
 Q8X = os.environ.get("FT_Q8X", "0")
 Q8X_GROUPS, Q8X_BLOCK_N = 8, 16
-Q8X_HEAD_BYTES = 64 << 20
 Q8X_PROGRAMS = 256  # the untimed split fills the GPU with this many of its programs (1,024 for the others)
 # the GEMV's warps a program and its K loop's pipelining stages and unrolling (None: Triton's
 # defaults); `bench/quant.py --gemv-variants` times decode under others
@@ -466,30 +462,6 @@ def _dot_q4_k_q8(XC, P0, P1, P2, P3, row, k0, K, G: tl.constexpr, NATIVE: tl.con
 
 
 @triton.jit
-def _dot_q6_k_q8(XC, P0, P1, P2, P3, row, k0, K, NATIVE: tl.constexpr):
-    """Q6_K, the 128 columns from k0 (half a super-block) against x's Q8_1 row at XC: quarter j
-    (columns 32 j ..) takes its low nibbles from ql's words (j % 2) * 8 .. shifted by 4 (j // 2),
-    its two high bits from qh's eight words shifted by 2 j; per 16 columns (four words) one integer
-    sum with x's ints, less 32 times theirs (the weights' offset), scaled by sc and x's block scale."""
-    r = row[:, None, None]  # [BN, 1, 1]
-    j = tl.arange(0, 4)[None, :, None]  # quarters
-    h = tl.arange(0, 2)[None, None, :]  # 16-column halves of a quarter
-    word = (h * 4)[:, :, :, None] + tl.arange(0, 4)[None, None, None, :]  # a quarter's eight words [1, 1, 2, 4]
-    j4 = j[:, :, :, None]
-    half = k0 // 128
-    ql = tl.load(P0.to(tl.pointer_type(tl.uint32)) + r[:, :, :, None] * (K // 8) + half * 16 + (j4 % 2) * 8 + word)
-    qh = tl.load(P1.to(tl.pointer_type(tl.uint32)) + r[:, :, :, None] * (K // 16) + half * 8 + word)
-    v = ((ql >> (4 * (j4 // 2)).to(tl.uint32)) & 0x0F0F0F0F) | (((qh >> (2 * j4).to(tl.uint32)) & 0x03030303) << 4)
-    xw = tl.load(XC.to(tl.pointer_type(tl.int32)) + k0 // 4 + j4 * 8 + word)  # [1, 4, 2, 4]
-    dot = tl.sum(_dp4a(v, xw, NATIVE), 3)  # [BN, 4, 2]
-    xsum = tl.sum(_dp4a(tl.full(xw.shape, 0x01010101, tl.uint32), xw, NATIVE), 3)  # [1, 4, 2]
-    sc = tl.load(P2 + r * (K // 16) + k0 // 16 + 2 * j + h).to(tl.float32)  # [BN, 4, 2]
-    xd = tl.load(XC + K // 4 + k0 // 32 + j)  # [1, 4, 1]: the quarters' blocks of x
-    part = tl.sum(tl.sum(sc * xd * (dot - 32 * xsum).to(tl.float32), 2), 1)  # [BN]
-    return tl.load(P3 + row * (K // 256) + k0 // 256).to(tl.float32) * part
-
-
-@triton.jit
 def _q8_1_kernel(X, COLS, OUT, K, XMAP: tl.constexpr, BLOCKS: tl.constexpr):
     """Program (row r, p): BLOCKS blocks of 32 of x's row r (in the weight's column order: with XMAP
     x's columns COLS[k]) as Q8_1 into OUT's row (K / 4 + K / 16 fp32 words): the blocks' int8 four
@@ -509,15 +481,6 @@ def _q8_1_kernel(X, COLS, OUT, K, XMAP: tl.constexpr, BLOCKS: tl.constexpr):
     tl.store(out.to(tl.pointer_type(tl.uint32)) + blocks[:, None] * 8 + tl.arange(0, 8)[None, :], word)
     tl.store(out + K // 4 + blocks, d)
     tl.store(out + K // 4 + K // 32 + blocks, d * tl.sum(q, 1))
-
-
-@triton.jit
-def _dot_q8(XC, P0, P1, P2, P3, row, k0, K, FMT: tl.constexpr, G: tl.constexpr, NATIVE: tl.constexpr):
-    """The format's chunk from k0 against x's Q8_1 row: Q4_K G groups of 64 columns, Q6_K a half (G = 2)."""
-    if FMT == 1:
-        return _dot_q4_k_q8(XC, P0, P1, P2, P3, row, k0, K, G, NATIVE)
-    else:
-        return _dot_q6_k_q8(XC, P0, P1, P2, P3, row, k0, K, NATIVE)
 
 
 @triton.jit
@@ -589,9 +552,9 @@ def _gemv_kernel(
             end = tl.where(expert >= 0, end, start)
         for k0 in tl.range(start, end, CHUNK, num_stages=STAGES, loop_unroll_factor=UNROLL):
             if Q8X > 0:
-                acc += _dot_q8(x, P0, P1, P2, P3, row, k0, K, FMT, Q8X, NATIVE)
+                acc += _dot_q4_k_q8(x, P0, P1, P2, P3, row, k0, K, Q8X, NATIVE)
                 if GLU:
-                    acc_up += _dot_q8(x, P0, P1, P2, P3, row + N, k0, K, FMT, Q8X, NATIVE)
+                    acc_up += _dot_q4_k_q8(x, P0, P1, P2, P3, row + N, k0, K, Q8X, NATIVE)
             else:
                 xc = x + (tl.load(XCOLS + k0) if XMAP else k0)
                 acc += _dot(xc, P0, P1, P2, P3, row, k0, N, K, FMT)
@@ -737,11 +700,11 @@ def _gemv(
     """`rows` output rows of `n` (`_gemv_kernel`), in one launch: K split over as many programs as
     `_split` chooses for this shape (or `split`, one of `_splits`), the split's sums taken by its
     last program. `second`: a plain weight of another format whose outputs follow (rows x (n + its N)).
-    A weight `q8x_groups` takes as Q8_1: x quantized first (`quantize_x`, through w's column map)."""
+    A Q4_K weight `q8x_groups` takes: x quantized first (`quantize_x`, through w's column map)."""
     n2 = second.shape[0] if second is not None else 0
     k, grouped = w.shape[-1], experts is not None
-    q8x = q8x_groups(x, w, second, grouped)
-    bn = gemv_block_n(n + n2, grouped, q8x if w.fmt == Q4_K else 0)
+    q8x = q8x_groups(x, w, second)
+    bn = gemv_block_n(n + n2, grouped, q8x)
     chunk = 64 * q8x if q8x else max(GEMV_CHUNK[w.fmt], GEMV_CHUNK[second.fmt] if second is not None else 0)
     blocks = triton.cdiv(n, bn) + triton.cdiv(n2, bn)
     if blocks * rows > TICKETS:
@@ -780,17 +743,12 @@ def _gemv(
     return out
 
 
-def q8x_groups(x: torch.Tensor, w: QuantWeight, second: QuantWeight | None = None, grouped: bool = False) -> int:
-    """For a GEMV of w that takes x as Q8_1 (`Q8X`): its chunk in 64-column groups (Q4_K: up to
-    Q8X_GROUPS, Q6_K: 2, half a super-block); 0: x as it is."""
-    if Q8X == "0" or w.fmt not in (Q4_K, Q6_K) or second is not None or w.parts[0].data_ptr() % 16:
+def q8x_groups(x: torch.Tensor, w: QuantWeight, second: QuantWeight | None = None) -> int:
+    """The 64-column groups a step of a GEMV of w taking x as Q8_1 (`Q8X`), or 0: x as it is."""
+    if Q8X == "0" or w.fmt != Q4_K or second is not None or w.parts[0].data_ptr() % 16:
         return 0
-    if Q8X != "always":
-        head = not grouped and w.nbytes >= Q8X_HEAD_BYTES  # one launch of `quantize_x` for this many bytes
-        if x.device.type != "cuda" or x.dtype != torch.bfloat16 or not (head or (Q8X == "1" and w.fmt == Q4_K)):
-            return 0
-    if w.fmt == Q6_K:
-        return 2
+    if Q8X != "always" and (x.device.type != "cuda" or x.dtype != torch.bfloat16):
+        return 0
     groups = Q8X_GROUPS
     while w.shape[-1] % (64 * groups):
         groups //= 2
@@ -832,8 +790,7 @@ def gemv_constexprs(fmt: int, bn: int, grouped: bool = False, x_per: int = 1, to
 
 
 def gemv_block_n(n: int, grouped: bool = False, q8x: int = 0) -> int:
-    """Outputs per GEMV program for `n` outputs a row (of each expert, `grouped`; a Q4_K weight
-    against x as Q8_1 in chunks of `q8x` groups: Q8X_BLOCK_N)."""
+    """Outputs per GEMV program for `n` outputs a row (of each expert, `grouped`; x as Q8_1, `q8x`)."""
     if q8x and not INTERPRETED:
         return Q8X_BLOCK_N
     most = max(GEMV_BLOCK_N, 64) if n >= GEMV_WIDE_N and not grouped else GEMV_BLOCK_N
