@@ -12,7 +12,7 @@ instructions each weight costs? Kernels timed as CUDA graphs of 20 launches (the
   [BN, G, 32] or [BN, G * 32] tile: each row's bytes contiguous, whole lines a warp; `-ld`: their
   loads alone); `dp4a` (x as llama.cpp's Q8_1, 8-bit ints in 32-column blocks quantized once
   outside, against the nibbles in integer dot products); `wide-dp4a` (`dp4a` over `wide`'s tiles:
-  2.5-4 instructions a weight, SASS; not yet timed); `dot` (the tile dequantized to bf16 and
+  2.5-4 instructions a weight, SASS: the engine's `_dot_q4_k_q8`); `dot` (the tile dequantized to bf16 and
   multiplied on the tensor cores);
 - torch's bf16 GEMV and a copy of the weight's bytes, as the device's yardsticks.
 
