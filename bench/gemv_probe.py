@@ -279,11 +279,9 @@ def _q4k_wide_dp4a(XC, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATO
 q8_1 = quant.q8_1_reference  # x [K] as Q8_1: what `quant.quantize_x` writes, in torch
 
 
-def q8_1_reference(x: torch.Tensor, w: quant.QuantWeight) -> torch.Tensor:
-    """What `_q4k_dp4a` computes, in torch: the dequantized Q4_K against x's Q8_1 ints times their scales."""
-    xq, d, _ = q8_1(x)
-    xr = (xq.view(torch.int8).float().view(-1, 32) * d[:, None]).view(-1)
-    return w.dequantize() @ xr
+def q8_1_product(x: torch.Tensor, w: quant.QuantWeight) -> torch.Tensor:
+    """What the dp4a probes compute, in torch: the dequantized Q4_K against x rounded to its Q8_1 blocks."""
+    return w.dequantize() @ quant.q8_1_rounded(x)
 
 
 @triton.jit
@@ -351,7 +349,7 @@ def random_q4k(n: int, k: int, device) -> quant.QuantWeight:
 
 def check() -> None:
     """The probe's Triton kernels against the engine's `quant.linear` (dp4a: against its torch
-    twin, `q8_1_reference`), fp32 in Triton's interpreter; the loads-only ones just run."""
+    twin, `q8_1_product`), fp32 in Triton's interpreter; the loads-only ones just run."""
     w = random_q4k(96, 512, "cpu")
     x = torch.randn(1, 512)
     want = quant.linear(x, w)[0]
@@ -362,8 +360,8 @@ def check() -> None:
         (_q4k_loads, ((32, 1, {}), (64, 2, {})), None),
         *((k, tuple((bn, sp, {**c, "LOADS": loads}) for bn, sp, c in wide), None if loads else want)
           for k in (_q4k_wide, _q4k_w2) for loads in (False, True)),
-        (_q4k_dp4a, tuple((bn, sp, {"NATIVE": False}) for bn, sp in ((32, 1), (64, 2), (16, 4))), q8_1_reference(x[0], w)),
-        (_q4k_wide_dp4a, tuple((bn, sp, {**c, "NATIVE": False}) for bn, sp, c in wide), q8_1_reference(x[0], w)),
+        (_q4k_dp4a, tuple((bn, sp, {"NATIVE": False}) for bn, sp in ((32, 1), (64, 2), (16, 4))), q8_1_product(x[0], w)),
+        (_q4k_wide_dp4a, tuple((bn, sp, {**c, "NATIVE": False}) for bn, sp, c in wide), q8_1_product(x[0], w)),
         (_q4k_dot, tuple((bn, sp, {"G": g, "LOADS": False}) for bn, sp, g in ((16, 1, 4), (32, 2, 2), (64, 1, 1))), want),
     ]  # fmt: skip
     for kernel, configs, reference in cases:
@@ -390,7 +388,7 @@ def probe(n: int, k: int, kinds: set[str]) -> list[dict]:
     w = ws[0]
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     want = quant.linear(x, w)[0].float()
-    want8 = q8_1_reference(x[0], w).float()  # what the dp4a probes compute: x's row as Q8_1
+    want8 = q8_1_product(x[0], w).float()  # what the dp4a probes compute: x's row as Q8_1
     plains = copies(lambda: torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
     copy_srcs = copies(lambda: torch.empty(w.nbytes, dtype=torch.uint8, device="cuda"))
     copy_dst = torch.empty_like(copy_srcs[0])

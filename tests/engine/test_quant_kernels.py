@@ -201,15 +201,6 @@ def test_expert_decode_kernels_equal_per_assignment_matmuls(fmt):
     close(got, experts_loop(x.float(), routing.float(), ids, gate_up_ref, down_ref), dtype)
 
 
-def q8_rows(x: torch.Tensor) -> torch.Tensor:
-    """x's rows as the Q8_1 GEMV reads them (`quant.q8_1_reference`), back in fp32."""
-    rows = []
-    for row in x.float():
-        q, d, _ = quant.q8_1_reference(row)
-        rows.append((q.view(torch.int8).float().view(-1, 32) * d[:, None]).flatten())
-    return torch.stack(rows)
-
-
 @in_this_process
 @pytest.mark.parametrize("mode", ["linear", "glu", "topk"])
 @pytest.mark.parametrize("q8x", [False, True], ids=["x", "x-q8_1"])
@@ -225,7 +216,7 @@ def test_every_split_a_gemv_may_run_with_gives_its_sums(mode, q8x, monkeypatch):
     if mode == "linear":
         w, ref = weights(T.Q4_K, (72, 1024))
         x = torch.randn(2, 1024, generator=gen).to(dtype)
-        xr = q8_rows(x) if q8x else x.float()
+        xr = quant.q8_1_rounded(x) if q8x else x.float()
         args, want = (x.to(dev), w.to(dev), 2, 72), xr @ ref.T
         kw, top_k, sums = {}, 1, 2
     else:
@@ -233,7 +224,7 @@ def test_every_split_a_gemv_may_run_with_gives_its_sums(mode, q8x, monkeypatch):
         ids = torch.tensor([[2, -1, 0, 1]])  # one token, four experts (-1: none)
         if mode == "glu":
             x = torch.randn(1, 1024, generator=gen).to(dtype)
-            xr = q8_rows(x) if q8x else x.float()
+            xr = quant.q8_1_rounded(x) if q8x else x.float()
             routing = torch.rand(4, generator=gen).to(dtype)
             args = (x.to(dev), w.to(dev), 4, 64, ids.flatten().to(dev), 4)
             kw, top_k, sums = {"scale": routing.to(dev)}, 1, 4
@@ -242,7 +233,7 @@ def test_every_split_a_gemv_may_run_with_gives_its_sums(mode, q8x, monkeypatch):
                                 for g, r in zip(gate_up, routing, strict=True)])  # fmt: skip
         else:
             x = torch.randn(4, 1024, generator=gen).to(dtype)
-            xr = q8_rows(x) if q8x else x.float()
+            xr = quant.q8_1_rounded(x) if q8x else x.float()
             args = (x.to(dev), w.to(dev), 1, 64, ids.flatten().to(dev))
             kw, top_k, sums = {"top_k": 4}, 4, 1
             want = sum(xr[j] @ ref[e].T for j, e in enumerate(ids[0].tolist()) if e >= 0)[None]
@@ -287,7 +278,7 @@ def test_q8_1_of_x_is_llama_cpps_and_reads_through_a_column_map(rows, monkeypatc
     assert quant.q8x_groups(x, moved) == 8
     got = moved.to(DEVICE).linear(x.to(DEVICE)).cpu()
     want = torch.empty_like(x)
-    want[:, columns] = q8_rows(x[:, columns])  # x's blocks are taken in the file's order
+    want[:, columns] = quant.q8_1_rounded(x[:, columns])  # x's blocks are taken in the file's order
     close(got, want @ model_order.T, torch.float32)
 
 

@@ -72,7 +72,8 @@ GEMV_WIDE_N = int(os.environ.get("FT_GEMV_WIDE_N", "8192"))
 # bf16's 0.014. "always": fp32 activations and the interpreter too (the tests).
 Q8X = os.environ.get("FT_Q8X", "0")
 Q8X_GROUPS, Q8X_BLOCK_N = 8, 16
-Q8X_PROGRAMS = 256  # the untimed split fills the GPU with this many of its programs (1,024 for the others)
+GEMV_PROGRAMS = 1024  # where no timing chose a GEMV's split: the smallest that fills the GPU with this many programs
+Q8X_PROGRAMS = 256  # the same for a GEMV taking x as Q8_1
 # the GEMV's warps a program and its K loop's pipelining stages and unrolling (None: Triton's
 # defaults); `bench/quant.py --gemv-variants` times decode under others
 GEMV_WARPS, GEMV_STAGES, GEMV_UNROLL = 4, None, None
@@ -735,7 +736,7 @@ def _gemv(
             own = w.nbytes * (2 if glu else 1) * n * assigned // math.prod(w.shape[:-1])
             return own + (second.nbytes if second is not None else 0)
 
-        fill = Q8X_PROGRAMS if q8x else 1024
+        fill = Q8X_PROGRAMS if q8x else GEMV_PROGRAMS
         split = _split(key, splits, _heuristic_split(splits, blocks * rows, fill), launch, read)
     elif split not in splits:
         raise ValueError(f"split {split} is not one of {splits}")
@@ -779,6 +780,16 @@ def q8_1_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return q.view(-1).view(torch.int32), d, d * q.float().sum(1)
 
 
+def q8_1_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x [.., K] rounded to its Q8_1 blocks (`q8_1_reference`'s ints times their scales), fp32: what
+    a GEMV taking x as Q8_1 multiplies the weight with."""
+    rows = []
+    for row in x.float().reshape(-1, x.shape[-1]):
+        q, d, _ = q8_1_reference(row)
+        rows.append((q.view(torch.int8).float().view(-1, 32) * d[:, None]).flatten())
+    return torch.stack(rows).reshape(x.shape)
+
+
 def gemv_constexprs(fmt: int, bn: int, grouped: bool = False, x_per: int = 1, top_k: int = 1, glu: bool = False,
                     xmap: bool = False, fmt2: int = -1, q8x: int = 0) -> dict:  # fmt: skip
     """`_gemv_kernel`'s compile-time arguments for a launch of this kind under the module's settings
@@ -808,7 +819,7 @@ def _splits(k: int, chunk: int, top_k: int, sums: int) -> list[int]:
     return splits
 
 
-def _heuristic_split(splits: list[int], sums: int, programs: int = 1024) -> int:
+def _heuristic_split(splits: list[int], sums: int, programs: int = GEMV_PROGRAMS) -> int:
     """The smallest split that fills the GPU with `programs` programs (where none is measured)."""
     return next((s for s in splits if sums * s >= programs), splits[-1])
 
