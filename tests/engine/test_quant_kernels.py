@@ -140,6 +140,75 @@ def test_grouped_experts_equal_per_expert_matmuls(fmt, tokens):
     close(got, want, dtype)
 
 
+def x_in_fp8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the FP8 prefill multiplies it: its e4m3 rows times their 1x128 scales, in fp32."""
+    q, s = quant.fp8_rows_reference(x)
+    return (q.float().unflatten(-1, (-1, 128)) * s[..., None]).flatten(-2)
+
+
+@in_this_process
+def test_fp8_rows_are_the_torch_reference():
+    """x per row and 128 columns over its largest |x| / 448, rounded to e4m3 (ties to even): the
+    kernel's against plain torch's (the interpreter: bit for bit; a GPU divides in its own way:
+    within one e4m3 step, the scales within 1e-6), across magnitudes, a zero group, a subnormal one,
+    and 384 columns (groups not a power of two)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(70, 384, generator=gen) * torch.logspace(-6, 4, 70)[:, None]
+    x[3, 128:256] = 0
+    x[4, :128] = 1e-30
+    x[5, 7] = 448 * 3  # a group's largest is exactly its scale times 448
+    x = x.to(torch.bfloat16)
+    q, s = quant.fp8_rows(x.to(DEVICE))
+    want_q, want_s = quant.fp8_rows_reference(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (70, 3)
+    if not CUDA:
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+        return
+    torch.testing.assert_close(s.cpu(), want_s, rtol=1e-6, atol=0)
+    step = want_q.float().abs().clamp(min=2**-9) / 8  # one e4m3 step at the value
+    assert ((q.cpu().float() - want_q.float()).abs() <= step).all()
+
+
+@in_this_process
+@pytest.mark.parametrize("rows", [65, 200])  # past DEQUANT_ROWS: one partial tile, several
+def test_fp8_prefill_multiplies_x_in_fp8_rows_on_the_tensor_cores(rows, monkeypatch):
+    """Prefill's FP8 (bf16 activations past DEQUANT_ROWS rows, `FP8_ACT`): x quantized per row and 128
+    columns times the e4m3 weight, each 128-column step's sums scaled by both blocks' scales. A plain
+    linear and MoE experts (rows gathered through `order`; an expert with none): equal to x's FP8 rows
+    times the dequantized weight (fp32 out: 1e-5; bf16 out: its rounding); within FP8's error of the
+    unquantized x; FT_FP8_ACT=0 leaves x in bf16."""
+    from engine.ops.gpu.moe import group_by_expert
+
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 384, generator=gen).to(torch.bfloat16)
+    w, reference = fp8_weight((200, 384))  # 200 rows: a partial 128-row block
+    want = x_in_fp8_rows(x) @ reference.T
+    out = torch.empty(rows, 200, device=DEVICE)
+    tiles = torch.arange(0, rows, quant.FP8_BM, dtype=torch.int32, device=DEVICE)
+    every = torch.arange(rows, dtype=torch.int32, device=DEVICE)
+    bounds = (tiles, (tiles + quant.FP8_BM).clamp(max=rows))
+    quant._launch_fp8_gemm(x.to(DEVICE), w.to(DEVICE), every, torch.zeros_like(tiles), *bounds, 200, 384, out,
+                           quant.FP8_BM)  # fmt: skip
+    close(out.cpu(), want, torch.float32)
+    got = quant.linear(x.to(DEVICE), w.to(DEVICE)).cpu()
+    assert got.dtype == torch.bfloat16
+    close(got, want, torch.bfloat16)
+    unquantized = x.float() @ reference.T
+    assert (got.float() - unquantized).abs().max() <= 0.05 * unquantized.abs().max()
+    num_experts, top_k = 4, 2
+    experts, experts_ref = fp8_weight((num_experts, 256, 384), seed=1)
+    ids = torch.stack([torch.randperm(num_experts - 1, generator=gen)[:top_k] for _ in range(rows)])
+    order, offs = group_by_expert(ids, num_experts)  # expert 3 unused
+    got = quant.grouped(x.to(DEVICE), experts.to(DEVICE), order.to(DEVICE), offs.to(DEVICE), top_k).cpu()
+    xq = x_in_fp8_rows(x)
+    flat = ids.flatten()[order]
+    pairs = zip(order.tolist(), flat.tolist(), strict=True)
+    close(got, torch.stack([xq[j // top_k] @ experts_ref[e].T for j, e in pairs]), torch.bfloat16)
+    monkeypatch.setattr(quant, "FP8_ACT", False)
+    if CUDA:  # the transient bf16 copy and cuBLAS: x unquantized
+        close(quant.linear(x.to(DEVICE), w.to(DEVICE)).cpu(), unquantized, torch.bfloat16)
+
+
 @in_this_process
 def test_quantized_experts_of_a_streamed_piece_skip_the_absent_assignments():
     """A prefill's assignments with -1 (routed to experts outside the streamed piece): their rows

@@ -11,6 +11,8 @@ the reference (`engine.quant.ggml`, `engine.quant.fp8`), and multiply it with th
 - `grouped(x, w, order, offs)`: rows grouped by expert (`moe.group_by_expert`) times each row's
   expert's weight, tiles never straddling two experts, or for many rows a transient copy and
   torch's grouped GEMM (MoE prefill); no host sync;
+- FP8 prefill (both) quantizes x per row and 128 columns (`fp8_rows`) and runs e4m3 times e4m3 on
+  the tensor cores (`_fp8_gemm_kernel`), as vLLM and SGLang run Qwen's FP8 checkpoints;
 - with FT_Q8X=1 (off by default), a Q4_K GEMV quantizes x to llama.cpp's Q8_1 first (`quantize_x`)
   and multiplies in integer dot products (`_dot_q4_k_q8`), as llama.cpp does.
 
@@ -77,6 +79,15 @@ Q8X_PROGRAMS = 256  # the same for a GEMV taking x as Q8_1
 # the GEMV's warps a program and its K loop's pipelining stages and unrolling (None: Triton's
 # defaults); `bench/quant.py --gemv-variants` times decode under others
 GEMV_WARPS, GEMV_STAGES, GEMV_UNROLL = 4, None, None
+# FP8 prefill (more than DEQUANT_ROWS rows of bf16 activations) runs on Hopper's FP8 tensor cores:
+# x quantized per row and 128 columns (`fp8_rows`: the dynamic 1x128 activation scaling Qwen's FP8
+# checkpoints declare and vLLM / SGLang run them with) times the e4m3 weights, both blocks' scales
+# applied to each 128-column step's sums (`_fp8_gemm_kernel`). FT_FP8_ACT=0: a transient bf16 copy
+# of the weight and cuBLAS instead (bf16 activations, as before session 15).
+FP8_ACT = os.environ.get("FT_FP8_ACT", "1") == "1"
+FP8_MAX = 448.0  # e4m3's largest finite value
+# the FP8 GEMM's rows a tile, warps and pipelining stages (FT_FP8_TILE="BM:warps:stages")
+FP8_BM, FP8_WARPS, FP8_STAGES = (int(v) for v in os.environ.get("FT_FP8_TILE", "64:4:3").split(":"))
 
 
 class QuantWeight(nn.Module):
@@ -641,6 +652,100 @@ def _gemm_kernel(
     )
 
 
+@triton.jit
+def _e4m3_grid(v):
+    """v (fp32, |v| <= 448) rounded to the nearest e4m3 value (ties to even) in fp32 arithmetic:
+    adding and taking back 1.5 * 2**23 ulps rounds to a multiple of the ulp. The cast to e4m3 is then
+    exact on every backend (Triton's interpreter's own rounding drops the carry into the exponent)."""
+    exponent = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    ulp = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)  # subnormals: 2**-9
+    big = ulp * 12582912.0  # 1.5 * 2**23
+    rounded = (tl.abs(v) + big) - big
+    return tl.where(v < 0, -rounded, rounded)  # -0 stays -0
+
+
+@triton.jit
+def _fp8_rows_kernel(X, Q, S, K, GROUPS: tl.constexpr):
+    """Row m of X [M, K] as e4m3 Q and fp32 S [M, K/128]: each 128 columns over their largest |x| / 448."""
+    m = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, GROUPS)
+    k = g[:, None] * 128 + tl.arange(0, 128)[None, :]
+    keep = k < K
+    x = tl.load(X + m * K + k, mask=keep, other=0.0).to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / 448.0
+    q = _e4m3_grid(tl.clamp(x / s[:, None], -448.0, 448.0))
+    tl.store(Q + m * K + k, q.to(Q.dtype.element_ty), mask=keep)
+    tl.store(S + m * (K // 128) + g, s, mask=g < K // 128)
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    XQ, XS, W, WS, Y, ROWS, TILE_EXPERT, TILE_START, TILE_END, N, K, BM: tl.constexpr,
+):  # fmt: skip
+    """`_gemm_kernel`'s tiles in FP8: x's rows (e4m3, a scale per 128 columns) times expert e's
+    e4m3 rows n (128 a program: one scale block row), each 128-column step's fp32 sums scaled by
+    both blocks' scales (the weight's one, x's per row)."""
+    t = tl.program_id(0)
+    start, end = tl.load(TILE_START + t), tl.load(TILE_END + t)
+    if start >= end:
+        return
+    e = tl.load(TILE_EXPERT + t).to(tl.int64)
+    r = start + tl.arange(0, BM)
+    valid = r < end
+    src = tl.load(ROWS + r, mask=valid, other=0).to(tl.int64)
+    block = tl.program_id(1)
+    n = (block * 128 + tl.arange(0, 128)).to(tl.int64)
+    col = tl.arange(0, 128)
+    steps = K // 128
+    x_at = XQ + src[:, None] * K + col[None, :]
+    w_at = W + (e * N + tl.minimum(n, N - 1))[:, None] * K + col[None, :]
+    xs_at = XS + src * steps
+    ws_at = WS + (e * tl.cdiv(N, 128) + block) * steps
+    acc = tl.zeros([BM, 128], tl.float32)
+    for i in range(steps):
+        x = tl.load(x_at + i * 128, mask=valid[:, None], other=0.0)
+        w = tl.load(w_at + i * 128)
+        scale = tl.load(xs_at + i, mask=valid, other=0.0) * tl.load(ws_at + i)
+        acc += tl.dot(x, tl.trans(w)) * scale[:, None]
+    tl.store(
+        Y + r[:, None] * N + n[None, :], acc.to(Y.dtype.element_ty), mask=valid[:, None] & (n < N)[None, :]
+    )
+
+
+def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of 128) as e4m3 [M, K] and fp32 scales [M, K/128]: each row's 128-column
+    groups divided by their largest |x| / 448."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, k // 128, dtype=torch.float32, device=x.device)
+    if m:
+        _fp8_rows_kernel[(m,)](x, q, s, k, GROUPS=triton.next_power_of_2(k // 128))
+    return q, s
+
+
+def fp8_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp8_rows` in plain torch."""
+    groups = x.float().unflatten(-1, (-1, 128))
+    s = groups.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
+    q = (groups / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.flatten(-2), s
+
+
+def _takes_fp8_rows(x: torch.Tensor, w: QuantWeight, rows: int) -> bool:
+    """Whether `rows` rows of x times w run on FP8 tensor cores (`FP8_ACT`; a GPU with them: sm_89 on)."""
+    if not (FP8_ACT and w.fmt == FP8 and x.dtype == torch.bfloat16 and rows > DEQUANT_ROWS):
+        return False
+    return x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) >= (8, 9)
+
+
+def _launch_fp8_gemm(x, w, rows, tile_expert, tile_start, tile_end, n, k, out, bm):
+    xq, xs = fp8_rows(x)
+    grid = (tile_start.numel(), triton.cdiv(n, 128))
+    _fp8_gemm_kernel[grid](xq, xs, *w.parts, out, rows, tile_expert, tile_start, tile_end, n, k,
+                           BM=bm, num_warps=FP8_WARPS, num_stages=FP8_STAGES)  # fmt: skip
+    return out
+
+
 def _block_k(k: int) -> int:
     """Columns per GEMM / dequantization step: 64, or 32 for the narrow rows Q8_0 and FP8 allow."""
     if k % 32:
@@ -902,8 +1007,9 @@ def experts_sum(act: torch.Tensor, down: QuantWeight, ids: torch.Tensor) -> torc
 
 def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """x [M, K] @ w.T → [M, N] in x's dtype (w: one weight [N, K]): a split-K GEMV for up to
-    `GEMV_ROWS` rows (decode), the tiled kernel up to `DEQUANT_ROWS`, above that one transient
-    dequantized copy and a cuBLAS GEMM (prefill: the copy costs far less than the GEMM)."""
+    `GEMV_ROWS` rows (decode), the tiled kernel up to `DEQUANT_ROWS`, above that (prefill) FP8 on
+    its tensor cores (`FP8_ACT`) or one transient dequantized copy and a cuBLAS GEMM (the copy costs
+    far less than the GEMM)."""
     n, k = w.shape
     x = x.contiguous()
     m = x.shape[0]
@@ -911,14 +1017,15 @@ def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         return _gemv(x, w, m, n)  # x's columns through w's map, if any, a chunk at a time
     if w.columns is not None:  # into the packed order
         x = x.index_select(-1, w.columns)
-    if m > DEQUANT_ROWS and x.dtype != torch.float32:
+    fp8 = _takes_fp8_rows(x, w, m)
+    if m > DEQUANT_ROWS and x.dtype != torch.float32 and not fp8:
         return x @ dequantize_to(w, x.dtype).T
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    bm = 32
+    bm = FP8_BM if fp8 else 32
     tiles = torch.arange(0, m, bm, device=x.device, dtype=torch.int32)
     rows = torch.arange(m, device=x.device, dtype=torch.int32)
-    zero = torch.zeros_like(tiles)
-    return _launch_gemm(x, w, rows, zero, tiles, (tiles + bm).clamp(max=m), n, k, out, bm)
+    launch = _launch_fp8_gemm if fp8 else _launch_gemm
+    return launch(x, w, rows, torch.zeros_like(tiles), tiles, (tiles + bm).clamp(max=m), n, k, out, bm)
 
 
 def linear_pair(x: torch.Tensor, first: QuantWeight, second: QuantWeight) -> torch.Tensor | None:
@@ -940,13 +1047,15 @@ def grouped(
     (`order`, `offs` [E] int32 ends of each expert's rows, from `moe.group_by_expert`). Returns
     [len(order), N] in expert order. Tiles are laid out on the device: an upper bound of
     len(order) / BM + min(len(order), E) tiles (decode: a few, not one per expert), the empty ones
-    return at once (no host sync)."""
+    return at once (no host sync). Beyond DEQUANT_ROWS bf16 rows: FP8 on its tensor cores
+    (`FP8_ACT`), other formats a transient bf16 copy and torch's grouped GEMM."""
     num_experts, n, k = w.shape
-    if order.numel() > DEQUANT_ROWS and x.dtype == torch.bfloat16:  # before the tiles: this path has none
+    fp8 = _takes_fp8_rows(x, w, order.numel())
+    if order.numel() > DEQUANT_ROWS and x.dtype == torch.bfloat16 and not fp8:  # no tiles on this path
         grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
         xs = x.index_select(0, order // top_k)  # row copies (x[i] is an elementwise kernel)
         return grouped_mm(xs, dequantize_to(w, x.dtype).transpose(1, 2), offs=offs)
-    bm = 32
+    bm = FP8_BM if fp8 else 32
     ends = offs.long()
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     tiles_per = (ends - starts + bm - 1) // bm  # [E]
@@ -961,4 +1070,5 @@ def grouped(
     expert, tile_start, tile_end = (v.to(torch.int32) for v in (expert, tile_start, tile_end))
     rows = (order // top_k).to(torch.int32)
     out = torch.empty(order.numel(), n, dtype=x.dtype, device=x.device)
-    return _launch_gemm(x.contiguous(), w, rows, expert, tile_start, tile_end, n, k, out, bm)
+    launch = _launch_fp8_gemm if fp8 else _launch_gemm
+    return launch(x.contiguous(), w, rows, expert, tile_start, tile_end, n, k, out, bm)
