@@ -10,6 +10,8 @@
 #       fold       decode (bf16 per batch size; Q4_K_M) with the shared expert run apart (FT_FOLD_SHARED=0) and folded
 #       base       the same decode benches on an earlier tree carried as .base/ (`base-tree`, below): a same-lease baseline
 #       quant      bf16 and FP8 at the 256-expert shape (bench/quant.py), beside llama.cpp's CUDA build
+#       fp8-kernels  FP8 prefill's matmuls at 8K tokens: bf16, the bf16-copy path, the tensor cores per tile setting
+#                  ($FP8_TILES), torch._scaled_mm (bench/quant_kernels.py --fp8-prefill)
 #       gpu-tests  pytest: offload (peak reserved memory within the budget), the engine's GPU tests, the fused kernels
 #       kernel-tests  pytest: the fused and quantized Triton kernels against torch
 #       capture-tests  pytest: restores, captures and graph decode on the GPU (tests/engine/test_gpu.py)
@@ -108,6 +110,8 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
       step base-q4 env PYTHONPATH=/tmp/site:$PWD/.base FT_PEER_HOME=$PWD/.peer python3 .base/bench/quant.py \
         --preset $P --device cuda --parts q4_k_m --json $O/base-q4.json
       ;;
+    fp8-kernels) step fp8-kernels python3 bench/quant_kernels.py --fp8-prefill \
+      --fp8-tiles "${FP8_TILES:-64:4:3,128:4:3,128:8:3,64:4:4,128:8:4}" --json $O/fp8-kernels.json ;;
     quant) step quant python3 bench/quant.py --preset $P --device cuda --parts bf16,fp8 --json $O/quant.json ;;
     kernel-tests) step kernel-tests python3 -m pytest -q -p no:cacheprovider tests/engine/test_fused_kernels.py \
       tests/engine/test_quant_kernels.py \

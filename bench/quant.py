@@ -191,6 +191,8 @@ def bench_format(fmt: str, args, keep: dict) -> dict:
     )
     row["prefill"] = bench_prefill(eng, args.prefill)
     print(f"{fmt}: prefill {args.prefill}: {row['prefill']['tok_s']:.0f} tok/s", flush=True)
+    if fmt == "fp8" and eng.device.type == "cuda":
+        row["prefill_bf16_activations"] = fp8_activations(eng, args.prefill)
     row["decode"] = [bench_decode(eng, args.context, b, args.steps) for b in args.batches]
     for d in row["decode"]:
         print(f"{fmt}: decode B={d['batch']} at {d['context']}: {d['tok_s']:.1f} tok/s (runs {spread(d)})", flush=True)
@@ -213,6 +215,27 @@ def bench_format(fmt: str, args, keep: dict) -> dict:
     if torch.cuda.is_available():  # what the next part starts with (a leak would show here)
         row["gpu_allocated_after_bytes"] = torch.cuda.memory_allocated()
     return row
+
+
+def fp8_activations(eng, tokens: int) -> dict:
+    """FP8 prefill with x kept in bf16 (FT_FP8_ACT=0: a transient bf16 copy of each weight and cuBLAS)
+    beside the default (x in FP8 rows on the tensor cores): speed, and how far apart the two put the
+    last token's logits (largest difference over the largest logit, whether the top token is the same)."""
+    from engine.ops.gpu import quant  # noqa: PLC0415
+
+    ids = ids_for(tokens, tokens)
+    fp8_x = eng.prefill(eng.new_state(), ids).logits.float()
+    quant.FP8_ACT = False
+    try:
+        out = bench_prefill(eng, tokens)
+        bf16_x = eng.prefill(eng.new_state(), ids).logits.float()
+    finally:
+        quant.FP8_ACT = True
+    out["logits_max_diff_rel"] = ((fp8_x - bf16_x).abs().max() / bf16_x.abs().max()).item()
+    out["same_top_token"] = bool(fp8_x.argmax() == bf16_x.argmax())
+    print(f"fp8: prefill {tokens} with bf16 activations: {out['tok_s']:.0f} tok/s; last logits "
+          f"{out['logits_max_diff_rel']:.2e} apart (relative), same top token: {out['same_top_token']}", flush=True)  # fmt: skip
+    return out
 
 
 def decode_afresh(eng, args) -> list[dict]:
@@ -458,6 +481,8 @@ def table(result: dict) -> str:
         lines.append(f"| {fmt} (ours) | {r['dtype'].removeprefix('torch.')} | {r['file_bytes'] / GB:.2f} | {r['weights_bytes'] / GB:.2f} "
                      f"| {r['weights_vs_file']:.2f} | {r['load_s']:.0f} | {r['prefill']['tok_s']:.0f} | {num(decode_tok_s(r, 1), '.1f')} "
                      f"| {num(decode_tok_s(r, 4), '.1f')} |")  # fmt: skip
+        if a := r.get("prefill_bf16_activations"):  # FP8 with x in bf16 (FT_FP8_ACT=0)
+            lines.append(f"| {fmt}, x in bf16 (ours) | | | | | | {a['tok_s']:.0f} | | |")
     if llama := result.get("llama"):
         lines.append(f"| q4_k_m (llama.cpp) | Q4_K_M | {llama['file_bytes'] / GB:.2f} | — | — | {llama['load_s']:.0f} "
                      f"| {llama['prefill']['tok_s']:.0f} | {llama['decode']['tok_s']:.1f} | — |")  # fmt: skip
