@@ -111,8 +111,8 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
         --preset $P --device cuda --parts q4_k_m --json $O/base-q4.json
       ;;
     fp8-kernels) step fp8-kernels python3 bench/quant_kernels.py --fp8-prefill \
-      --fp8-tiles "${FP8_TILES:-64:4:3,128:4:3,128:8:3,64:4:4,128:8:4}" --json $O/fp8-kernels.json ;;
-    quant) step quant python3 bench/quant.py --preset $P --device cuda --parts bf16,fp8 --json $O/quant.json ;;
+      ${FP8_TILES:+--fp8-tiles $FP8_TILES} --json $O/fp8-kernels.json ;;
+    quant) step quant python3 bench/quant.py --preset $P --device cuda --parts bf16,fp8 ${QUANT_ARGS:-} --json $O/quant.json ;;
     kernel-tests) step kernel-tests python3 -m pytest -q -p no:cacheprovider tests/engine/test_fused_kernels.py \
       tests/engine/test_quant_kernels.py \
       tests/engine/test_gpu.py::test_grouped_experts_of_a_streamed_piece_skip_the_absent_assignments ;;

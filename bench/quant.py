@@ -191,8 +191,16 @@ def bench_format(fmt: str, args, keep: dict) -> dict:
     )
     row["prefill"] = bench_prefill(eng, args.prefill)
     print(f"{fmt}: prefill {args.prefill}: {row['prefill']['tok_s']:.0f} tok/s", flush=True)
-    if fmt == "fp8" and eng.device.type == "cuda":
-        row["prefill_bf16_activations"] = fp8_activations(eng, args.prefill)
+    if eng.device.type == "cuda" and fmt in ("bf16", "fp8"):
+        ids = ids_for(args.prefill, args.prefill)
+        if fmt == "bf16":  # the last logits of the FP8 runs' prompt, to set theirs against
+            keep["bf16_logits"] = eng.prefill(eng.new_state(), ids).logits.float()
+        else:
+            row["prefill_bf16_activations"] = fp8_activations(eng, ids, keep.get("bf16_logits"))
+        if args.profile:  # the kernels of the prefill, by device time
+            from bench.gpu import profile_prefill  # noqa: PLC0415
+
+            row["profile_prefill"] = profile_prefill(eng, args.prefill)
     row["decode"] = [bench_decode(eng, args.context, b, args.steps) for b in args.batches]
     for d in row["decode"]:
         print(f"{fmt}: decode B={d['batch']} at {d['context']}: {d['tok_s']:.1f} tok/s (runs {spread(d)})", flush=True)
@@ -217,24 +225,30 @@ def bench_format(fmt: str, args, keep: dict) -> dict:
     return row
 
 
-def fp8_activations(eng, tokens: int) -> dict:
+def fp8_activations(eng, ids: list[int], bf16_logits: torch.Tensor | None) -> dict:
     """FP8 prefill with x kept in bf16 (FT_FP8_ACT=0: a transient bf16 copy of each weight and cuBLAS)
-    beside the default (x in FP8 rows on the tensor cores): speed, and how far apart the two put the
-    last token's logits (largest difference over the largest logit, whether the top token is the same)."""
+    beside the default (x in FP8 rows on the tensor cores): speed, and how far apart the last token's
+    logits are, the two against each other and each against the bf16 model's (largest difference over
+    the largest logit; whether the top token is the same)."""
     from engine.ops.gpu import quant  # noqa: PLC0415
 
-    ids = ids_for(tokens, tokens)
-    fp8_x = eng.prefill(eng.new_state(), ids).logits.float()
+    logits = {"fp8 x": eng.prefill(eng.new_state(), ids).logits.float(), "bf16 model": bf16_logits}
     quant.FP8_ACT = False
     try:
-        out = bench_prefill(eng, tokens)
-        bf16_x = eng.prefill(eng.new_state(), ids).logits.float()
+        out = bench_prefill(eng, len(ids))
+        logits["bf16 x"] = eng.prefill(eng.new_state(), ids).logits.float()
     finally:
         quant.FP8_ACT = True
-    out["logits_max_diff_rel"] = ((fp8_x - bf16_x).abs().max() / bf16_x.abs().max()).item()
-    out["same_top_token"] = bool(fp8_x.argmax() == bf16_x.argmax())
-    print(f"fp8: prefill {tokens} with bf16 activations: {out['tok_s']:.0f} tok/s; last logits "
-          f"{out['logits_max_diff_rel']:.2e} apart (relative), same top token: {out['same_top_token']}", flush=True)  # fmt: skip
+    print(f"fp8: prefill {len(ids)} with bf16 activations: {out['tok_s']:.0f} tok/s", flush=True)
+    pairs = [("fp8 x", "bf16 x")] + [(a, "bf16 model") for a in ("fp8 x", "bf16 x") if bf16_logits is not None]
+    out["logits"] = []
+    for a, b in pairs:
+        la, lb = logits[a], logits[b]
+        apart = {"a": a, "b": b, "max_diff_rel": ((la - lb).abs().max() / lb.abs().max()).item(),
+                 "same_top_token": bool(la.argmax() == lb.argmax())}  # fmt: skip
+        out["logits"].append(apart)
+        print(f"  last logits, {a} vs {b}: {apart['max_diff_rel']:.2e} apart (relative), same top token: "
+              f"{apart['same_top_token']}", flush=True)  # fmt: skip
     return out
 
 
@@ -571,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     result |= same | {"device_name": torch.cuda.get_device_name() if args.device != "cpu" else "cpu",
                       "torch": torch.__version__, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}  # fmt: skip
     result.setdefault("commands", []).append(" ".join(["python", "bench/quant.py", *argv]))
-    keep: dict = {}  # the Q4_K_M engine, from its part to our replay
+    keep: dict = {}  # the Q4_K_M engine, from its part to our replay; bf16's last logits for FP8's
     for part in sorted(args.parts, key=PARTS.index):
         if part in FORMATS:
             result.setdefault("formats", {})[part] = bench_format(part, args, keep)

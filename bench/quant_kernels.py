@@ -4,13 +4,14 @@ of an MoE layer (4096 tokens x top-8 of 256 experts). Resident bytes per format,
 weight bytes read per second, and the largest relative error against `x @ w.dequantize().T`.
 
     python bench/quant_kernels.py [--json bench/quant-kernels.json]   (or: python bench/quant.py --kernels …)
-    python bench/quant_kernels.py --fp8-prefill [--fp8-tiles 64:4:3,128:8:3] [--json …]
+    python bench/quant_kernels.py --fp8-prefill [--fp8-tiles 64:4:3:t,64:4:4:n] [--json …]
 
 `--fp8-prefill`: FP8 prefill's matmuls at 8,192 tokens instead (the DeltaNet and attention projections,
 an MoE layer's experts at top-8 of 256): bf16 cuBLAS on a bf16 copy of the weight, FP8 through a
-transient bf16 copy (FT_FP8_ACT=0), FP8 on the tensor cores per tile setting (rows a tile : warps :
-stages; x quantized in the timing), and for the dense ones cuBLAS's block-scaled `torch._scaled_mm`;
-errors against the fp32 product of the unquantized x.
+transient bf16 copy (FT_FP8_ACT=0), FP8 on the tensor cores (x quantized in the timing) through cuBLAS's
+block-scaled `torch._scaled_mm` (dense) and the Triton kernel per tile setting (`quant.Fp8Tile.parse`:
+rows a tile : warps : stages : n|t : imprecise); errors against the fp32 product of the unquantized x
+and (`vs fp8 x`) of x's FP8 rows.
 """
 
 from __future__ import annotations
@@ -68,59 +69,53 @@ FP8_EXPERTS = {
 }
 
 
-def scaled_mm(xq, xs, w):
-    """cuBLAS's block-scaled FP8 GEMM (torch._scaled_mm, 1x128 x 128x128: sm_90, CUDA >= 12.9): the
-    scales laid out as it takes them (x's outer-dim-major, the weight's [K/128 padded to 4, N/128])."""
-    wq, ws = w.parts
-    pad = -ws.shape[1] % 4
-    ws = torch.nn.functional.pad(ws, (0, pad)).t()
-    return torch._scaled_mm(xq, wq.t(), scale_a=xs.t().contiguous().t(), scale_b=ws, out_dtype=torch.bfloat16)
-
-
 def fp8_prefill(tiles: list[str]) -> list[dict]:
     dev, rows = "cuda", []
     gen = torch.Generator(device=dev).manual_seed(0)
 
-    def add(op, m, variant, fn, want, flops):
+    def add(op, m, variant, fn, want, flops, want_fp8=None):
+        """`want`: the fp32 product of the unquantized x; `want_fp8`: of x's FP8 rows (the kernel's own error)."""
         try:
             ms = triton.testing.do_bench(fn, warmup=5, rep=50)
-            out = fn()
-            err = ((out.float() - want).abs().max() / want.abs().max()).item()
-            rows.append({"op": op, "rows": m, "variant": variant, "ms": ms, "TFLOP/s": flops / ms / 1e9,
-                         "max_rel_err": err})  # fmt: skip
+            out = fn().float()
+            row = {"op": op, "rows": m, "variant": variant, "ms": ms, "TFLOP/s": flops / ms / 1e9,
+                   "max_rel_err": ((out - want).abs().max() / want.abs().max()).item()}  # fmt: skip
+            if want_fp8 is not None:
+                row["vs_fp8_x"] = ((out - want_fp8).abs().max() / want_fp8.abs().max()).item()
+            rows.append(row)
         except Exception as e:  # noqa: BLE001 - a variant this GPU or torch does not run
             rows.append({"op": op, "rows": m, "variant": variant, "error": f"{type(e).__name__}: {e}"[:200]})
 
-    def variants(op, m, run, want, flops):
-        """`run(fp8)`: the product with FT_FP8_ACT off (a bf16 copy) or on (per tile setting)."""
-        before = (quant.FP8_ACT, quant.FP8_BM, quant.FP8_WARPS, quant.FP8_STAGES)
+    def variants(op, m, run, want, want_fp8, flops, cublas=False):
+        """`run()` with FT_FP8_ACT off (a bf16 copy), on through cuBLAS (`cublas`), on per Triton tile setting."""
+        before = (quant.FP8_ACT, quant.FP8_CUBLAS, quant.FP8_TILE)
         try:
             quant.FP8_ACT = False
             add(op, m, "fp8 via bf16 copy", run, want, flops)
             quant.FP8_ACT = True
+            if cublas:
+                add(op, m, "fp8 cuBLAS (_scaled_mm)", run, want, flops, want_fp8)
+            quant.FP8_CUBLAS = False
             for spec in tiles:
-                quant.FP8_BM, quant.FP8_WARPS, quant.FP8_STAGES = (int(v) for v in spec.split(":"))
-                add(op, m, f"fp8 tensor cores {spec}", run, want, flops)
+                quant.FP8_TILE = quant.Fp8Tile.parse(spec)
+                add(op, m, f"fp8 Triton {spec}", run, want, flops, want_fp8)
         finally:
-            quant.FP8_ACT, quant.FP8_BM, quant.FP8_WARPS, quant.FP8_STAGES = before
+            quant.FP8_ACT, quant.FP8_CUBLAS, quant.FP8_TILE = before
+
+    def fp8_x(x):
+        q, s = quant.fp8_rows_reference(x)
+        return (q.float().unflatten(-1, (-1, 128)) * s[..., None]).flatten(-2)
 
     for op, shape in FP8_LINEARS.items():
         x = torch.randn(FP8_TOKENS, shape[1], device=dev, dtype=torch.bfloat16, generator=gen)
         w = random_weight("fp8", shape, dev)
         deq = w.dequantize()
         want, flops = x.float() @ deq.T, 2 * FP8_TOKENS * shape[0] * shape[1]
+        want_fp8 = fp8_x(x) @ deq.T
         bf16 = deq.to(torch.bfloat16)
         add(op, FP8_TOKENS, "bf16 cuBLAS", lambda x=x, b=bf16: x @ b.T, want, flops)
-        variants(op, FP8_TOKENS, lambda x=x, w=w: quant.linear(x, w), want, flops)
-        add(
-            op,
-            FP8_TOKENS,
-            "fp8 torch._scaled_mm",
-            lambda x=x, w=w: scaled_mm(*quant.fp8_rows(x), w),
-            want,
-            flops,
-        )
-        del bf16, deq, want
+        variants(op, FP8_TOKENS, lambda x=x, w=w: quant.linear(x, w), want, want_fp8, flops, cublas=True)
+        del bf16, deq, want, want_fp8
     top_k = 8
     grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
     for op, shape in FP8_EXPERTS.items():
@@ -131,10 +126,11 @@ def fp8_prefill(tiles: list[str]) -> list[dict]:
         w = random_weight("fp8", shape, dev)
         deq = w.dequantize()
         starts = [0, *offs[:-1].tolist()]
+        spans = list(enumerate(zip(starts, offs.tolist(), strict=True)))
         xs = x[order // top_k].float()
-        want = torch.cat(
-            [xs[s:e] @ deq[i].T for i, (s, e) in enumerate(zip(starts, offs.tolist(), strict=True))]
-        )
+        want = torch.cat([xs[s:e] @ deq[i].T for i, (s, e) in spans])
+        xs = fp8_x(x)[order // top_k]
+        want_fp8 = torch.cat([xs[s:e] @ deq[i].T for i, (s, e) in spans])
         flops = 2 * FP8_TOKENS * top_k * n * k
         bf16, xb = deq.to(torch.bfloat16), x[order // top_k]
         del deq, xs
@@ -142,14 +138,15 @@ def fp8_prefill(tiles: list[str]) -> list[dict]:
             lambda b=bf16, xb=xb, o=offs: grouped_mm(xb, b.transpose(1, 2), offs=o), want, flops)  # fmt: skip
         del bf16
         run = lambda x=x, w=w, o=order, f=offs: quant.grouped(x, w, o, f, top_k)  # noqa: E731
-        variants(op, FP8_TOKENS * top_k, run, want, flops)
-    print(f"{'op':40} {'rows':>6} {'variant':>28} {'ms':>8} {'TFLOP/s':>8} {'rel err':>9}")
+        variants(op, FP8_TOKENS * top_k, run, want, want_fp8, flops)
+    print(f"{'op':40} {'rows':>6} {'variant':>28} {'ms':>8} {'TFLOP/s':>8} {'rel err':>9} {'vs fp8 x':>9}")
     for row in rows:
         if "error" in row:
             print(f"{row['op']:40} {row['rows']:>6} {row['variant']:>28}  {row['error']}")
         else:
+            fp8_err = f"{row['vs_fp8_x']:>9.2e}" if "vs_fp8_x" in row else ""
             print(f"{row['op']:40} {row['rows']:>6} {row['variant']:>28} {row['ms']:>8.3f} {row['TFLOP/s']:>8.1f} "
-                  f"{row['max_rel_err']:>9.2e}")  # fmt: skip
+                  f"{row['max_rel_err']:>9.2e} {fp8_err}")  # fmt: skip
     return rows
 
 
@@ -157,8 +154,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", type=Path)
     p.add_argument("--fp8-prefill", action="store_true", help="FP8 prefill's matmuls at 8,192 tokens instead")
-    p.add_argument("--fp8-tiles", default="64:4:3,128:4:3,128:8:3,64:4:4,128:8:4",
-                   help="the FP8 GEMM's settings to time, rows a tile : warps : stages, comma-separated")  # fmt: skip
+    p.add_argument("--fp8-tiles", default="64:4:3:t,64:4:4:t,64:4:4:n,64:4:4:n:32,64:8:4:n,128:8:4:n",
+                   help="the FP8 Triton GEMM's settings to time (quant.Fp8Tile.parse), comma-separated")  # fmt: skip
     args = p.parse_args()
     if args.fp8_prefill:
         rows = fp8_prefill(args.fp8_tiles.split(","))

@@ -161,6 +161,9 @@ def test_fp8_rows_are_the_torch_reference():
     q, s = quant.fp8_rows(x.to(DEVICE))
     want_q, want_s = quant.fp8_rows_reference(x)
     assert q.dtype == torch.float8_e4m3fn and s.shape == (70, 3)
+    padded, outer = quant.fp8_rows(x.to(DEVICE), cublas=True)  # as torch._scaled_mm takes them
+    assert padded.shape == (72, 384) and outer.shape == (72, 3) and outer.stride() == (1, 72)
+    assert torch.equal(padded[:70].view(torch.uint8), q.view(torch.uint8)) and torch.equal(outer[:70], s)
     if not CUDA:
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
         return
@@ -171,7 +174,8 @@ def test_fp8_rows_are_the_torch_reference():
 
 @in_this_process
 @pytest.mark.parametrize("rows", [65, 200])  # past DEQUANT_ROWS: one partial tile, several
-def test_fp8_prefill_multiplies_x_in_fp8_rows_on_the_tensor_cores(rows, monkeypatch):
+@pytest.mark.parametrize("tile", ["64:4:3:t", "32:4:3:n"])  # a tile's programs over N apart or together
+def test_fp8_prefill_multiplies_x_in_fp8_rows_on_the_tensor_cores(rows, tile, monkeypatch):
     """Prefill's FP8 (bf16 activations past DEQUANT_ROWS rows, `FP8_ACT`): x quantized per row and 128
     columns times the e4m3 weight, each 128-column step's sums scaled by both blocks' scales. A plain
     linear and MoE experts (rows gathered through `order`; an expert with none): equal to x's FP8 rows
@@ -179,16 +183,17 @@ def test_fp8_prefill_multiplies_x_in_fp8_rows_on_the_tensor_cores(rows, monkeypa
     unquantized x; FT_FP8_ACT=0 leaves x in bf16."""
     from engine.ops.gpu.moe import group_by_expert
 
+    monkeypatch.setattr(quant, "FP8_TILE", quant.Fp8Tile.parse(tile))
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 384, generator=gen).to(torch.bfloat16)
     w, reference = fp8_weight((200, 384))  # 200 rows: a partial 128-row block
     want = x_in_fp8_rows(x) @ reference.T
     out = torch.empty(rows, 200, device=DEVICE)
-    tiles = torch.arange(0, rows, quant.FP8_BM, dtype=torch.int32, device=DEVICE)
+    bm = quant.FP8_TILE.bm
+    tiles = torch.arange(0, rows, bm, dtype=torch.int32, device=DEVICE)
     every = torch.arange(rows, dtype=torch.int32, device=DEVICE)
-    bounds = (tiles, (tiles + quant.FP8_BM).clamp(max=rows))
-    quant._launch_fp8_gemm(x.to(DEVICE), w.to(DEVICE), every, torch.zeros_like(tiles), *bounds, 200, 384, out,
-                           quant.FP8_BM)  # fmt: skip
+    bounds = (tiles, (tiles + bm).clamp(max=rows))
+    quant._launch_fp8_gemm(x.to(DEVICE), w.to(DEVICE), every, torch.zeros_like(tiles), *bounds, 200, 384, out, bm)
     close(out.cpu(), want, torch.float32)
     got = quant.linear(x.to(DEVICE), w.to(DEVICE)).cpu()
     assert got.dtype == torch.bfloat16

@@ -12,7 +12,8 @@ the reference (`engine.quant.ggml`, `engine.quant.fp8`), and multiply it with th
   expert's weight, tiles never straddling two experts, or for many rows a transient copy and
   torch's grouped GEMM (MoE prefill); no host sync;
 - FP8 prefill (both) quantizes x per row and 128 columns (`fp8_rows`) and runs e4m3 times e4m3 on
-  the tensor cores (`_fp8_gemm_kernel`), as vLLM and SGLang run Qwen's FP8 checkpoints;
+  the tensor cores, as vLLM and SGLang run Qwen's FP8 checkpoints: cuBLAS's block-scaled GEMM for a
+  linear where torch has it (`_cublas_fp8`), else and for experts a Triton kernel (`_fp8_gemm_kernel`);
 - with FT_Q8X=1 (off by default), a Q4_K GEMV quantizes x to llama.cpp's Q8_1 first (`quantize_x`)
   and multiplies in integer dot products (`_dot_q4_k_q8`), as llama.cpp does.
 
@@ -27,6 +28,7 @@ import logging
 import math
 import os
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import triton
@@ -79,15 +81,39 @@ Q8X_PROGRAMS = 256  # the same for a GEMV taking x as Q8_1
 # the GEMV's warps a program and its K loop's pipelining stages and unrolling (None: Triton's
 # defaults); `bench/quant.py --gemv-variants` times decode under others
 GEMV_WARPS, GEMV_STAGES, GEMV_UNROLL = 4, None, None
-# FP8 prefill (more than DEQUANT_ROWS rows of bf16 activations) runs on Hopper's FP8 tensor cores:
-# x quantized per row and 128 columns (`fp8_rows`: the dynamic 1x128 activation scaling Qwen's FP8
-# checkpoints declare and vLLM / SGLang run them with) times the e4m3 weights, both blocks' scales
-# applied to each 128-column step's sums (`_fp8_gemm_kernel`). FT_FP8_ACT=0: a transient bf16 copy
-# of the weight and cuBLAS instead (bf16 activations, as before session 15).
+# FP8 prefill (more than DEQUANT_ROWS rows of bf16 activations) runs on FP8 tensor cores: x quantized
+# per row and 128 columns (`fp8_rows`: the dynamic 1x128 activation scaling Qwen's FP8 checkpoints
+# declare and vLLM / SGLang run them with) times the e4m3 weights, both blocks' scales applied to each
+# 128-column step's sums (`_fp8_gemm_kernel`, `_cublas_fp8`). FT_FP8_ACT=0: a transient bf16 copy of
+# the weight and cuBLAS instead (bf16 activations, as before session 15).
 FP8_ACT = os.environ.get("FT_FP8_ACT", "1") == "1"
 FP8_MAX = 448.0  # e4m3's largest finite value
-# the FP8 GEMM's rows a tile, warps and pipelining stages (FT_FP8_TILE="BM:warps:stages")
-FP8_BM, FP8_WARPS, FP8_STAGES = (int(v) for v in os.environ.get("FT_FP8_TILE", "64:4:3").split(":"))
+# Dense FP8 prefill on a GPU that has it (sm_90, CUDA >= 12.9) through cuBLAS's block-scaled GEMM
+# (`torch._scaled_mm`, 1x128 x 128x128): the H200, session 15, 1.4x the Triton kernel at 8K tokens.
+# FT_FP8_CUBLAS=0: the Triton kernel for those too.
+FP8_CUBLAS = os.environ.get("FT_FP8_CUBLAS", "1") == "1"
+_CUBLAS_FP8: dict[torch.device, bool] = {}  # per device: whether its torch._scaled_mm takes block scales
+
+
+class Fp8Tile(NamedTuple):
+    """The FP8 GEMM's launch: rows a tile, warps, pipelining stages, whether a tile's programs over N
+    run one after another (its x rows and its expert's weight stay in L2), and how many products
+    Hopper's FP8 MMA sums at its reduced precision before adding into fp32 (0: Triton's default, all)."""
+
+    bm: int = 64
+    warps: int = 4
+    stages: int = 3
+    n_first: bool = False
+    imprecise: int = 0
+
+    @classmethod
+    def parse(cls, spec: str) -> Fp8Tile:
+        """"BM:warps:stages[:n|t[:imprecise]]", e.g. "64:4:4:n:0"."""
+        v = spec.split(":")
+        return cls(*(int(x) for x in v[:3]), *([v[3] == "n"] if len(v) > 3 else []), *(int(x) for x in v[4:5]))
+
+
+FP8_TILE = Fp8Tile.parse(os.environ.get("FT_FP8_TILE", "64:4:3"))
 
 
 class QuantWeight(nn.Module):
@@ -665,8 +691,9 @@ def _e4m3_grid(v):
 
 
 @triton.jit
-def _fp8_rows_kernel(X, Q, S, K, GROUPS: tl.constexpr):
-    """Row m of X [M, K] as e4m3 Q and fp32 S [M, K/128]: each 128 columns over their largest |x| / 448."""
+def _fp8_rows_kernel(X, Q, S, K, S_ROW, S_GROUP, GROUPS: tl.constexpr):
+    """Row m of X [M, K] as e4m3 Q and fp32 scales S (group g of row m at m * S_ROW + g * S_GROUP):
+    each 128 columns over their largest |x| / 448."""
     m = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, GROUPS)
     k = g[:, None] * 128 + tl.arange(0, 128)[None, :]
@@ -675,17 +702,23 @@ def _fp8_rows_kernel(X, Q, S, K, GROUPS: tl.constexpr):
     s = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / 448.0
     q = _e4m3_grid(tl.clamp(x / s[:, None], -448.0, 448.0))
     tl.store(Q + m * K + k, q.to(Q.dtype.element_ty), mask=keep)
-    tl.store(S + m * (K // 128) + g, s, mask=g < K // 128)
+    tl.store(S + m * S_ROW + g * S_GROUP, s, mask=g < K // 128)
 
 
 @triton.jit
 def _fp8_gemm_kernel(
-    XQ, XS, W, WS, Y, ROWS, TILE_EXPERT, TILE_START, TILE_END, N, K, BM: tl.constexpr,
+    XQ, XS, W, WS, Y, ROWS, TILE_EXPERT, TILE_START, TILE_END, N, K, TILES,
+    BM: tl.constexpr, N_FIRST: tl.constexpr, IMPRECISE: tl.constexpr,
 ):  # fmt: skip
     """`_gemm_kernel`'s tiles in FP8: x's rows (e4m3, a scale per 128 columns) times expert e's
     e4m3 rows n (128 a program: one scale block row), each 128-column step's fp32 sums scaled by
-    both blocks' scales (the weight's one, x's per row)."""
-    t = tl.program_id(0)
+    both blocks' scales (the weight's one, x's per row). One program axis: tile t's programs over
+    N one after another (N_FIRST) or each block of N's over the tiles."""
+    blocks = tl.cdiv(N, 128)
+    if N_FIRST:
+        t, block = tl.program_id(0) // blocks, tl.program_id(0) % blocks
+    else:
+        t, block = tl.program_id(0) % TILES, tl.program_id(0) // TILES
     start, end = tl.load(TILE_START + t), tl.load(TILE_END + t)
     if start >= end:
         return
@@ -693,33 +726,40 @@ def _fp8_gemm_kernel(
     r = start + tl.arange(0, BM)
     valid = r < end
     src = tl.load(ROWS + r, mask=valid, other=0).to(tl.int64)
-    block = tl.program_id(1)
     n = (block * 128 + tl.arange(0, 128)).to(tl.int64)
     col = tl.arange(0, 128)
     steps = K // 128
     x_at = XQ + src[:, None] * K + col[None, :]
     w_at = W + (e * N + tl.minimum(n, N - 1))[:, None] * K + col[None, :]
     xs_at = XS + src * steps
-    ws_at = WS + (e * tl.cdiv(N, 128) + block) * steps
+    ws_at = WS + (e * blocks + block) * steps
     acc = tl.zeros([BM, 128], tl.float32)
     for i in range(steps):
         x = tl.load(x_at + i * 128, mask=valid[:, None], other=0.0)
         w = tl.load(w_at + i * 128)
         scale = tl.load(xs_at + i, mask=valid, other=0.0) * tl.load(ws_at + i)
-        acc += tl.dot(x, tl.trans(w)) * scale[:, None]
+        if IMPRECISE:
+            acc += tl.dot(x, tl.trans(w), max_num_imprecise_acc=IMPRECISE) * scale[:, None]
+        else:
+            acc += tl.dot(x, tl.trans(w)) * scale[:, None]
     tl.store(
         Y + r[:, None] * N + n[None, :], acc.to(Y.dtype.element_ty), mask=valid[:, None] & (n < N)[None, :]
     )
 
 
-def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_rows(x: torch.Tensor, cublas: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (K a multiple of 128) as e4m3 [M, K] and fp32 scales [M, K/128]: each row's 128-column
-    groups divided by their largest |x| / 448."""
+    groups divided by their largest |x| / 448. `cublas`: laid out as `torch._scaled_mm` takes them,
+    rows padded to a multiple of 4 (left unset) and the scales outer-dim-major (stride (1, rows))."""
     m, k = x.shape
-    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(m, k // 128, dtype=torch.float32, device=x.device)
+    rows = -(-m // 4) * 4 if cublas else m
+    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    if cublas:
+        s = torch.empty(k // 128, rows, dtype=torch.float32, device=x.device).t()
+    else:
+        s = torch.empty(rows, k // 128, dtype=torch.float32, device=x.device)
     if m:
-        _fp8_rows_kernel[(m,)](x, q, s, k, GROUPS=triton.next_power_of_2(k // 128))
+        _fp8_rows_kernel[(m,)](x, q, s, k, s.stride(0), s.stride(1), GROUPS=triton.next_power_of_2(k // 128))
     return q, s
 
 
@@ -740,10 +780,34 @@ def _takes_fp8_rows(x: torch.Tensor, w: QuantWeight, rows: int) -> bool:
 
 def _launch_fp8_gemm(x, w, rows, tile_expert, tile_start, tile_end, n, k, out, bm):
     xq, xs = fp8_rows(x)
-    grid = (tile_start.numel(), triton.cdiv(n, 128))
-    _fp8_gemm_kernel[grid](xq, xs, *w.parts, out, rows, tile_expert, tile_start, tile_end, n, k,
-                           BM=bm, num_warps=FP8_WARPS, num_stages=FP8_STAGES)  # fmt: skip
+    tiles, tile = tile_start.numel(), FP8_TILE
+    _fp8_gemm_kernel[(tiles * triton.cdiv(n, 128),)](
+        xq, xs, *w.parts, out, rows, tile_expert, tile_start, tile_end, n, k, tiles,
+        BM=bm, N_FIRST=tile.n_first, IMPRECISE=tile.imprecise, num_warps=tile.warps, num_stages=tile.stages,
+    )  # fmt: skip
     return out
+
+
+def _cublas_fp8(x: torch.Tensor, w: QuantWeight) -> torch.Tensor | None:
+    """x [M, K] @ w.T by cuBLAS's block-scaled FP8 GEMM (`FP8_CUBLAS`), x in FP8 rows; None where this
+    torch or GPU does not take block scales (found out once per device, never inside a capture)."""
+    verdict = _CUBLAS_FP8.get(x.device)
+    if not (FP8_CUBLAS and x.is_cuda) or verdict is False:
+        return None
+    if verdict is None and torch.cuda.is_current_stream_capturing():
+        return None
+    xq, xs = fp8_rows(x, cublas=True)
+    wq, ws = w.parts
+    pad = -ws.shape[-1] % 4  # cuBLAS takes the weight's scales [K/128 padded to 4, N/128]
+    ws = (torch.nn.functional.pad(ws, (0, pad)) if pad else ws).t()
+    try:
+        out = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=x.dtype)
+    except (RuntimeError, NotImplementedError) as e:
+        log.info("FP8 prefill: no block-scaled torch._scaled_mm on %s (%s): the Triton kernel", x.device, e)
+        _CUBLAS_FP8[x.device] = False
+        return None
+    _CUBLAS_FP8[x.device] = True
+    return out[: x.shape[0]]
 
 
 def _block_k(k: int) -> int:
@@ -1020,8 +1084,10 @@ def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     fp8 = _takes_fp8_rows(x, w, m)
     if m > DEQUANT_ROWS and x.dtype != torch.float32 and not fp8:
         return x @ dequantize_to(w, x.dtype).T
+    if fp8 and (out := _cublas_fp8(x, w)) is not None:
+        return out
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    bm = FP8_BM if fp8 else 32
+    bm = FP8_TILE.bm if fp8 else 32
     tiles = torch.arange(0, m, bm, device=x.device, dtype=torch.int32)
     rows = torch.arange(m, device=x.device, dtype=torch.int32)
     launch = _launch_fp8_gemm if fp8 else _launch_gemm
@@ -1055,7 +1121,7 @@ def grouped(
         grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
         xs = x.index_select(0, order // top_k)  # row copies (x[i] is an elementwise kernel)
         return grouped_mm(xs, dequantize_to(w, x.dtype).transpose(1, 2), offs=offs)
-    bm = FP8_BM if fp8 else 32
+    bm = FP8_TILE.bm if fp8 else 32
     ends = offs.long()
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     tiles_per = (ends - starts + bm - 1) // bm  # [E]
