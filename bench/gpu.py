@@ -229,20 +229,29 @@ def exactness(eng: Engine, ctx: int) -> dict:
     return row
 
 
-def profile_prefill(eng: Engine, ctx: int, top: int = 18) -> list[dict]:
+def profile_prefill(eng: Engine, ctx: int, top: int = 18, host_top: int = 0) -> list[dict]:
+    """The kernels of one `ctx` prefill by self CUDA time; with `host_top`, also the host's operators
+    by self CPU time (rows with "host": True), where a prefill's wall time exceeds its device time."""
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
     ids = ids_for(ctx, 7)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host_top else [])
+    with profile(activities=activities) as prof:
         eng.prefill(eng.new_state(), ids)
         torch.cuda.synchronize()
-    events = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
+    events = prof.key_averages()
     total = sum(e.self_device_time_total for e in events)
     rows = [{"kernel": e.key[:90], "ms": e.self_device_time_total / 1e3, "share": e.self_device_time_total / total,
              "calls": e.count} for e in sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]]
     print(f"profile of one {ctx} prefill (self CUDA time, total {total / 1e3:.1f} ms):")
     for r in rows:
         print(f"  {r['ms']:8.2f} ms {r['share']:6.1%} x{r['calls']:<5} {r['kernel']}")
+    if host_top:
+        host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:host_top]
+        print(f"host operators (self CPU time, total {sum(e.self_cpu_time_total for e in events) / 1e3:.1f} ms):")
+        for e in host:
+            rows.append({"kernel": e.key[:90], "ms": e.self_cpu_time_total / 1e3, "calls": e.count, "host": True})
+            print(f"  {e.self_cpu_time_total / 1e3:8.2f} ms x{e.count:<5} {e.key[:90]}")
     return rows
 
 

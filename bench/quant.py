@@ -200,7 +200,7 @@ def bench_format(fmt: str, args, keep: dict) -> dict:
         if args.profile:  # the kernels of the prefill, by device time
             from bench.gpu import profile_prefill  # noqa: PLC0415
 
-            row["profile_prefill"] = profile_prefill(eng, args.prefill)
+            row["profile_prefill"] = profile_prefill(eng, args.prefill, host_top=15)
     row["decode"] = [bench_decode(eng, args.context, b, args.steps) for b in args.batches]
     for d in row["decode"]:
         print(f"{fmt}: decode B={d['batch']} at {d['context']}: {d['tok_s']:.1f} tok/s (runs {spread(d)})", flush=True)
@@ -233,6 +233,12 @@ def fp8_activations(eng, ids: list[int], bf16_logits: torch.Tensor | None) -> di
     from engine.ops.gpu import quant  # noqa: PLC0415
 
     logits = {"fp8 x": eng.prefill(eng.new_state(), ids).logits.float(), "bf16 model": bf16_logits}
+    quant.FP8_CUBLAS = False
+    try:
+        triton_only = bench_prefill(eng, len(ids))
+    finally:
+        quant.FP8_CUBLAS = True
+    print(f"fp8: prefill {len(ids)} with the dense projections in Triton too: {triton_only['tok_s']:.0f} tok/s")
     quant.FP8_ACT = False
     try:
         out = bench_prefill(eng, len(ids))
@@ -240,6 +246,7 @@ def fp8_activations(eng, ids: list[int], bf16_logits: torch.Tensor | None) -> di
     finally:
         quant.FP8_ACT = True
     print(f"fp8: prefill {len(ids)} with bf16 activations: {out['tok_s']:.0f} tok/s", flush=True)
+    out["fp8_x_dense_in_triton"] = triton_only
     pairs = [("fp8 x", "bf16 x")] + [(a, "bf16 model") for a in ("fp8 x", "bf16 x") if bf16_logits is not None]
     out["logits"] = []
     for a, b in pairs:

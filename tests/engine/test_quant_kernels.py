@@ -194,7 +194,10 @@ def test_fp8_prefill_multiplies_x_in_fp8_rows_on_the_tensor_cores(rows, tile, mo
     every = torch.arange(rows, dtype=torch.int32, device=DEVICE)
     bounds = (tiles, (tiles + bm).clamp(max=rows))
     quant._launch_fp8_gemm(x.to(DEVICE), w.to(DEVICE), every, torch.zeros_like(tiles), *bounds, 200, 384, out, bm)
-    close(out.cpu(), want, torch.float32)
+    # fp32 sums in the interpreter; Hopper's FP8 MMA keeps ~14 bits of products aligned to the largest
+    # (the H200: 0.5-1.3% of the largest output here; bench/quant_kernels.py --fp8-prefill finds cuBLAS's
+    # block-scaled GEMM as far from x's FP8 rows as this kernel): bf16's tolerance
+    close(out.cpu(), want, torch.bfloat16 if CUDA else torch.float32)
     got = quant.linear(x.to(DEVICE), w.to(DEVICE)).cpu()
     assert got.dtype == torch.bfloat16
     close(got, want, torch.bfloat16)
