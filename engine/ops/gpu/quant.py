@@ -709,25 +709,42 @@ def _fp8_rows_kernel(X, Q, S, K, S_ROW, S_GROUP, GROUPS: tl.constexpr):
 
 @triton.jit
 def _fp8_gemm_kernel(
-    XQ, XS, W, WS, Y, ROWS, TILE_EXPERT, TILE_START, TILE_END, N, K, TILES,
-    BM: tl.constexpr, N_FIRST: tl.constexpr, IMPRECISE: tl.constexpr,
+    XQ, XS, W, WS, Y, ORDER, OFFS, M, N, K, E, TILES, TOP_K,
+    BM: tl.constexpr, EXPERTS: tl.constexpr, N_FIRST: tl.constexpr, IMPRECISE: tl.constexpr,
 ):  # fmt: skip
-    """`_gemm_kernel`'s tiles in FP8: x's rows (e4m3, a scale per 128 columns) times expert e's
-    e4m3 rows n (128 a program: one scale block row), each 128-column step's fp32 sums scaled by
-    both blocks' scales (the weight's one, x's per row). One program axis: tile t's programs over
-    N one after another (N_FIRST) or each block of N's over the tiles."""
+    """Y [M, N] = x @ w.T in FP8: x's rows (e4m3 XQ, a scale per 128 columns in XS) times expert e's
+    e4m3 rows n (128 a program: one scale block row), each 128-column step's fp32 sums scaled by both
+    blocks' scales. EXPERTS = 0: one weight, tile t rows [t * BM, ..). Else (a power of two >= E): rows
+    grouped by expert (`moe.group_by_expert`: expert e's end at OFFS[e], row j is x's row
+    ORDER[j] // TOP_K), each expert's in tiles of BM after the tiles of those before it, tile t's
+    expert and rows found here from OFFS (no layout on the host); programs past the last tile return.
+    One program axis: tile t's programs over N one after another (N_FIRST) or each block of N's over
+    the tiles."""
     blocks = tl.cdiv(N, 128)
     if N_FIRST:
         t, block = tl.program_id(0) // blocks, tl.program_id(0) % blocks
     else:
         t, block = tl.program_id(0) % TILES, tl.program_id(0) // TILES
-    start, end = tl.load(TILE_START + t), tl.load(TILE_END + t)
-    if start >= end:
-        return
-    e = tl.load(TILE_EXPERT + t).to(tl.int64)
-    r = start + tl.arange(0, BM)
-    valid = r < end
-    src = tl.load(ROWS + r, mask=valid, other=0).to(tl.int64)
+    if EXPERTS:
+        ex = tl.arange(0, EXPERTS)
+        ends = tl.load(OFFS + ex, mask=ex < E, other=0)
+        starts = tl.load(OFFS + ex - 1, mask=(ex > 0) & (ex < E), other=0)
+        tiles = tl.where(ex < E, (ends - starts + BM - 1) // BM, 0)
+        last = tl.cumsum(tiles, 0)  # one past each expert's last tile
+        e = tl.sum((last <= t).to(tl.int32), 0)  # the experts whose tiles end before tile t: t's expert
+        if e >= E:
+            return
+        mine = ex == e
+        start = tl.sum(tl.where(mine, starts + (t - (last - tiles)) * BM, 0), 0)
+        r = start + tl.arange(0, BM)
+        valid = r < tl.sum(tl.where(mine, ends, 0), 0)
+        src = (tl.load(ORDER + r, mask=valid, other=0) // TOP_K).to(tl.int64)
+        e = e.to(tl.int64)
+    else:
+        r = t * BM + tl.arange(0, BM)
+        valid = r < M
+        src = r.to(tl.int64)
+        e = 0
     n = (block * 128 + tl.arange(0, 128)).to(tl.int64)
     col = tl.arange(0, 128)
     steps = K // 128
@@ -773,19 +790,32 @@ def fp8_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.flatten(-2), s
 
 
+_FP8_DOT: dict[torch.device, bool] = {}  # per GPU: whether it has FP8 tensor cores (sm_89 on)
+
+
 def _takes_fp8_rows(x: torch.Tensor, w: QuantWeight, rows: int) -> bool:
-    """Whether `rows` rows of x times w run on FP8 tensor cores (`FP8_ACT`; a GPU with them: sm_89 on)."""
+    """Whether `rows` rows of x times w run on FP8 tensor cores (`FP8_ACT`; the interpreter too)."""
     if not (FP8_ACT and w.fmt == FP8 and x.dtype == torch.bfloat16 and rows > DEQUANT_ROWS):
         return False
-    return x.device.type != "cuda" or torch.cuda.get_device_capability(x.device) >= (8, 9)
+    if x.device.type != "cuda":
+        return True
+    if x.device not in _FP8_DOT:
+        _FP8_DOT[x.device] = torch.cuda.get_device_capability(x.device) >= (8, 9)
+    return _FP8_DOT[x.device]
 
 
-def _launch_fp8_gemm(x, w, rows, tile_expert, tile_start, tile_end, n, k, out, bm):
+def _fp8_gemm(x: torch.Tensor, w: QuantWeight, out: torch.Tensor, order: torch.Tensor | None = None,
+              offs: torch.Tensor | None = None, top_k: int = 1) -> torch.Tensor:  # fmt: skip
+    """out = x @ w.T (w [N, K]) or, with `order` and `offs` (`grouped`'s), each expert-ordered row's
+    expert's product, by `_fp8_gemm_kernel`: two launches (x's FP8 rows, the GEMM)."""
     xq, xs = fp8_rows(x)
-    tiles, tile = tile_start.numel(), FP8_TILE
+    m, (n, k), tile = out.shape[0], w.shape[-2:], FP8_TILE
+    experts = 0 if offs is None else offs.numel()
+    tiles = triton.cdiv(m, tile.bm) + min(m, experts)  # at most one partial tile an expert
     _fp8_gemm_kernel[(tiles * triton.cdiv(n, 128),)](
-        xq, xs, *w.parts, out, rows, tile_expert, tile_start, tile_end, n, k, tiles,
-        BM=bm, N_FIRST=tile.n_first, IMPRECISE=tile.imprecise, num_warps=tile.warps, num_stages=tile.stages,
+        xq, xs, *w.parts, out, xs if order is None else order, xs if offs is None else offs, m, n, k,
+        max(experts, 1), tiles, top_k, BM=tile.bm, EXPERTS=triton.next_power_of_2(experts) if experts else 0,
+        N_FIRST=tile.n_first, IMPRECISE=tile.imprecise, num_warps=tile.warps, num_stages=tile.stages,
     )  # fmt: skip
     return out
 
@@ -1083,17 +1113,17 @@ def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         return _gemv(x, w, m, n)  # x's columns through w's map, if any, a chunk at a time
     if w.columns is not None:  # into the packed order
         x = x.index_select(-1, w.columns)
-    fp8 = _takes_fp8_rows(x, w, m)
-    if m > DEQUANT_ROWS and x.dtype != torch.float32 and not fp8:
+    if _takes_fp8_rows(x, w, m):
+        out = _cublas_fp8(x, w)
+        return _fp8_gemm(x, w, torch.empty(m, n, dtype=x.dtype, device=x.device)) if out is None else out
+    if m > DEQUANT_ROWS and x.dtype != torch.float32:
         return x @ dequantize_to(w, x.dtype).T
-    if fp8 and (out := _cublas_fp8(x, w)) is not None:
-        return out
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    bm = FP8_TILE.bm if fp8 else 32
+    bm = 32
     tiles = torch.arange(0, m, bm, device=x.device, dtype=torch.int32)
     rows = torch.arange(m, device=x.device, dtype=torch.int32)
-    launch = _launch_fp8_gemm if fp8 else _launch_gemm
-    return launch(x, w, rows, torch.zeros_like(tiles), tiles, (tiles + bm).clamp(max=m), n, k, out, bm)
+    zero = torch.zeros_like(tiles)
+    return _launch_gemm(x, w, rows, zero, tiles, (tiles + bm).clamp(max=m), n, k, out, bm)
 
 
 def linear_pair(x: torch.Tensor, first: QuantWeight, second: QuantWeight) -> torch.Tensor | None:
@@ -1118,12 +1148,14 @@ def grouped(
     return at once (no host sync). Beyond DEQUANT_ROWS bf16 rows: FP8 on its tensor cores
     (`FP8_ACT`), other formats a transient bf16 copy and torch's grouped GEMM."""
     num_experts, n, k = w.shape
-    fp8 = _takes_fp8_rows(x, w, order.numel())
-    if order.numel() > DEQUANT_ROWS and x.dtype == torch.bfloat16 and not fp8:  # no tiles on this path
+    if _takes_fp8_rows(x, w, order.numel()):  # its tiles are found in the kernel
+        out = torch.empty(order.numel(), n, dtype=x.dtype, device=x.device)
+        return _fp8_gemm(x.contiguous(), w, out, order, offs, top_k)
+    if order.numel() > DEQUANT_ROWS and x.dtype == torch.bfloat16:  # before the tiles: this path has none
         grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
         xs = x.index_select(0, order // top_k)  # row copies (x[i] is an elementwise kernel)
         return grouped_mm(xs, dequantize_to(w, x.dtype).transpose(1, 2), offs=offs)
-    bm = FP8_TILE.bm if fp8 else 32
+    bm = 32
     ends = offs.long()
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     tiles_per = (ends - starts + bm - 1) // bm  # [E]
@@ -1138,5 +1170,4 @@ def grouped(
     expert, tile_start, tile_end = (v.to(torch.int32) for v in (expert, tile_start, tile_end))
     rows = (order // top_k).to(torch.int32)
     out = torch.empty(order.numel(), n, dtype=x.dtype, device=x.device)
-    launch = _launch_fp8_gemm if fp8 else _launch_gemm
-    return launch(x.contiguous(), w, rows, expert, tile_start, tile_end, n, k, out, bm)
+    return _launch_gemm(x.contiguous(), w, rows, expert, tile_start, tile_end, n, k, out, bm)
