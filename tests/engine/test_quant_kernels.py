@@ -188,7 +188,7 @@ def test_fp8_prefill_multiplies_x_in_fp8_rows_on_the_tensor_cores(rows, tile, mo
     x = torch.randn(rows, 384, generator=gen).to(torch.bfloat16)
     w, reference = fp8_weight((200, 384))  # 200 rows: a partial 128-row block
     want = x_in_fp8_rows(x) @ reference.T
-    out = quant._fp8_gemm(x.to(DEVICE), w.to(DEVICE), torch.empty(rows, 200, device=DEVICE))  # fp32 out
+    out = quant._fp8_gemm(*quant.fp8_rows(x.to(DEVICE)), w.to(DEVICE), torch.empty(rows, 200, device=DEVICE))
     # fp32 sums in the interpreter; Hopper's FP8 MMA keeps ~14 bits of products aligned to the largest
     # (the H200: 0.5-1.3% of the largest output here; bench/quant_kernels.py --fp8-prefill finds cuBLAS's
     # block-scaled GEMM as far from x's FP8 rows as this kernel): bf16's tolerance
@@ -210,6 +210,45 @@ def test_fp8_prefill_multiplies_x_in_fp8_rows_on_the_tensor_cores(rows, tile, mo
     monkeypatch.setattr(quant, "FP8_ACT", False)
     if CUDA:  # the transient bf16 copy and cuBLAS: x unquantized
         close(quant.linear(x.to(DEVICE), w.to(DEVICE)).cpu(), unquantized, torch.bfloat16)
+
+
+def stored_bf16(v: torch.Tensor) -> torch.Tensor:
+    """fp32 `v` as a kernel's bf16 store leaves it: to nearest on a GPU, toward zero in the interpreter."""
+    return v.bfloat16().float() if CUDA else (v.view(torch.int32) & -65536).view(torch.float32)
+
+
+@in_this_process
+@pytest.mark.parametrize("partial", [False, True], ids=["routed", "streamed-piece"])
+def test_fp8_experts_prefill_quantizes_x_and_the_activation_and_puts_rows_back(partial):
+    """FP8 MoE prefill (`quant.fp8_experts` through `experts_quantized`): x's FP8 rows through gate_up
+    in expert order, silu(gate) * up * routing weight quantized straight into FP8 rows, down written at
+    each assignment's row, summed per token; absent assignments (-1, `partial`) add nothing. Against
+    the same steps in torch (gate_up's output rounded to bf16 as the kernel stores it: Triton's
+    interpreter rounds toward zero, a GPU to nearest)."""
+    from engine.ops.gpu.moe import experts_quantized
+    from engine.ops.moe import DECODE_ROWS
+
+    gen = torch.Generator().manual_seed(7)
+    tokens, top_k, num_experts = 50, 3, 5
+    assert tokens * top_k > DECODE_ROWS  # the prefill path
+    x = torch.randn(tokens, 256, generator=gen).to(torch.bfloat16)
+    gate_up, gate_up_ref = fp8_weight((num_experts, 256, 256), seed=2)  # [E, 2I, H], I = 128
+    down, down_ref = fp8_weight((num_experts, 256, 128), seed=3)  # [E, H, I]
+    ids = torch.stack([torch.randperm(num_experts - 1, generator=gen)[:top_k] for _ in range(tokens)])
+    if partial:
+        ids[::4, 1] = -1
+    routing = torch.rand(tokens, top_k, generator=gen).to(torch.bfloat16)
+    dev = [t.to(DEVICE) for t in (x, routing, ids, gate_up, down)]
+    got = experts_quantized(*dev, partial=partial).cpu()
+    xq = x_in_fp8_rows(x)
+    want = torch.zeros(tokens, 256)
+    for t in range(tokens):
+        for j, e in enumerate(ids[t].tolist()):
+            if e >= 0:
+                gate, up = stored_bf16(xq[t] @ gate_up_ref[e].T).chunk(2)
+                act = torch.nn.functional.silu(gate) * up * routing[t, j].float()
+                want[t] += x_in_fp8_rows(act[None])[0] @ down_ref[e].T
+    close(got, want, torch.bfloat16)
 
 
 @in_this_process

@@ -30,10 +30,11 @@ def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
     return order, offs
 
 
-def _summed(ys: torch.Tensor, order: torch.Tensor, ids: torch.Tensor, partial: bool, dtype: torch.dtype):
-    """Rows in expert order back to their assignments, summed per token in fp32. With `partial`
-    (ids may hold -1 in a prefill), the absent assignments' rows, which no GEMM wrote, are zeroed."""
-    out = torch.empty_like(ys).index_copy_(0, order, ys)  # row copies (x[i] = is an elementwise kernel)
+def _summed(ys: torch.Tensor, order: torch.Tensor | None, ids: torch.Tensor, partial: bool, dtype: torch.dtype):
+    """Rows in expert order (`order`; None: already in the assignments') back to their assignments,
+    summed per token in fp32. With `partial` (ids may hold -1 in a prefill), the absent assignments'
+    rows, which no GEMM wrote, are zeroed."""
+    out = ys if order is None else torch.empty_like(ys).index_copy_(0, order, ys)  # row copies
     if partial:
         out.masked_fill_((ids.flatten() < 0)[:, None], 0)
     return out.view(*ids.shape, -1).sum(1, dtype=torch.float32).to(dtype)
@@ -143,6 +144,8 @@ def experts_quantized(
     if ids.numel() <= DECODE_ROWS and quant.gemv_fits(gate_up) and quant.gemv_fits(down):
         return _experts_quantized_decode(x, weights, ids, gate_up, down)
     order, offs = group_by_expert(ids, gate_up.shape[0])
+    if (ys := quant.fp8_experts(x, weights, gate_up, down, order, offs, top_k)) is not None:
+        return _summed(ys, None, ids, partial, x.dtype)  # FP8 tensor cores, rows back in place
     gate, up = quant.grouped(x, gate_up, order, offs, top_k).chunk(2, dim=-1)  # [T*k, I] each, expert order
     act = F.silu(gate) * up * weights.flatten()[order, None]
     rows = torch.arange(order.numel(), device=x.device)  # act's rows are already in expert order

@@ -710,16 +710,17 @@ def _fp8_rows_kernel(X, Q, S, K, S_ROW, S_GROUP, GROUPS: tl.constexpr):
 @triton.jit
 def _fp8_gemm_kernel(
     XQ, XS, W, WS, Y, ORDER, OFFS, M, N, K, E, TILES, TOP_K,
-    BM: tl.constexpr, EXPERTS: tl.constexpr, N_FIRST: tl.constexpr, IMPRECISE: tl.constexpr,
+    BM: tl.constexpr, EXPERTS: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr,
+    N_FIRST: tl.constexpr, IMPRECISE: tl.constexpr,
 ):  # fmt: skip
     """Y [M, N] = x @ w.T in FP8: x's rows (e4m3 XQ, a scale per 128 columns in XS) times expert e's
     e4m3 rows n (128 a program: one scale block row), each 128-column step's fp32 sums scaled by both
     blocks' scales. EXPERTS = 0: one weight, tile t rows [t * BM, ..). Else (a power of two >= E): rows
-    grouped by expert (`moe.group_by_expert`: expert e's end at OFFS[e], row j is x's row
-    ORDER[j] // TOP_K), each expert's in tiles of BM after the tiles of those before it, tile t's
-    expert and rows found here from OFFS (no layout on the host); programs past the last tile return.
-    One program axis: tile t's programs over N one after another (N_FIRST) or each block of N's over
-    the tiles."""
+    j grouped by expert (`moe.group_by_expert`: expert e's end at OFFS[e]), each expert's in tiles of
+    BM after the tiles of those before it, tile t's expert and rows found here from OFFS (no layout on
+    the host); programs past the last tile return. Row j reads x's row ORDER[j] // TOP_K (GATHER) or
+    j, and is written at row ORDER[j] of Y (SCATTER: back in the assignments' order) or j. One program
+    axis: tile t's programs over N one after another (N_FIRST) or each block of N's over the tiles."""
     blocks = tl.cdiv(N, 128)
     if N_FIRST:
         t, block = tl.program_id(0) // blocks, tl.program_id(0) % blocks
@@ -738,13 +739,15 @@ def _fp8_gemm_kernel(
         start = tl.sum(tl.where(mine, starts + (t - (last - tiles)) * BM, 0), 0)
         r = start + tl.arange(0, BM)
         valid = r < tl.sum(tl.where(mine, ends, 0), 0)
-        src = (tl.load(ORDER + r, mask=valid, other=0) // TOP_K).to(tl.int64)
         e = e.to(tl.int64)
     else:
         r = t * BM + tl.arange(0, BM)
         valid = r < M
-        src = r.to(tl.int64)
         e = 0
+    if GATHER or SCATTER:
+        assignment = tl.load(ORDER + r, mask=valid, other=0).to(tl.int64)
+    src = assignment // TOP_K if GATHER else r.to(tl.int64)
+    dst = assignment if SCATTER else r.to(tl.int64)
     n = (block * 128 + tl.arange(0, 128)).to(tl.int64)
     col = tl.arange(0, 128)
     steps = K // 128
@@ -762,8 +765,25 @@ def _fp8_gemm_kernel(
         else:
             acc += tl.dot(x, tl.trans(w)) * scale[:, None]
     tl.store(
-        Y + r[:, None] * N + n[None, :], acc.to(Y.dtype.element_ty), mask=valid[:, None] & (n < N)[None, :]
+        Y + dst[:, None] * N + n[None, :], acc.to(Y.dtype.element_ty), mask=valid[:, None] & (n < N)[None, :]
     )
+
+
+@triton.jit
+def _glu_fp8_rows_kernel(GU, RW, ORDER, Q, S, INTER, GROUPS: tl.constexpr):
+    """Row j of GU [M, 2 * INTER] (gate | up, expert order) as the down projection's x in FP8 rows:
+    silu(gate) * up * the routing weight RW[ORDER[j]], in fp32, then `_fp8_rows_kernel`'s quantization."""
+    j = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, GROUPS)
+    k = g[:, None] * 128 + tl.arange(0, 128)[None, :]
+    keep = k < INTER
+    gate = tl.load(GU + j * 2 * INTER + k, mask=keep, other=0.0).to(tl.float32)
+    up = tl.load(GU + j * 2 * INTER + INTER + k, mask=keep, other=0.0).to(tl.float32)
+    a = gate * tl.sigmoid(gate) * up * tl.load(RW + tl.load(ORDER + j)).to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(a), 1), 1e-12) / 448.0
+    q = _e4m3_grid(tl.clamp(a / s[:, None], -448.0, 448.0))
+    tl.store(Q + j * INTER + k, q.to(Q.dtype.element_ty), mask=keep)
+    tl.store(S + j * (INTER // 128) + g, s, mask=g < INTER // 128)
 
 
 def fp8_rows(x: torch.Tensor, cublas: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -804,20 +824,42 @@ def _takes_fp8_rows(x: torch.Tensor, w: QuantWeight, rows: int) -> bool:
     return _FP8_DOT[x.device]
 
 
-def _fp8_gemm(x: torch.Tensor, w: QuantWeight, out: torch.Tensor, order: torch.Tensor | None = None,
-              offs: torch.Tensor | None = None, top_k: int = 1) -> torch.Tensor:  # fmt: skip
-    """out = x @ w.T (w [N, K]) or, with `order` and `offs` (`grouped`'s), each expert-ordered row's
-    expert's product, by `_fp8_gemm_kernel`: two launches (x's FP8 rows, the GEMM)."""
-    xq, xs = fp8_rows(x)
-    m, (n, k), tile = out.shape[0], w.shape[-2:], FP8_TILE
+def _fp8_gemm(
+    xq: torch.Tensor, xs: torch.Tensor, w: QuantWeight, out: torch.Tensor, order: torch.Tensor | None = None,
+    offs: torch.Tensor | None = None, top_k: int = 1, scatter: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """out = x @ w.T (w [N, K]; x as `fp8_rows` gives it) or, with `order` and `offs` (`grouped`'s),
+    each expert-ordered row's expert's product, reading x's row order[j] // top_k, or with `scatter`
+    row j of x and writing out's row order[j]: one launch of `_fp8_gemm_kernel`."""
+    m, (n, k), tile = order.numel() if order is not None else out.shape[0], w.shape[-2:], FP8_TILE
     experts = 0 if offs is None else offs.numel()
     tiles = triton.cdiv(m, tile.bm) + min(m, experts)  # at most one partial tile an expert
     _fp8_gemm_kernel[(tiles * triton.cdiv(n, 128),)](
         xq, xs, *w.parts, out, xs if order is None else order, xs if offs is None else offs, m, n, k,
         max(experts, 1), tiles, top_k, BM=tile.bm, EXPERTS=triton.next_power_of_2(experts) if experts else 0,
-        N_FIRST=tile.n_first, IMPRECISE=tile.imprecise, num_warps=tile.warps, num_stages=tile.stages,
+        GATHER=order is not None and not scatter, SCATTER=scatter, N_FIRST=tile.n_first,
+        IMPRECISE=tile.imprecise, num_warps=tile.warps, num_stages=tile.stages,
     )  # fmt: skip
     return out
+
+
+def fp8_experts(
+    x: torch.Tensor, routing: torch.Tensor, gate_up: QuantWeight, down: QuantWeight, order: torch.Tensor,
+    offs: torch.Tensor, top_k: int,
+) -> torch.Tensor | None:  # fmt: skip
+    """MoE prefill on FP8 tensor cores (both stacks FP8, bf16 x past DEQUANT_ROWS assignments; else
+    None): gate_up over x's FP8 rows gathered in expert order, silu(gate) * up * the routing weight
+    straight into the down projection's FP8 rows (one kernel), down written back in the assignments'
+    order. Returns [T * k, H] (rows of absent assignments unset). Four launches."""
+    assignments, inter = order.numel(), down.shape[-1]
+    if not (_takes_fp8_rows(x, gate_up, assignments) and down.fmt == FP8 and inter % 128 == 0):
+        return None
+    gu = _fp8_gemm(*fp8_rows(x.contiguous()), gate_up, x.new_empty(assignments, 2 * inter), order, offs, top_k)
+    aq = torch.empty(assignments, inter, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(assignments, inter // 128, dtype=torch.float32, device=x.device)
+    _glu_fp8_rows_kernel[(assignments,)](gu, routing.flatten(), order, aq, scales, inter,
+                                         GROUPS=triton.next_power_of_2(inter // 128))  # fmt: skip
+    return _fp8_gemm(aq, scales, down, x.new_empty(assignments, down.shape[1]), order, offs, scatter=True)
 
 
 def _cublas_fp8(x: torch.Tensor, w: QuantWeight) -> torch.Tensor | None:
@@ -1115,7 +1157,7 @@ def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         x = x.index_select(-1, w.columns)
     if _takes_fp8_rows(x, w, m):
         out = _cublas_fp8(x, w)
-        return _fp8_gemm(x, w, torch.empty(m, n, dtype=x.dtype, device=x.device)) if out is None else out
+        return _fp8_gemm(*fp8_rows(x), w, torch.empty(m, n, dtype=x.dtype, device=x.device)) if out is None else out
     if m > DEQUANT_ROWS and x.dtype != torch.float32:
         return x @ dequantize_to(w, x.dtype).T
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -1150,7 +1192,7 @@ def grouped(
     num_experts, n, k = w.shape
     if _takes_fp8_rows(x, w, order.numel()):  # its tiles are found in the kernel
         out = torch.empty(order.numel(), n, dtype=x.dtype, device=x.device)
-        return _fp8_gemm(x.contiguous(), w, out, order, offs, top_k)
+        return _fp8_gemm(*fp8_rows(x.contiguous()), w, out, order, offs, top_k)
     if order.numel() > DEQUANT_ROWS and x.dtype == torch.bfloat16:  # before the tiles: this path has none
         grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
         xs = x.index_select(0, order // top_k)  # row copies (x[i] is an elementwise kernel)
