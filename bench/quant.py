@@ -196,7 +196,7 @@ def bench_format(fmt: str, args, keep: dict) -> dict:
         if fmt == "bf16":  # the last logits of the FP8 runs' prompt, to set theirs against
             keep["bf16_logits"] = eng.prefill(eng.new_state(), ids).logits.float()
         else:
-            row["prefill_bf16_activations"] = fp8_activations(eng, ids, keep.get("bf16_logits"))
+            row["prefill_bf16_activations"] = fp8_prefill_variants(eng, ids, keep.get("bf16_logits"))
         if args.profile:  # the kernels of the prefill, by device time
             from bench.gpu import profile_prefill  # noqa: PLC0415
 
@@ -225,20 +225,20 @@ def bench_format(fmt: str, args, keep: dict) -> dict:
     return row
 
 
-def fp8_activations(eng, ids: list[int], bf16_logits: torch.Tensor | None) -> dict:
+def fp8_prefill_variants(eng, ids: list[int], bf16_logits: torch.Tensor | None) -> dict:
     """FP8 prefill with x kept in bf16 (FT_FP8_ACT=0: a transient bf16 copy of each weight and cuBLAS)
-    beside the default (x in FP8 rows on the tensor cores): speed, and how far apart the last token's
-    logits are, the two against each other and each against the bf16 model's (largest difference over
-    the largest logit; whether the top token is the same)."""
+    and with the dense projections in cuBLAS's FP8 GEMM (FT_FP8_CUBLAS=1) beside the default (x in FP8
+    rows, Triton): speeds, and how far apart the last token's logits are, x in FP8 against x in bf16
+    and each against the bf16 model's (largest difference over the largest logit; same top token?)."""
     from engine.ops.gpu import quant  # noqa: PLC0415
 
     logits = {"fp8 x": eng.prefill(eng.new_state(), ids).logits.float(), "bf16 model": bf16_logits}
-    quant.FP8_CUBLAS = False
+    quant.FP8_CUBLAS = True
     try:
-        triton_only = bench_prefill(eng, len(ids))
+        cublas = bench_prefill(eng, len(ids))
     finally:
-        quant.FP8_CUBLAS = True
-    print(f"fp8: prefill {len(ids)} with the dense projections in Triton too: {triton_only['tok_s']:.0f} tok/s")
+        quant.FP8_CUBLAS = False
+    print(f"fp8: prefill {len(ids)} with the dense projections in cuBLAS: {cublas['tok_s']:.0f} tok/s")
     quant.FP8_ACT = False
     try:
         out = bench_prefill(eng, len(ids))
@@ -246,7 +246,7 @@ def fp8_activations(eng, ids: list[int], bf16_logits: torch.Tensor | None) -> di
     finally:
         quant.FP8_ACT = True
     print(f"fp8: prefill {len(ids)} with bf16 activations: {out['tok_s']:.0f} tok/s", flush=True)
-    out["fp8_x_dense_in_triton"] = triton_only
+    out["fp8_x_dense_in_cublas"] = cublas
     pairs = [("fp8 x", "bf16 x")] + [(a, "bf16 model") for a in ("fp8 x", "bf16 x") if bf16_logits is not None]
     out["logits"] = []
     for a, b in pairs:

@@ -94,6 +94,7 @@ def fp8_prefill(tiles: list[str]) -> list[dict]:
             add(op, m, "fp8 via bf16 copy", run, want, flops)
             quant.FP8_ACT = True
             if cublas:
+                quant.FP8_CUBLAS = True
                 add(op, m, "fp8 cuBLAS (_scaled_mm)", run, want, flops, want_fp8)
             quant.FP8_CUBLAS = False
             for spec in tiles:

@@ -196,6 +196,9 @@ def test_fp8_prefill_multiplies_x_in_fp8_rows_on_the_tensor_cores(rows, tile, mo
     got = quant.linear(x.to(DEVICE), w.to(DEVICE)).cpu()
     assert got.dtype == torch.bfloat16
     close(got, want, torch.bfloat16)
+    with monkeypatch.context() as patch:  # cuBLAS's block-scaled GEMM where torch has it (FT_FP8_CUBLAS=1)
+        patch.setattr(quant, "FP8_CUBLAS", True)
+        close(quant.linear(x.to(DEVICE), w.to(DEVICE)).cpu(), want, torch.bfloat16)
     unquantized = x.float() @ reference.T
     assert (got.float() - unquantized).abs().max() <= 0.05 * unquantized.abs().max()
     num_experts, top_k = 5, 2  # in the kernel's lookup, 8 lanes

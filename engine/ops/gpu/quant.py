@@ -12,8 +12,9 @@ the reference (`engine.quant.ggml`, `engine.quant.fp8`), and multiply it with th
   expert's weight, tiles never straddling two experts, or for many rows a transient copy and
   torch's grouped GEMM (MoE prefill); no host sync;
 - FP8 prefill (both) quantizes x per row and 128 columns (`fp8_rows`) and runs e4m3 times e4m3 on
-  the tensor cores, as vLLM and SGLang run Qwen's FP8 checkpoints: cuBLAS's block-scaled GEMM for a
-  linear where torch has it (`_cublas_fp8`), else and for experts a Triton kernel (`_fp8_gemm_kernel`);
+  the tensor cores, as vLLM and SGLang run Qwen's FP8 checkpoints, in a Triton kernel
+  (`_fp8_gemm_kernel`; FT_FP8_CUBLAS=1: a linear in cuBLAS's block-scaled GEMM, `_cublas_fp8`), an MoE
+  layer's experts in four launches (`fp8_experts`);
 - with FT_Q8X=1 (off by default), a Q4_K GEMV quantizes x to llama.cpp's Q8_1 first (`quantize_x`)
   and multiplies in integer dot products (`_dot_q4_k_q8`), as llama.cpp does.
 
@@ -88,10 +89,12 @@ GEMV_WARPS, GEMV_STAGES, GEMV_UNROLL = 4, None, None
 # the weight and cuBLAS instead (bf16 activations, as before session 15).
 FP8_ACT = os.environ.get("FT_FP8_ACT", "1") == "1"
 FP8_MAX = 448.0  # e4m3's largest finite value
-# Dense FP8 prefill on a GPU that has it (sm_90, CUDA >= 12.9) through cuBLAS's block-scaled GEMM
-# (`torch._scaled_mm`, 1x128 x 128x128): the H200, session 15, 1.4x the Triton kernel at 8K tokens.
-# FT_FP8_CUBLAS=0: the Triton kernel for those too.
-FP8_CUBLAS = os.environ.get("FT_FP8_CUBLAS", "1") == "1"
+# FT_FP8_CUBLAS=1: dense FP8 prefill on a GPU that has it (sm_90, CUDA >= 12.9) through cuBLAS's
+# block-scaled GEMM (`torch._scaled_mm`, 1x128 x 128x128) instead of the Triton kernel. Off by default:
+# the H200, session 15, at 8K tokens it is 1.4x the Triton kernel on the device (0.36 against 0.51 ms
+# for a [12288, 2048] projection), but ~90 us a call on the host, and the FP8 prefill is host-bound:
+# 52,679 tok/s with it against 54,285 without (same lease).
+FP8_CUBLAS = os.environ.get("FT_FP8_CUBLAS", "0") == "1"
 _CUBLAS_FP8: dict[torch.device, bool] = {}  # per device: whether its torch._scaled_mm takes block scales
 
 
