@@ -90,10 +90,11 @@ GEMV_WARPS, GEMV_STAGES, GEMV_UNROLL = 4, None, None
 FP8_ACT = os.environ.get("FT_FP8_ACT", "1") == "1"
 FP8_MAX = 448.0  # e4m3's largest finite value
 # FT_FP8_CUBLAS=1: dense FP8 prefill on a GPU that has it (sm_90, CUDA >= 12.9) through cuBLAS's
-# block-scaled GEMM (`torch._scaled_mm`, 1x128 x 128x128) instead of the Triton kernel. Off by default:
-# the H200, session 15, at 8K tokens it is 1.4x the Triton kernel on the device (0.36 against 0.51 ms
-# for a [12288, 2048] projection), but ~90 us a call on the host, and the FP8 prefill is host-bound:
-# 52,679 tok/s with it against 54,285 without (same lease).
+# block-scaled GEMM (`torch._scaled_mm`, 1x128 x 128x128) instead of the Triton kernel. Off by default
+# (one kernel for every FP8 prefill, no probing): the H200, session 15, at 8K tokens it is 1.3-1.4x the
+# Triton kernel on the device (0.36 against 0.48 ms for a [12288, 2048] projection) but ~90 us a call
+# on the host, and end to end the two were within the order they ran in (two leases: the one timed
+# second 3-5% faster, 52,679 / 54,285 and 59,138 / 62,018 tok/s).
 FP8_CUBLAS = os.environ.get("FT_FP8_CUBLAS", "0") == "1"
 _CUBLAS_FP8: dict[torch.device, bool] = {}  # per device: whether its torch._scaled_mm takes block scales
 
