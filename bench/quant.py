@@ -230,21 +230,21 @@ def fp8_prefill_variants(eng, ids: list[int], bf16_logits: torch.Tensor | None) 
     and with the dense projections in cuBLAS's FP8 GEMM (FT_FP8_CUBLAS=1) beside the default (x in FP8
     rows, Triton): speeds, and how far apart the last token's logits are, x in FP8 against x in bf16
     and each against the bf16 model's (largest difference over the largest logit; same top token?)."""
-    from engine.ops.gpu import quant  # noqa: PLC0415
+    from engine.ops.gpu import fp8_prefill  # noqa: PLC0415
 
     logits = {"fp8 x": eng.prefill(eng.new_state(), ids).logits.float(), "bf16 model": bf16_logits}
-    quant.FP8_CUBLAS = True
+    fp8_prefill.CUBLAS = True
     try:
         cublas = bench_prefill(eng, len(ids))
     finally:
-        quant.FP8_CUBLAS = False
+        fp8_prefill.CUBLAS = False
     print(f"fp8: prefill {len(ids)} with the dense projections in cuBLAS: {cublas['tok_s']:.0f} tok/s")
-    quant.FP8_ACT = False
+    fp8_prefill.ACT = False
     try:
         out = bench_prefill(eng, len(ids))
         logits["bf16 x"] = eng.prefill(eng.new_state(), ids).logits.float()
     finally:
-        quant.FP8_ACT = True
+        fp8_prefill.ACT = True
     print(f"fp8: prefill {len(ids)} with bf16 activations: {out['tok_s']:.0f} tok/s", flush=True)
     out["fp8_x_dense_in_cublas"] = cublas
     pairs = [("fp8 x", "bf16 x")] + [(a, "bf16 model") for a in ("fp8 x", "bf16 x") if bf16_logits is not None]

@@ -9,7 +9,7 @@ weight bytes read per second, and the largest relative error against `x @ w.dequ
 `--fp8-prefill`: FP8 prefill's matmuls at 8,192 tokens instead (the DeltaNet and attention projections,
 an MoE layer's experts at top-8 of 256): bf16 cuBLAS on a bf16 copy of the weight, FP8 through a
 transient bf16 copy (FT_FP8_ACT=0), FP8 on the tensor cores (x quantized in the timing) through cuBLAS's
-block-scaled `torch._scaled_mm` (dense) and the Triton kernel per tile setting (`quant.Fp8Tile.parse`:
+block-scaled `torch._scaled_mm` (dense) and the Triton kernel per tile setting (`fp8_prefill.Tile.parse`:
 rows a tile : warps : stages : n|t : imprecise); errors against the fp32 product of the unquantized x
 and (`vs fp8 x`) of x's FP8 rows.
 """
@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import triton.testing  # noqa: E402
 
-from engine.ops.gpu import quant  # noqa: E402
+from engine.ops.gpu import fp8_prefill, quant  # noqa: E402
 from engine.ops.gpu.moe import group_by_expert  # noqa: E402
 from engine.quant import fp8  # noqa: E402
 from engine.quant.ggml import T, block_shape  # noqa: E402
@@ -69,7 +69,7 @@ FP8_EXPERTS = {
 }
 
 
-def fp8_prefill(tiles: list[str]) -> list[dict]:
+def time_fp8_prefill(tiles: list[str]) -> list[dict]:
     dev, rows = "cuda", []
     gen = torch.Generator(device=dev).manual_seed(0)
 
@@ -88,23 +88,23 @@ def fp8_prefill(tiles: list[str]) -> list[dict]:
 
     def variants(op, m, run, want, want_fp8, flops, cublas=False):
         """`run()` with FT_FP8_ACT off (a bf16 copy), on through cuBLAS (`cublas`), on per Triton tile setting."""
-        before = (quant.FP8_ACT, quant.FP8_CUBLAS, quant.FP8_TILE)
+        before = (fp8_prefill.ACT, fp8_prefill.CUBLAS, fp8_prefill.TILE)
         try:
-            quant.FP8_ACT = False
+            fp8_prefill.ACT = False
             add(op, m, "fp8 via bf16 copy", run, want, flops)
-            quant.FP8_ACT = True
+            fp8_prefill.ACT = True
             if cublas:
-                quant.FP8_CUBLAS = True
+                fp8_prefill.CUBLAS = True
                 add(op, m, "fp8 cuBLAS (_scaled_mm)", run, want, flops, want_fp8)
-            quant.FP8_CUBLAS = False
+            fp8_prefill.CUBLAS = False
             for spec in tiles:
-                quant.FP8_TILE = quant.Fp8Tile.parse(spec)
+                fp8_prefill.TILE = fp8_prefill.Tile.parse(spec)
                 add(op, m, f"fp8 Triton {spec}", run, want, flops, want_fp8)
         finally:
-            quant.FP8_ACT, quant.FP8_CUBLAS, quant.FP8_TILE = before
+            fp8_prefill.ACT, fp8_prefill.CUBLAS, fp8_prefill.TILE = before
 
     def fp8_x(x):
-        q, s = quant.fp8_rows_reference(x)
+        q, s = fp8_prefill.fp8_rows_reference(x)
         return (q.float().unflatten(-1, (-1, 128)) * s[..., None]).flatten(-2)
 
     for op, shape in FP8_LINEARS.items():
@@ -156,10 +156,10 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     p.add_argument("--fp8-prefill", action="store_true", help="FP8 prefill's matmuls at 8,192 tokens instead")
     p.add_argument("--fp8-tiles", default="64:4:3:t,64:4:4:t,64:4:4:n,64:4:4:n:32,64:8:4:n,128:8:4:n",
-                   help="the FP8 Triton GEMM's settings to time (quant.Fp8Tile.parse), comma-separated")  # fmt: skip
+                   help="the FP8 Triton GEMM's settings to time (fp8_prefill.Tile.parse), comma-separated")  # fmt: skip
     args = p.parse_args()
     if args.fp8_prefill:
-        rows = fp8_prefill(args.fp8_tiles.split(","))
+        rows = time_fp8_prefill(args.fp8_tiles.split(","))
         if args.json:
             args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=2))
         return

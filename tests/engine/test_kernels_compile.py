@@ -12,7 +12,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from engine.ops.gpu import gather, moe, quant  # noqa: E402
+from engine.ops.gpu import fp8_prefill, gather, moe, quant  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
 GEMV = {
@@ -203,17 +203,17 @@ FP8_GEMM = {
 
 @pytest.mark.parametrize("mode", ["linear", "gate_up", "down"])
 def test_fp8_prefill_kernels_compile_to_fp8_tensor_core_mma(mode):
-    """FP8 prefill (`quant.fp8_experts`, `quant.linear`): the GEMM, a plain linear or experts reading x
+    """FP8 prefill (`fp8_prefill.experts`, `fp8_prefill.linear`): the GEMM, a plain linear or experts reading x
     through the order or writing back through it, in Hopper's FP8 warpgroup MMA (wgmma ... e4m3); and
     the kernels writing x's FP8 rows, plain and from the experts' gate and up."""
-    tile = quant.FP8_TILE
+    tile = fp8_prefill.TILE
     constexprs = {"BM": tile.bm, "EXPERTS": 0 if mode == "linear" else 256, "GATHER": mode == "gate_up",
                   "SCATTER": mode == "down", "N_FIRST": tile.n_first, "IMPRECISE": tile.imprecise}  # fmt: skip
-    ptx = compile_for_h200(quant._fp8_gemm_kernel, FP8_GEMM, constexprs, ("N", "K"))
+    ptx = compile_for_h200(fp8_prefill._fp8_gemm_kernel, FP8_GEMM, constexprs, ("N", "K"))
     assert "wgmma" in ptx and "e4m3" in ptx, [line for line in ptx.splitlines() if "mma" in line][:5]
     rows = {"X": "*bf16", "Q": "*fp8e4nv", "S": "*fp32", "K": "i32", "S_ROW": "i32", "S_GROUP": "i32",
             "GROUPS": "constexpr"}  # fmt: skip
-    assert "cvt" in compile_for_h200(quant._fp8_rows_kernel, rows, {"GROUPS": 16}, ("K",))
+    assert "cvt" in compile_for_h200(fp8_prefill._fp8_rows_kernel, rows, {"GROUPS": 16}, ("K",))
     glu = {"GU": "*bf16", "RW": "*bf16", "ORDER": "*i64", "Q": "*fp8e4nv", "S": "*fp32", "INTER": "i32",
            "GROUPS": "constexpr"}  # fmt: skip
-    assert ".entry _glu_fp8_rows_kernel" in compile_for_h200(quant._glu_fp8_rows_kernel, glu, {"GROUPS": 4}, ("INTER",))
+    assert ".entry _glu_fp8_rows_kernel" in compile_for_h200(fp8_prefill._glu_fp8_rows_kernel, glu, {"GROUPS": 4}, ("INTER",))

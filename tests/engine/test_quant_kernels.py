@@ -20,7 +20,7 @@ def test_kernels_in_triton_interpreter_process():
     run_interpreted(__file__)
 
 
-from engine.ops.gpu import quant  # noqa: E402
+from engine.ops.gpu import fp8_prefill, quant  # noqa: E402
 from engine.quant import fp8  # noqa: E402
 from engine.quant.ggml import T  # noqa: E402
 from tests.engine.test_quant_gguf import random_blocks  # noqa: E402
@@ -142,7 +142,7 @@ def test_grouped_experts_equal_per_expert_matmuls(fmt, tokens):
 
 def x_in_fp8_rows(x: torch.Tensor) -> torch.Tensor:
     """x as the FP8 prefill multiplies it: its e4m3 rows times their 1x128 scales, in fp32."""
-    q, s = quant.fp8_rows_reference(x)
+    q, s = fp8_prefill.fp8_rows_reference(x)
     return (q.float().unflatten(-1, (-1, 128)) * s[..., None]).flatten(-2)
 
 
@@ -158,10 +158,10 @@ def test_fp8_rows_are_the_torch_reference():
     x[4, :128] = 1e-30
     x[5, 7] = 448 * 3  # a group's largest is exactly its scale times 448
     x = x.to(torch.bfloat16)
-    q, s = quant.fp8_rows(x.to(DEVICE))
-    want_q, want_s = quant.fp8_rows_reference(x)
+    q, s = fp8_prefill.fp8_rows(x.to(DEVICE))
+    want_q, want_s = fp8_prefill.fp8_rows_reference(x)
     assert q.dtype == torch.float8_e4m3fn and s.shape == (70, 3)
-    padded, outer = quant.fp8_rows(x.to(DEVICE), cublas=True)  # as torch._scaled_mm takes them
+    padded, outer = fp8_prefill.fp8_rows(x.to(DEVICE), cublas=True)  # as torch._scaled_mm takes them
     assert padded.shape == (72, 384) and outer.shape == (72, 3) and outer.stride() == (1, 72)
     assert torch.equal(padded[:70].view(torch.uint8), q.view(torch.uint8)) and torch.equal(outer[:70], s)
     if not CUDA:
@@ -176,19 +176,19 @@ def test_fp8_rows_are_the_torch_reference():
 @pytest.mark.parametrize("rows", [65, 200])  # past DEQUANT_ROWS: one partial tile, several
 @pytest.mark.parametrize("tile", ["64:4:3:t", "32:4:3:n"])  # a tile's programs over N apart or together
 def test_fp8_prefill_multiplies_x_in_fp8_rows_on_the_tensor_cores(rows, tile, monkeypatch):
-    """Prefill's FP8 (bf16 activations past DEQUANT_ROWS rows, `FP8_ACT`): x quantized per row and 128
+    """Prefill's FP8 (`fp8_prefill`: bf16 activations past DEQUANT_ROWS rows): x quantized per row and 128
     columns times the e4m3 weight, each 128-column step's sums scaled by both blocks' scales. A plain
     linear and MoE experts (rows gathered through `order`; an expert with none): equal to x's FP8 rows
     times the dequantized weight (fp32 out: 1e-5; bf16 out: its rounding); within FP8's error of the
     unquantized x; FT_FP8_ACT=0 leaves x in bf16."""
     from engine.ops.gpu.moe import group_by_expert
 
-    monkeypatch.setattr(quant, "FP8_TILE", quant.Fp8Tile.parse(tile))
+    monkeypatch.setattr(fp8_prefill, "TILE", fp8_prefill.Tile.parse(tile))
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 384, generator=gen).to(torch.bfloat16)
     w, reference = fp8_weight((200, 384))  # 200 rows: a partial 128-row block
     want = x_in_fp8_rows(x) @ reference.T
-    out = quant._fp8_gemm(*quant.fp8_rows(x.to(DEVICE)), w.to(DEVICE), torch.empty(rows, 200, device=DEVICE))
+    out = fp8_prefill.gemm(*fp8_prefill.fp8_rows(x.to(DEVICE)), w.to(DEVICE), torch.empty(rows, 200, device=DEVICE))
     # fp32 sums in the interpreter; Hopper's FP8 MMA keeps ~14 bits of products aligned to the largest
     # (the H200: 0.5-1.3% of the largest output here; bench/quant_kernels.py --fp8-prefill finds cuBLAS's
     # block-scaled GEMM as far from x's FP8 rows as this kernel): bf16's tolerance
@@ -197,7 +197,7 @@ def test_fp8_prefill_multiplies_x_in_fp8_rows_on_the_tensor_cores(rows, tile, mo
     assert got.dtype == torch.bfloat16
     close(got, want, torch.bfloat16)
     with monkeypatch.context() as patch:  # cuBLAS's block-scaled GEMM where torch has it (FT_FP8_CUBLAS=1)
-        patch.setattr(quant, "FP8_CUBLAS", True)
+        patch.setattr(fp8_prefill, "CUBLAS", True)
         close(quant.linear(x.to(DEVICE), w.to(DEVICE)).cpu(), want, torch.bfloat16)
     unquantized = x.float() @ reference.T
     assert (got.float() - unquantized).abs().max() <= 0.05 * unquantized.abs().max()
@@ -210,7 +210,7 @@ def test_fp8_prefill_multiplies_x_in_fp8_rows_on_the_tensor_cores(rows, tile, mo
     flat = ids.flatten()[order]
     pairs = zip(order.tolist(), flat.tolist(), strict=True)
     close(got, torch.stack([xq[j // top_k] @ experts_ref[e].T for j, e in pairs]), torch.bfloat16)
-    monkeypatch.setattr(quant, "FP8_ACT", False)
+    monkeypatch.setattr(fp8_prefill, "ACT", False)
     if CUDA:  # the transient bf16 copy and cuBLAS: x unquantized
         close(quant.linear(x.to(DEVICE), w.to(DEVICE)).cpu(), unquantized, torch.bfloat16)
 
@@ -223,7 +223,7 @@ def stored_bf16(v: torch.Tensor) -> torch.Tensor:
 @in_this_process
 @pytest.mark.parametrize("partial", [False, True], ids=["routed", "streamed-piece"])
 def test_fp8_experts_prefill_quantizes_x_and_the_activation_and_puts_rows_back(partial):
-    """FP8 MoE prefill (`quant.fp8_experts` through `experts_quantized`): x's FP8 rows through gate_up
+    """FP8 MoE prefill (`fp8_prefill.experts` through `experts_quantized`): x's FP8 rows through gate_up
     in expert order, silu(gate) * up * routing weight quantized straight into FP8 rows, down written at
     each assignment's row, summed per token; absent assignments (-1, `partial`) add nothing. Against
     the same steps in torch (gate_up's output rounded to bf16 as the kernel stores it: Triton's

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.ops.gpu import quant
+from engine.ops.gpu import fp8_prefill, quant
 from engine.ops.gpu.checked import Checked
 from engine.ops.moe import DECODE_ROWS, experts_loop, router_logits
 from engine.ops.moe import route as reference_route
@@ -144,7 +144,7 @@ def experts_quantized(
     if ids.numel() <= DECODE_ROWS and quant.gemv_fits(gate_up) and quant.gemv_fits(down):
         return _experts_quantized_decode(x, weights, ids, gate_up, down)
     order, offs = group_by_expert(ids, gate_up.shape[0])
-    if (ys := quant.fp8_experts(x, weights, gate_up, down, order, offs, top_k)) is not None:
+    if (ys := fp8_prefill.experts(x, weights, gate_up, down, order, offs, top_k)) is not None:
         return _summed(ys, None, ids, partial, x.dtype)  # FP8 tensor cores, rows back in place
     gate, up = quant.grouped(x, gate_up, order, offs, top_k).chunk(2, dim=-1)  # [T*k, I] each, expert order
     act = F.silu(gate) * up * weights.flatten()[order, None]

@@ -11,10 +11,8 @@ the reference (`engine.quant.ggml`, `engine.quant.fp8`), and multiply it with th
 - `grouped(x, w, order, offs)`: rows grouped by expert (`moe.group_by_expert`) times each row's
   expert's weight, tiles never straddling two experts, or for many rows a transient copy and
   torch's grouped GEMM (MoE prefill); no host sync;
-- FP8 prefill (both) quantizes x per row and 128 columns (`fp8_rows`) and runs e4m3 times e4m3 on
-  the tensor cores, as vLLM and SGLang run Qwen's FP8 checkpoints, in a Triton kernel
-  (`_fp8_gemm_kernel`; FT_FP8_CUBLAS=1: a linear in cuBLAS's block-scaled GEMM, `_cublas_fp8`), an MoE
-  layer's experts in four launches (`fp8_experts`);
+- FP8 prefill (both) runs e4m3 times e4m3 on the tensor cores, x quantized per row and 128 columns
+  (`engine.ops.gpu.fp8_prefill`);
 - with FT_Q8X=1 (off by default), a Q4_K GEMV quantizes x to llama.cpp's Q8_1 first (`quantize_x`)
   and multiplies in integer dot products (`_dot_q4_k_q8`), as llama.cpp does.
 
@@ -29,7 +27,6 @@ import logging
 import math
 import os
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 import triton
@@ -82,45 +79,6 @@ Q8X_PROGRAMS = 256  # the same for a GEMV taking x as Q8_1
 # the GEMV's warps a program and its K loop's pipelining stages and unrolling (None: Triton's
 # defaults); `bench/quant.py --gemv-variants` times decode under others
 GEMV_WARPS, GEMV_STAGES, GEMV_UNROLL = 4, None, None
-# FP8 prefill (more than DEQUANT_ROWS rows of bf16 activations) runs on FP8 tensor cores: x quantized
-# per row and 128 columns (`fp8_rows`: the dynamic 1x128 activation scaling Qwen's FP8 checkpoints
-# declare and vLLM / SGLang run them with) times the e4m3 weights, both blocks' scales applied to each
-# 128-column step's sums (`_fp8_gemm_kernel`, `_cublas_fp8`). FT_FP8_ACT=0: a transient bf16 copy of
-# the weight and cuBLAS instead (bf16 activations, as before session 15).
-FP8_ACT = os.environ.get("FT_FP8_ACT", "1") == "1"
-FP8_MAX = 448.0  # e4m3's largest finite value
-# FT_FP8_CUBLAS=1: dense FP8 prefill on a GPU that has it (sm_90, CUDA >= 12.9) through cuBLAS's
-# block-scaled GEMM (`torch._scaled_mm`, 1x128 x 128x128) instead of the Triton kernel. Off by default
-# (one kernel for every FP8 prefill, no probing): the H200, session 15, at 8K tokens it is 1.3-1.4x the
-# Triton kernel on the device (0.36 against 0.48 ms for a [12288, 2048] projection) but ~90 us a call
-# on the host, and end to end the two were within the order they ran in (two leases: the one timed
-# second 3-5% faster, 52,679 / 54,285 and 59,138 / 62,018 tok/s).
-FP8_CUBLAS = os.environ.get("FT_FP8_CUBLAS", "0") == "1"
-_CUBLAS_FP8: dict[torch.device, bool] = {}  # per device: whether its torch._scaled_mm takes block scales
-
-
-class Fp8Tile(NamedTuple):
-    """The FP8 GEMM's launch: rows a tile, warps, pipelining stages, whether a tile's programs over N
-    run one after another (its x rows and its expert's weight stay in L2), and how many products
-    Hopper's FP8 MMA sums at its reduced precision before adding into fp32 (0: Triton's default, all)."""
-
-    bm: int = 64
-    warps: int = 4
-    stages: int = 3
-    n_first: bool = False
-    imprecise: int = 0
-
-    @classmethod
-    def parse(cls, spec: str) -> Fp8Tile:
-        """"BM:warps:stages[:n|t[:imprecise]]", e.g. "64:4:4:n:0"."""
-        v = spec.split(":")
-        return cls(*(int(x) for x in v[:3]), *([v[3] == "n"] if len(v) > 3 else []), *(int(x) for x in v[4:5]))
-
-
-# the H200, session 15, at 8K tokens (bench/quant_kernels.py --fp8-prefill): 64 rows, 4 warps, 4 stages, a
-# tile's programs over N together: an MoE layer's gate_up 0.46 ms (bf16's grouped GEMM 0.58), down 0.41
-# (0.38); the dense projections as fast as bf16's cuBLAS (0.53 / 0.52 ms, 0.19 / 0.19, 0.37 / 0.37)
-FP8_TILE = Fp8Tile.parse(os.environ.get("FT_FP8_TILE", "64:4:4:n"))
 
 
 class QuantWeight(nn.Module):
@@ -685,213 +643,6 @@ def _gemm_kernel(
     )
 
 
-@triton.jit
-def _e4m3_grid(v):
-    """v (fp32, |v| <= 448) rounded to the nearest e4m3 value (ties to even) in fp32 arithmetic:
-    adding and taking back 1.5 * 2**23 ulps rounds to a multiple of the ulp. The cast to e4m3 is then
-    exact on every backend (Triton's interpreter's own rounding drops the carry into the exponent)."""
-    exponent = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    ulp = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)  # subnormals: 2**-9
-    big = ulp * 12582912.0  # 1.5 * 2**23
-    rounded = (tl.abs(v) + big) - big
-    return tl.where(v < 0, -rounded, rounded)  # -0 stays -0
-
-
-@triton.jit
-def _store_fp8_groups(x, q_at, s_at, keep, g_keep):
-    """x [G, 128] (fp32, one row's 128-column groups) as e4m3 at q_at and fp32 scales at s_at [G]:
-    each group over its largest |x| / 448."""
-    s = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / 448.0
-    q = _e4m3_grid(tl.clamp(x / s[:, None], -448.0, 448.0))
-    tl.store(q_at, q.to(q_at.dtype.element_ty), mask=keep)
-    tl.store(s_at, s, mask=g_keep)
-
-
-@triton.jit
-def _fp8_rows_kernel(X, Q, S, K, S_ROW, S_GROUP, GROUPS: tl.constexpr):
-    """Row m of X [M, K] as e4m3 Q and fp32 scales S (group g of row m at m * S_ROW + g * S_GROUP)."""
-    m = tl.program_id(0).to(tl.int64)
-    g = tl.arange(0, GROUPS)
-    k = g[:, None] * 128 + tl.arange(0, 128)[None, :]
-    keep = k < K
-    x = tl.load(X + m * K + k, mask=keep, other=0.0).to(tl.float32)
-    _store_fp8_groups(x, Q + m * K + k, S + m * S_ROW + g * S_GROUP, keep, g < K // 128)
-
-
-@triton.jit
-def _fp8_gemm_kernel(
-    XQ, XS, W, WS, Y, ORDER, OFFS, M, N, K, E, TILES, TOP_K,
-    BM: tl.constexpr, EXPERTS: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr,
-    N_FIRST: tl.constexpr, IMPRECISE: tl.constexpr,
-):  # fmt: skip
-    """Y [M, N] = x @ w.T in FP8: x's rows (e4m3 XQ, a scale per 128 columns in XS) times expert e's
-    e4m3 rows n (128 a program: one scale block row), each 128-column step's fp32 sums scaled by both
-    blocks' scales. EXPERTS = 0: one weight, tile t rows [t * BM, ..). Else (a power of two >= E): rows
-    j grouped by expert (`moe.group_by_expert`: expert e's end at OFFS[e]), each expert's in tiles of
-    BM after the tiles of those before it, tile t's expert and rows found here from OFFS (no layout on
-    the host); programs past the last tile return. Row j reads x's row ORDER[j] // TOP_K (GATHER) or
-    j, and is written at row ORDER[j] of Y (SCATTER: back in the assignments' order) or j. One program
-    axis: tile t's programs over N one after another (N_FIRST) or each block of N's over the tiles."""
-    blocks = tl.cdiv(N, 128)
-    if N_FIRST:
-        t, block = tl.program_id(0) // blocks, tl.program_id(0) % blocks
-    else:
-        t, block = tl.program_id(0) % TILES, tl.program_id(0) // TILES
-    if EXPERTS:
-        ex = tl.arange(0, EXPERTS)
-        ends = tl.load(OFFS + ex, mask=ex < E, other=0)
-        starts = tl.load(OFFS + ex - 1, mask=(ex > 0) & (ex < E), other=0)
-        tiles = tl.where(ex < E, (ends - starts + BM - 1) // BM, 0)
-        last = tl.cumsum(tiles, 0)  # one past each expert's last tile
-        e = tl.sum((last <= t).to(tl.int32), 0)  # the experts whose tiles end before tile t: t's expert
-        if e >= E:
-            return
-        mine = ex == e
-        start = tl.sum(tl.where(mine, starts + (t - (last - tiles)) * BM, 0), 0)
-        r = start + tl.arange(0, BM)
-        valid = r < tl.sum(tl.where(mine, ends, 0), 0)
-        e = e.to(tl.int64)
-    else:
-        r = t * BM + tl.arange(0, BM)
-        valid = r < M
-        e = 0
-    if GATHER or SCATTER:
-        assignment = tl.load(ORDER + r, mask=valid, other=0).to(tl.int64)
-    src = assignment // TOP_K if GATHER else r.to(tl.int64)
-    dst = assignment if SCATTER else r.to(tl.int64)
-    n = (block * 128 + tl.arange(0, 128)).to(tl.int64)
-    col = tl.arange(0, 128)
-    steps = K // 128
-    x_at = XQ + src[:, None] * K + col[None, :]
-    w_at = W + (e * N + tl.minimum(n, N - 1))[:, None] * K + col[None, :]
-    xs_at = XS + src * steps
-    ws_at = WS + (e * blocks + block) * steps
-    acc = tl.zeros([BM, 128], tl.float32)
-    for i in range(steps):
-        x = tl.load(x_at + i * 128, mask=valid[:, None], other=0.0)
-        w = tl.load(w_at + i * 128)
-        scale = tl.load(xs_at + i, mask=valid, other=0.0) * tl.load(ws_at + i)
-        if IMPRECISE:
-            acc += tl.dot(x, tl.trans(w), max_num_imprecise_acc=IMPRECISE) * scale[:, None]
-        else:
-            acc += tl.dot(x, tl.trans(w)) * scale[:, None]
-    tl.store(
-        Y + dst[:, None] * N + n[None, :], acc.to(Y.dtype.element_ty), mask=valid[:, None] & (n < N)[None, :]
-    )
-
-
-@triton.jit
-def _glu_fp8_rows_kernel(GU, RW, ORDER, Q, S, INTER, GROUPS: tl.constexpr):
-    """Row j of GU [M, 2 * INTER] (gate | up, expert order) as the down projection's x in FP8 rows:
-    silu(gate) * up * the routing weight RW[ORDER[j]], in fp32, quantized as `_fp8_rows_kernel` does."""
-    j = tl.program_id(0).to(tl.int64)
-    g = tl.arange(0, GROUPS)
-    k = g[:, None] * 128 + tl.arange(0, 128)[None, :]
-    keep = k < INTER
-    gate = tl.load(GU + j * 2 * INTER + k, mask=keep, other=0.0).to(tl.float32)
-    up = tl.load(GU + j * 2 * INTER + INTER + k, mask=keep, other=0.0).to(tl.float32)
-    a = gate * tl.sigmoid(gate) * up * tl.load(RW + tl.load(ORDER + j)).to(tl.float32)
-    _store_fp8_groups(a, Q + j * INTER + k, S + j * (INTER // 128) + g, keep, g < INTER // 128)
-
-
-def fp8_rows(x: torch.Tensor, cublas: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (K a multiple of 128) as e4m3 [M, K] and fp32 scales [M, K/128]: each row's 128-column
-    groups divided by their largest |x| / 448. `cublas`: laid out as `torch._scaled_mm` takes them,
-    rows padded to a multiple of 4 (left unset) and the scales outer-dim-major (stride (1, rows))."""
-    m, k = x.shape
-    rows = -(-m // 4) * 4 if cublas else m
-    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
-    if cublas:
-        s = torch.empty(k // 128, rows, dtype=torch.float32, device=x.device).t()
-    else:
-        s = torch.empty(rows, k // 128, dtype=torch.float32, device=x.device)
-    if m:
-        _fp8_rows_kernel[(m,)](x, q, s, k, s.stride(0), s.stride(1), GROUPS=triton.next_power_of_2(k // 128))
-    return q, s
-
-
-def fp8_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fp8_rows` in plain torch."""
-    groups = x.float().unflatten(-1, (-1, 128))
-    s = groups.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
-    q = (groups / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.flatten(-2), s
-
-
-_FP8_DOT: dict[torch.device, bool] = {}  # per GPU: whether it has FP8 tensor cores (sm_89 on)
-
-
-def _takes_fp8_rows(x: torch.Tensor, w: QuantWeight, rows: int) -> bool:
-    """Whether `rows` rows of x times w run on FP8 tensor cores (`FP8_ACT`; the interpreter too)."""
-    if not (FP8_ACT and w.fmt == FP8 and x.dtype == torch.bfloat16 and rows > DEQUANT_ROWS):
-        return False
-    if x.device.type != "cuda":
-        return True
-    if x.device not in _FP8_DOT:
-        _FP8_DOT[x.device] = torch.cuda.get_device_capability(x.device) >= (8, 9)
-    return _FP8_DOT[x.device]
-
-
-def _fp8_gemm(
-    xq: torch.Tensor, xs: torch.Tensor, w: QuantWeight, out: torch.Tensor, order: torch.Tensor | None = None,
-    offs: torch.Tensor | None = None, top_k: int = 1, scatter: bool = False,
-) -> torch.Tensor:  # fmt: skip
-    """out = x @ w.T (w [N, K]; x as `fp8_rows` gives it) or, with `order` and `offs` (`grouped`'s),
-    each expert-ordered row's expert's product, reading x's row order[j] // top_k, or with `scatter`
-    row j of x and writing out's row order[j]: one launch of `_fp8_gemm_kernel`."""
-    m, (n, k), tile = order.numel() if order is not None else out.shape[0], w.shape[-2:], FP8_TILE
-    experts = 0 if offs is None else offs.numel()
-    tiles = triton.cdiv(m, tile.bm) + min(m, experts)  # at most one partial tile an expert
-    _fp8_gemm_kernel[(tiles * triton.cdiv(n, 128),)](
-        xq, xs, *w.parts, out, xs if order is None else order, xs if offs is None else offs, m, n, k,
-        max(experts, 1), tiles, top_k, BM=tile.bm, EXPERTS=triton.next_power_of_2(experts) if experts else 0,
-        GATHER=order is not None and not scatter, SCATTER=scatter, N_FIRST=tile.n_first,
-        IMPRECISE=tile.imprecise, num_warps=tile.warps, num_stages=tile.stages,
-    )  # fmt: skip
-    return out
-
-
-def fp8_experts(
-    x: torch.Tensor, routing: torch.Tensor, gate_up: QuantWeight, down: QuantWeight, order: torch.Tensor,
-    offs: torch.Tensor, top_k: int,
-) -> torch.Tensor | None:  # fmt: skip
-    """MoE prefill on FP8 tensor cores (both stacks FP8, bf16 x past DEQUANT_ROWS assignments; else
-    None): gate_up over x's FP8 rows gathered in expert order, silu(gate) * up * the routing weight
-    straight into the down projection's FP8 rows (one kernel), down written back in the assignments'
-    order. Returns [T * k, H] (rows of absent assignments unset). Four launches."""
-    assignments, inter = order.numel(), down.shape[-1]
-    if not (_takes_fp8_rows(x, gate_up, assignments) and down.fmt == FP8 and inter % 128 == 0):
-        return None
-    gu = _fp8_gemm(*fp8_rows(x.contiguous()), gate_up, x.new_empty(assignments, 2 * inter), order, offs, top_k)
-    aq = torch.empty(assignments, inter, dtype=torch.float8_e4m3fn, device=x.device)
-    scales = torch.empty(assignments, inter // 128, dtype=torch.float32, device=x.device)
-    _glu_fp8_rows_kernel[(assignments,)](gu, routing.flatten(), order, aq, scales, inter,
-                                         GROUPS=triton.next_power_of_2(inter // 128))  # fmt: skip
-    return _fp8_gemm(aq, scales, down, x.new_empty(assignments, down.shape[1]), order, offs, scatter=True)
-
-
-def _cublas_fp8(x: torch.Tensor, w: QuantWeight) -> torch.Tensor | None:
-    """x [M, K] @ w.T by cuBLAS's block-scaled FP8 GEMM (`FP8_CUBLAS`), x in FP8 rows; None where this
-    torch or GPU does not take block scales (found out once per device, never inside a capture)."""
-    verdict = _CUBLAS_FP8.get(x.device)
-    if not (FP8_CUBLAS and x.is_cuda) or verdict is False:
-        return None
-    if verdict is None and torch.cuda.is_current_stream_capturing():
-        return None
-    xq, xs = fp8_rows(x, cublas=True)
-    wq, ws = w.parts
-    pad = -ws.shape[-1] % 4  # cuBLAS takes the weight's scales [K/128 padded to 4, N/128]
-    ws = (torch.nn.functional.pad(ws, (0, pad)) if pad else ws).t()
-    try:
-        out = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=x.dtype)
-    except (RuntimeError, NotImplementedError) as e:
-        log.info("FP8 prefill: no block-scaled torch._scaled_mm on %s (%s): the Triton kernel", x.device, e)
-        _CUBLAS_FP8[x.device] = False
-        return None
-    _CUBLAS_FP8[x.device] = True
-    return out[: x.shape[0]]
-
-
 def _block_k(k: int) -> int:
     """Columns per GEMM / dequantization step: 64, or 32 for the narrow rows Q8_0 and FP8 allow."""
     if k % 32:
@@ -1154,7 +905,7 @@ def experts_sum(act: torch.Tensor, down: QuantWeight, ids: torch.Tensor) -> torc
 def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """x [M, K] @ w.T → [M, N] in x's dtype (w: one weight [N, K]): a split-K GEMV for up to
     `GEMV_ROWS` rows (decode), the tiled kernel up to `DEQUANT_ROWS`, above that (prefill) FP8 on
-    its tensor cores (`FP8_ACT`) or one transient dequantized copy and a cuBLAS GEMM (the copy costs
+    its tensor cores (`fp8_prefill`) or one transient dequantized copy and a cuBLAS GEMM (the copy costs
     far less than the GEMM)."""
     n, k = w.shape
     x = x.contiguous()
@@ -1163,11 +914,8 @@ def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         return _gemv(x, w, m, n)  # x's columns through w's map, if any, a chunk at a time
     if w.columns is not None:  # into the packed order
         x = x.index_select(-1, w.columns)
-    if _takes_fp8_rows(x, w, m):
-        out = _cublas_fp8(x, w)
-        if out is None:
-            out = _fp8_gemm(*fp8_rows(x), w, torch.empty(m, n, dtype=x.dtype, device=x.device))
-        return out
+    if fp8_prefill.runs(x, w, m):
+        return fp8_prefill.linear(x, w)
     if m > DEQUANT_ROWS and x.dtype != torch.float32:
         return x @ dequantize_to(w, x.dtype).T
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -1198,11 +946,10 @@ def grouped(
     [len(order), N] in expert order. Tiles are laid out on the device: an upper bound of
     len(order) / BM + min(len(order), E) tiles (decode: a few, not one per expert), the empty ones
     return at once (no host sync). Beyond DEQUANT_ROWS bf16 rows: FP8 on its tensor cores
-    (`FP8_ACT`), other formats a transient bf16 copy and torch's grouped GEMM."""
+    (`fp8_prefill`), other formats a transient bf16 copy and torch's grouped GEMM."""
     num_experts, n, k = w.shape
-    if _takes_fp8_rows(x, w, order.numel()):  # its tiles are found in the kernel
-        out = torch.empty(order.numel(), n, dtype=x.dtype, device=x.device)
-        return _fp8_gemm(*fp8_rows(x.contiguous()), w, out, order, offs, top_k)
+    if fp8_prefill.runs(x, w, order.numel()):  # its tiles are found in the kernel
+        return fp8_prefill.grouped(x, w, order, offs, top_k)
     if order.numel() > DEQUANT_ROWS and x.dtype == torch.bfloat16:  # before the tiles: this path has none
         grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
         xs = x.index_select(0, order // top_k)  # row copies (x[i] is an elementwise kernel)
@@ -1223,3 +970,6 @@ def grouped(
     rows = (order // top_k).to(torch.int32)
     out = torch.empty(order.numel(), n, dtype=x.dtype, device=x.device)
     return _launch_gemm(x.contiguous(), w, rows, expert, tile_start, tile_end, n, k, out, bm)
+
+
+from engine.ops.gpu import fp8_prefill  # noqa: E402 (it imports this module: after its names)
