@@ -142,11 +142,12 @@ def load_format(fmt: str, args) -> tuple[object, int]:
 # -- our engine
 
 
-def bench_prefill(eng, tokens: int) -> dict:
+def bench_prefill(eng, tokens: int) -> tuple[dict, torch.Tensor]:
+    """Prefill tok/s of a `tokens` prompt (best of two, after one that compiles), and its last logits (fp32)."""
     ids = ids_for(tokens, tokens)
-    eng.prefill(eng.new_state(), ids)  # compile and autotune at this shape
+    logits = eng.prefill(eng.new_state(), ids).logits.float()  # compile and autotune at this shape
     seconds = min(timed(eng.device, lambda: eng.prefill(eng.new_state(), ids)) for _ in range(2))
-    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
+    return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}, logits
 
 
 DECODE_RUNS = 3  # timed decode runs a figure is the best of, ours and llama-server's alike (each run's kept)
@@ -189,14 +190,13 @@ def bench_format(fmt: str, args, keep: dict) -> dict:
         f"{fmt}: loaded in {load_s:.1f} s, {memory['weights'] / GB:.2f} GB resident, file {file_bytes / GB:.2f} GB",
         flush=True,
     )
-    row["prefill"] = bench_prefill(eng, args.prefill)
+    row["prefill"], logits = bench_prefill(eng, args.prefill)
     print(f"{fmt}: prefill {args.prefill}: {row['prefill']['tok_s']:.0f} tok/s", flush=True)
     if eng.device.type == "cuda" and fmt in ("bf16", "fp8"):
-        ids = ids_for(args.prefill, args.prefill)
         if fmt == "bf16":  # the last logits of the FP8 runs' prompt, to set theirs against
-            keep["bf16_logits"] = eng.prefill(eng.new_state(), ids).logits.float()
+            keep["bf16_logits"] = logits
         else:
-            row["prefill_bf16_activations"] = fp8_prefill_variants(eng, ids, keep.get("bf16_logits"))
+            row["prefill_bf16_activations"] = fp8_prefill_variants(eng, args.prefill, logits, keep.get("bf16_logits"))
         if args.profile:  # the kernels of the prefill, by device time
             from bench.gpu import profile_prefill  # noqa: PLC0415
 
@@ -225,27 +225,26 @@ def bench_format(fmt: str, args, keep: dict) -> dict:
     return row
 
 
-def fp8_prefill_variants(eng, ids: list[int], bf16_logits: torch.Tensor | None) -> dict:
+def fp8_prefill_variants(eng, tokens: int, logits: torch.Tensor, bf16_logits: torch.Tensor | None) -> dict:
     """FP8 prefill with x kept in bf16 (FT_FP8_ACT=0: a transient bf16 copy of each weight and cuBLAS)
     and with the dense projections in cuBLAS's FP8 GEMM (FT_FP8_CUBLAS=1) beside the default (x in FP8
     rows, Triton): speeds, and how far apart the last token's logits are, x in FP8 against x in bf16
     and each against the bf16 model's (largest difference over the largest logit; same top token?)."""
     from engine.ops.gpu import fp8_prefill  # noqa: PLC0415
 
-    logits = {"fp8 x": eng.prefill(eng.new_state(), ids).logits.float(), "bf16 model": bf16_logits}
+    logits = {"fp8 x": logits, "bf16 model": bf16_logits}
     fp8_prefill.CUBLAS = True
     try:
-        cublas = bench_prefill(eng, len(ids))
+        cublas, _ = bench_prefill(eng, tokens)
     finally:
         fp8_prefill.CUBLAS = False
-    print(f"fp8: prefill {len(ids)} with the dense projections in cuBLAS: {cublas['tok_s']:.0f} tok/s")
+    print(f"fp8: prefill {tokens} with the dense projections in cuBLAS: {cublas['tok_s']:.0f} tok/s")
     fp8_prefill.ACT = False
     try:
-        out = bench_prefill(eng, len(ids))
-        logits["bf16 x"] = eng.prefill(eng.new_state(), ids).logits.float()
+        out, logits["bf16 x"] = bench_prefill(eng, tokens)
     finally:
         fp8_prefill.ACT = True
-    print(f"fp8: prefill {len(ids)} with bf16 activations: {out['tok_s']:.0f} tok/s", flush=True)
+    print(f"fp8: prefill {tokens} with bf16 activations: {out['tok_s']:.0f} tok/s", flush=True)
     out["fp8_x_dense_in_cublas"] = cublas
     pairs = [("fp8 x", "bf16 x")] + [(a, "bf16 model") for a in ("fp8 x", "bf16 x") if bf16_logits is not None]
     out["logits"] = []

@@ -197,7 +197,6 @@ FP8_GEMM = {
     "XQ": "*fp8e4nv", "XS": "*fp32", "W": "*fp8e4nv", "WS": "*fp32", "Y": "*bf16", "ORDER": "*i64", "OFFS": "*i32",
     "M": "i32", "N": "i32", "K": "i32", "E": "i32", "TILES": "i32", "TOP_K": "i32", "BM": "constexpr",
     "EXPERTS": "constexpr", "GATHER": "constexpr", "SCATTER": "constexpr", "N_FIRST": "constexpr",
-    "IMPRECISE": "constexpr",
 }  # fmt: skip
 
 
@@ -208,7 +207,7 @@ def test_fp8_prefill_kernels_compile_to_fp8_tensor_core_mma(mode):
     the kernels writing x's FP8 rows, plain and from the experts' gate and up."""
     tile = fp8_prefill.TILE
     constexprs = {"BM": tile.bm, "EXPERTS": 0 if mode == "linear" else 256, "GATHER": mode == "gate_up",
-                  "SCATTER": mode == "down", "N_FIRST": tile.n_first, "IMPRECISE": tile.imprecise}  # fmt: skip
+                  "SCATTER": mode == "down", "N_FIRST": tile.n_first}  # fmt: skip
     ptx = compile_for_h200(fp8_prefill._fp8_gemm_kernel, FP8_GEMM, constexprs, ("N", "K"))
     assert "wgmma" in ptx and "e4m3" in ptx, [line for line in ptx.splitlines() if "mma" in line][:5]
     rows = {"X": "*bf16", "Q": "*fp8e4nv", "S": "*fp32", "K": "i32", "S_ROW": "i32", "S_GROUP": "i32",
@@ -217,3 +216,15 @@ def test_fp8_prefill_kernels_compile_to_fp8_tensor_core_mma(mode):
     glu = {"GU": "*bf16", "RW": "*bf16", "ORDER": "*i64", "Q": "*fp8e4nv", "S": "*fp32", "INTER": "i32",
            "GROUPS": "constexpr"}  # fmt: skip
     assert ".entry _glu_fp8_rows_kernel" in compile_for_h200(fp8_prefill._glu_fp8_rows_kernel, glu, {"GROUPS": 4}, ("INTER",))
+
+
+@pytest.mark.parametrize("fmt", sorted(PARTS), ids=lambda f: quant.NAMES[f])
+@pytest.mark.parametrize("experts", [0, 256], ids=["linear", "grouped"])
+def test_tiled_gemm_finds_its_tiles_and_compiles(fmt, experts):
+    """The dequantizing GEMM of 5-64 rows (`quant.linear`, `quant.grouped`): a plain linear's row tiles,
+    or each program's expert and rows found from the experts' row ends (`quant.tile_rows`)."""
+    signature = {"X": "*bf16", **{f"P{i}": t for i, t in enumerate(PARTS[fmt])}, "Y": "*bf16", "ORDER": "*i64",
+                 "OFFS": "*i32", "M": "i32", "N": "i32", "K": "i32", "E": "i32", "TOP_K": "i32", "FMT": "constexpr",
+                 "BM": "constexpr", "BN": "constexpr", "BK": "constexpr", "IEEE": "constexpr", "EXPERTS": "constexpr"}  # fmt: skip
+    constexprs = {"FMT": fmt, "BM": 32, "BN": 64, "BK": 64, "IEEE": False, "EXPERTS": experts}
+    assert ".entry _gemm_kernel" in compile_for_h200(quant._gemm_kernel, signature, constexprs, ("N", "K"))

@@ -142,8 +142,12 @@ def test_grouped_experts_equal_per_expert_matmuls(fmt, tokens):
 
 def x_in_fp8_rows(x: torch.Tensor) -> torch.Tensor:
     """x as the FP8 prefill multiplies it: its e4m3 rows times their 1x128 scales, in fp32."""
-    q, s = fp8_prefill.fp8_rows_reference(x)
-    return (q.float().unflatten(-1, (-1, 128)) * s[..., None]).flatten(-2)
+    return fp8.dequantize(*fp8_rows_reference(x), fp8_prefill.X_BLOCK)
+
+
+def fp8_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fp8_prefill.fp8_rows` in plain torch: the FP8 weights' own block quantization, in 1 x 128 blocks."""
+    return fp8.quantize(x, fp8_prefill.X_BLOCK, torch.float32)
 
 
 @in_this_process
@@ -159,7 +163,7 @@ def test_fp8_rows_are_the_torch_reference():
     x[5, 7] = 448 * 3  # a group's largest is exactly its scale times 448
     x = x.to(torch.bfloat16)
     q, s = fp8_prefill.fp8_rows(x.to(DEVICE))
-    want_q, want_s = fp8_prefill.fp8_rows_reference(x)
+    want_q, want_s = fp8_rows_reference(x)
     assert q.dtype == torch.float8_e4m3fn and s.shape == (70, 3)
     padded, outer = fp8_prefill.fp8_rows(x.to(DEVICE), cublas=True)  # as torch._scaled_mm takes them
     assert padded.shape == (72, 384) and outer.shape == (72, 3) and outer.stride() == (1, 72)
@@ -259,24 +263,26 @@ def test_quantized_experts_of_a_streamed_piece_skip_the_absent_assignments():
     """A prefill's assignments with -1 (routed to experts outside the streamed piece): their rows
     add nothing, whatever the GEMMs left in them (`partial`)."""
     from engine.ops.gpu.moe import _summed, experts_quantized, group_by_expert
-    from engine.ops.moe import experts_loop
+    from engine.ops.moe import DECODE_ROWS, experts_loop
 
     dtype = torch.bfloat16 if CUDA else torch.float32
     gate_up, gate_up_ref = ggml_weight(T.Q4_K, (4, 512, 256))  # [E, 2I, H]
     down, down_ref = ggml_weight(T.Q6_K, (4, 256, 256), seed=1)  # [E, H, I]
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(20, 256, generator=gen).to(dtype)
-    ids = torch.randint(-1, 4, (20, 2), generator=gen)  # 40 assignments: the prefill path
-    weights = torch.rand(20, 2, generator=gen).to(dtype)
+    tokens = 80
+    x = torch.randn(tokens, 256, generator=gen).to(dtype)
+    ids = torch.randint(-1, 4, (tokens, 2), generator=gen)
+    assert ids.numel() > DECODE_ROWS  # the prefill path
+    weights = torch.rand(tokens, 2, generator=gen).to(dtype)
     args = (t.to(DEVICE) for t in (x, weights, ids, gate_up, down))
     got = experts_quantized(*args, partial=True).cpu()
     want = experts_loop(x.float(), weights.float(), ids, gate_up_ref, down_ref)
     close(got, want, dtype)
     # what no GEMM wrote may hold anything: NaN there, and nothing of it in the sums
     order, _ = group_by_expert(ids, 4)
-    ys = torch.where((ids.flatten()[order] < 0)[:, None], float("nan"), torch.ones(40, 3))
+    ys = torch.where((ids.flatten()[order] < 0)[:, None], float("nan"), torch.ones(2 * tokens, 3))
     summed = _summed(ys, order, ids, True, torch.float32)
-    assert torch.equal(summed, (ids >= 0).sum(1, keepdim=True).float().expand(20, 3))
+    assert torch.equal(summed, (ids >= 0).sum(1, keepdim=True).float().expand(tokens, 3))
 
 
 @in_this_process

@@ -24,10 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops.gpu.quant import DEQUANT_ROWS, FP8, QuantWeight
-from engine.quant.fp8 import FP8_MAX
+from engine.ops.gpu.quant import DEQUANT_ROWS, FP8, QuantWeight, tile_launch, tile_rows
 
 log = logging.getLogger(__name__)
+X_BLOCK = (
+    1,
+    128,
+)  # x's quantization blocks: `engine.quant.fp8.quantize(x, X_BLOCK, torch.float32)` is `fp8_rows`
 
 # FT_FP8_ACT=0: FP8 prefill as before session 15, a transient bf16 copy of each weight and cuBLAS (x in bf16)
 ACT = os.environ.get("FT_FP8_ACT", "1") == "1"
@@ -42,23 +45,21 @@ _CUBLAS: dict[torch.device, bool] = {}  # per device: whether its torch._scaled_
 
 
 class Tile(NamedTuple):
-    """The FP8 GEMM's launch: rows a tile, warps, pipelining stages, whether a tile's programs over N
-    run one after another (its x rows and its expert's weight stay in L2), and how many products
-    Hopper's FP8 MMA sums at its reduced precision before adding into fp32 (0: Triton's default, all)."""
+    """The FP8 GEMM's launch: rows a tile, warps, pipelining stages, and whether a tile's programs over
+    N run one after another (its x rows and its expert's weight stay in L2). Hopper's FP8 MMA sums each
+    128-column step at its reduced precision (Triton's default; promoting every 32 products cost 25% on
+    the H200 and moved the error by 0.1e-3, session 15)."""
 
     bm: int = 64
     warps: int = 4
     stages: int = 3
     n_first: bool = False
-    imprecise: int = 0
 
     @classmethod
     def parse(cls, spec: str) -> Tile:
-        """From "BM:warps:stages[:n|t[:imprecise]]", e.g. "64:4:4:n:0"."""
+        """From "BM:warps:stages[:n|t]", e.g. "64:4:4:n"."""
         v = spec.split(":")
-        return cls(
-            *(int(x) for x in v[:3]), *([v[3] == "n"] if len(v) > 3 else []), *(int(x) for x in v[4:5])
-        )
+        return cls(*(int(x) for x in v[:3]), *([v[3] == "n"] if len(v) > 3 else []))
 
 
 # the H200, session 15, at 8K tokens (bench/quant_kernels.py --fp8-prefill): 64 rows, 4 warps, 4 stages, a
@@ -104,39 +105,22 @@ def _fp8_rows_kernel(X, Q, S, K, S_ROW, S_GROUP, GROUPS: tl.constexpr):
 def _fp8_gemm_kernel(
     XQ, XS, W, WS, Y, ORDER, OFFS, M, N, K, E, TILES, TOP_K,
     BM: tl.constexpr, EXPERTS: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr,
-    N_FIRST: tl.constexpr, IMPRECISE: tl.constexpr,
+    N_FIRST: tl.constexpr,
 ):  # fmt: skip
     """Y [M, N] = x @ w.T in FP8: x's rows (e4m3 XQ, a scale per 128 columns in XS) times expert e's
     e4m3 rows n (128 a program: one scale block row), each 128-column step's fp32 sums scaled by both
-    blocks' scales. EXPERTS = 0: one weight, tile t rows [t * BM, ..). Else (a power of two >= E): rows
-    j grouped by expert (`moe.group_by_expert`: expert e's end at OFFS[e]), each expert's in tiles of
-    BM after the tiles of those before it, tile t's expert and rows found here from OFFS (no layout on
-    the host); programs past the last tile return. Row j reads x's row ORDER[j] // TOP_K (GATHER) or
-    j, and is written at row ORDER[j] of Y (SCATTER: back in the assignments' order) or j. One program
-    axis: tile t's programs over N one after another (N_FIRST) or each block of N's over the tiles."""
+    blocks' scales, tile t's expert and rows j from `quant.tile_rows`. Row j reads x's row
+    ORDER[j] // TOP_K (GATHER) or j, and is written at row ORDER[j] of Y (SCATTER: back in the
+    assignments' order) or j. One program axis: tile t's programs over N one after another (N_FIRST)
+    or each block of N's over the tiles."""
     blocks = tl.cdiv(N, 128)
     if N_FIRST:
         t, block = tl.program_id(0) // blocks, tl.program_id(0) % blocks
     else:
         t, block = tl.program_id(0) % TILES, tl.program_id(0) // TILES
-    if EXPERTS:
-        ex = tl.arange(0, EXPERTS)
-        ends = tl.load(OFFS + ex, mask=ex < E, other=0)
-        starts = tl.load(OFFS + ex - 1, mask=(ex > 0) & (ex < E), other=0)
-        tiles = tl.where(ex < E, (ends - starts + BM - 1) // BM, 0)
-        last = tl.cumsum(tiles, 0)  # one past each expert's last tile
-        e = tl.sum((last <= t).to(tl.int32), 0)  # the experts whose tiles end before tile t: t's expert
-        if e >= E:
-            return
-        mine = ex == e
-        start = tl.sum(tl.where(mine, starts + (t - (last - tiles)) * BM, 0), 0)
-        r = start + tl.arange(0, BM)
-        valid = r < tl.sum(tl.where(mine, ends, 0), 0)
-        e = e.to(tl.int64)
-    else:
-        r = t * BM + tl.arange(0, BM)
-        valid = r < M
-        e = 0
+    e, r, valid = tile_rows(t, OFFS, M, E, BM, EXPERTS)
+    if e >= E:
+        return
     if GATHER or SCATTER:
         assignment = tl.load(ORDER + r, mask=valid, other=0).to(tl.int64)
     src = assignment // TOP_K if GATHER else r.to(tl.int64)
@@ -153,10 +137,7 @@ def _fp8_gemm_kernel(
         x = tl.load(x_at + i * 128, mask=valid[:, None], other=0.0)
         w = tl.load(w_at + i * 128)
         scale = tl.load(xs_at + i, mask=valid, other=0.0) * tl.load(ws_at + i)
-        if IMPRECISE:
-            acc += tl.dot(x, tl.trans(w), max_num_imprecise_acc=IMPRECISE) * scale[:, None]
-        else:
-            acc += tl.dot(x, tl.trans(w)) * scale[:, None]
+        acc += tl.dot(x, tl.trans(w)) * scale[:, None]
     tl.store(
         Y + dst[:, None] * N + n[None, :], acc.to(Y.dtype.element_ty), mask=valid[:, None] & (n < N)[None, :]
     )
@@ -178,7 +159,7 @@ def _glu_fp8_rows_kernel(GU, RW, ORDER, Q, S, INTER, GROUPS: tl.constexpr):
 
 def fp8_rows(x: torch.Tensor, cublas: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (K a multiple of 128) as e4m3 [M, K] and fp32 scales [M, K/128]: each row's 128-column
-    groups divided by their largest |x| / 448. `cublas`: laid out as `torch._scaled_mm` takes them,
+    groups divided by their largest |x| / 448 (`engine.quant.fp8.quantize` in X_BLOCK blocks). `cublas`: laid out as `torch._scaled_mm` takes them,
     rows padded to a multiple of 4 (left unset) and the scales outer-dim-major (stride (1, rows))."""
     m, k = x.shape
     rows = -(-m // 4) * 4 if cublas else m
@@ -190,14 +171,6 @@ def fp8_rows(x: torch.Tensor, cublas: bool = False) -> tuple[torch.Tensor, torch
     if m:
         _fp8_rows_kernel[(m,)](x, q, s, k, s.stride(0), s.stride(1), GROUPS=triton.next_power_of_2(k // 128))
     return q, s
-
-
-def fp8_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fp8_rows` in plain torch."""
-    groups = x.float().unflatten(-1, (-1, 128))
-    s = groups.abs().amax(-1).clamp(min=1e-12) / FP8_MAX
-    q = (groups / s[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.flatten(-2), s
 
 
 _FP8_DOT: dict[torch.device, bool] = {}  # per GPU: whether it has FP8 tensor cores (sm_89 on)
@@ -223,13 +196,12 @@ def gemm(
     each expert-ordered row's expert's product, reading x's row order[j] // top_k, or with `scatter`
     row j of x and writing out's row order[j]: one launch of `_fp8_gemm_kernel`."""
     m, (n, k), tile = order.numel() if order is not None else out.shape[0], w.shape[-2:], TILE
-    experts = 0 if offs is None else offs.numel()
-    tiles = triton.cdiv(m, tile.bm) + min(m, experts)  # at most one partial tile an expert
+    tiles, experts, lanes = tile_launch(m, tile.bm, offs)
     _fp8_gemm_kernel[(tiles * triton.cdiv(n, 128),)](
         xq, xs, *w.parts, out, xs if order is None else order, xs if offs is None else offs, m, n, k,
-        max(experts, 1), tiles, top_k, BM=tile.bm, EXPERTS=triton.next_power_of_2(experts) if experts else 0,
+        experts, tiles, top_k, BM=tile.bm, EXPERTS=lanes,
         GATHER=order is not None and not scatter, SCATTER=scatter, N_FIRST=tile.n_first,
-        IMPRECISE=tile.imprecise, num_warps=tile.warps, num_stages=tile.stages,
+        num_warps=tile.warps, num_stages=tile.stages,
     )  # fmt: skip
     return out
 

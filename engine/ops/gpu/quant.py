@@ -614,20 +614,51 @@ def _dequant_kernel(P0, P1, P2, P3, OUT, N, K, FMT: tl.constexpr, BN: tl.constex
 
 
 @triton.jit
+def tile_rows(t, OFFS, M, E, BM: tl.constexpr, EXPERTS: tl.constexpr):
+    """Tile t's expert (int64) and rows r [BM], `valid` where they are the tile's. EXPERTS = 0: one
+    weight, rows [t * BM, ..) of M. Else (a power of two >= E): rows grouped by expert
+    (`moe.group_by_expert`: expert e's end at OFFS[e]), each expert's in tiles of BM after the tiles
+    of the experts before it, found here from OFFS (no layout on the host); past the last tile the
+    expert is E or more and no row valid (its program returns)."""
+    if EXPERTS:
+        ex = tl.arange(0, EXPERTS)
+        ends = tl.load(OFFS + ex, mask=ex < E, other=0)
+        starts = tl.load(OFFS + ex - 1, mask=(ex > 0) & (ex < E), other=0)
+        tiles = tl.where(ex < E, (ends - starts + BM - 1) // BM, 0)
+        last = tl.cumsum(tiles, 0)  # one past each expert's last tile
+        e = tl.sum((last <= t).to(tl.int32), 0)  # the experts whose tiles end before tile t: t's expert
+        mine = ex == e
+        r = tl.sum(tl.where(mine, starts + (t - (last - tiles)) * BM, 0), 0) + tl.arange(0, BM)
+        return e.to(tl.int64), r, r < tl.sum(tl.where(mine, ends, 0), 0)
+    else:
+        r = t * BM + tl.arange(0, BM)
+        return tl.full((), 0, tl.int64), r, r < M
+
+
+def tile_launch(m: int, bm: int, offs: torch.Tensor | None) -> tuple[int, int, int]:
+    """(tiles, E, EXPERTS) of `tile_rows` for m rows, grouped by expert when `offs` is given: at most
+    one partial tile an expert."""
+    if offs is None:
+        return triton.cdiv(m, bm), 1, 0
+    return triton.cdiv(m, bm) + min(m, offs.numel()), offs.numel(), triton.next_power_of_2(offs.numel())
+
+
+@triton.jit
 def _gemm_kernel(
-    X, P0, P1, P2, P3, Y, ROWS, TILE_EXPERT, TILE_START, TILE_END, N, K,
+    X, P0, P1, P2, P3, Y, ORDER, OFFS, M, N, K, E, TOP_K,
     FMT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+    EXPERTS: tl.constexpr,
 ):  # fmt: skip
-    """Tile t covers output rows [TILE_START[t], TILE_END[t]) (gathered from x through ROWS) with
-    expert TILE_EXPERT[t]'s weight; a plain linear is one expert and contiguous row tiles."""
+    """Y [M, N] = x @ w.T, the weight's tile dequantized in registers: tile t (`tile_rows`) of rows
+    j, reading x's row ORDER[j] // TOP_K with experts, j with one weight."""
     t = tl.program_id(0)
-    start, end = tl.load(TILE_START + t), tl.load(TILE_END + t)
-    if start >= end:
+    e, r, valid = tile_rows(t, OFFS, M, E, BM, EXPERTS)
+    if e >= E:
         return
-    e = tl.load(TILE_EXPERT + t).to(tl.int64)
-    r = start + tl.arange(0, BM)
-    valid = r < end
-    src = tl.load(ROWS + r, mask=valid, other=0).to(tl.int64)
+    if EXPERTS:
+        src = (tl.load(ORDER + r, mask=valid, other=0) // TOP_K).to(tl.int64)
+    else:
+        src = r.to(tl.int64)
     n = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
     acc = tl.zeros([BM, BN], tl.float32)
     for k0 in range(0, K, BK):
@@ -650,13 +681,17 @@ def _block_k(k: int) -> int:
     return 64 if k % 64 == 0 else 32
 
 
-def _launch_gemm(x, w, rows, tile_expert, tile_start, tile_end, n, k, out, bm):
-    bn, bk = 64, _block_k(k)
-    parts = _padded(w)
-    grid = (tile_start.numel(), triton.cdiv(n, bn))
-    ieee = x.dtype == torch.float32
-    _gemm_kernel[grid](x, *parts, out, rows, tile_expert, tile_start, tile_end, n, k,
-                       FMT=w.fmt, BM=bm, BN=bn, BK=bk, IEEE=ieee)  # fmt: skip
+def _launch_gemm(x: torch.Tensor, w: QuantWeight, m: int, order: torch.Tensor | None = None,
+                 offs: torch.Tensor | None = None, top_k: int = 1) -> torch.Tensor:  # fmt: skip
+    """`_gemm_kernel` over m rows of x (one weight) or, with `order` and `offs`, `grouped`'s rows."""
+    n, k = w.shape[-2:]
+    bm, bn, bk = 32, 64, _block_k(k)
+    tiles, experts, lanes = tile_launch(m, bm, offs)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _gemm_kernel[(tiles, triton.cdiv(n, bn))](
+        x, *_padded(w), out, x if order is None else order, x if offs is None else offs, m, n, k, experts, top_k,
+        FMT=w.fmt, BM=bm, BN=bn, BK=bk, IEEE=x.dtype == torch.float32, EXPERTS=lanes,
+    )  # fmt: skip
     return out
 
 
@@ -918,12 +953,7 @@ def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
         return fp8_prefill.linear(x, w)
     if m > DEQUANT_ROWS and x.dtype != torch.float32:
         return x @ dequantize_to(w, x.dtype).T
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    bm = 32
-    tiles = torch.arange(0, m, bm, device=x.device, dtype=torch.int32)
-    rows = torch.arange(m, device=x.device, dtype=torch.int32)
-    zero = torch.zeros_like(tiles)
-    return _launch_gemm(x, w, rows, zero, tiles, (tiles + bm).clamp(max=m), n, k, out, bm)
+    return _launch_gemm(x, w, m)
 
 
 def linear_pair(x: torch.Tensor, first: QuantWeight, second: QuantWeight) -> torch.Tensor | None:
@@ -943,33 +973,16 @@ def grouped(
 ) -> torch.Tensor:
     """MoE prefill: y[j] = x[order[j] // top_k] @ w[e(j)].T for the j-th assignment in expert order
     (`order`, `offs` [E] int32 ends of each expert's rows, from `moe.group_by_expert`). Returns
-    [len(order), N] in expert order. Tiles are laid out on the device: an upper bound of
-    len(order) / BM + min(len(order), E) tiles (decode: a few, not one per expert), the empty ones
-    return at once (no host sync). Beyond DEQUANT_ROWS bf16 rows: FP8 on its tensor cores
+    [len(order), N] in expert order. Each program finds its tile's expert and rows from `offs`
+    (`tile_rows`: len(order) / BM + min(len(order), E) tiles at most, decode a few, the empty ones
+    return at once; no host sync). Beyond DEQUANT_ROWS bf16 rows: FP8 on its tensor cores
     (`fp8_prefill`), other formats a transient bf16 copy and torch's grouped GEMM."""
-    num_experts, n, k = w.shape
-    if fp8_prefill.runs(x, w, order.numel()):  # its tiles are found in the kernel
+    if fp8_prefill.runs(x, w, order.numel()):
         return fp8_prefill.grouped(x, w, order, offs, top_k)
-    if order.numel() > DEQUANT_ROWS and x.dtype == torch.bfloat16:  # before the tiles: this path has none
+    if order.numel() > DEQUANT_ROWS and x.dtype == torch.bfloat16:
         grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
         xs = x.index_select(0, order // top_k)  # row copies (x[i] is an elementwise kernel)
         return grouped_mm(xs, dequantize_to(w, x.dtype).transpose(1, 2), offs=offs)
-    bm = 32
-    ends = offs.long()
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    tiles_per = (ends - starts + bm - 1) // bm  # [E]
-    used = min(order.numel(), num_experts)  # experts with rows: at most one partial tile each
-    max_tiles = triton.cdiv(order.numel(), bm) + used
-    last = torch.cumsum(tiles_per, 0)  # one past each expert's last tile
-    t = torch.arange(max_tiles, device=x.device)
-    expert = torch.searchsorted(last, t, right=True).clamp(max=num_experts - 1)
-    tile_start = starts[expert] + (t - (last - tiles_per)[expert]) * bm
-    tile_end = torch.minimum(tile_start + bm, ends[expert])
-    tile_end = torch.where(t < last[-1], tile_end, tile_start)  # past the last tile: empty
-    expert, tile_start, tile_end = (v.to(torch.int32) for v in (expert, tile_start, tile_end))
-    rows = (order // top_k).to(torch.int32)
-    out = torch.empty(order.numel(), n, dtype=x.dtype, device=x.device)
-    return _launch_gemm(x.contiguous(), w, rows, expert, tile_start, tile_end, n, k, out, bm)
-
+    return _launch_gemm(x.contiguous(), w, order.numel(), order, offs, top_k)
 
 from engine.ops.gpu import fp8_prefill  # noqa: E402 (it imports this module: after its names)
