@@ -229,14 +229,19 @@ def exactness(eng: Engine, ctx: int) -> dict:
     return row
 
 
+MOVES = ("aten::copy_", "aten::cat", "aten::index_select", "aten::index_copy_", "aten::gather")  # data movement
+
+
 def profile_prefill(eng: Engine, ctx: int, top: int = 18, host_top: int = 0) -> list[dict]:
     """The kernels of one `ctx` prefill by self CUDA time; with `host_top`, also the host's operators
-    by self CPU time (rows with "host": True), where a prefill's wall time exceeds its device time."""
+    by self CPU time (rows with "host": True), where a prefill's wall time exceeds its device time,
+    and the copies and concatenations by the engine's source lines that made them (rows with "moves")."""
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
     ids = ids_for(ctx, 7)
     activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host_top else [])
-    with profile(activities=activities) as prof:
+    stacks = torch._C._profiler._ExperimentalConfig(verbose=True) if host_top else None  # (without: no frames)
+    with profile(activities=activities, with_stack=bool(host_top), experimental_config=stacks) as prof:
         eng.prefill(eng.new_state(), ids)
         torch.cuda.synchronize()
     events = prof.key_averages()
@@ -252,6 +257,12 @@ def profile_prefill(eng: Engine, ctx: int, top: int = 18, host_top: int = 0) -> 
         for e in host:
             rows.append({"kernel": e.key[:90], "ms": e.self_cpu_time_total / 1e3, "calls": e.count, "host": True})
             print(f"  {e.self_cpu_time_total / 1e3:8.2f} ms x{e.count:<5} {e.key[:90]}")
+        moves = [e for e in prof.key_averages(group_by_stack_n=8) if e.key in MOVES]
+        print("copies and concatenations by where the engine made them (device time):")
+        for e in sorted(moves, key=lambda e: e.device_time_total, reverse=True)[:host_top]:
+            where = " < ".join([f for f in e.stack if "engine/" in f or "fla/" in f][:3])
+            rows.append({"kernel": e.key, "ms": e.device_time_total / 1e3, "calls": e.count, "moves": where})
+            print(f"  {e.device_time_total / 1e3:8.2f} ms x{e.count:<5} {e.key} {where}")
     return rows
 
 

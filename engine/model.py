@@ -49,15 +49,36 @@ class Concat(nn.Module):
     def weights(self) -> list:
         return [getattr(self, f"w{i}") for i in range(self.count)]
 
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
+    def outputs(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """x times each weight, in order (decode's pair of quantized weights: one GEMV launch, one output)."""
         weights = self.weights()
         if len(weights) == 2 and not any(isinstance(w, torch.Tensor) for w in weights):
             from engine.ops.gpu.quant import linear_pair  # noqa: PLC0415 (Triton: only with quantized weights)
 
-            out = linear_pair(x, *weights)  # decode: both in one GEMV launch, no concatenation
+            out = linear_pair(x, *weights)
             if out is not None:
-                return out
-        return torch.cat([matmul(x, w) for w in weights], dim=-1)
+                return [out]
+        return [matmul(x, w) for w in weights]
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        outs = self.outputs(x)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+def matmul_split(x: torch.Tensor, w, widths: list[int]) -> list[torch.Tensor]:
+    """`matmul(x, w)` split into column blocks of `widths` (their sum may stop short of the output's:
+    padding), as views; for a `Concat`, of its parts' outputs, not concatenated first where each block
+    lies within one part (a DeltaNet's fused FP8 projection beside its plain b and a)."""
+    outs = w.outputs(x) if isinstance(w, Concat) else [matmul(x, w)]
+    blocks, part, at = [], 0, 0
+    for width in widths:
+        if at == outs[part].shape[-1]:
+            part, at = part + 1, 0
+        if at + width > outs[part].shape[-1]:  # a block across two parts
+            return list(torch.cat(outs, dim=-1)[..., : sum(widths)].split(widths, dim=-1))
+        blocks.append(outs[part][..., at : at + width])
+        at += width
+    return blocks
 
 
 def _joins(run: list[nn.Module], w) -> bool:
@@ -180,7 +201,7 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, batch: Batch, layer: int, kernels: Kernels) -> torch.Tensor:
         length = x.shape[0]
-        q, k, v = matmul(x, self.qkv).split(self.splits, dim=-1)
+        q, k, v = matmul_split(x, self.qkv, self.splits)
         q, gate = q.view(length, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = kernels.norm_rope(q, self.q_norm.weight, self.q_norm.eps, *rope)  # [T, Hq, D]
         k = kernels.norm_rope(k.view(length, -1, self.head_dim), self.k_norm.weight, self.k_norm.eps, *rope)  # [T, Hkv, D]
@@ -215,6 +236,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(c.linear_num_value_heads))
         self.norm = Weight(c.linear_value_head_dim, fill=1.0)
         self.out_proj = nn.Linear(c.linear_value_dim, c.hidden_size, bias=False)
+        self.qkv_widths = (c.linear_key_dim, c.linear_key_dim, c.linear_value_dim)  # the conv's channels
         self._init_projections(c)
 
     def _init_projections(self, c: ModelConfig) -> None:
@@ -230,7 +252,7 @@ class GatedDeltaNet(nn.Module):
     def project(self, x: torch.Tensor):
         """x [T, H] -> mixed qkv [T, conv_dim] (q ‖ k ‖ v), z [T, Hv*Dv], b [T, Hv], a [T, Hv]."""
         c = self.c
-        return matmul(x, self.in_proj).split([c.conv_dim, c.linear_value_dim, c.linear_num_value_heads, c.linear_num_value_heads], dim=-1)
+        return matmul_split(x, self.in_proj, [c.conv_dim, c.linear_value_dim, c.linear_num_value_heads, c.linear_num_value_heads])
 
     def forward(self, x, batch: Batch, layer: int, kernels: Kernels):
         """x [T, H] of all sequences -> out [T, H] and, per span, its captures [(conv, rec)]."""
@@ -249,12 +271,11 @@ class GatedDeltaNet(nn.Module):
         out = kernels.gated_rms_norm(out, z.view(length, -1, c.linear_value_head_dim), self.norm.weight, c.rms_norm_eps)
         return matmul(out.reshape(length, -1), self.out_proj.weight), captures
 
-    def _split(self, mixed: torch.Tensor):
-        """mixed [T, conv_dim] after the conv -> q, k [T, Hk, Dk], v [T, Hv, Dv]."""
-        c, length = self.c, mixed.shape[0]
-        q, k, v = mixed.split([c.linear_key_dim, c.linear_key_dim, c.linear_value_dim], dim=-1)
-        return (q.reshape(length, -1, c.linear_key_head_dim), k.reshape(length, -1, c.linear_key_head_dim),
-                v.reshape(length, -1, c.linear_value_head_dim))
+    def _heads(self, q, k, v):
+        """q, k [T, Hk*Dk], v [T, Hv*Dv] (the conv's output) -> q, k [T, Hk, Dk], v [T, Hv, Dv]."""
+        c, length = self.c, q.shape[0]
+        return (q.view(length, -1, c.linear_key_head_dim), k.view(length, -1, c.linear_key_head_dim),
+                v.view(length, -1, c.linear_value_head_dim))
 
     def _scan(self, span: Span, layer: int, mixed, g, beta, kernels: Kernels):
         """One sequence's tokens through the conv and the chunked scan, from its own state."""
@@ -262,8 +283,10 @@ class GatedDeltaNet(nn.Module):
         conv_state = state.conv.get(layer)
         if conv_state is None:
             conv_state = mixed.new_zeros(c.conv_dim, c.linear_conv_kernel_dim - 1)
-        mixed, state.conv[layer], conv_caps = kernels.causal_conv(mixed, conv_state, self.conv1d.weight[:, 0], span.capture_at)
-        q, k, v = self._split(mixed)
+        parts, state.conv[layer], conv_caps = kernels.causal_conv(
+            mixed, conv_state, self.conv1d.weight[:, 0], span.capture_at, self.qkv_widths
+        )
+        q, k, v = self._heads(*parts)
         rec = state.rec.get(layer)
         if rec is None:
             rec = torch.zeros(v.shape[1], c.linear_key_head_dim, c.linear_value_head_dim, device=mixed.device)
@@ -280,11 +303,11 @@ class GatedDeltaNet(nn.Module):
         g, beta = g * valid, beta * valid
         weight = self.conv1d.weight[:, 0]
         conv_state = conv_slots[batch.slot][0]  # [C, K-1]
-        mixed_out, _, _ = kernels.causal_conv(mixed, conv_state, weight, [])
+        parts, _, _ = kernels.causal_conv(mixed, conv_state, weight, [], self.qkv_widths)
         inputs = torch.cat([conv_state, mixed.transpose(0, 1)], dim=1)  # [C, K-1+T]: state after n tokens at [n, n+K-1)
         width = conv_state.shape[1]
         conv_slots.index_copy_(0, batch.slot, inputs.index_select(1, batch.count + batch.arange[:width])[None])
-        q, k, v = self._split(mixed_out)
+        q, k, v = self._heads(*parts)
         out, rec, _ = kernels.chunk_gated_delta_rule(q, k, v, g, beta, rec_slots[batch.slot][0], [])
         rec_slots.index_copy_(0, batch.slot, rec[None])
         return out
@@ -294,7 +317,7 @@ class GatedDeltaNet(nn.Module):
         each on the states of the rows' slots, updated in place."""
         conv_slots, rec_slots = batch.buffers.conv[layer], batch.buffers.rec[layer]
         mixed = kernels.decode_conv_slots(mixed, conv_slots, batch.index, self.conv1d.weight[:, 0])
-        q, k, v = self._split(mixed)
+        q, k, v = self._heads(*mixed.split(self.qkv_widths, dim=-1))
         return kernels.decode_gated_delta_rule_slots(q, k, v, g, beta, rec_slots, batch.index)  # [B, Hv, Dv]
 
 
@@ -313,7 +336,7 @@ class NextGatedDeltaNet(GatedDeltaNet):
         c, length = self.c, x.shape[0]
         group = c.linear_num_value_heads // c.linear_num_key_heads
         dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
-        qkvz, ba = matmul(x, self.in_proj).split([self.in_proj_qkvz.weight.shape[0], self.in_proj_ba.weight.shape[0]], dim=-1)
+        qkvz, ba = matmul_split(x, self.in_proj, [self.in_proj_qkvz.weight.shape[0], self.in_proj_ba.weight.shape[0]])
         q, k, v, z = qkvz.reshape(length, c.linear_num_key_heads, -1).split([dk, dk, group * dv, group * dv], dim=-1)  # [T, Hk, ...]
         b, a = ba.reshape(length, c.linear_num_key_heads, -1).split([group, group], dim=-1)
         mixed = torch.cat([q.reshape(length, -1), k.reshape(length, -1), v.reshape(length, -1)], dim=-1)
@@ -386,8 +409,7 @@ class SparseMoe(nn.Module):
             assert self.experts is not None
             return routed_experts(kernels, x, weights, ids, self.experts.gate_up_all, self.experts.down_all)
         splits = [c.shared_expert_intermediate_size, c.shared_expert_intermediate_size, c.num_experts, 1]
-        fused = matmul(x, self.in_proj)[:, : sum(splits)]  # without the padding's outputs
-        gate, up, router, shared_gate = fused.split(splits, dim=-1)
+        gate, up, router, shared_gate = matmul_split(x, self.in_proj, splits)  # without the padding's outputs
         weights, ids = kernels.route(router, c.num_experts_per_tok, c.norm_topk_prob, x.dtype)
         run = partial(routed_experts, kernels)
         if self.offload is not None:  # the stacks of its device slots, whichever kind they are

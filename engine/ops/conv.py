@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
 
 def causal_conv(
-    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, capture_at: list[int]
-) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor, capture_at: list[int], splits: Sequence[int]
+) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor]]:
     """x: [T, C] new inputs; state: [C, K-1] the previous K-1 inputs; weight: [C, K].
 
-    Returns SiLU(conv) [T, C], the state after the last input, and the state after each
-    offset in `capture_at` (1 <= offset <= T), all [C, K-1].
+    Returns SiLU(conv) as contiguous column parts [T, n] of the widths `splits` (summing to C: a
+    DeltaNet's q, k, v), the state after the last input, and the state after each offset in
+    `capture_at` (1 <= offset <= T), all [C, K-1].
     """
     width = weight.shape[1] - 1
     full = torch.cat([state.to(x.dtype), x.transpose(0, 1)], dim=1)  # [C, K-1+T]
     out = F.conv1d(full[None], weight[:, None, :].to(x.dtype), groups=weight.shape[0])[0]  # [C, T]
     captured = [full[:, off : off + width].clone() for off in capture_at]
-    return F.silu(out).transpose(0, 1), full[:, -width:].clone(), captured
+    parts = [p.transpose(0, 1).contiguous() for p in F.silu(out).split(list(splits))]
+    return parts, full[:, -width:].clone(), captured
 
 
 def decode_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ def test_fused_kernels_in_triton_interpreter_process():
 
 
 from engine.ops import gates as reference  # noqa: E402
-from engine.ops.gpu import gates, moe, norm, quant  # noqa: E402
+from engine.ops.gpu import conv, gates, moe, norm, quant  # noqa: E402
 from engine.ops.moe import route  # noqa: E402
 from engine.ops.rope import norm_rope, rope_cos_sin  # noqa: E402
 
@@ -70,10 +70,76 @@ def test_silu_mul_on_split_views(dtype):
 @in_this_process
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sigmoid_mul_on_the_attention_gate_view(dtype):
+    """x as attention leaves it ([1, Hq, T, D] transposed back: heads strided by T * D), the gate a view
+    of the fused q projection: read in place, the output contiguous."""
     q_and_gate = _randn(3, 4, 2 * 16, dtype=dtype, seed=4)  # [T, Hq, 2D], as the fused q projection
     _, gate = q_and_gate.chunk(2, dim=-1)
-    x = _randn(3, 4, 16, dtype=dtype, seed=5)
-    _close(gates.sigmoid_mul.fast(x, gate), reference.sigmoid_mul(x, gate))
+    for x in (_randn(3, 4, 16, dtype=dtype, seed=5), _randn(4, 3, 16, dtype=dtype, seed=5).transpose(0, 1)):
+        got = gates.sigmoid_mul.fast(x, gate)
+        assert got.is_contiguous()
+        _close(got, reference.sigmoid_mul(x, gate))
+
+
+@in_this_process
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_rms_norm_reads_its_gate_off_the_fused_projection(dtype):
+    """z as the DeltaNet's fused input projection leaves it: [T, Hv, Dv] rows strided by the projection's width."""
+    from engine.ops.norm import gated_rms_norm  # noqa: PLC0415
+
+    tokens, heads, dim = 5, 4, 32
+    fused = _randn(tokens, 3 * heads * dim + 8, dtype=dtype, seed=12)
+    z = fused[:, 2 * heads * dim : 3 * heads * dim].view(tokens, heads, dim)
+    x, weight = _randn(tokens, heads, dim, dtype=dtype, seed=13), _randn(dim, dtype=dtype, seed=14, scale=0.1)
+    _close(norm.gated_rms_norm.fast(x, z, weight, 1e-6), gated_rms_norm(x, z, weight, 1e-6))
+
+
+@in_this_process
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("splits", "tokens", "capture_at"),
+    [((32, 32, 64), 37, [1, 2, 36]), ((16, 16, 32), 2, [1]), ((24, 24, 48), 5, []), ((96,), 3, [3])],
+)
+def test_causal_conv_reads_projection_columns_and_writes_contiguous_parts(dtype, splits, tokens, capture_at):
+    """The prefill conv on a column slice of the fused projection (rows strided by its width), its output
+    as contiguous parts (q, k, v as fla's scan takes them), parts not multiples of 32 columns, fewer
+    tokens than the conv's state; the states after the chunk and at each capture as the reference's."""
+    from engine.ops import conv as reference_conv  # noqa: PLC0415
+
+    channels = sum(splits)
+    x = _randn(tokens, channels + 40, dtype=dtype, seed=tokens)[:, :channels]
+    state, weight = _randn(channels, 3, dtype=dtype, seed=2), _randn(channels, 4, dtype=dtype, seed=3)
+    parts, final, captured = conv._triton_conv(x, state, weight, capture_at, splits)
+    want_parts, want_final, want_captured = reference_conv.causal_conv(x, state, weight, capture_at, splits)
+    assert [p.shape for p in parts] == [(tokens, n) for n in splits] and all(p.is_contiguous() for p in parts)
+    for got, want in zip([*parts, final, *captured], [*want_parts, want_final, *want_captured], strict=True):
+        _close(got, want)
+
+
+@in_this_process
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("partial", [False, True])
+@pytest.mark.parametrize("ordered", [False, True], ids=["in-place", "expert-order"])
+def test_moe_sum_reads_each_assignments_row_where_it_lies(dtype, partial, ordered):
+    """The experts' rows summed per token in one launch: rows in expert order read through where each
+    assignment sits (no index_copy first), or in the assignments' order; absent assignments (-1) skipped
+    whatever their rows hold. As the torch version (index_copy, masked fill, fp32 sum, cast)."""
+    tokens, top_k, hidden, experts = 7, 3, 1100, 5  # two blocks of columns, the second partial
+    gen = torch.Generator().manual_seed(21)
+    ids = torch.randint(0, experts, (tokens, top_k), generator=gen)
+    if partial:
+        ids[::2, 1], ids[3] = -1, -1
+    ids = ids.to(DEVICE)
+    order, _ = moe.group_by_expert(ids, experts)
+    ys = _randn(tokens * top_k, hidden, dtype=dtype, seed=22)
+    absent = (ids.flatten() < 0).nonzero()[:, 0]
+    if ordered:  # where each assignment's row sits
+        absent = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=DEVICE))[absent]
+    else:
+        order = None
+    ys[absent] = float("nan")  # rows no GEMM wrote
+    got = moe._summed_triton(ys, order, ids, partial, dtype)
+    assert not got.isnan().any()
+    _close(got, moe._summed_torch(ys, order, ids, partial, dtype))
 
 
 @in_this_process
@@ -255,6 +321,8 @@ def test_the_model_with_the_fused_kernels_gives_the_reference_logits(preset_dirs
         "route": moe.route.fast,
         "router": moe.router,  # its fused kernel taken unchecked below
         "norm_rope": norm.norm_rope.fast,
+        "gated_rms_norm": norm.gated_rms_norm.fast,
+        "causal_conv": conv.causal_conv.fast,
         **{
             name: getattr(gates, name).fast
             for name in ("deltanet_gates", "silu_mul", "sigmoid_mul", "add_sigmoid_mul")

@@ -193,6 +193,28 @@ def test_slotted_decode_kernels_compile():
     )
 
 
+@pytest.mark.parametrize(("gather", "partial"), [(True, False), (False, True)])
+def test_prefill_layout_kernels_compile(gather, partial):
+    """The prefill kernels that read strided views and write in the next kernel's layout, at the 35B
+    shape: the conv into q, k, v parts, the gated norm and the gates per head, the experts' sum."""
+    from engine.ops.gpu import conv, gates, norm
+
+    conv_sig = {"X": "*bf16", "S": "*bf16", "W": "*bf16", "Y": "*bf16", "T": "i32", "C": "i32", "stride_x": "i32",
+                "END0": "i32", "END1": "i32", "K": "constexpr", "BLOCK_T": "constexpr", "BLOCK_C": "constexpr"}  # fmt: skip
+    assert ".entry _causal_conv" in compile_for_h200(conv._causal_conv, conv_sig, {"K": 4, "BLOCK_T": 32, "BLOCK_C": 128})
+    strides = {name: "i32" for name in ("H", "N", "sx", "sxh", "sz", "szh")}
+    norm_sig = {"X": "*bf16", "Z": "*bf16", "W": "*bf16", "Y": "*bf16", **strides, "eps": "fp32", "BLOCK": "constexpr"}
+    assert ".entry _gated_rms_norm" in compile_for_h200(norm._gated_rms_norm, norm_sig, {"BLOCK": 128})
+    gate_sig = {"X": "*bf16", "GATE": "*bf16", "Y": "*bf16", "OUT": "*bf16",
+                **{name: "i32" for name in ("H", "N", "sx", "sxh", "sg", "sgh", "sy", "syh")},
+                "KIND": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
+    assert ".entry _gate_kernel" in compile_for_h200(gates._gate_kernel, gate_sig, {"KIND": gates.SIGMOID_MUL, "BLOCK": 256})
+    sum_sig = {"YS": "*bf16", "POS": "*i64", "IDS": "*i64", "OUT": "*bf16", "H": "i32", "TOPK": "constexpr",
+               "GATHER": "constexpr", "PARTIAL": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
+    constexprs = {"TOPK": 9, "GATHER": gather, "PARTIAL": partial, "BLOCK": 1024}
+    assert ".entry _sum_rows_kernel" in compile_for_h200(moe._sum_rows_kernel, sum_sig, constexprs)
+
+
 FP8_GEMM = {
     "XQ": "*fp8e4nv", "XS": "*fp32", "W": "*fp8e4nv", "WS": "*fp32", "Y": "*bf16", "ORDER": "*i64", "OFFS": "*i32",
     "M": "i32", "N": "i32", "K": "i32", "E": "i32", "TILES": "i32", "TOP_K": "i32", "BM": "constexpr",

@@ -132,3 +132,24 @@ def test_the_moe_projection_is_padded_to_aligned_rows(preset_dirs):
     assert rows % 8 and moe.in_proj.shape[0] == rows + (-rows % 8)
     assert not moe.in_proj[rows:].any()
     assert moe.gate.weight.untyped_storage().data_ptr() == moe.in_proj.untyped_storage().data_ptr()
+
+
+def test_a_split_of_concatenated_projections_is_views_of_each_parts_output():
+    """`matmul_split` over a `Concat` (projections that could not be one weight): blocks within one part
+    are views of that part's output (no concatenation: a DeltaNet's FP8 projection beside its plain b and
+    a), a block across two parts is cut from the concatenation; both equal the one-matmul split."""
+    from engine.model import Concat, matmul_split  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 16, generator=gen)
+    w1, w2 = torch.randn(12, 16, generator=gen), torch.randn(4, 16, generator=gen)
+    both = Concat([w1, w2])
+    want = x @ torch.cat([w1, w2]).T
+    for widths in ([8, 4, 2, 2], [8, 4, 3], [6, 10], [12]):  # within the parts; padding left; across; the first
+        blocks = matmul_split(x, both, widths)
+        assert [b.shape[-1] for b in blocks] == widths
+        for block, expected in zip(blocks, want[:, : sum(widths)].split(widths, dim=-1), strict=True):
+            torch.testing.assert_close(block, expected)
+    views = matmul_split(x, both, [8, 4, 2, 2])
+    assert views[0].untyped_storage().data_ptr() == views[1].untyped_storage().data_ptr()  # one part's output
+    assert views[1].untyped_storage().data_ptr() != views[2].untyped_storage().data_ptr()

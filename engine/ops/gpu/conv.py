@@ -1,7 +1,12 @@
 """Causal depthwise conv1d + SiLU that carries its state, as one Triton kernel over [T, C] (no
-transposes, no concatenation with the state: rows before 0 are read from the state)."""
+transposes, no concatenation with the state: rows before 0 are read from the state). Its input may be
+a column slice of a wider projection (rows strided), and its output comes as contiguous column parts
+(a DeltaNet's q, k and v, as fla's scan takes them): no copy on either side."""
 
 from __future__ import annotations
+
+import itertools
+import math
 
 import torch
 import triton
@@ -12,21 +17,28 @@ from engine.ops.gpu.checked import Checked
 
 
 @triton.jit
-def _causal_conv(X, S, W, Y, T, C, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+def _causal_conv(X, S, W, Y, T, C, stride_x, END0, END1, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Rows of X [T, C] (row stride `stride_x`) through the conv and SiLU into Y, which holds the output's
+    column parts [0, END0), [END0, END1), [END1, C) one after another, each contiguous [T, width]; a
+    program's BLOCK_C channels lie within one part."""
+    t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    c0 = tl.program_id(1) * BLOCK_C
+    c = c0 + tl.arange(0, BLOCK_C)
     rows, cols = t < T, c < C
     acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
     for j in tl.static_range(K):
         src = t - (K - 1) + j  # input time; below 0 it is state column K - 1 + src
         in_x = rows & (src >= 0)
         in_s = rows & (src < 0)
-        xv = tl.load(X + src[:, None] * C + c[None, :], mask=in_x[:, None] & cols[None, :], other=0.0).to(tl.float32)
+        xv = tl.load(X + src[:, None] * stride_x + c[None, :], mask=in_x[:, None] & cols[None, :], other=0.0).to(tl.float32)
         sv = tl.load(S + c[None, :] * (K - 1) + (K - 1 + src)[:, None], mask=in_s[:, None] & cols[None, :], other=0.0).to(tl.float32)
         w = tl.load(W + c * K + j, mask=cols, other=0.0).to(tl.float32)
         acc += (xv + sv) * w[None, :]
     y = acc * tl.sigmoid(acc)
-    tl.store(Y + t[:, None] * C + c[None, :], y.to(Y.dtype.element_ty), mask=rows[:, None] & cols[None, :])
+    start = tl.where(c0 >= END1, END1, tl.where(c0 >= END0, END0, 0)).to(tl.int64)
+    width = tl.where(c0 >= END1, C, tl.where(c0 >= END0, END1, END0)) - start
+    out = Y + start * T + t[:, None] * width + (c - start)[None, :]
+    tl.store(out, y.to(Y.dtype.element_ty), mask=rows[:, None] & cols[None, :])
 
 
 def _window(x: torch.Tensor, state: torch.Tensor, end: int) -> torch.Tensor:
@@ -37,14 +49,22 @@ def _window(x: torch.Tensor, state: torch.Tensor, end: int) -> torch.Tensor:
     return torch.cat([state[:, end:], x[:end].transpose(0, 1)], dim=1)
 
 
-def _triton_conv(x, state, weight, capture_at):
+def _triton_conv(x, state, weight, capture_at, splits):
     length, channels = x.shape
-    x = x.contiguous()
+    assert len(splits) <= 3 and sum(splits) == channels
+    if x.stride(1) != 1:
+        x = x.contiguous()
     state = state.to(x.dtype).contiguous()
-    y = torch.empty_like(x)
-    grid = (triton.cdiv(length, 32), triton.cdiv(channels, 128))
-    _causal_conv[grid](x, state, weight.contiguous(), y, length, channels, K=weight.shape[1], BLOCK_T=32, BLOCK_C=128)
-    return y, _window(x, state, length), [_window(x, state, off) for off in capture_at]
+    ends = [*itertools.accumulate(splits), channels, channels][:2]
+    block_c = min(128, math.gcd(*splits) & -math.gcd(*splits))  # a power of two dividing every part
+    y = torch.empty(length * channels, dtype=x.dtype, device=x.device)
+    if length:
+        grid = (triton.cdiv(length, 32), triton.cdiv(channels, block_c))
+        _causal_conv[grid](x, state, weight.contiguous(), y, length, channels, x.stride(0), *ends,
+                           K=weight.shape[1], BLOCK_T=32, BLOCK_C=block_c)  # fmt: skip
+    starts = [0, *itertools.accumulate(splits)]
+    parts = [y[length * lo : length * (lo + n)].view(length, n) for lo, n in zip(starts, splits, strict=False)]
+    return parts, _window(x, state, length), [_window(x, state, off) for off in capture_at]
 
 
 causal_conv = Checked("causal_conv", _triton_conv, reference.causal_conv)

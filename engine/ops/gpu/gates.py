@@ -18,6 +18,14 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def as_heads(t: torch.Tensor) -> torch.Tensor:
+    """[.., H, N] (or [.., N]: H = 1) as [rows, H, N] with unit column stride, a view where the strides
+    allow: a kernel reads row r at (r // H) * stride(0) + (r % H) * stride(1), so a per-head view of a
+    wider projection ([T, H, D] split off [T, H, 2D], or off a fused output's columns) is not copied."""
+    t = t.reshape(-1, 1, t.shape[-1]) if t.dim() < 3 else t.reshape(-1, *t.shape[-2:])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 @triton.jit
 def _deltanet_gates(A, B, NEG_A, DT, G, BETA, N, sa, sb, BLOCK: tl.constexpr):
     row = tl.program_id(0)
@@ -47,19 +55,21 @@ SILU_MUL, SIGMOID_MUL, ADD_SIGMOID_MUL = 0, 1, 2  # the kinds of `_gate_kernel`
 
 
 @triton.jit
-def _gate_kernel(X, GATE, Y, OUT, N, sx, sg, sy, KIND: tl.constexpr, BLOCK: tl.constexpr):
-    """KIND SILU_MUL: silu(GATE) * X; SIGMOID_MUL: X * sigmoid(GATE); ADD_SIGMOID_MUL: X + sigmoid(GATE[row, 0]) * Y."""
+def _gate_kernel(X, GATE, Y, OUT, H, N, sx, sxh, sg, sgh, sy, syh, KIND: tl.constexpr, BLOCK: tl.constexpr):
+    """KIND SILU_MUL: silu(GATE) * X; SIGMOID_MUL: X * sigmoid(GATE); ADD_SIGMOID_MUL: X + sigmoid(GATE[row, 0]) * Y.
+    Row r of each operand at (r // H) * its row stride + (r % H) * its head stride (`as_heads`)."""
     row = tl.program_id(0)
+    t, h = row // H, row % H
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     dtype = OUT.dtype.element_ty
-    x = tl.load(X + row * sx + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + t * sx + h * sxh + cols, mask=mask, other=0.0).to(tl.float32)
     if KIND == 2:  # ADD_SIGMOID_MUL (a jit function reads no plain globals)
-        s = tl.sigmoid(tl.load(GATE + row * sg).to(tl.float32)).to(dtype).to(tl.float32)
-        y = tl.load(Y + row * sy + cols, mask=mask, other=0.0).to(tl.float32)
+        s = tl.sigmoid(tl.load(GATE + t * sg + h * sgh).to(tl.float32)).to(dtype).to(tl.float32)
+        y = tl.load(Y + t * sy + h * syh + cols, mask=mask, other=0.0).to(tl.float32)
         out = x + (s * y).to(dtype).to(tl.float32)
     else:
-        g = tl.load(GATE + row * sg + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(GATE + t * sg + h * sgh + cols, mask=mask, other=0.0).to(tl.float32)
         if KIND == 0:  # SILU_MUL
             out = (g * tl.sigmoid(g)).to(dtype).to(tl.float32) * x
         else:
@@ -68,24 +78,16 @@ def _gate_kernel(X, GATE, Y, OUT, N, sx, sg, sy, KIND: tl.constexpr, BLOCK: tl.c
 
 
 def _gate(kind: int, x, gate, y=None):
-    x2, g2 = _rows(x), _rows(gate)
-    y2 = _rows(y) if y is not None else x2
-    rows, n = x2.shape
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    if rows:
-        _gate_kernel[(rows,)](
-            x2,
-            g2,
-            y2,
-            out,
-            n,
-            x2.stride(0),
-            g2.stride(0),
-            y2.stride(0),
-            KIND=kind,
+    x3, g3 = as_heads(x), as_heads(gate)
+    y3 = as_heads(y) if y is not None else x3
+    rows, heads, n = x3.shape
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rows * heads:
+        _gate_kernel[(rows * heads,)](
+            x3, g3, y3, out, heads, n, *x3.stride()[:2], *g3.stride()[:2], *y3.stride()[:2], KIND=kind,
             BLOCK=triton.next_power_of_2(n),
-        )
-    return out.view(x.shape)
+        )  # fmt: skip
+    return out
 
 
 deltanet_gates = Checked("deltanet_gates", _deltanet_gates_triton, reference.deltanet_gates)

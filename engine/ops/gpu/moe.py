@@ -30,14 +30,51 @@ def group_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, 
     return order, offs
 
 
-def _summed(ys: torch.Tensor, order: torch.Tensor | None, ids: torch.Tensor, partial: bool, dtype: torch.dtype):
-    """Rows in expert order (`order`; None: already in the assignments') back to their assignments,
-    summed per token in fp32. With `partial` (ids may hold -1 in a prefill), the absent assignments'
-    rows, which no GEMM wrote, are zeroed."""
+@triton.jit
+def _sum_rows_kernel(YS, POS, IDS, OUT, H, TOPK: tl.constexpr, GATHER: tl.constexpr, PARTIAL: tl.constexpr,
+                     BLOCK: tl.constexpr):  # fmt: skip
+    """Token t, a block of columns: the sum in fp32, j = 0 .. TOPK - 1, of its assignments' rows of YS,
+    assignment a = t * TOPK + j at row POS[a] (GATHER: YS in expert order) or a; with PARTIAL, those
+    whose IDS[a] < 0 (no expert: rows no GEMM wrote) skipped."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < H
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(TOPK):
+        a = t * TOPK + j
+        row = tl.load(POS + a).to(tl.int64) if GATHER else a
+        keep = mask & (tl.load(IDS + a + 0 * cols) >= 0) if PARTIAL else mask  # the id broadcast over the block
+        acc += tl.load(YS + row * H + cols, mask=keep, other=0.0).to(tl.float32)
+    tl.store(OUT + t * H + cols, acc.to(OUT.dtype.element_ty), mask=mask)
+
+
+def _summed_triton(ys: torch.Tensor, order: torch.Tensor | None, ids: torch.Tensor, partial: bool, dtype: torch.dtype):
+    (tokens, top_k), hidden = ids.shape, ys.shape[1]
+    pos = ids  # unread without GATHER
+    if order is not None:  # where each assignment's row sits in expert order
+        pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    out = torch.empty(tokens, hidden, dtype=dtype, device=ys.device)
+    block = min(1024, triton.next_power_of_2(hidden))
+    if tokens:
+        _sum_rows_kernel[(tokens, triton.cdiv(hidden, block))](
+            ys, pos, ids, out, hidden, TOPK=top_k, GATHER=order is not None, PARTIAL=partial, BLOCK=block
+        )
+    return out
+
+
+def _summed_torch(ys: torch.Tensor, order: torch.Tensor | None, ids: torch.Tensor, partial: bool, dtype: torch.dtype):
     out = ys if order is None else torch.empty_like(ys).index_copy_(0, order, ys)  # row copies
     if partial:
-        out.masked_fill_((ids.flatten() < 0)[:, None], 0)
+        out = out.masked_fill((ids.flatten() < 0)[:, None], 0)
     return out.view(*ids.shape, -1).sum(1, dtype=torch.float32).to(dtype)
+
+
+# Rows in expert order (`order`; None: already in the assignments') back to their assignments, summed per
+# token in fp32 → [T, H] in `dtype`. With `partial` (ids may hold -1 in a prefill), the absent
+# assignments' rows, which no GEMM wrote, count as zeros. One launch reading each row where it lies (the
+# torch version: an index_copy of every row, the sum, the cast; 0.47 + 0.13 ms + a cast a layer at 8K
+# tokens of the 256-expert shape, H200)
+_summed = Checked("moe_sum", _summed_triton, _summed_torch)
 
 
 def experts_grouped(

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from engine.ops.gpu.checked import Checked
+from engine.ops.gpu.gates import as_heads
 from engine.ops.norm import add_rms_norm as reference_add_rms
 from engine.ops.norm import gated_rms_norm as reference_gated
 from engine.ops.rope import norm_rope as reference_norm_rope
@@ -41,25 +42,30 @@ def _add_rms_norm_triton(x, residual, weight, eps):
 
 
 @triton.jit
-def _gated_rms_norm(X, Z, W, Y, N, eps, BLOCK: tl.constexpr):
+def _gated_rms_norm(X, Z, W, Y, H, N, sx, sxh, sz, szh, eps, BLOCK: tl.constexpr):
+    """Row r (one head of one token) of x and of its gate z, each at (r // H) * its row stride + (r % H) *
+    its head stride (`gates.as_heads`: z is a view of the fused input projection's columns)."""
     row = tl.program_id(0)
+    t, h = row // H, row % H
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    x = tl.load(X + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + t * sx + h * sxh + cols, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
-    w = tl.load(W + cols, mask=mask, other=0.0)
-    normed = (w * (x * rstd).to(Y.dtype.element_ty)).to(tl.float32)
-    z = tl.load(Z + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    dtype = Y.dtype.element_ty  # w * the normed x, each rounded as torch rounds them (in fp32, not in bf16 arithmetic)
+    normed = (w * (x * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    z = tl.load(Z + t * sz + h * szh + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + row * N + cols, (normed * z * tl.sigmoid(z)).to(Y.dtype.element_ty), mask=mask)
 
 
 def _gated_triton(x, gate, weight, eps):
-    shape = x.shape
-    x = x.reshape(-1, shape[-1]).contiguous()
-    y = torch.empty_like(x)
-    n = x.shape[-1]
-    _gated_rms_norm[(x.shape[0],)](x, gate.reshape(-1, n).contiguous(), weight, y, n, eps, BLOCK=triton.next_power_of_2(n))
-    return y.view(shape)
+    x3, z3 = as_heads(x), as_heads(gate)
+    rows, heads, n = x3.shape
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rows * heads:
+        _gated_rms_norm[(rows * heads,)](x3, z3, weight, y, heads, n, *x3.stride()[:2], *z3.stride()[:2], eps,
+                                         BLOCK=triton.next_power_of_2(n))  # fmt: skip
+    return y
 
 
 _with_residual = Checked("add_rms_norm", _add_rms_norm_triton, reference_add_rms)
