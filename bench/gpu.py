@@ -257,12 +257,40 @@ def profile_prefill(eng: Engine, ctx: int, top: int = 18, host_top: int = 0) -> 
         for e in host:
             rows.append({"kernel": e.key[:90], "ms": e.self_cpu_time_total / 1e3, "calls": e.count, "host": True})
             print(f"  {e.self_cpu_time_total / 1e3:8.2f} ms x{e.count:<5} {e.key[:90]}")
-        moves = [e for e in prof.key_averages(group_by_stack_n=8) if e.key in MOVES]
+        moves: dict[tuple[str, str], list] = {}  # (op, the engine's frames) -> [device us, calls], layers summed
+        for e in prof.key_averages(group_by_stack_n=8):
+            if e.key in MOVES:
+                where = " < ".join([f for f in e.stack if "engine/" in f or "fla/" in f][:3])
+                total = moves.setdefault((e.key, where), [0.0, 0])
+                total[0] += e.device_time_total
+                total[1] += e.count
         print("copies and concatenations by where the engine made them (device time):")
-        for e in sorted(moves, key=lambda e: e.device_time_total, reverse=True)[:host_top]:
-            where = " < ".join([f for f in e.stack if "engine/" in f or "fla/" in f][:3])
-            rows.append({"kernel": e.key, "ms": e.device_time_total / 1e3, "calls": e.count, "moves": where})
-            print(f"  {e.device_time_total / 1e3:8.2f} ms x{e.count:<5} {e.key} {where}")
+        for (op, where), (us, calls) in sorted(moves.items(), key=lambda kv: kv[1][0], reverse=True)[:host_top]:
+            rows.append({"kernel": op, "ms": us / 1e3, "calls": calls, "moves": where})
+            print(f"  {us / 1e3:8.2f} ms x{calls:<5} {op} {where}")
+        rows += profile_host(lambda: eng.prefill(eng.new_state(), ids), host_top)
+    return rows
+
+
+def profile_host(run, top: int) -> list[dict]:
+    """The Python functions one `run` spends its host time in (cProfile, by own time; its overhead
+    inflates every figure alike): where a host-bound prefill's wall time goes between launches."""
+    import cProfile  # noqa: PLC0415
+    import pstats  # noqa: PLC0415
+
+    torch.cuda.synchronize()
+    with cProfile.Profile() as prof:
+        run()
+        torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
+    ranked = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    total = sum(v[2] for v in stats.values())
+    print(f"host Python by own time (cProfile, total {total * 1e3:.1f} ms):")
+    rows = []
+    for (file, line, name), (calls, _, own, cumulative, _) in ranked:
+        where = f"{'/'.join(file.split('/')[-2:])}:{line} {name}"
+        rows.append({"python": where, "ms": own * 1e3, "cumulative_ms": cumulative * 1e3, "calls": calls})
+        print(f"  {own * 1e3:8.2f} ms (cum {cumulative * 1e3:8.2f}) x{calls:<6} {where}")
     return rows
 
 

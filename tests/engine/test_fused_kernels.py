@@ -117,6 +117,22 @@ def test_causal_conv_reads_projection_columns_and_writes_contiguous_parts(dtype,
 
 @in_this_process
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [48, 1100])
+def test_moe_activation_of_expert_ordered_rows_in_one_launch(dtype, inter):
+    """silu(gate) * up * each row's routing weight (the weight of the assignment the row holds) of the up
+    projections' rows in expert order: as the torch version, rounded once instead of after each op."""
+    tokens, top_k, experts = 7, 3, 5
+    ids = torch.randint(0, experts, (tokens, top_k), generator=torch.Generator().manual_seed(23)).to(DEVICE)
+    order, _ = moe.group_by_expert(ids, experts)
+    gate_up = _randn(tokens * top_k, 2 * inter, dtype=dtype, seed=24, scale=2.0)
+    weights = _randn(tokens, top_k, dtype=dtype, seed=25).abs()
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up * weights.flatten()[order, None].float()
+    _close(moe.glu(gate_up, weights, order), want.to(dtype))
+
+
+@in_this_process
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("partial", [False, True])
 @pytest.mark.parametrize("ordered", [False, True], ids=["in-place", "expert-order"])
 def test_moe_sum_reads_each_assignments_row_where_it_lies(dtype, partial, ordered):

@@ -196,7 +196,8 @@ def test_slotted_decode_kernels_compile():
 @pytest.mark.parametrize(("gather", "partial"), [(True, False), (False, True)])
 def test_prefill_layout_kernels_compile(gather, partial):
     """The prefill kernels that read strided views and write in the next kernel's layout, at the 35B
-    shape: the conv into q, k, v parts, the gated norm and the gates per head, the experts' sum."""
+    shape: the conv into q, k, v parts, the gated norm and the gates per head, the experts' activation
+    and sum."""
     from engine.ops.gpu import conv, gates, norm
 
     conv_sig = {"X": "*bf16", "S": "*bf16", "W": "*bf16", "Y": "*bf16", "T": "i32", "C": "i32", "stride_x": "i32",
@@ -213,6 +214,8 @@ def test_prefill_layout_kernels_compile(gather, partial):
                "GATHER": "constexpr", "PARTIAL": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
     constexprs = {"TOPK": 9, "GATHER": gather, "PARTIAL": partial, "BLOCK": 1024}
     assert ".entry _sum_rows_kernel" in compile_for_h200(moe._sum_rows_kernel, sum_sig, constexprs)
+    glu_sig = {"GU": "*bf16", "RW": "*bf16", "ORDER": "*i64", "A": "*bf16", "INTER": "i32", "BLOCK": "constexpr"}
+    assert ".entry _glu_kernel" in compile_for_h200(moe._glu_kernel, glu_sig, {"BLOCK": 512})
 
 
 FP8_GEMM = {

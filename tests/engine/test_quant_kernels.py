@@ -279,8 +279,9 @@ def test_quantized_experts_of_a_streamed_piece_skip_the_absent_assignments():
     want = experts_loop(x.float(), weights.float(), ids, gate_up_ref, down_ref)
     close(got, want, dtype)
     # what no GEMM wrote may hold anything: NaN there, and nothing of it in the sums
+    ids = ids.to(DEVICE)
     order, _ = group_by_expert(ids, 4)
-    ys = torch.where((ids.flatten()[order] < 0)[:, None], float("nan"), torch.ones(2 * tokens, 3))
+    ys = torch.where((ids.flatten()[order] < 0)[:, None], float("nan"), torch.ones(2 * tokens, 3, device=DEVICE))
     summed = _summed(ys, order, ids, True, torch.float32)
     assert torch.equal(summed, (ids >= 0).sum(1, keepdim=True).float().expand(tokens, 3))
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops.gpu.quant import DEQUANT_ROWS, FP8, QuantWeight, tile_launch, tile_rows
+from engine.ops.gpu.quant import DEQUANT_ROWS, FP8, QuantWeight, glu_row, tile_launch, tile_rows
 
 log = logging.getLogger(__name__)
 X_BLOCK = (
@@ -151,9 +151,7 @@ def _glu_fp8_rows_kernel(GU, RW, ORDER, Q, S, INTER, GROUPS: tl.constexpr):
     g = tl.arange(0, GROUPS)
     k = g[:, None] * 128 + tl.arange(0, 128)[None, :]
     keep = k < INTER
-    gate = tl.load(GU + j * 2 * INTER + k, mask=keep, other=0.0).to(tl.float32)
-    up = tl.load(GU + j * 2 * INTER + INTER + k, mask=keep, other=0.0).to(tl.float32)
-    a = gate * tl.sigmoid(gate) * up * tl.load(RW + tl.load(ORDER + j)).to(tl.float32)
+    a = glu_row(GU, RW, ORDER, j, k, keep, INTER)
     _store_fp8_groups(a, Q + j * INTER + k, S + j * (INTER // 128) + g, keep, g < INTER // 128)
 
 

@@ -77,6 +77,26 @@ def _summed_torch(ys: torch.Tensor, order: torch.Tensor | None, ids: torch.Tenso
 _summed = Checked("moe_sum", _summed_triton, _summed_torch)
 
 
+@triton.jit
+def _glu_kernel(GU, RW, ORDER, A, INTER, BLOCK: tl.constexpr):
+    j = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    keep = k < INTER
+    tl.store(A + j * INTER + k, quant.glu_row(GU, RW, ORDER, j, k, keep, INTER).to(A.dtype.element_ty), mask=keep)
+
+
+def glu(gate_up: torch.Tensor, weights: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """The experts' up projections' rows in expert order [T*k, 2I] (gate | up) → silu(gate) * up * each row's
+    routing weight (of assignment order[j]) [T*k, I], in one launch (the torch version: the gather of the
+    weights, the SiLU and two products, each a pass over the rows)."""
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    act = gate_up.new_empty(rows, inter)
+    block = min(1024, triton.next_power_of_2(inter))
+    if rows:
+        _glu_kernel[(rows, triton.cdiv(inter, block))](gate_up, weights.flatten(), order, act, inter, BLOCK=block)
+    return act
+
+
 def experts_grouped(
     x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     partial: bool = False,
@@ -90,8 +110,8 @@ def experts_grouped(
     num_tokens, top_k = ids.shape
     order, offs = group_by_expert(ids, gate_up.shape[0])
     xs = x.index_select(0, order // top_k)  # [T*k, H], rows grouped by expert
-    gate, up = _grouped_mm(xs, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [T*k, I] each
-    act = F.silu(gate) * up * weights.flatten()[order, None]  # routing weight folded in before the down GEMM
+    gate_up_rows = _grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)  # [T*k, 2I]
+    act = glu(gate_up_rows, weights, order)  # routing weight folded in before the down GEMM
     ys = _grouped_mm(act, down.transpose(1, 2), offs=offs)  # [T*k, H] bf16
     return _summed(ys, order, ids, partial, x.dtype)
 
@@ -183,8 +203,7 @@ def experts_quantized(
     order, offs = group_by_expert(ids, gate_up.shape[0])
     if (ys := fp8_prefill.experts(x, weights, gate_up, down, order, offs, top_k)) is not None:
         return _summed(ys, None, ids, partial, x.dtype)  # FP8 tensor cores, rows back in place
-    gate, up = quant.grouped(x, gate_up, order, offs, top_k).chunk(2, dim=-1)  # [T*k, I] each, expert order
-    act = F.silu(gate) * up * weights.flatten()[order, None]
+    act = glu(quant.grouped(x, gate_up, order, offs, top_k), weights, order)  # [T*k, I], expert order
     rows = torch.arange(order.numel(), device=x.device)  # act's rows are already in expert order
     ys = quant.grouped(act, down, rows, offs)  # [T*k, H]
     return _summed(ys, order, ids, partial, x.dtype)

@@ -614,6 +614,15 @@ def _dequant_kernel(P0, P1, P2, P3, OUT, N, K, FMT: tl.constexpr, BN: tl.constex
 
 
 @triton.jit
+def glu_row(GU, RW, ORDER, j, k, keep, INTER):
+    """Columns k of the activation of row j of GU [M, 2 * INTER] (gate | up, the experts' up projections in
+    expert order): silu(gate) * up * the routing weight RW[ORDER[j]], in fp32."""
+    gate = tl.load(GU + j * 2 * INTER + k, mask=keep, other=0.0).to(tl.float32)
+    up = tl.load(GU + j * 2 * INTER + INTER + k, mask=keep, other=0.0).to(tl.float32)
+    return gate * tl.sigmoid(gate) * up * tl.load(RW + tl.load(ORDER + j)).to(tl.float32)
+
+
+@triton.jit
 def tile_rows(t, OFFS, M, E, BM: tl.constexpr, EXPERTS: tl.constexpr):
     """Tile t's expert (int64) and rows r [BM], `valid` where they are the tile's. EXPERTS = 0: one
     weight, rows [t * BM, ..) of M. Else (a power of two >= E): rows grouped by expert
