@@ -17,6 +17,7 @@ import torch
 
 from engine import Engine
 from engine.engine import chunk_tokens
+from engine.expert_stream import stream_bytes
 from engine.loader import build_model, fingerprint, place
 from engine.offload import GiB, Policy, dense_bytes, plan
 from engine.presets import materialise
@@ -50,7 +51,11 @@ def engines(preset: str, dtype: torch.dtype, slots: int, max_running: int = 1) -
     p = plan(
         config, dense_bytes(model), 1 << 50, dtype, max_running, starting_capacity(CUDA), chunk_tokens(CUDA)
     )
-    budget = (p.budget_for(slots) + p.expert_bytes // 2) / GiB
+    # at fewer than half the experts resident, long chunks stream through buffers `plan` reserves then
+    # (and not in `p`, where every expert fits)
+    streams = config.num_experts_per_tok <= slots < config.num_experts // 2
+    stream = stream_bytes(config.num_experts, p.expert_bytes) if streams else 0
+    budget = (p.budget_for(slots) + stream + p.expert_bytes // 2) / GiB
     offloaded = Engine.offloaded(model, fp, CUDA, budget, max_running)
     assert offloaded.offload is not None and offloaded.offload.plan.slots == slots
     return plain, offloaded
