@@ -9,7 +9,8 @@
 #       gpu        decode per batch size and prefill against the machine's ceilings, kernels per decode token (bench/gpu.py)
 #       fold       decode (bf16 per batch size; Q4_K_M) with the shared expert run apart (FT_FOLD_SHARED=0) and folded
 #       base       the same decode benches on an earlier tree carried as .base/ (`base-tree`, below): a same-lease baseline
-#       quant      bf16 and FP8 at the 256-expert shape (bench/quant.py; $QUANT_ARGS added, e.g. --profile)
+#       quant      bf16 and FP8 at the 256-expert shape (bench/quant.py; $QUANT_ARGS added, e.g. --profile, or
+#                  --batches= for prefill alone)
 #       fp8-kernels  FP8 prefill's matmuls at 8K tokens: bf16, the bf16-copy path, the tensor cores per tile setting
 #                  ($FP8_TILES), torch._scaled_mm (bench/quant_kernels.py --fp8-prefill)
 #       gpu-tests  pytest: offload (peak reserved memory within the budget), the engine's GPU tests, the fused kernels

@@ -208,7 +208,7 @@ def bench_format(fmt: str, args, keep: dict) -> dict:
         row["decode_tuned_gemv"] = decode_tuned(eng, args)
     if args.gemv_variants and eng.device.type == "cuda":  # the same decode under other GEMV launch settings
         row["decode_gemv_variants"] = decode_variants(eng, args)
-    if eng.device.type == "cuda":  # where a generated token's wall time goes (host, launch, device)
+    if eng.device.type == "cuda" and args.batches:  # where a generated token's wall time goes (host, launch, device)
         from bench.timeline import decode_timeline, show  # noqa: PLC0415
 
         row["timeline"] = decode_timeline(eng, ids_for(args.context, 3))
@@ -541,7 +541,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--context", type=int, default=4096, help="decode: tokens of each sequence before decoding"
     )
     p.add_argument("--steps", type=int, default=64, help="decode: timed steps")
-    p.add_argument("--batches", type=ints, default=[1, 4], help="decode: sequences decoded together")
+    p.add_argument("--batches", type=ints, default=[1, 4],
+                   help="decode: sequences decoded together (--batches= : no decode, prefill only)")  # fmt: skip
     p.add_argument("--replay", type=Path, default=Path("traces/sessions/small-bugfix.recording.jsonl"))
     p.add_argument("--max-requests", type=int, help="replay: the first N requests of each session")
     p.add_argument("--ctx", type=int, default=32768, help="replay: llama-server context size")
