@@ -116,6 +116,24 @@ def test_causal_conv_reads_projection_columns_and_writes_contiguous_parts(dtype,
 
 
 @in_this_process
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "experts"),
+    [(400, 9, 257), (2000, 3, 11), (7, 3, 5), (1, 2, 8), (0, 8, 64)],
+    ids=["35b-folded", "blocks", "one-chunk", "one-token", "empty"],
+)
+def test_counting_sort_by_expert_equals_a_stable_argsort(tokens, top_k, experts):
+    """`group_by_expert`'s counting sort (per-block counts, one scan, each block's assignments placed by
+    their rank among equal keys): the assignments in the order of a stable argsort of their experts, the
+    absent ones (-1) after every expert's rows, and each expert's row end, over several blocks."""
+    ids = torch.randint(-1, experts, (tokens, top_k), generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
+    order, offs = moe._group_by_expert_triton(ids, experts)
+    want_order, want_offs = moe._group_by_expert_torch(ids, experts)
+    assert torch.equal(order, want_order) and torch.equal(offs, want_offs)
+    assert offs.dtype == torch.int32 and offs.shape == (experts,)
+    assert (ids.flatten()[order[offs[-1] :]] < 0).all() if tokens else not order.numel()
+
+
+@in_this_process
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter", [48, 1100])
 def test_moe_activation_of_expert_ordered_rows_in_one_launch(dtype, inter):

@@ -42,10 +42,10 @@ def launch_attrs(fn, signature: dict, divisible: tuple[str, ...] = ()) -> dict:
             if signature.get(name, "").startswith("*") or name in divisible}  # fmt: skip
 
 
-def compile_for_h200(fn, signature: dict, constexprs: dict, divisible: tuple[str, ...] = ()) -> str:
+def compile_for_h200(fn, signature: dict, constexprs: dict, divisible: tuple[str, ...] = (), warps: int = 4) -> str:
     try:
         source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=launch_attrs(fn, signature, divisible))
-        kernel = triton.compile(source, target=H200)
+        kernel = triton.compile(source, target=H200, options={"num_warps": warps})
     except (FileNotFoundError, RuntimeError) as exc:  # no CUDA backend or ptxas in this triton build
         if "ptxas" in str(exc) or "backend" in str(exc):
             pytest.skip(f"triton cannot compile for sm_90 here: {exc}")
@@ -216,6 +216,22 @@ def test_prefill_layout_kernels_compile(gather, partial):
     assert ".entry _sum_rows_kernel" in compile_for_h200(moe._sum_rows_kernel, sum_sig, constexprs)
     glu_sig = {"GU": "*bf16", "RW": "*bf16", "ORDER": "*i64", "A": "*bf16", "INTER": "i32", "BLOCK": "constexpr"}
     assert ".entry _glu_kernel" in compile_for_h200(moe._glu_kernel, glu_sig, {"BLOCK": 512})
+
+
+def test_counting_sort_by_expert_compiles():
+    """`moe.group_by_expert`'s three kernels at the 35B shape's 257 keys (the shared expert folded in), at
+    their launch settings (the placing kernel at 8 warps)."""
+    keys = {"EP": 512}
+    ids_sig = {"IDS": "*i64", "N": "i32", "E": "i32", "EP": "constexpr", "BLOCK": "constexpr"}
+    count = compile_for_h200(moe._count_keys_kernel, {**ids_sig, "COUNTS": "*i32"}, {**keys, "BLOCK": moe.SORT_BLOCK})
+    assert ".entry _count_keys_kernel" in count
+    starts_sig = {"COUNTS": "*i32", "BASE": "*i32", "OFFS": "*i32", "B": "i32", "E": "i32", "EP": "constexpr",
+                  "ROWS": "constexpr"}  # fmt: skip
+    assert ".entry _key_starts_kernel" in compile_for_h200(moe._key_starts_kernel, starts_sig, {**keys, "ROWS": 16})
+    place_sig = {**ids_sig, "BASE": "*i32", "ORDER": "*i64", "CHUNK": "constexpr"}
+    place = compile_for_h200(moe._place_keys_kernel, place_sig,
+                             {**keys, "BLOCK": moe.SORT_BLOCK, "CHUNK": moe.SORT_CHUNK}, warps=8)  # fmt: skip
+    assert ".entry _place_keys_kernel" in place
 
 
 FP8_GEMM = {
