@@ -148,6 +148,20 @@ def dense_bytes(model: HybridForCausalLM) -> int:
     return sum(storages.values()) - routed
 
 
+def streams(c: ModelConfig, slots: int) -> bool:
+    """Whether `plan` streams long chunks' experts with `slots` resident a layer: most of a layer's experts
+    are not resident, so long chunks stream them whole, through buffers that cost a few slots
+    (engine/expert_stream.py)."""
+    return c.num_experts_per_tok <= slots < c.num_experts // 2
+
+
+def budget_for(c: ModelConfig, p: Plan, slots: int) -> int:
+    """The smallest budget `plan` splits into `slots` experts per layer with p's other parts (dense
+    weights, decode slots, workspace), the stream buffers it reserves at that many included."""
+    stream = stream_bytes(c.num_experts, p.expert_bytes) if streams(c, slots) else 0
+    return dataclasses.replace(p, stream=stream).budget_for(slots)
+
+
 def plan(
     c: ModelConfig,
     dense: int,
@@ -179,9 +193,7 @@ def plan(
     slots = min(c.num_experts, max(rest, 0) // (expert * layers))
     stream = stream_bytes(c.num_experts, expert)
     streamed = max(rest - stream, 0) // (expert * layers)
-    if c.num_experts_per_tok <= streamed < c.num_experts // 2:
-        # most experts of a layer are not resident: long chunks stream them whole, through buffers
-        # that cost a few slots (engine/expert_stream.py)
+    if streams(c, streamed):
         slots = streamed
     else:
         stream = 0

@@ -3,7 +3,6 @@ cache smaller than the experts, and the same logits as without offload."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 
 import pytest
@@ -11,9 +10,9 @@ import torch
 
 from engine import Engine, SamplingParams
 from engine.expert_cache import ExpertCache, Lane
-from engine.expert_stream import STREAM_BUFFERS, ExpertStream, stream_bytes
+from engine.expert_stream import STREAM_BUFFERS, ExpertStream
 from engine.feed import Feed
-from engine.offload import BudgetError, GiB, OffloadStats, dense_bytes, plan, state_bytes
+from engine.offload import BudgetError, GiB, OffloadStats, budget_for, dense_bytes, plan, state_bytes
 from engine.ops.moe import experts_loop
 from engine.runner import starting_capacity
 from engine.snapshot import concat_chain
@@ -21,9 +20,9 @@ from engine.snapshot import concat_chain
 TOL = 1e-5
 
 
-def budget_gib(engine: Engine, slots: int, max_running: int = 4, stream: bool = True) -> float:
-    """The budget that leaves `slots` experts per layer for `engine`'s model (half an expert spare);
-    below half the experts, with the buffers long chunks stream them through (unless not `stream`)."""
+def budget_gib(engine: Engine, slots: int, max_running: int = 4) -> float:
+    """The budget that leaves `slots` experts per layer for `engine`'s model (half an expert spare;
+    below half the experts, the buffers long chunks stream them through included: `offload.budget_for`)."""
     p = plan(
         engine.config,
         dense_bytes(engine.model),
@@ -33,9 +32,7 @@ def budget_gib(engine: Engine, slots: int, max_running: int = 4, stream: bool = 
         capacity=starting_capacity(engine.device),
         tokens=4096,
     )
-    if stream and slots < engine.config.num_experts // 2:
-        p = dataclasses.replace(p, stream=stream_bytes(engine.config.num_experts, p.expert_bytes))
-    return (p.budget_for(slots) + p.expert_bytes // 2) / GiB
+    return (budget_for(engine.config, p, slots) + p.expert_bytes // 2) / GiB
 
 
 @pytest.fixture(scope="module", params=["staged", "in-place", "fetch"])
@@ -229,7 +226,7 @@ def test_budget_below_the_dense_weights_is_a_clear_error(preset_dirs, tiny):
 def test_budget_without_room_for_top_k_experts_is_a_clear_error(preset_dirs, tiny):
     """Room for one expert per layer, and none with the stream buffers: the plain plan's error."""
     with pytest.raises(BudgetError, match=r"room for 1 experts per layer, fewer than top_k = 2"):
-        Engine.load(preset_dirs["tiny"], gpu_memory_gib=budget_gib(tiny, 1, stream=False))
+        Engine.load(preset_dirs["tiny"], gpu_memory_gib=budget_gib(tiny, 1))
 
 
 def test_planned_decode_slots_are_the_runners(tiny):

@@ -17,9 +17,8 @@ import torch
 
 from engine import Engine
 from engine.engine import chunk_tokens
-from engine.expert_stream import stream_bytes
 from engine.loader import build_model, fingerprint, place
-from engine.offload import GiB, Policy, dense_bytes, plan
+from engine.offload import GiB, Policy, budget_for, dense_bytes, plan
 from engine.presets import materialise
 from engine.runner import starting_capacity
 
@@ -51,11 +50,7 @@ def engines(preset: str, dtype: torch.dtype, slots: int, max_running: int = 1) -
     p = plan(
         config, dense_bytes(model), 1 << 50, dtype, max_running, starting_capacity(CUDA), chunk_tokens(CUDA)
     )
-    # at fewer than half the experts resident, long chunks stream through buffers `plan` reserves then
-    # (and not in `p`, where every expert fits)
-    streams = config.num_experts_per_tok <= slots < config.num_experts // 2
-    stream = stream_bytes(config.num_experts, p.expert_bytes) if streams else 0
-    budget = (p.budget_for(slots) + stream + p.expert_bytes // 2) / GiB
+    budget = (budget_for(config, p, slots) + p.expert_bytes // 2) / GiB  # the stream buffers `plan` adds below half
     offloaded = Engine.offloaded(model, fp, CUDA, budget, max_running)
     assert offloaded.offload is not None and offloaded.offload.plan.slots == slots
     return plain, offloaded
@@ -163,7 +158,7 @@ def test_35b_shape_offload_within_the_bf16_bound():
     p = plan(
         config, dense_bytes(model), 1 << 50, torch.bfloat16, 1, starting_capacity(CUDA), chunk_tokens(CUDA)
     )
-    offloaded = Engine.offloaded(model, fp, CUDA, (p.budget_for(16) + p.expert_bytes // 2) / GiB, 1)
+    offloaded = Engine.offloaded(model, fp, CUDA, (budget_for(config, p, 16) + p.expert_bytes // 2) / GiB, 1)
     got = last(offloaded)
     noise, err = rel(plain, ref), rel(got, ref)
     metric("e64_bf16_plain_vs_fp32", noise)

@@ -334,8 +334,9 @@ def test_offloaded_q8_0_experts_stay_quantized_and_give_the_same_logits(models):
 
     whole = Engine.load(models["q8_0"], keep_quantized=True)
     size = offload.expert_bytes(whole.model)
-    budget = offload.plan(whole.config, offload.dense_bytes(whole.model), 1 << 50, whole.dtype, 4,
-                          starting_capacity(whole.device), 4096, size).budget_for(3) + size // 2  # fmt: skip
+    p = offload.plan(whole.config, offload.dense_bytes(whole.model), 1 << 50, whole.dtype, 4,
+                     starting_capacity(whole.device), 4096, size)  # fmt: skip
+    budget = offload.budget_for(whole.config, p, 3) + size // 2
     offloaded = Engine.load(models["q8_0"], keep_quantized=True, gpu_memory_gib=budget / offload.GiB)
     assert offloaded.offload is not None and offloaded.offload.plan.slots == 3
     cache = next(iter(offloaded.offload.caches.values()))
