@@ -122,7 +122,7 @@ def time_fp8_prefill(tiles: list[str]) -> list[dict]:
         experts, n, k = shape
         x = torch.randn(FP8_TOKENS, k, device=dev, dtype=torch.bfloat16, generator=gen)
         ids = torch.rand(FP8_TOKENS, experts, device=dev, generator=gen).topk(top_k, dim=-1).indices
-        order, offs = group_by_expert(ids, experts)
+        order, offs, _ = group_by_expert(ids, experts)
         w = random_weight("fp8", shape, dev)
         deq = w.dequantize()
         starts = [0, *offs[:-1].tolist()]
@@ -181,7 +181,7 @@ def main() -> None:
     tokens, top_k = 4096, 8
     x = torch.randn(tokens, EXPERTS[2], device=dev, dtype=torch.bfloat16)
     ids = torch.rand(tokens, EXPERTS[0], device=dev).topk(top_k, dim=-1).indices
-    order, offs = group_by_expert(ids, EXPERTS[0])
+    order, offs, _ = group_by_expert(ids, EXPERTS[0])
     bf16 = torch.randn(EXPERTS, device=dev, dtype=torch.bfloat16)
     xs = x[order // top_k]
     grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm

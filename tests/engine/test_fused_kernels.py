@@ -124,11 +124,13 @@ def test_causal_conv_reads_projection_columns_and_writes_contiguous_parts(dtype,
 def test_counting_sort_by_expert_equals_a_stable_argsort(tokens, top_k, experts):
     """`group_by_expert`'s counting sort (per-block counts, one scan, each block's assignments placed by
     their rank among equal keys): the assignments in the order of a stable argsort of their experts, the
-    absent ones (-1) after every expert's rows, and each expert's row end, over several blocks."""
+    absent ones (-1) after every expert's rows, each expert's row end and each assignment's row, over
+    several blocks."""
     ids = torch.randint(-1, experts, (tokens, top_k), generator=torch.Generator().manual_seed(tokens)).to(DEVICE)
-    order, offs = moe._group_by_expert_triton(ids, experts)
-    want_order, want_offs = moe._group_by_expert_torch(ids, experts)
-    assert torch.equal(order, want_order) and torch.equal(offs, want_offs)
+    order, offs, rows = moe._group_by_expert_triton(ids, experts)
+    want_order, want_offs, want_rows = moe._group_by_expert_torch(ids, experts)
+    assert torch.equal(order, want_order) and torch.equal(offs, want_offs) and torch.equal(rows, want_rows)
+    assert torch.equal(order[rows], torch.arange(order.numel(), device=DEVICE))  # each assignment's row
     assert offs.dtype == torch.int32 and offs.shape == (experts,)
     assert (ids.flatten()[order[offs[-1] :]] < 0).all() if tokens else not order.numel()
 
@@ -141,7 +143,7 @@ def test_moe_activation_of_expert_ordered_rows_in_one_launch(dtype, inter):
     projections' rows in expert order: as the torch version, rounded once instead of after each op."""
     tokens, top_k, experts = 7, 3, 5
     ids = torch.randint(0, experts, (tokens, top_k), generator=torch.Generator().manual_seed(23)).to(DEVICE)
-    order, _ = moe.group_by_expert(ids, experts)
+    order, _, _ = moe.group_by_expert(ids, experts)
     gate_up = _randn(tokens * top_k, 2 * inter, dtype=dtype, seed=24, scale=2.0)
     weights = _randn(tokens, top_k, dtype=dtype, seed=25).abs()
     gate, up = gate_up.float().chunk(2, dim=-1)
@@ -163,17 +165,13 @@ def test_moe_sum_reads_each_assignments_row_where_it_lies(dtype, partial, ordere
     if partial:
         ids[::2, 1], ids[3] = -1, -1
     ids = ids.to(DEVICE)
-    order, _ = moe.group_by_expert(ids, experts)
+    rows = moe.group_by_expert(ids, experts)[2] if ordered else None  # where each assignment's row sits
     ys = _randn(tokens * top_k, hidden, dtype=dtype, seed=22)
     absent = (ids.flatten() < 0).nonzero()[:, 0]
-    if ordered:  # where each assignment's row sits
-        absent = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=DEVICE))[absent]
-    else:
-        order = None
-    ys[absent] = float("nan")  # rows no GEMM wrote
-    got = moe._summed_triton(ys, order, ids, partial, dtype)
+    ys[absent if rows is None else rows[absent]] = float("nan")  # rows no GEMM wrote
+    got = moe._summed_triton(ys, rows, ids, partial, dtype)
     assert not got.isnan().any()
-    _close(got, moe._summed_torch(ys, order, ids, partial, dtype))
+    _close(got, moe._summed_torch(ys, rows, ids, partial, dtype))
 
 
 @in_this_process

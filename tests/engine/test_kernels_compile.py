@@ -210,7 +210,7 @@ def test_prefill_layout_kernels_compile(gather, partial):
                 **{name: "i32" for name in ("H", "N", "sx", "sxh", "sg", "sgh", "sy", "syh")},
                 "KIND": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
     assert ".entry _gate_kernel" in compile_for_h200(gates._gate_kernel, gate_sig, {"KIND": gates.SIGMOID_MUL, "BLOCK": 256})
-    sum_sig = {"YS": "*bf16", "POS": "*i64", "IDS": "*i64", "OUT": "*bf16", "H": "i32", "TOPK": "constexpr",
+    sum_sig = {"YS": "*bf16", "ROWS": "*i64", "IDS": "*i64", "OUT": "*bf16", "H": "i32", "TOPK": "constexpr",
                "GATHER": "constexpr", "PARTIAL": "constexpr", "BLOCK": "constexpr"}  # fmt: skip
     constexprs = {"TOPK": 9, "GATHER": gather, "PARTIAL": partial, "BLOCK": 1024}
     assert ".entry _sum_rows_kernel" in compile_for_h200(moe._sum_rows_kernel, sum_sig, constexprs)
@@ -226,9 +226,9 @@ def test_counting_sort_by_expert_compiles():
     count = compile_for_h200(moe._count_keys_kernel, {**ids_sig, "COUNTS": "*i32"}, {**keys, "BLOCK": moe.SORT_BLOCK})
     assert ".entry _count_keys_kernel" in count
     starts_sig = {"COUNTS": "*i32", "BASE": "*i32", "OFFS": "*i32", "B": "i32", "E": "i32", "EP": "constexpr",
-                  "ROWS": "constexpr"}  # fmt: skip
-    assert ".entry _key_starts_kernel" in compile_for_h200(moe._key_starts_kernel, starts_sig, {**keys, "ROWS": 16})
-    place_sig = {**ids_sig, "BASE": "*i32", "ORDER": "*i64", "CHUNK": "constexpr"}
+                  "STEP": "constexpr"}  # fmt: skip
+    assert ".entry _key_starts_kernel" in compile_for_h200(moe._key_starts_kernel, starts_sig, {**keys, "STEP": 16})
+    place_sig = {**ids_sig, "BASE": "*i32", "ORDER": "*i64", "ROWS": "*i64", "CHUNK": "constexpr"}
     place = compile_for_h200(moe._place_keys_kernel, place_sig,
                              {**keys, "BLOCK": moe.SORT_BLOCK, "CHUNK": moe.SORT_CHUNK}, warps=8)  # fmt: skip
     assert ".entry _place_keys_kernel" in place

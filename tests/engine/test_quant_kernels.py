@@ -131,7 +131,7 @@ def test_grouped_experts_equal_per_expert_matmuls(fmt, tokens):
     ids = torch.stack(
         [torch.randperm(num_experts - 1, generator=gen)[:top_k] for _ in range(tokens)]
     )  # expert 5 unused
-    order, offs = group_by_expert(ids, num_experts)
+    order, offs, _ = group_by_expert(ids, num_experts)
     got = quant.grouped(x.to(DEVICE), w.to(DEVICE), order.to(DEVICE), offs.to(DEVICE), top_k).cpu()
     flat = ids.flatten()[order]
     want = torch.stack(
@@ -208,7 +208,7 @@ def test_fp8_prefill_multiplies_x_in_fp8_rows_on_the_tensor_cores(rows, tile, mo
     num_experts, top_k = 5, 2  # in the kernel's lookup, 8 lanes
     experts, experts_ref = fp8_weight((num_experts, 256, 384), seed=1)
     ids = torch.stack([torch.randperm(num_experts - 1, generator=gen)[:top_k] for _ in range(rows)])
-    order, offs = group_by_expert(ids, num_experts)  # expert 4 unused
+    order, offs, _ = group_by_expert(ids, num_experts)  # expert 4 unused
     got = quant.grouped(x.to(DEVICE), experts.to(DEVICE), order.to(DEVICE), offs.to(DEVICE), top_k).cpu()
     xq = x_in_fp8_rows(x)
     flat = ids.flatten()[order]
@@ -280,9 +280,9 @@ def test_quantized_experts_of_a_streamed_piece_skip_the_absent_assignments():
     close(got, want, dtype)
     # what no GEMM wrote may hold anything: NaN there, and nothing of it in the sums
     ids = ids.to(DEVICE)
-    order, _ = group_by_expert(ids, 4)
+    order, _, rows = group_by_expert(ids, 4)
     ys = torch.where((ids.flatten()[order] < 0)[:, None], float("nan"), torch.ones(2 * tokens, 3, device=DEVICE))
-    summed = _summed(ys, order, ids, True, torch.float32)
+    summed = _summed(ys, rows, ids, True, torch.float32)
     assert torch.equal(summed, (ids >= 0).sum(1, keepdim=True).float().expand(tokens, 3))
 
 

@@ -27,10 +27,8 @@ import triton.language as tl
 from engine.ops.gpu.quant import DEQUANT_ROWS, FP8, QuantWeight, glu_row, tile_launch, tile_rows
 
 log = logging.getLogger(__name__)
-X_BLOCK = (
-    1,
-    128,
-)  # x's quantization blocks: `engine.quant.fp8.quantize(x, X_BLOCK, torch.float32)` is `fp8_rows`
+# x's quantization blocks: `engine.quant.fp8.quantize(x, X_BLOCK, torch.float32)` is `fp8_rows`
+X_BLOCK = (1, 128)
 
 # FT_FP8_ACT=0: FP8 prefill as before session 15, a transient bf16 copy of each weight and cuBLAS (x in bf16)
 ACT = os.environ.get("FT_FP8_ACT", "1") == "1"

@@ -19,7 +19,7 @@ _grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 GRAPH_TOKENS = 512  # fp32: up to a captured prefill's tokens (engine.runner.PREFILL_BUCKETS) the Triton kernels too
 
 
-# assignments a program of the counting sort places, and compared with each other at a time (64: 48 registers
+# assignments a program of the counting sort places, and compared with each other at a time (64: 64 registers
 # a thread at 8 warps for sm_90, where 128 took 162, or 255 and spills at 4 warps)
 SORT_BLOCK, SORT_CHUNK = 1024, 64
 
@@ -40,19 +40,19 @@ def _count_keys_kernel(IDS, COUNTS, N, E, EP: tl.constexpr, BLOCK: tl.constexpr)
 
 
 @triton.jit
-def _key_starts_kernel(COUNTS, BASE, OFFS, B, E, EP: tl.constexpr, ROWS: tl.constexpr):
+def _key_starts_kernel(COUNTS, BASE, OFFS, B, E, EP: tl.constexpr, STEP: tl.constexpr):
     """One program: BASE[b, e], the row of block b's first assignment of key e (the rows of every smaller key,
     then key e's rows in the blocks before b); OFFS[e] the end of expert e's rows."""
     keys = tl.arange(0, EP)
     totals = tl.zeros([EP], tl.int32)
-    for r0 in range(0, B, ROWS):
-        r = r0 + tl.arange(0, ROWS)
+    for r0 in range(0, B, STEP):
+        r = r0 + tl.arange(0, STEP)
         totals += tl.sum(tl.load(COUNTS + r[:, None] * EP + keys[None, :], mask=(r < B)[:, None], other=0), 0)
     ends = tl.cumsum(totals, 0)
     tl.store(OFFS + keys, ends, mask=keys < E)
     running = ends - totals  # [EP]: where each key's rows start
-    for r0 in range(0, B, ROWS):
-        r = r0 + tl.arange(0, ROWS)
+    for r0 in range(0, B, STEP):
+        r = r0 + tl.arange(0, STEP)
         tile = tl.load(COUNTS + r[:, None] * EP + keys[None, :], mask=(r < B)[:, None], other=0)
         tl.store(BASE + r[:, None] * EP + keys[None, :], running[None, :] + tl.cumsum(tile, 0) - tile,
                  mask=(r < B)[:, None])  # fmt: skip
@@ -60,9 +60,9 @@ def _key_starts_kernel(COUNTS, BASE, OFFS, B, E, EP: tl.constexpr, ROWS: tl.cons
 
 
 @triton.jit
-def _place_keys_kernel(IDS, BASE, ORDER, N, E, EP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+def _place_keys_kernel(IDS, BASE, ORDER, ROWS, N, E, EP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
     """Block b's assignments at their rows: BASE[b, key] + how many of the block's earlier assignments have
-    the same key (a stable sort)."""
+    the same key (a stable sort); ORDER[row] = the assignment, ROWS[assignment] = its row."""
     b = tl.program_id(0)
     lane = tl.arange(0, CHUNK)
     for c in range(BLOCK // CHUNK):
@@ -74,43 +74,45 @@ def _place_keys_kernel(IDS, BASE, ORDER, N, E, EP: tl.constexpr, BLOCK: tl.const
             rank += tl.sum((key[:, None] == earlier[None, :]).to(tl.int32), 1)
         row = tl.load(BASE + b * EP + key, mask=i < N, other=0) + rank
         tl.store(ORDER + row, i.to(tl.int64), mask=i < N)
+        tl.store(ROWS + i, row.to(tl.int64), mask=i < N)
 
 
-def _group_by_expert_triton(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _group_by_expert_triton(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     flat = ids.flatten()
     n, ep = flat.numel(), triton.next_power_of_2(num_experts + 1)
     blocks = max(triton.cdiv(n, SORT_BLOCK), 1)
     counts = torch.zeros(blocks, ep, dtype=torch.int32, device=ids.device)
     base = torch.empty_like(counts)
-    order = torch.empty(n, dtype=torch.int64, device=ids.device)
+    order, rows = torch.empty(2, n, dtype=torch.int64, device=ids.device)
     offs = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     _count_keys_kernel[(blocks,)](flat, counts, n, num_experts, EP=ep, BLOCK=SORT_BLOCK)
-    _key_starts_kernel[(1,)](counts, base, offs, blocks, num_experts, EP=ep, ROWS=16)
-    _place_keys_kernel[(blocks,)](flat, base, order, n, num_experts, EP=ep, BLOCK=SORT_BLOCK, CHUNK=SORT_CHUNK,
-                                  num_warps=8)  # fmt: skip
-    return order, offs
+    _key_starts_kernel[(1,)](counts, base, offs, blocks, num_experts, EP=ep, STEP=16)
+    _place_keys_kernel[(blocks,)](flat, base, order, rows, n, num_experts, EP=ep, BLOCK=SORT_BLOCK,
+                                  CHUNK=SORT_CHUNK, num_warps=8)  # fmt: skip
+    return order, offs, rows
 
 
-def _group_by_expert_torch(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _group_by_expert_torch(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     flat = ids.flatten()
     key = torch.where(flat < 0, num_experts, flat)
     order = torch.argsort(key, stable=True)
     experts = torch.arange(num_experts, device=ids.device, dtype=flat.dtype)
     offs = torch.searchsorted(key[order], experts, right=True).to(torch.int32)
-    return order, offs
+    return order, offs, torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=ids.device))
 
 
 # ids [T, k] -> order [T*k] (assignments sorted by expert, stably; the absent ones, -1, last: in no expert's
-# rows) and offs [E] int32 (end of each expert's rows), on the device without a host sync. A counting sort in
+# rows), offs [E] int32 (end of each expert's rows) and rows [T*k] (the row each assignment sits at: order's
+# inverse, where `_summed` reads it back), on the device without a host sync. A counting sort in
 # three launches (the torch version: an argsort, eight radix passes over 64-bit keys, and ~6 small ops)
 group_by_expert = Checked("group_by_expert", _group_by_expert_triton, _group_by_expert_torch)
 
 
 @triton.jit
-def _sum_rows_kernel(YS, POS, IDS, OUT, H, TOPK: tl.constexpr, GATHER: tl.constexpr, PARTIAL: tl.constexpr,
+def _sum_rows_kernel(YS, ROWS, IDS, OUT, H, TOPK: tl.constexpr, GATHER: tl.constexpr, PARTIAL: tl.constexpr,
                      BLOCK: tl.constexpr):  # fmt: skip
     """Token t, a block of columns: the sum in fp32, j = 0 .. TOPK - 1, of its assignments' rows of YS,
-    assignment a = t * TOPK + j at row POS[a] (GATHER: YS in expert order) or a; with PARTIAL, those
+    assignment a = t * TOPK + j at row ROWS[a] (GATHER: YS in expert order) or a; with PARTIAL, those
     whose IDS[a] < 0 (no expert: rows no GEMM wrote) skipped."""
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -118,38 +120,37 @@ def _sum_rows_kernel(YS, POS, IDS, OUT, H, TOPK: tl.constexpr, GATHER: tl.conste
     acc = tl.zeros([BLOCK], tl.float32)
     for j in tl.static_range(TOPK):
         a = t * TOPK + j
-        row = tl.load(POS + a).to(tl.int64) if GATHER else a
+        row = tl.load(ROWS + a).to(tl.int64) if GATHER else a
         keep = mask & (tl.load(IDS + a + 0 * cols) >= 0) if PARTIAL else mask  # the id broadcast over the block
         acc += tl.load(YS + row * H + cols, mask=keep, other=0.0).to(tl.float32)
     tl.store(OUT + t * H + cols, acc.to(OUT.dtype.element_ty), mask=mask)
 
 
-def _summed_triton(ys: torch.Tensor, order: torch.Tensor | None, ids: torch.Tensor, partial: bool, dtype: torch.dtype):
+def _summed_triton(ys: torch.Tensor, rows: torch.Tensor | None, ids: torch.Tensor, partial: bool, dtype: torch.dtype):
     (tokens, top_k), hidden = ids.shape, ys.shape[1]
-    pos = ids  # unread without GATHER
-    if order is not None:  # where each assignment's row sits in expert order
-        pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     out = torch.empty(tokens, hidden, dtype=dtype, device=ys.device)
     block = min(1024, triton.next_power_of_2(hidden))
     if tokens:
         _sum_rows_kernel[(tokens, triton.cdiv(hidden, block))](
-            ys, pos, ids, out, hidden, TOPK=top_k, GATHER=order is not None, PARTIAL=partial, BLOCK=block
+            ys, ids if rows is None else rows, ids, out, hidden, TOPK=top_k, GATHER=rows is not None,
+            PARTIAL=partial, BLOCK=block,
         )
     return out
 
 
-def _summed_torch(ys: torch.Tensor, order: torch.Tensor | None, ids: torch.Tensor, partial: bool, dtype: torch.dtype):
-    out = ys if order is None else torch.empty_like(ys).index_copy_(0, order, ys)  # row copies
+def _summed_torch(ys: torch.Tensor, rows: torch.Tensor | None, ids: torch.Tensor, partial: bool, dtype: torch.dtype):
+    out = ys if rows is None else ys[rows]  # row copies
     if partial:
         out = out.masked_fill((ids.flatten() < 0)[:, None], 0)
     return out.view(*ids.shape, -1).sum(1, dtype=torch.float32).to(dtype)
 
 
-# Rows in expert order (`order`; None: already in the assignments') back to their assignments, summed per
+# Rows in expert order (assignment a's at `rows[a]`, from `group_by_expert`; None: already in the assignments'
+# order) back to their assignments, summed per
 # token in fp32 → [T, H] in `dtype`. With `partial` (ids may hold -1 in a prefill), the absent
-# assignments' rows, which no GEMM wrote, count as zeros. One launch reading each row where it lies (the
-# torch version: an index_copy of every row, the sum, the cast; 0.47 + 0.13 ms + a cast a layer at 8K
-# tokens of the 256-expert shape, H200)
+# assignments' rows, which no GEMM wrote, count as zeros. One launch reading each row where it lies (until
+# session 16 an index_copy of every row into assignment order, the sum and the cast: 0.47 + 0.13 ms + a cast a
+# layer at 8K tokens of the 256-expert shape, H200)
 _summed = Checked("moe_sum", _summed_triton, _summed_torch)
 
 
@@ -184,12 +185,12 @@ def experts_grouped(
     if x.dtype != torch.bfloat16:  # fp32, the exactness mode: the loop syncs with the host, no graph holds it
         return (experts_decode if x.shape[0] <= GRAPH_TOKENS else experts_loop)(x, weights, ids, gate_up, down)
     num_tokens, top_k = ids.shape
-    order, offs = group_by_expert(ids, gate_up.shape[0])
+    order, offs, rows = group_by_expert(ids, gate_up.shape[0])
     xs = x.index_select(0, order // top_k)  # [T*k, H], rows grouped by expert
     gate_up_rows = _grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)  # [T*k, 2I]
     act = glu(gate_up_rows, weights, order)  # routing weight folded in before the down GEMM
     ys = _grouped_mm(act, down.transpose(1, 2), offs=offs)  # [T*k, H] bf16
-    return _summed(ys, order, ids, partial, x.dtype)
+    return _summed(ys, rows, ids, partial, x.dtype)
 
 
 @triton.jit
@@ -276,13 +277,13 @@ def experts_quantized(
     num_tokens, top_k = ids.shape
     if ids.numel() <= DECODE_ROWS and quant.gemv_fits(gate_up) and quant.gemv_fits(down):
         return _experts_quantized_decode(x, weights, ids, gate_up, down)
-    order, offs = group_by_expert(ids, gate_up.shape[0])
+    order, offs, rows = group_by_expert(ids, gate_up.shape[0])
     if (ys := fp8_prefill.experts(x, weights, gate_up, down, order, offs, top_k)) is not None:
         return _summed(ys, None, ids, partial, x.dtype)  # FP8 tensor cores, rows back in place
     act = glu(quant.grouped(x, gate_up, order, offs, top_k), weights, order)  # [T*k, I], expert order
-    rows = torch.arange(order.numel(), device=x.device)  # act's rows are already in expert order
-    ys = quant.grouped(act, down, rows, offs)  # [T*k, H]
-    return _summed(ys, order, ids, partial, x.dtype)
+    in_order = torch.arange(order.numel(), device=x.device)  # act's rows are already in expert order
+    ys = quant.grouped(act, down, in_order, offs)  # [T*k, H]
+    return _summed(ys, rows, ids, partial, x.dtype)
 
 
 def _experts_quantized_decode(x, weights, ids, gate_up, down) -> torch.Tensor:
