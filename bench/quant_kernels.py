@@ -117,7 +117,6 @@ def time_fp8_prefill(tiles: list[str]) -> list[dict]:
         variants(op, FP8_TOKENS, lambda x=x, w=w: quant.linear(x, w), want, want_fp8, flops, cublas=True)
         del bf16, deq, want, want_fp8
     top_k = 8
-    grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
     for op, shape in FP8_EXPERTS.items():
         experts, n, k = shape
         x = torch.randn(FP8_TOKENS, k, device=dev, dtype=torch.bfloat16, generator=gen)
@@ -135,7 +134,7 @@ def time_fp8_prefill(tiles: list[str]) -> list[dict]:
         bf16, xb = deq.to(torch.bfloat16), x[order // top_k]
         del deq, xs
         add(op, FP8_TOKENS * top_k, "bf16 grouped_mm",
-            lambda b=bf16, xb=xb, o=offs: grouped_mm(xb, b.transpose(1, 2), offs=o), want, flops)  # fmt: skip
+            lambda b=bf16, xb=xb, o=offs: quant.grouped_mm(xb, b.transpose(1, 2), offs=o), want, flops)  # fmt: skip
         del bf16
         run = lambda x=x, w=w, o=order, f=offs: quant.grouped(x, w, o, f, top_k)  # noqa: E731
         variants(op, FP8_TOKENS * top_k, run, want, want_fp8, flops)
@@ -184,9 +183,8 @@ def main() -> None:
     order, offs, _ = group_by_expert(ids, EXPERTS[0])
     bf16 = torch.randn(EXPERTS, device=dev, dtype=torch.bfloat16)
     xs = x[order // top_k]
-    grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
-    ref = grouped_mm(xs, bf16.transpose(1, 2), offs=offs).float()
-    r = bench_one(lambda b=bf16: grouped_mm(xs, b.transpose(1, 2), offs=offs), ref, bf16.numel() * 2)
+    ref = quant.grouped_mm(xs, bf16.transpose(1, 2), offs=offs).float()
+    r = bench_one(lambda b=bf16: quant.grouped_mm(xs, b.transpose(1, 2), offs=offs), ref, bf16.numel() * 2)
     rows.append(
         {
             "op": "experts gate_up [256, 1024, 2048]",

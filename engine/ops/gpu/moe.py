@@ -15,7 +15,6 @@ from engine.ops.moe import DECODE_ROWS, experts_loop, router_logits
 from engine.ops.moe import route as reference_route
 from engine.ops.moe import router as reference_router
 
-_grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
 GRAPH_TOKENS = 512  # fp32: up to a captured prefill's tokens (engine.runner.PREFILL_BUCKETS) the Triton kernels too
 
 
@@ -187,9 +186,9 @@ def experts_grouped(
     num_tokens, top_k = ids.shape
     order, offs, rows = group_by_expert(ids, gate_up.shape[0])
     xs = x.index_select(0, order // top_k)  # [T*k, H], rows grouped by expert
-    gate_up_rows = _grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)  # [T*k, 2I]
+    gate_up_rows = quant.grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)  # [T*k, 2I]
     act = glu(gate_up_rows, weights, order)  # routing weight folded in before the down GEMM
-    ys = _grouped_mm(act, down.transpose(1, 2), offs=offs)  # [T*k, H] bf16
+    ys = quant.grouped_mm(act, down.transpose(1, 2), offs=offs)  # [T*k, H] bf16
     return _summed(ys, rows, ids, partial, x.dtype)
 
 

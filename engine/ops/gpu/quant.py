@@ -55,6 +55,7 @@ BLOCK_K = {Q8_0: 32, Q4_K: 256, Q5_K: 256, Q6_K: 256, FP8: 128}  # K must be a m
 GEMV_ROWS = 4  # up to this many rows of x, the GEMV kernel
 GEMV_CHUNK = {Q8_0: 32, Q4_K: 64, Q5_K: 64, Q6_K: 128, FP8: 128}  # columns per GEMV step: one group of scales
 DEQUANT_ROWS = 64  # above this many rows (bf16), dequantize once and use cuBLAS
+grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm  # torch's grouped GEMM, by either name
 FP8_ROWS = 128  # rows per FP8 scale block
 # Triton's interpreter (the CPU tests) runs one program after another, at a fixed cost each: there
 # the GEMV kernel runs with wider row blocks (a [248320, H] lm_head in 31 programs, not thousands).
@@ -989,7 +990,6 @@ def grouped(
     if fp8_prefill.runs(x, w, order.numel()):
         return fp8_prefill.grouped(x, w, order, offs, top_k)
     if order.numel() > DEQUANT_ROWS and x.dtype == torch.bfloat16:
-        grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm
         xs = x.index_select(0, order // top_k)  # row copies (x[i] is an elementwise kernel)
         return grouped_mm(xs, dequantize_to(w, x.dtype).transpose(1, 2), offs=offs)
     return _launch_gemm(x.contiguous(), w, order.numel(), order, offs, top_k)
