@@ -131,8 +131,9 @@ def test_grouped_experts_equal_per_expert_matmuls(fmt, tokens):
     ids = torch.stack(
         [torch.randperm(num_experts - 1, generator=gen)[:top_k] for _ in range(tokens)]
     )  # expert 5 unused
-    order, offs, _ = group_by_expert(ids, num_experts)
-    got = quant.grouped(x.to(DEVICE), w.to(DEVICE), order.to(DEVICE), offs.to(DEVICE), top_k).cpu()
+    order, offs, _ = group_by_expert(ids.to(DEVICE), num_experts)
+    got = quant.grouped(x.to(DEVICE), w.to(DEVICE), order, offs, top_k).cpu()
+    order = order.cpu()
     flat = ids.flatten()[order]
     want = torch.stack(
         [x[j // top_k].float() @ reference[e].T for j, e in zip(order.tolist(), flat.tolist(), strict=True)]
@@ -208,8 +209,9 @@ def test_fp8_prefill_multiplies_x_in_fp8_rows_on_the_tensor_cores(rows, tile, mo
     num_experts, top_k = 5, 2  # in the kernel's lookup, 8 lanes
     experts, experts_ref = fp8_weight((num_experts, 256, 384), seed=1)
     ids = torch.stack([torch.randperm(num_experts - 1, generator=gen)[:top_k] for _ in range(rows)])
-    order, offs, _ = group_by_expert(ids, num_experts)  # expert 4 unused
-    got = quant.grouped(x.to(DEVICE), experts.to(DEVICE), order.to(DEVICE), offs.to(DEVICE), top_k).cpu()
+    order, offs, _ = group_by_expert(ids.to(DEVICE), num_experts)  # expert 4 unused
+    got = quant.grouped(x.to(DEVICE), experts.to(DEVICE), order, offs, top_k).cpu()
+    order = order.cpu()
     xq = x_in_fp8_rows(x)
     flat = ids.flatten()[order]
     pairs = zip(order.tolist(), flat.tolist(), strict=True)

@@ -18,9 +18,9 @@ from engine.ops.moe import router as reference_router
 GRAPH_TOKENS = 512  # fp32: up to a captured prefill's tokens (engine.runner.PREFILL_BUCKETS) the Triton kernels too
 
 
-# assignments a program of the counting sort places, and compared with each other at a time (64: 64 registers
-# a thread at 8 warps for sm_90, where 128 took 162, or 255 and spills at 4 warps)
-SORT_BLOCK, SORT_CHUNK = 1024, 64
+# assignments a program of the counting sort places (512: 144 programs at the 35B shape's 8K tokens), and
+# compared with each other at a time (64: 47 registers a thread at 8 warps for sm_90, where 128 took 181)
+SORT_BLOCK, SORT_CHUNK = 512, 64
 
 
 @triton.jit
@@ -60,20 +60,21 @@ def _key_starts_kernel(COUNTS, BASE, OFFS, B, E, EP: tl.constexpr, STEP: tl.cons
 
 @triton.jit
 def _place_keys_kernel(IDS, BASE, ORDER, ROWS, N, E, EP: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-    """Block b's assignments at their rows: BASE[b, key] + how many of the block's earlier assignments have
-    the same key (a stable sort); ORDER[row] = the assignment, ROWS[assignment] = its row."""
+    """Block b's assignments at their rows, a chunk at a time: the next free row of their key (BASE[b, key],
+    then advanced by each chunk's count of it) + their rank among the chunk's earlier assignments of the same
+    key (a stable sort); ORDER[row] = the assignment, ROWS[assignment] = its row."""
     b = tl.program_id(0)
     lane = tl.arange(0, CHUNK)
+    free = tl.load(BASE + b * EP + tl.arange(0, EP))  # [EP]: each key's next row
     for c in range(BLOCK // CHUNK):
         i = b * BLOCK + c * CHUNK + lane
         key = _sort_keys(IDS, i, N, E)
         rank = tl.sum(((key[:, None] == key[None, :]) & (lane[None, :] < lane[:, None])).to(tl.int32), 1)
-        for d in range(c):  # the block's earlier chunks
-            earlier = _sort_keys(IDS, b * BLOCK + d * CHUNK + lane, N, E)
-            rank += tl.sum((key[:, None] == earlier[None, :]).to(tl.int32), 1)
-        row = tl.load(BASE + b * EP + key, mask=i < N, other=0) + rank
+        slot = tl.maximum(key, 0)  # past N (key -1, after every real assignment): any bin
+        row = tl.gather(free, slot, 0) + rank
         tl.store(ORDER + row, i.to(tl.int64), mask=i < N)
         tl.store(ROWS + i, row.to(tl.int64), mask=i < N)
+        free += tl.histogram(slot, EP)
 
 
 def _group_by_expert_triton(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
