@@ -11,6 +11,7 @@
 #       base       the same decode benches on an earlier tree carried as .base/ (`base-tree`, below): a same-lease baseline
 #       quant      bf16 and FP8 at the 256-expert shape (bench/quant.py; $QUANT_ARGS added, e.g. --profile, or
 #                  --batches= for prefill alone)
+#       fp8-cublas  FP8 alone with its dense projections in cuBLAS's block-scaled GEMM (FT_FP8_CUBLAS=1; $QUANT_ARGS)
 #       fp8-kernels  FP8 prefill's matmuls at 8K tokens: bf16, the bf16-copy path, the tensor cores per tile setting
 #                  ($FP8_TILES), torch._scaled_mm (bench/quant_kernels.py --fp8-prefill)
 #       gpu-tests  pytest: offload (peak reserved memory within the budget), the engine's GPU tests, the fused kernels
@@ -114,13 +115,15 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
     fp8-kernels) step fp8-kernels python3 bench/quant_kernels.py --fp8-prefill \
       ${FP8_TILES:+--fp8-tiles $FP8_TILES} --json $O/fp8-kernels.json ;;
     quant) step quant python3 bench/quant.py --preset $P --device cuda --parts bf16,fp8 ${QUANT_ARGS:-} --json $O/quant.json ;;
+    fp8-cublas) FT_FP8_CUBLAS=1 step fp8-cublas python3 bench/quant.py --preset $P --device cuda --parts fp8 \
+      ${QUANT_ARGS:-} --json $O/fp8-cublas.json ;;
     kernel-tests) step kernel-tests python3 -m pytest -q -p no:cacheprovider tests/engine/test_fused_kernels.py \
       tests/engine/test_quant_kernels.py \
       tests/engine/test_gpu.py::test_grouped_experts_of_a_streamed_piece_skip_the_absent_assignments ;;
     capture-tests) step capture-tests python3 -m pytest -q -p no:cacheprovider -o log_cli=true --log-cli-level=WARNING tests/engine/test_gpu.py \
       -k "restore_then_suffix or prefill_matches_cpu or slot_prefill_matches or graph_decode or batched_decode or padded_batch" ;;
     quant-tests) step quant-tests python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/engine/test_quant_model.py ;;
-    offload-tests) step offload-tests python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_offload_gpu.py ;;
+    offload-tests) step offload-tests python3 -m pytest -q -p no:cacheprovider -s -rfE --tb=short tests/engine/test_offload_gpu.py ;;
     offload-peak) step offload-peak python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_offload_gpu.py -k peak ;;
     offload-profile)
       wait $gguf 2>/dev/null
