@@ -157,8 +157,8 @@ class Engine:
 
     def _fit_budget(self, parts: Sequence[tuple[Feed, int]], spans: Sequence[Span]) -> None:
         """Under a memory budget on a GPU: room for a prefill forward (the workspace measured at
-        warm-up), the KV its sequences grow by and the states it captures, taken from the expert
-        slots if need be."""
+        warm-up), the KV its sequences grow by, the states it captures and the logits of every
+        position where a feed asks for them, taken from the expert slots if need be."""
         if self.offload is None or self.device.type != "cuda":
             return
         growth = sum(cache.growth(count) for feed, count in parts for cache in feed.state.kv.values())
@@ -166,7 +166,14 @@ class Engine:
         # (`keep`): ~2 MB a point at the 35B shape; the calibration's chunk captured none
         layers = expert_offload.recurrent_bytes(self.config, self.dtype, layers=2)  # two in flight
         captures = layers * sum(len(span.capture_at) for span in spans)
-        self.offload.fit_forward(self.offload.plan.workspace + growth + captures)
+        # a feed that wants every position's logits gets them with its last chunk: [T, V] in the model's dtype, then fp32
+        size = torch.empty(0, dtype=self.dtype).element_size()
+        logits = sum(
+            (feed.done + count) * self.config.vocab_size * (size + 4)
+            for feed, count in parts
+            if feed.all_logits and count == feed.remaining
+        )
+        self.offload.fit_forward(self.offload.plan.workspace + growth + captures + logits)
 
     def offload_stats(self) -> dict[str, int] | None:
         """The expert cache's counters (`OffloadStats.as_dict`), None without offload."""

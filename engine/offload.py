@@ -506,7 +506,9 @@ class ExpertOffload:
         still does not fit (`fit`)."""
         if self.held() + extra > self.plan.budget:
             torch.cuda.empty_cache()
-        self.fit(self.held() + extra, "the sequences' KV and a prefill chunk's workspace")
+        held = self.held()
+        why = f"the {_size(held)} held and a forward's {_size(extra)} (KV growth, workspace, captures)"
+        self.fit(held + extra, why)
 
     def give_up_slots(self, why: str) -> None:
         """An eighth of every layer's expert slots (at least one) go: after a forward that ran out
@@ -576,7 +578,10 @@ class ExpertOffload:
             self.give_up_slots("a full prefill chunk's workspace")
         workspace = torch.cuda.max_memory_allocated(self.device) - self.outside - base
         self.plan = dataclasses.replace(self.plan, workspace=workspace)
-        self.fit(base + workspace, f"a full prefill chunk's workspace ({_size(workspace)})")
+        # as each forward will find it (`fit_forward`): what the device holds now, the graphs' pools
+        # included, and the workspace again (a budget that runs out here fails at start, not at the first request)
+        torch.cuda.empty_cache()
+        self.fit(self.held() + workspace, f"a full prefill chunk's workspace ({_size(workspace)}) and the decode graphs")
         return workspace
 
     def peak_reserved(self) -> int:

@@ -7,6 +7,7 @@ Each test prints `METRIC name value`. Errors are relative Frobenius norms, as in
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -40,27 +41,52 @@ def metric(name: str, value: float) -> None:
     print(f"METRIC {name} {value:.3e}")
 
 
-def engines(preset: str, dtype: torch.dtype, slots: int, max_running: int = 1) -> tuple[Engine, Engine]:
-    """The preset on the GPU, whole and with `slots` experts per layer resident (same weights)."""
+def release() -> None:
+    """Engines gone (their offload's finalizer lifts the allocator cap, `ExpertOffload.cap`), their
+    cached blocks back to the device."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def plain_runs(preset: str, dtype: torch.dtype, runs) -> list[torch.Tensor]:
+    """`run` of each (prompt, forced) in `runs` on the preset whole on the GPU, the engine freed after: built
+    beside an offloaded engine, what it allocates later would count against the other's budget (the
+    budget is what the process holds beyond what it held before)."""
+    release()
     config, _, state_dict = materialise(preset, "cpu", dtype)
-    fp = fingerprint(config, state_dict)
-    plain = Engine(place(build_model(config, state_dict), CUDA), fp)
-    plain.runner.warmup(max_running)  # its slot buffers now: what the process holds before the offloaded engine
+    engine = Engine(place(build_model(config, state_dict), CUDA), fingerprint(config, state_dict))
+    out = [run(engine, *r) for r in runs]
+    del engine
+    release()
+    return out
+
+
+# Slots of room a test budget leaves beyond the plan's: warm-up fits the decode graphs' pools beside a forward's
+# workspace (`calibrate_workspace`), ~5 of the small preset's fp32 slots on the H200, which `plan` has no figure for
+SPARE = 6
+
+
+def offloaded(preset: str, dtype: torch.dtype, slots: int, max_running: int = 1) -> Engine:
+    """The preset on the GPU with about `slots` experts per layer resident (a budget for `SPARE` more; what
+    warm-up leaves is asserted by the caller)."""
+    config, _, state_dict = materialise(preset, "cpu", dtype)
     model = build_model(config, state_dict)
     p = plan(
         config, dense_bytes(model), 1 << 50, dtype, max_running, starting_capacity(CUDA), chunk_tokens(CUDA)
     )
-    budget = (budget_for(config, p, slots) + p.expert_bytes // 2) / GiB  # the stream buffers `plan` adds below half
-    offloaded = Engine.offloaded(model, fp, CUDA, budget, max_running)
-    assert offloaded.offload is not None and offloaded.offload.plan.slots == slots
-    return plain, offloaded
+    # budget_for: with the stream buffers `plan` reserves below half the experts
+    budget = (budget_for(config, p, slots) + SPARE * p.expert_bytes * p.layers + p.expert_bytes // 2) / GiB
+    engine = Engine.offloaded(model, fingerprint(config, state_dict), CUDA, budget, max_running)
+    assert engine.offload is not None and config.num_experts_per_tok <= engine.offload.plan.slots
+    return engine
 
 
 def run(engine: Engine, prompt: list[int], forced: list[int]) -> torch.Tensor:
-    """Logits of a prefill (all positions) then of each forced decode step: [T + F, V], on the host
-    (a reference kept on the device would count against the other engine's budget)."""
+    """Logits of a prefill's last position then of each forced decode step (each reads every position's KV
+    and state): [1 + F, V], on the host (a reference kept on the device would count against the other
+    engine's budget; every position's logits, [T, V] in fp32, would take most of a small budget)."""
     state = engine.new_state()
-    logits = engine.prefill(state, prompt, all_logits=True).logits.cpu()
+    logits = engine.prefill(state, prompt).logits.view(1, -1).cpu()
     return torch.cat([logits, engine.feed(state, forced).cpu()])
 
 
@@ -68,47 +94,72 @@ def prompt(n: int) -> list[int]:
     return [1000 + (i * 7919) % 50_000 for i in range(n)]
 
 
-@pytest.fixture(scope="module")
+SMALL_RUNS = {  # a long chunk (streamed), a short one (routed experts only), and the host's misses
+    "long": (prompt(300), list(range(500, 516))),
+    "short": (prompt(7), [3, 4, 5]),
+    "host": (prompt(9), list(range(600, 616))),
+}
+
+
+@pytest.fixture(scope="class")
 def small_fp32():
-    return engines("small", torch.float32, slots=8)
+    """`small` in fp32 with about 8 of its 32 experts per layer resident, and the same weights' `run`s of
+    SMALL_RUNS whole (computed first). The engine and its allocator cap go with the class that uses it."""
+    want = dict(zip(SMALL_RUNS, plain_runs("small", torch.float32, SMALL_RUNS.values()), strict=True))
+    engine = offloaded("small", torch.float32, slots=8)
+    yield engine, want
+    del engine
+    release()
+    torch.cuda.set_per_process_memory_fraction(1.0)  # whatever still holds the engine
 
 
-def test_fp32_offload_matches_no_offload(small_fp32):
-    """Long chunks (prefetch, double-buffered groups of 4 of 8 slots), short ones and decode."""
-    plain, offloaded = small_fp32
-    assert offloaded.offload.policy.stream_tokens <= 300
-    want = run(plain, prompt(300), list(range(500, 516)))
-    got = run(offloaded, prompt(300), list(range(500, 516)))
-    metric("offload_fp32_rel", rel(got, want))
-    assert rel(got, want) <= FP32_TOL
-    short = run(offloaded, prompt(7), [3, 4, 5])  # below stream_tokens: routed experts only
-    assert rel(short, run(plain, prompt(7), [3, 4, 5])) <= FP32_TOL
-    # decode read the misses in place from pinned host memory, in CUDA graphs
-    assert offloaded.offload.mapped and offloaded.runner.use_graph and offloaded.offload_stats()["mapped"] > 0
+class TestSmallFp32:
+    """The tests of the `small_fp32` engine, one after another."""
 
+    def test_fp32_offload_matches_no_offload(self, small_fp32):
+        """Long chunks (streamed whole: fewer than half the experts have slots), short ones and decode."""
+        engine, want = small_fp32
+        assert engine.offload.plan.slots < engine.config.num_experts // 2
+        assert engine.offload.stream is not None and engine.offload.policy.stream_tokens <= 300
+        got = run(engine, *SMALL_RUNS["long"])
+        metric("offload_fp32_rel", rel(got, want["long"]))
+        assert rel(got, want["long"]) <= FP32_TOL
+        # below stream_tokens: routed experts only
+        assert rel(run(engine, *SMALL_RUNS["short"]), want["short"]) <= FP32_TOL
+        # decode read the misses in place from pinned host memory, in CUDA graphs
+        assert engine.offload.mapped and engine.runner.use_graph and engine.offload_stats()["mapped"] > 0
 
-def test_fp32_misses_computed_on_the_host(small_fp32):
-    plain, offloaded = small_fp32
-    offload = offloaded.offload
-    saved, offload.policy = offload.policy, Policy(offload.policy.stream_tokens, cpu_rows=2)
-    try:
-        before = offload.stats.on_host
-        got = run(offloaded, prompt(9), list(range(600, 616)))
-        assert offload.stats.on_host > before
-    finally:
-        offload.policy = saved
-    metric("offload_host_rel", rel(got, run(plain, prompt(9), list(range(600, 616)))))
-    assert rel(got, run(plain, prompt(9), list(range(600, 616)))) <= FP32_TOL
+    def test_fp32_misses_computed_on_the_host(self, small_fp32):
+        engine, want = small_fp32
+        offload = engine.offload
+        saved, offload.policy = offload.policy, Policy(offload.policy.stream_tokens, cpu_rows=2)
+        try:
+            before = offload.stats.on_host
+            got = run(engine, *SMALL_RUNS["host"])
+            assert offload.stats.on_host > before
+        finally:
+            offload.policy = saved
+        metric("offload_host_rel", rel(got, want["host"]))
+        assert rel(got, want["host"]) <= FP32_TOL
+
+    def test_fetching_experts_refuse_graph_capture(self, small_fp32):
+        """A chunk beyond decode size fetches experts (host decisions): never under capture."""
+        engine, _ = small_fp32
+        cache = next(iter(engine.offload.caches.values()))
+        x = torch.randn(40, engine.config.hidden_size, device=CUDA)
+        weights, ids = torch.ones(40, 2, device=CUDA) / 2, torch.arange(80, device=CUDA).view(40, 2) % 32
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="CUDA graph"), torch.cuda.graph(graph):
+            cache.run(x, weights, ids, engine.kernels.moe_experts)
 
 
 def test_bf16_offload_within_the_bf16_bound():
     """bf16 offload at most twice as far from fp32 as bf16 without offload is, plus 0.01 (the
     bound of test_gpu.py: random presets amplify rounding through routing flips)."""
-    plain32, _ = engines("small", torch.float32, slots=8)
-    plain16, off16 = engines("small", torch.bfloat16, slots=8)
-    ids, forced = prompt(600), list(range(700, 716))
-    ref = run(plain32, ids, forced)
-    noise, err = rel(run(plain16, ids, forced), ref), rel(run(off16, ids, forced), ref)
+    runs = [(prompt(600), list(range(700, 716)))]
+    (ref,) = plain_runs("small", torch.float32, runs)
+    (plain16,) = plain_runs("small", torch.bfloat16, runs)
+    noise, err = rel(plain16, ref), rel(run(offloaded("small", torch.bfloat16, slots=8), *runs[0]), ref)
     metric("bf16_plain_vs_fp32", noise)
     metric("bf16_offload_vs_fp32", err)
     assert err <= 2 * noise + 0.01
@@ -116,25 +167,13 @@ def test_bf16_offload_within_the_bf16_bound():
 
 def test_every_expert_resident_decodes_in_graphs():
     """A budget with a slot for every expert: copied once, decode captured in CUDA graphs again."""
-    plain, offloaded = engines("small", torch.float32, slots=32)
-    assert offloaded.offload.holds_all and offloaded.runner.use_graph
-    got, want = (
-        run(offloaded, prompt(300), list(range(800, 816))),
-        run(plain, prompt(300), list(range(800, 816))),
-    )
+    runs = [(prompt(300), list(range(800, 816)))]
+    (want,) = plain_runs("small", torch.float32, runs)
+    engine = offloaded("small", torch.float32, slots=32)
+    assert engine.offload.holds_all and engine.runner.use_graph
+    got = run(engine, *runs[0])
     metric("offload_all_resident_rel", rel(got, want))
-    assert rel(got, want) <= FP32_TOL and offloaded.runner.graphs
-
-
-def test_fetching_experts_refuse_graph_capture(small_fp32):
-    """A chunk beyond decode size fetches experts (host decisions): never under capture."""
-    _, offloaded = small_fp32
-    cache = next(iter(offloaded.offload.caches.values()))
-    x = torch.randn(40, offloaded.config.hidden_size, device=CUDA)
-    weights, ids = torch.ones(40, 2, device=CUDA) / 2, torch.arange(80, device=CUDA).view(40, 2) % 32
-    graph = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="CUDA graph"), torch.cuda.graph(graph):
-        cache.run(x, weights, ids, offloaded.kernels.moe_experts)
+    assert rel(got, want) <= FP32_TOL and engine.runner.graphs
 
 
 def test_35b_shape_offload_within_the_bf16_bound():
@@ -145,21 +184,18 @@ def test_35b_shape_offload_within_the_bf16_bound():
     fp = fingerprint(config, sd32)
     ids, forced = prompt(1024), list(range(900, 916))
 
-    def last(engine: Engine) -> torch.Tensor:  # the last 48 prefill positions and the decode steps
-        return run(engine, ids, forced)[-64:].cpu()
-
-    ref = last(Engine(place(build_model(config, sd32), CUDA), fp))
+    ref = run(Engine(place(build_model(config, sd32), CUDA), fp), ids, forced)
     torch.cuda.empty_cache()
     sd16 = {name: t.to(torch.bfloat16) for name, t in sd32.items()}
     del sd32
-    plain = last(Engine(place(build_model(config, sd16), CUDA), fp))
+    plain = run(Engine(place(build_model(config, sd16), CUDA), fp), ids, forced)
     torch.cuda.empty_cache()
     model = build_model(config, sd16)
     p = plan(
         config, dense_bytes(model), 1 << 50, torch.bfloat16, 1, starting_capacity(CUDA), chunk_tokens(CUDA)
     )
     offloaded = Engine.offloaded(model, fp, CUDA, (budget_for(config, p, 16) + p.expert_bytes // 2) / GiB, 1)
-    got = last(offloaded)
+    got = run(offloaded, ids, forced)
     noise, err = rel(plain, ref), rel(got, ref)
     metric("e64_bf16_plain_vs_fp32", noise)
     metric("e64_bf16_offload_vs_fp32", err)
