@@ -109,10 +109,14 @@ class Checkpoints:
     def precompute(self, segments: list[Segment]) -> Generator[Feed, None, int]:
         """Prefill `segments` from the longest checkpointed prefix in passes of about
         PRECOMPUTE_STEP tokens (whole segments, a checkpoint at every boundary), stopping between
-        passes as soon as live work waits (the scheduler runs it only in steps with no live work).
-        Returns the tokens computed."""
+        passes as soon as live work waits (the scheduler runs it only in steps with no live work),
+        and before the first while its prefix is still being stored. Returns the tokens computed."""
         chain, ends = anchor_chain(segments, self.root), boundaries(segments)
-        self.store_queue.wait_for(chain)
+        # its prefix (the answer just given) may still be on its way into the store: waited for on
+        # this thread, the only engine worker, but never in front of a request that arrives meanwhile
+        if not self.store_queue.wait_for(chain, stop=self.scheduler.live_waiting):
+            log.info("precompute yielded to a live request while its prefix was being stored")
+            return 0
         if self.store.longest_restorable(chain) == len(chain):
             return 0
         state, done = self.restore(chain, ends)

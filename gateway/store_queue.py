@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from checkpoint_store import CheckpointStore
 from engine import Snapshot
 
+STOP_POLL = 0.002  # seconds between a waiter's `stop` checks (background work waiting while a request arrives)
+
 
 class StoreQueue:
     def __init__(self, store: CheckpointStore):
@@ -42,10 +44,16 @@ class StoreQueue:
         with self._cond:
             return any(a in self._queued for a in chain)
 
-    def wait_for(self, chain: Sequence[bytes]) -> None:
-        """Return once no checkpoint of `chain` is still queued (or the thread has stopped)."""
+    def wait_for(self, chain: Sequence[bytes], stop: Callable[[], bool] | None = None) -> bool:
+        """Return once no checkpoint of `chain` is still queued (or the thread has stopped): True; or,
+        with `stop`, as soon as it returns True (asked every STOP_POLL seconds meanwhile): False
+        while some of `chain` is still queued."""
         with self._cond:
-            self._cond.wait_for(lambda: self._stopped or not self.holds(chain))
+            while not (self._stopped or not self.holds(chain)):
+                if stop is not None and stop():
+                    return False
+                self._cond.wait(STOP_POLL if stop is not None else None)
+            return True
 
     @property
     def idle(self) -> bool:

@@ -3,8 +3,12 @@ background task of the real scheduler)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
+from engine import Feed
+from gateway.anchors import anchor_chain
 from gateway.checkpoints import PRECOMPUTE_STEP
 from gateway.protocols import chat
 from gateway.runtime import ServeConfig, build_runtime
@@ -17,12 +21,12 @@ def runtime():
     rt.close()
 
 
-def long_history(rt):
+def long_history(rt, log: str = "log"):
     messages = [{"role": "user", "content": "Look at the logs."}]
     for i in range(3):
         call = {"id": f"c{i}", "type": "function", "function": {"name": "cat", "arguments": '{"path": "log"}'}}
         messages += [{"role": "assistant", "content": None, "tool_calls": [call]},
-                     {"role": "tool", "tool_call_id": f"c{i}", "content": f"line {i} of the log\n" * 600}]
+                     {"role": "tool", "tool_call_id": f"c{i}", "content": f"line {i} of the {log}\n" * 600}]
     messages.append({"role": "assistant", "content": "The logs show a timeout."})
     segments = rt.renderer.render(chat.parse_request({"model": "tiny", "messages": messages}), rt.memo)
     return [s for s in segments if s.kind != "generation_prompt"]
@@ -44,3 +48,35 @@ def test_precompute_stops_for_a_live_request_and_resumes_from_its_checkpoints(ru
     second = run(runtime, segments)
     assert first + second == total  # resumed where it stopped: nothing computed twice
     assert run(runtime, segments) == 0  # all of it is checkpointed now
+
+
+def test_precompute_waiting_for_its_prefix_to_be_stored_never_holds_up_a_request(runtime, monkeypatch):
+    """The previous answer's checkpoints (the precompute's prefix) still on their way into the store, the
+    store thread held until the end: a request that arrives meanwhile runs on the worker at once, and the
+    precompute gives way to it (before: it waited on the worker for the store)."""
+    rt = runtime
+    segments = long_history(rt, "other log")
+    chain = anchor_chain(segments, rt.checkpoints.root)
+    first = segments[0].token_ids
+    captured = rt.scheduler.submit(lambda: rt.engine.prefill(rt.engine.new_state(), first, capture_at=[len(first)]))
+    snapshot = captured.result(timeout=60).snapshots[-1]
+    stored = threading.Event()
+    rt.store_queue.put(chain[:1], None, [snapshot], ready=stored.wait)  # held until `stored` is set
+    try:
+        asked, live_waiting = threading.Event(), rt.scheduler.live_waiting
+        monkeypatch.setattr(rt.scheduler, "live_waiting", lambda: asked.set() or live_waiting())  # a spy
+        precompute = rt.checkpoints.schedule_precompute(segments)
+        assert asked.wait(60)  # the worker has taken it up and waits for its prefix
+
+        def request():
+            feed = Feed(rt.engine.new_state(), [1, 2, 3])
+            yield feed
+            return feed.result.logits.shape
+
+        assert rt.scheduler.start(request()).result(timeout=60) is not None  # ran while the store is held
+        assert rt.store_queue.holds(chain[:1])
+        assert precompute.result(timeout=60) == 0  # gave way before computing anything
+    finally:
+        stored.set()
+    rt.store_queue.wait_for(chain[:1])
+    assert rt.store.longest_restorable(chain) >= 1
