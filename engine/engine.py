@@ -55,7 +55,7 @@ class Engine:
         self.dtype = model.lm_head.weight.dtype
         self.kernels: Kernels = kernels_for(self.device)
         make_runtime = getattr(self.kernels, "runtime", None)  # device extras: host copies
-        self.runtime = make_runtime(model) if make_runtime is not None else None
+        self.runtime = make_runtime(self.config, self.device, self.dtype) if make_runtime is not None else None
         graphs = self.device.type == "cuda" and os.environ.get("FT_CUDA_GRAPHS", "1") != "0"
         self.runner = Runner(
             model, self.kernels,

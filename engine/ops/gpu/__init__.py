@@ -9,6 +9,9 @@ import logging
 import types
 from dataclasses import dataclass
 
+import torch
+
+from engine.config import ModelConfig
 from engine.ops import Kernels
 from engine.ops import deltanet as reference_deltanet
 from engine.ops.gpu import attention, conv, gates, moe, norm, recurrent
@@ -25,10 +28,10 @@ except ImportError as exc:  # fla-core missing: the reference scan still runs on
 
 @dataclass(frozen=True)
 class GpuKernels(Kernels):
-    def runtime(self, model):
+    def runtime(self, config: ModelConfig, device: torch.device, dtype: torch.dtype):
         from engine.ops.gpu.runtime import GpuRuntime  # noqa: PLC0415
 
-        return GpuRuntime(model, self)
+        return GpuRuntime(config, device, dtype)
 
 
 KERNELS = GpuKernels(

@@ -7,18 +7,16 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.model import HybridForCausalLM
+from engine.config import ModelConfig
 from engine.ops.gpu.transfer import Transfers
 from engine.snapshot import Snapshot
 from engine.state import SequenceState
 
 
 class GpuRuntime:
-    def __init__(self, model: HybridForCausalLM, kernels):
-        self.model = model
-        self.device = model.lm_head.weight.device
-        self.dtype = model.lm_head.weight.dtype
-        self.transfers = Transfers(self.device)
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype):
+        self.config, self.device, self.dtype = config, device, dtype
+        self.transfers = Transfers(device)
 
     def to_host(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return self.transfers.to_host(tensors)
@@ -30,7 +28,7 @@ class GpuRuntime:
         return self.transfers.fence()
 
     def restore(self, state: SequenceState, chain: Sequence[Snapshot]) -> SequenceState:
-        self.transfers.restore(state, chain, self.model.config, self.dtype)
+        self.transfers.restore(state, chain, self.config, self.dtype)
         return state
 
     def wait_copies(self) -> None:
