@@ -19,11 +19,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.drain import Drain
-from gateway.errors import ClientGone, PayloadTooLarge, error_event, typed
+from gateway.errors import BadRequest, ClientGone, PayloadTooLarge, error_event, typed
 from gateway.events import Event, collect
 from gateway.generation import Answered, Generation, Started
 from gateway.protocol import Protocol, call_ids
-from gateway.protocols import BadRequest
 from gateway.record import AssistantOutput, RecordLine, Timings
 from gateway.record import ToolCall as RecordedCall
 from gateway.runtime import Runtime

@@ -18,10 +18,25 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from gateway.events import ErrorEvent, ErrorKind
-from gateway.protocols import BadRequest
 
 Protocol = Literal["anthropic", "openai"]
 CLIENT_CLOSED = 499  # nginx's status for "the client left first": counted, never seen by anyone
+
+
+class BadRequest(Exception):
+    """The request body is invalid; `field` is a JSON path into the body (a 400)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+class RenderError(BadRequest):
+    """The conversation cannot be rendered in this chat format (a 400)."""
+
+    def __init__(self, message: str):
+        super().__init__("messages", message)
 
 
 class GatewayError(Exception):

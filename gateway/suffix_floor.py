@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 from engine import Engine
 from engine.snapshot import Snapshot
 from gateway.endpoint import read_json
-from gateway.protocols import BadRequest
+from gateway.errors import BadRequest
 from gateway.runtime import Runtime
 
 BUCKET_TOKENS = 1024

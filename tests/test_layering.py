@@ -32,3 +32,23 @@ def test_layer_does_not_import(folder, forbidden):
     found = imports(folder)
     assert found  # the walk saw the folder's imports
     assert [(f, m) for f, m in found if m == forbidden or m.startswith(forbidden + ".")] == []
+
+
+def test_the_gateways_error_types_live_in_one_module():
+    """Every exception class of the gateway is in gateway/errors.py (where the app's handlers are), but the
+    renderer's private signal from a template's `raise_exception`, which it turns into a `RenderError`."""
+    private = {"TemplateRaised"}
+    outside = []
+    for path in sorted((ROOT / "gateway").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            bases = [
+                b.id if isinstance(b, ast.Name) else getattr(b, "attr", "")
+                for b in getattr(node, "bases", [])
+            ]
+            if isinstance(node, ast.ClassDef) and any(
+                b.endswith(("Error", "Exception", "BadRequest")) for b in bases
+            ):
+                outside += (
+                    [] if path.name == "errors.py" or node.name in private else [f"{path.name}:{node.name}"]
+                )
+    assert outside == []

@@ -14,15 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from gateway.conversation import Conversation, ForcedOutput, ForcedToolCall, GenerationParams, Message
-
-
-class BadRequest(Exception):
-    """The request body is invalid; `field` is a JSON path into the body."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
+from gateway.errors import BadRequest
 
 
 def join(path: str, key: str | int) -> str:

@@ -18,8 +18,6 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import msgspec
 
-from gateway.protocols import BadRequest
-
 if TYPE_CHECKING:
     from gateway.conversation import Conversation, Message
     from gateway.memo import TokenMemo
@@ -37,13 +35,6 @@ class Segment(msgspec.Struct, frozen=True):
     kind: str
     token_ids: list[int]
     message_index: int | None = None
-
-
-class RenderError(BadRequest):
-    """The conversation cannot be rendered in this chat format (maps to a 400)."""
-
-    def __init__(self, message: str):
-        super().__init__("messages", message)
 
 
 class Renderer(Protocol):

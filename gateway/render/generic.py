@@ -26,8 +26,9 @@ import jinja2
 import xxhash
 
 from gateway.conversation import Conversation, Message
+from gateway.errors import RenderError
 from gateway.memo import TokenMemo
-from gateway.render import RenderError, Segment
+from gateway.render import Segment
 from gateway.render.jinja_env import TemplateRaised, compile_template
 from gateway.render.messages import message_dict, template_inputs
 from gateway.tokenizer import Tokenizer

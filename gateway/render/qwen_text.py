@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 
 from gateway.conversation import Conversation, Message, ToolCall
-from gateway.render import RenderError
+from gateway.errors import RenderError
 from gateway.render.messages import call_arguments, tool_schema
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"

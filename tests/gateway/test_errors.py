@@ -11,6 +11,7 @@ from starlette.testclient import TestClient
 
 from gateway.errors import (
     EXCEPTION_HANDLERS,
+    BadRequest,
     ContextLengthExceeded,
     NotFound,
     Overloaded,
@@ -21,7 +22,6 @@ from gateway.errors import (
     error_event,
     status_of,
 )
-from gateway.protocols import BadRequest
 from tests.gateway.test_out_support import LoopbackServer, Script, make_app
 
 ANTHROPIC_REQUEST = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}

@@ -8,7 +8,8 @@ import pytest
 
 from gateway.anchors import anchor_chain, root_anchor
 from gateway.conversation import Conversation, Message, ToolCall
-from gateway.render import RenderError, load_renderer, segment_ids
+from gateway.errors import RenderError
+from gateway.render import load_renderer, segment_ids
 from gateway.render.generic import JinjaRenderer, find_chat_template
 from gateway.render.qwen import QwenRenderer, template_source
 from gateway.tokenizer import QwenTokenizer
