@@ -147,6 +147,11 @@ def read_gguf(path: str | Path) -> GGUFFile:
     for name, raw_type, ne, offset in infos:
         if name in tensors:
             raise GGUFFormatError(f"tensor {name} appears twice")
+        block = GGML_QUANT_SIZES.get(_type(raw_type), (1, 0))[0]
+        if ne and ne[0] % block:
+            raise GGUFFormatError(
+                f"tensor {name}: rows of {ne[0]} values are not whole blocks of {block} ({_type(raw_type).name})"
+            )
         tensors[name] = info = TensorInfo(name, _type(raw_type), ne, start + offset, _n_bytes(raw_type, ne))
         if info.offset + info.n_bytes > len(data):
             raise GGUFFormatError(

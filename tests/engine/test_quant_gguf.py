@@ -250,6 +250,18 @@ def test_truncated_file_is_an_error(tmp_path, keep):
         Engine.load(cut)
 
 
+def test_rows_of_partial_blocks_are_an_error(tmp_path):
+    """A header whose Q8_0 rows are 250 values (not whole 32-value blocks): named before anything is read."""
+    path = minimal_gguf(tmp_path / "m.gguf", qtype=T.Q8_0)
+    data = path.read_bytes()
+    row = (256).to_bytes(8, "little") + (4).to_bytes(8, "little")  # ne of token_embd.weight
+    assert data.count(row) == 1
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(data.replace(row, (250).to_bytes(8, "little") + (4).to_bytes(8, "little")))
+    with pytest.raises(GGUFError, match=r"token_embd.weight: rows of 250 values are not whole blocks of 32 \(Q8_0\)"):
+        Engine.load(bad)
+
+
 def test_not_a_gguf_file(tmp_path):
     path = tmp_path / "x.gguf"
     path.write_bytes(b"GGML" + bytes(100))
