@@ -50,6 +50,11 @@ class Metrics:
         lines.append("# TYPE ft_memory_bytes gauge")
         lines += [f'ft_memory_bytes{{part="{part}"}} {n}' for part, n in memory.items()]
         if expert_cache is not None:
+            # every expert a layer needed is counted once: a hit, a copy in (misses, which also count the
+            # prefetches and refreshes), a read in place from host memory (mapped) or computed there (on_host)
+            needed = sum(expert_cache[k] for k in ("hits", "misses", "mapped", "on_host"))
+            lines += ["# TYPE ft_expert_cache_hit_ratio gauge",
+                      f"ft_expert_cache_hit_ratio {expert_cache['hits'] / needed if needed else 0.0:.6f}"]
             lines += ["# TYPE ft_expert_cache_hits_total counter", f"ft_expert_cache_hits_total {expert_cache['hits']}",
                       "# TYPE ft_expert_cache_misses_total counter", f"ft_expert_cache_misses_total {expert_cache['misses']}",
                       "# TYPE ft_expert_cache_evictions_total counter",

@@ -61,6 +61,7 @@ def test_offloaded_server_answers_as_without(live_server, offloaded):
     )
     assert misses > 0 and hits > 0 and mapped > 0  # prefill copies, decode reads in place
     assert _metric(offloaded, "ft_expert_cache_on_host_total") == 0  # the CPU simulation copies every miss
+    assert _metric(offloaded, "ft_expert_cache_hit_ratio") == pytest.approx(hits / (hits + misses + mapped), abs=1e-6)
     expert = engine.offload.plan.expert_bytes
     moved = sum(
         _metric(offloaded, f'ft_expert_cache_bytes_in_total{{phase="{p}"}}') for p in ("prefill", "decode")
