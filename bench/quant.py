@@ -233,12 +233,15 @@ def fp8_prefill_variants(eng, tokens: int, logits: torch.Tensor, bf16_logits: to
     from engine.ops.gpu import fp8_prefill  # noqa: PLC0415
 
     logits = {"fp8 x": logits, "bf16 model": bf16_logits}
-    fp8_prefill.CUBLAS = True
+    was, fp8_prefill.CUBLAS = fp8_prefill.CUBLAS, True
     try:
         cublas, _ = bench_prefill(eng, tokens)
     finally:
-        fp8_prefill.CUBLAS = False
-    print(f"fp8: prefill {tokens} with the dense projections in cuBLAS: {cublas['tok_s']:.0f} tok/s")
+        fp8_prefill.CUBLAS = was  # FT_FP8_CUBLAS=1 keeps it for the profile
+    # whether torch's _scaled_mm took the block scales (else the Triton kernel ran: the same figure twice)
+    cublas["taken"] = any(fp8_prefill._CUBLAS.values())
+    taken = "cuBLAS took the block scales" if cublas["taken"] else "torch refused the block scales: Triton ran"
+    print(f"fp8: prefill {tokens} with the dense projections in cuBLAS: {cublas['tok_s']:.0f} tok/s ({taken})")
     fp8_prefill.ACT = False
     try:
         out, logits["bf16 x"] = bench_prefill(eng, tokens)
