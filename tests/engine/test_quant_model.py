@@ -24,8 +24,8 @@ RUNNABLE = os.environ.get("TRITON_INTERPRET") == "1"
 in_this_process = pytest.mark.skipif(not RUNNABLE, reason="run in a fresh TRITON_INTERPRET=1 process")
 
 
-GROUPS = {  # each run in its own interpreter process, within ~30 s (the random Q4_K_M: ~60 s)
-    "kquants": "kmix or fusion or moved",
+GROUPS = {  # each run in its own interpreter process (the K-quants' ~100 s, with the restore; the random Q4_K_M ~60 s)
+    "kquants": "kmix or fusion or moved or restore",
     "presets": "(q8_0 or fp8) and not next",
     "random": "random",
 }
@@ -166,7 +166,6 @@ def test_quantized_logits_equal_the_dequantized_models(models, name):
 
 
 @in_this_process
-@pytest.mark.slow
 def test_restore_is_exact_on_the_quantized_model(models):
     engine = Engine.load(models["kmix"], keep_quantized=True)
     ids = [int(x) for x in torch.randint(0, 2048, (10,), generator=torch.Generator().manual_seed(5))]
