@@ -49,7 +49,7 @@ class StoreQueue:
         with `stop`, as soon as it returns True (asked every STOP_POLL seconds meanwhile): False
         while some of `chain` is still queued."""
         with self._cond:
-            while not (self._stopped or not self.holds(chain)):
+            while not self._stopped and self.holds(chain):
                 if stop is not None and stop():
                     return False
                 self._cond.wait(STOP_POLL if stop is not None else None)
