@@ -26,6 +26,7 @@ from gateway.errors import ClientGone, Overloaded, is_typed
 
 log = logging.getLogger("gateway.scheduler")
 BACKGROUND_STEP_TOKENS = 1024  # tokens per step of background work (precompute): bounds the wait of a new request
+QUEUE_STEP_BUCKETS = (0, 1, 2, 4, 8, 16, 64)  # engine steps a live request waited before it started (a histogram)
 
 Steps = Generator[Feed, None, Any]
 
@@ -36,6 +37,7 @@ class Task:
         self.steps, self.cancel, self.finishing = steps, cancel, finishing
         self.future: Future = Future()
         self.feed: Feed | None = None
+        self.queued_at = 0  # the scheduler's step count when it was queued
 
     @property
     def cancelled(self) -> bool:
@@ -71,6 +73,7 @@ class Scheduler:
         self._wake = threading.Condition()
         self._busy = False  # a step or job is running
         self.steps_total = self.step_sequences_total = self.step_tokens_total = 0
+        self._queue_steps = [0] * (len(QUEUE_STEP_BUCKETS) + 1)  # live requests per bucket of steps waited
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="engine-worker", daemon=True)
         self._thread.start()
@@ -86,6 +89,7 @@ class Scheduler:
             if len(self._waiting) >= self.max_queue:
                 raise Overloaded(f"{len(self._waiting)} requests already wait; retry shortly")
             task = Task(steps, cancel, finishing)
+            task.queued_at = self.steps_total
             self._waiting.append(task)
             self._wake.notify()
         return task.future
@@ -123,10 +127,16 @@ class Scheduler:
         return len(self._running)
 
     def stats(self) -> dict[str, int]:
-        """For /metrics: requests waiting and running, and what the steps ran (mean batch size =
-        step_sequences_total / steps_total)."""
-        return {"queue_depth": len(self._waiting), "running": len(self._running), "steps_total": self.steps_total,
-                "step_sequences_total": self.step_sequences_total, "step_tokens_total": self.step_tokens_total}
+        """For /metrics: requests waiting and running, what the steps ran (mean batch size =
+        step_sequences_total / steps_total), and how many steps live requests waited before they started
+        (a cumulative histogram: `queue_steps_bucket{le="N"}`)."""
+        stats = {"queue_depth": len(self._waiting), "running": len(self._running), "steps_total": self.steps_total,
+                 "step_sequences_total": self.step_sequences_total, "step_tokens_total": self.step_tokens_total}
+        cumulative = 0
+        for bound, count in zip([*QUEUE_STEP_BUCKETS, "+Inf"], self._queue_steps, strict=True):
+            cumulative += count
+            stats[f'queue_steps_bucket{{le="{bound}"}}'] = cumulative
+        return stats
 
     @property
     def idle(self) -> bool:
@@ -175,6 +185,8 @@ class Scheduler:
         while self._waiting and len(self._running) < self.max_running:
             with self._wake:
                 task = self._waiting.popleft()
+            waited = self.steps_total - task.queued_at
+            self._queue_steps[next((i for i, b in enumerate(QUEUE_STEP_BUCKETS) if waited <= b), -1)] += 1
             if task.cancelled:
                 task.drop()  # its client left while it waited
             elif task.advance():  # restores its prefix and asks for its prefill

@@ -73,7 +73,10 @@ def test_precompute_waiting_for_its_prefix_to_be_stored_never_holds_up_a_request
             yield feed
             return feed.result.logits.shape
 
+        within = 'queue_steps_bucket{le="1"}'
+        before = rt.scheduler.stats()[within]
         assert rt.scheduler.start(request()).result(timeout=60) is not None  # ran while the store is held
+        assert rt.scheduler.stats()[within] == before + 1  # within one engine step of its arrival
         assert rt.store_queue.holds(chain[:1])
         assert precompute.result(timeout=60) == 0  # gave way before computing anything
     finally:

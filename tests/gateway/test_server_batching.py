@@ -120,7 +120,14 @@ def test_a_request_does_not_wait_for_the_previous_answers_checkpoint_writes(serv
     monkeypatch.setattr(store, "put", put)
     _post(server, 20)
     assert not server.runtime.store_queue.idle  # its checkpoints are still on their way
+    within = 'ft_scheduler_queue_steps_bucket{le="1"}'
+    before = _metric(server, within), _metric(server, 'ft_scheduler_queue_steps_bucket{le="+Inf"}')
     _, headers = _post(server, 21)
+    # it started within one engine step of its arrival
+    assert (_metric(server, within), _metric(server, 'ft_scheduler_queue_steps_bucket{le="+Inf"}')) == (
+        before[0] + 1,
+        before[1] + 1,
+    )
     phases = dict(p.split(";dur=") for p in headers["server-timing"].split(", "))
     assert float(phases["queue"]) < 1000  # waiting for a write would be >= 2,000 ms
     assert float(phases["restore"]) < 1000
