@@ -167,9 +167,8 @@ class Engine:
         layers = expert_offload.recurrent_bytes(self.config, self.dtype, layers=2)  # two in flight
         captures = layers * sum(len(span.capture_at) for span in spans)
         # a feed that wants every position's logits gets them with its last chunk: [T, V] in the model's dtype, then fp32
-        size = torch.empty(0, dtype=self.dtype).element_size()
         logits = sum(
-            (feed.done + count) * self.config.vocab_size * (size + 4)
+            (feed.done + count) * self.config.vocab_size * (self.dtype.itemsize + 4)
             for feed, count in parts
             if feed.all_logits and count == feed.remaining
         )

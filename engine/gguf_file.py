@@ -147,12 +147,11 @@ def read_gguf(path: str | Path) -> GGUFFile:
     for name, raw_type, ne, offset in infos:
         if name in tensors:
             raise GGUFFormatError(f"tensor {name} appears twice")
-        block = GGML_QUANT_SIZES.get(_type(raw_type), (1, 0))[0]
+        qtype = _type(raw_type)
+        block = GGML_QUANT_SIZES.get(qtype, (1, 0))[0]  # an unknown type: the loader names it
         if ne and ne[0] % block:
-            raise GGUFFormatError(
-                f"tensor {name}: rows of {ne[0]} values are not whole blocks of {block} ({_type(raw_type).name})"
-            )
-        tensors[name] = info = TensorInfo(name, _type(raw_type), ne, start + offset, _n_bytes(raw_type, ne))
+            raise GGUFFormatError(f"tensor {name}: rows of {ne[0]} values are not whole blocks of {block} ({qtype.name})")
+        tensors[name] = info = TensorInfo(name, qtype, ne, start + offset, _n_bytes(raw_type, ne))
         if info.offset + info.n_bytes > len(data):
             raise GGUFFormatError(
                 f"truncated: tensor {name} ends at byte {info.offset + info.n_bytes}, the file has {len(data)}"

@@ -578,10 +578,9 @@ class ExpertOffload:
             self.give_up_slots("a full prefill chunk's workspace")
         workspace = torch.cuda.max_memory_allocated(self.device) - self.outside - base
         self.plan = dataclasses.replace(self.plan, workspace=workspace)
-        # as each forward will find it (`fit_forward`): what the device holds now, the graphs' pools
-        # included, and the workspace again (a budget that runs out here fails at start, not at the first request)
-        torch.cuda.empty_cache()
-        self.fit(self.held() + workspace, f"a full prefill chunk's workspace ({_size(workspace)}) and the decode graphs")
+        # as each forward will find it: what the device holds now (the decode graphs' pools included) and
+        # the workspace again, so a budget too small fails at start, not at the first request
+        self.fit_forward(workspace)
         return workspace
 
     def peak_reserved(self) -> int:

@@ -10,13 +10,31 @@ import msgspec
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+class Histogram:
+    """Counts per upper bound (the last past every bound) and their sum; not locked: its owner's lock or thread."""
+
+    def __init__(self, bounds: tuple[float, ...]):
+        self.bounds, self.counts, self.sum = bounds, [0] * (len(bounds) + 1), 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[next((i for i, b in enumerate(self.bounds) if value <= b), len(self.bounds))] += 1
+        self.sum += value
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(le, observations at or below it) per bound then "+Inf", as Prometheus buckets read."""
+        out, total = [], 0
+        for bound, count in zip([*self.bounds, "+Inf"], self.counts, strict=True):
+            total += count
+            out.append((str(bound), total))
+        return out
+
+
 class Metrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.requests: Counter[tuple[str, str]] = Counter()  # (endpoint, status)
         self.tokens = Counter({"prefilled": 0, "reused": 0, "continued": 0, "generated": 0, "precomputed": 0})
-        self._ttft_counts = [0] * (len(TTFT_BUCKETS) + 1)
-        self._ttft_sum = 0.0
+        self._ttft = Histogram(TTFT_BUCKETS)
 
     def request(self, endpoint: str, status: int) -> None:
         with self._lock:
@@ -28,9 +46,7 @@ class Metrics:
 
     def observe_ttft(self, seconds: float) -> None:
         with self._lock:
-            index = next((i for i, b in enumerate(TTFT_BUCKETS) if seconds <= b), len(TTFT_BUCKETS))
-            self._ttft_counts[index] += 1
-            self._ttft_sum += seconds
+            self._ttft.observe(seconds)
 
     def render(self, store_stats: msgspec.Struct, scheduler_stats: dict[str, int], memory: dict[str, int],
                expert_cache: dict[str, int] | None = None) -> str:
@@ -41,11 +57,9 @@ class Metrics:
             lines.append("# TYPE ft_tokens_total counter")
             lines += [f'ft_tokens_total{{kind="{k}"}} {n}' for k, n in sorted(self.tokens.items())]
             lines.append("# TYPE ft_ttft_seconds histogram")
-            cumulative = 0
-            for bound, count in zip([*TTFT_BUCKETS, "+Inf"], self._ttft_counts, strict=True):
-                cumulative += count
-                lines.append(f'ft_ttft_seconds_bucket{{le="{bound}"}} {cumulative}')
-            lines += [f"ft_ttft_seconds_sum {self._ttft_sum:.6f}", f"ft_ttft_seconds_count {cumulative}"]
+            buckets = self._ttft.cumulative()
+            lines += [f'ft_ttft_seconds_bucket{{le="{le}"}} {n}' for le, n in buckets]
+            lines += [f"ft_ttft_seconds_sum {self._ttft.sum:.6f}", f"ft_ttft_seconds_count {buckets[-1][1]}"]
         lines += [f"ft_scheduler_{name} {value}" for name, value in scheduler_stats.items()]
         lines.append("# TYPE ft_memory_bytes gauge")
         lines += [f'ft_memory_bytes{{part="{part}"}} {n}' for part, n in memory.items()]

@@ -23,6 +23,7 @@ from typing import Any
 
 from engine import Engine, Feed
 from gateway.errors import ClientGone, Overloaded, is_typed
+from gateway.metrics import Histogram
 
 log = logging.getLogger("gateway.scheduler")
 BACKGROUND_STEP_TOKENS = 1024  # tokens per step of background work (precompute): bounds the wait of a new request
@@ -73,7 +74,7 @@ class Scheduler:
         self._wake = threading.Condition()
         self._busy = False  # a step or job is running
         self.steps_total = self.step_sequences_total = self.step_tokens_total = 0
-        self._queue_steps = [0] * (len(QUEUE_STEP_BUCKETS) + 1)  # live requests per bucket of steps waited
+        self.queue_steps = Histogram(QUEUE_STEP_BUCKETS)  # engine steps each live request waited (the worker's)
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="engine-worker", daemon=True)
         self._thread.start()
@@ -132,10 +133,7 @@ class Scheduler:
         (a cumulative histogram: `queue_steps_bucket{le="N"}`)."""
         stats = {"queue_depth": len(self._waiting), "running": len(self._running), "steps_total": self.steps_total,
                  "step_sequences_total": self.step_sequences_total, "step_tokens_total": self.step_tokens_total}
-        cumulative = 0
-        for bound, count in zip([*QUEUE_STEP_BUCKETS, "+Inf"], self._queue_steps, strict=True):
-            cumulative += count
-            stats[f'queue_steps_bucket{{le="{bound}"}}'] = cumulative
+        stats.update({f'queue_steps_bucket{{le="{le}"}}': n for le, n in self.queue_steps.cumulative()})
         return stats
 
     @property
@@ -185,8 +183,7 @@ class Scheduler:
         while self._waiting and len(self._running) < self.max_running:
             with self._wake:
                 task = self._waiting.popleft()
-            waited = self.steps_total - task.queued_at
-            self._queue_steps[next((i for i, b in enumerate(QUEUE_STEP_BUCKETS) if waited <= b), -1)] += 1
+            self.queue_steps.observe(self.steps_total - task.queued_at)
             if task.cancelled:
                 task.drop()  # its client left while it waited
             elif task.advance():  # restores its prefix and asks for its prefill
