@@ -150,7 +150,9 @@ def read_gguf(path: str | Path) -> GGUFFile:
         qtype = _type(raw_type)
         block = GGML_QUANT_SIZES.get(qtype, (1, 0))[0]  # an unknown type: the loader names it
         if ne and ne[0] % block:
-            raise GGUFFormatError(f"tensor {name}: rows of {ne[0]} values are not whole blocks of {block} ({qtype.name})")
+            raise GGUFFormatError(
+                f"tensor {name}: rows of {ne[0]} values are not whole blocks of {block} ({qtype.name})"
+            )
         tensors[name] = info = TensorInfo(name, qtype, ne, start + offset, _n_bytes(raw_type, ne))
         if info.offset + info.n_bytes > len(data):
             raise GGUFFormatError(
