@@ -156,8 +156,8 @@ class Engine:
             self.runner.use_graph = False
 
     def _fit_budget(self, parts: Sequence[tuple[Feed, int]], spans: Sequence[Span]) -> None:
-        """Under a memory budget on a GPU: room for a prefill forward (the workspace measured at
-        warm-up), the KV its sequences grow by, the states it captures and the logits of every
+        """Under a memory budget on a GPU: room for a prefill forward (its chunk's share of the
+        workspace measured at warm-up, `Plan.workspace_for`), the KV its sequences grow by, the states it captures and the logits of every
         position where a feed asks for them, taken from the expert slots if need be."""
         if self.offload is None or self.device.type != "cuda":
             return
@@ -172,7 +172,8 @@ class Engine:
             for feed, count in parts
             if feed.all_logits and count == feed.remaining
         )
-        self.offload.fit_forward(self.offload.plan.workspace + growth + captures + logits)
+        workspace = self.offload.plan.workspace_for(sum(count for _, count in parts))
+        self.offload.fit_forward(workspace + growth + captures + logits)
 
     def offload_stats(self) -> dict[str, int] | None:
         """The expert cache's counters (`OffloadStats.as_dict`), None without offload."""

@@ -37,8 +37,9 @@ slots). A budget with a slot for every expert (`holds_all`) copies them in once.
 How the budget holds on a GPU: the caching allocator is capped at it (`cap`: past it, it frees its
 cached blocks and retries, then raises rather than reserve more); warm-up measures what a full
 prefill chunk allocates (`calibrate_workspace`, giving up slots while it does not fit) and the plan
-keeps that much free; before each prefill forward, what the device holds plus that workspace plus
-the KV its sequences grow by must fit (`fit`), and as the decode slots grow (engine/runner.py
+keeps that much free; `calibrate_stream`'s short chunks measure what any chunk allocates at least
+(`Plan.small`); before each prefill forward, what the device holds plus its chunk's workspace
+(`Plan.workspace_for`) plus the KV its sequences grow by must fit (`fit`), and as the decode slots grow (engine/runner.py
 doubles KV capacity) `make_room` does the same: the expert slots shrink first, never below top_k.
 """
 
@@ -83,7 +84,8 @@ def _size(n: int) -> str:
 class Plan:
     """How a device budget is spent (bytes): dense weights, decode slots, a forward's workspace
     (with `rows` staging rows of experts a decode step reads from host memory, `stages`), and
-    `slots` experts of `expert_bytes` in each of `layers` MoE layers."""
+    `slots` experts of `expert_bytes` in each of `layers` MoE layers. `workspace` is a full chunk's
+    (`chunk` tokens), `small` what the shortest chunks allocate (0 until measured)."""
 
     budget: int
     dense: int
@@ -94,6 +96,17 @@ class Plan:
     slots: int
     rows: int
     stream: int = 0  # bytes of the buffers long chunks stream experts through (engine/expert_stream.py), or 0
+    chunk: int = 1
+    small: int = 0
+
+    def workspace_for(self, tokens: int) -> int:
+        """A `tokens`-token forward's workspace: the shortest chunks' plus the full chunk's pro rata,
+        at most the full chunk's. Where what a forward allocates is affine in its tokens (its
+        activations per token, fixed buffers beside them) this bounds it: a 9-token suffix after
+        a tool call does not keep a whole chunk's room free (the expert slots would pay for it)."""
+        if not self.small:
+            return self.workspace
+        return min(self.workspace, self.small + self.workspace * tokens // self.chunk)
 
     @property
     def expert_cache(self) -> int:
@@ -205,7 +218,7 @@ def plan(
             f"sequences x {capacity} tokens) + workspace {_size(workspace)} + {c.num_experts_per_tok} x {layers} "
             f"experts of {expert:,} bytes need {_size(need)}"
         )
-    return Plan(budget, dense, states, workspace, expert, layers, slots, rows, stream)
+    return Plan(budget, dense, states, workspace, expert, layers, slots, rows, stream, chunk=tokens)
 
 
 @dataclass
@@ -402,25 +415,36 @@ class ExpertOffload:
         untimed run (kernel specialisations, host threads: a first short request paid 2-3 s for
         them on the H200). The estimate from the link's figures alone put the crossover at 73
         tokens at 8 GiB; measured there, 21 routed tokens took 0.94 s fetched and any chunk
-        0.33-0.47 s streamed."""
-        if self.holds_all:
-            return self.policy
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else lambda _: None
+        0.33-0.47 s streamed. On a GPU the untimed runs measure what a short chunk allocates on
+        either path (`Plan.small`; one run where every expert has a slot)."""
+        cuda = self.device.type == "cuda"
+        small: list[int] = []  # what each path's chunk allocates (`Plan.small`), on a GPU
+
+        def untimed() -> None:
+            if cuda:
+                small.append(self.allocates(lambda: prefill(tokens)))
+            else:
+                prefill(tokens)
 
         def timed(stream_tokens: int) -> float:
             self.policy = dataclasses.replace(measured, stream_tokens=stream_tokens)
-            prefill(tokens)  # untimed: what a first run of this path compiles or starts
-            sync(self.device)
+            untimed()  # what a first run of this path compiles or starts
             start = time.perf_counter()
             prefill(tokens)
-            sync(self.device)
+            if cuda:
+                torch.cuda.synchronize(self.device)
             return time.perf_counter() - start
 
         measured = self.policy
-        fetched, streamed = timed(tokens + 1), timed(tokens)
-        self.policy = measured.crossover(self.config, tokens, fetched, streamed)
-        log.info("a %d-token chunk: %.0f ms fetching its experts, %.0f ms streaming them all: chunks of %d "
-                 "tokens or more stream", tokens, fetched * 1e3, streamed * 1e3, self.policy.stream_tokens)
+        if self.holds_all:
+            untimed()
+        else:
+            fetched, streamed = timed(tokens + 1), timed(tokens)
+            self.policy = measured.crossover(self.config, tokens, fetched, streamed)
+            log.info("a %d-token chunk: %.0f ms fetching its experts, %.0f ms streaming them all: chunks of %d "
+                     "tokens or more stream", tokens, fetched * 1e3, streamed * 1e3, self.policy.stream_tokens)
+        if small:
+            self.plan = dataclasses.replace(self.plan, small=max(small))
         return self.policy
 
     @contextlib.contextmanager
@@ -565,23 +589,28 @@ class ExpertOffload:
         if self.device.type != "cuda":
             return self.plan.workspace
         while True:
-            torch.cuda.synchronize(self.device)
-            base = self.allocated()
-            self.peak_before = max(self.peak_before, torch.cuda.max_memory_reserved(self.device))
-            torch.cuda.reset_peak_memory_stats(self.device)
             try:
-                forward()
-                torch.cuda.synchronize(self.device)
+                workspace = self.allocates(forward)
                 break
             except torch.OutOfMemoryError:
                 pass  # the failed forward's tensors (its frames still hold the slots) go with the exception
             self.give_up_slots("a full prefill chunk's workspace")
-        workspace = torch.cuda.max_memory_allocated(self.device) - self.outside - base
         self.plan = dataclasses.replace(self.plan, workspace=workspace)
         # as each forward will find it: what the device holds now (the decode graphs' pools included) and
         # the workspace again, so a budget too small fails at start, not at the first request
         self.fit_forward(workspace)
         return workspace
+
+    def allocates(self, run: Callable[[], None]) -> int:
+        """Device bytes `run` allocates at its peak beyond what this engine's tensors held before it
+        (the allocator's peaks reset for it; the reserved peak before is kept for `peak_reserved`)."""
+        torch.cuda.synchronize(self.device)
+        base = self.allocated()
+        self.peak_before = max(self.peak_before, torch.cuda.max_memory_reserved(self.device))
+        torch.cuda.reset_peak_memory_stats(self.device)
+        run()
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device) - self.outside - base
 
     def peak_reserved(self) -> int:
         """The process's peak reserved device memory (what the budget bounds), its part before

@@ -41,6 +41,16 @@ def metric(name: str, value: float) -> None:
     print(f"METRIC {name} {value:.3e}")
 
 
+def held(engine: Engine, when: str) -> None:
+    """What the offloaded engine holds and its plan keeps free, as METRIC lines (a failing budget
+    test shows where the memory went)."""
+    p = engine.offload.plan
+    print(
+        f"METRIC {when} held_gib {engine.offload.held() / GiB:.4f} budget_gib {p.budget / GiB:.4f} "
+        f"slots {p.slots} workspace_mib {p.workspace / 2**20:.1f} small_mib {p.small / 2**20:.1f}"
+    )
+
+
 def release() -> None:
     """Engines gone (their offload's finalizer lifts the allocator cap, `ExpertOffload.cap`), their
     cached blocks back to the device."""
@@ -105,6 +115,7 @@ def small_fp32():
     SMALL_RUNS whole (computed first). The engine and its allocator cap go with the class that uses it."""
     want = dict(zip(SMALL_RUNS, plain_runs("small", torch.float32, SMALL_RUNS.values()), strict=True))
     engine = offloaded("small", torch.float32, slots=8)
+    held(engine, "after_warmup")
     yield engine, want
     del engine
     release()
@@ -131,6 +142,7 @@ class TestSmallFp32:
         engine, want = small_fp32
         offload = engine.offload
         saved, offload.policy = offload.policy, Policy(offload.policy.stream_tokens, cpu_rows=2)
+        held(engine, "after_first_test")
         try:
             before = offload.stats.on_host
             got = run(engine, *SMALL_RUNS["host"])

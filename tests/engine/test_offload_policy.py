@@ -4,6 +4,7 @@ cache shrinking as the decode slots grow, and experts stored as any tuple of per
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 from engine import Engine, SamplingParams
 from engine.config import ModelConfig
 from engine.expert_cache import ExpertCache, Lane
-from engine.offload import Link, OffloadStats, Policy, state_bytes
+from engine.offload import Link, OffloadStats, Plan, Policy, state_bytes
 from engine.ops.moe import experts_loop
 from engine.presets import preset_config
 from engine.runner import starting_capacity
@@ -318,6 +319,20 @@ def test_a_prefill_forward_out_of_device_memory_is_undone_and_run_again(preset_d
     last.forward = lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("again"))
     with pytest.raises(torch.OutOfMemoryError):  # twice in a row: raised (the request fails)
         engine.prefill(engine.new_state(), tokens[:30])
+
+
+def test_a_short_chunk_keeps_room_for_its_share_of_the_workspace():
+    """Before `calibrate_stream` measured a short chunk (`small`), every forward keeps a full chunk's
+    workspace free; after it, a chunk keeps the short chunks' plus its share of the full one's,
+    never more than the full chunk's."""
+    p = Plan(
+        budget=1 << 30, dense=0, states=0, workspace=8_192_000, expert_bytes=1, layers=1, slots=8, rows=0, chunk=8192
+    )
+    assert p.workspace_for(9) == p.workspace_for(8192) == 8_192_000
+    p = dataclasses.replace(p, small=50_000)
+    assert p.workspace_for(9) == 50_000 + 9_000
+    assert p.workspace_for(4096) == 50_000 + 4_096_000
+    assert p.workspace_for(8192) == p.workspace_for(20_000) == 8_192_000
 
 
 def test_kv_growth_is_what_the_next_append_allocates():
