@@ -11,7 +11,9 @@ conv and the Gated DeltaNet state) the batch says how:
   one CUDA graph per batch size replays it (`engine.runner.Runner`).
 - `SlotPrefill`: a few tokens of one sequence in a slot, padded to a token bucket, its slot, start
   and valid count on the device: one CUDA graph per bucket replays a short prefill (a tool result
-  after a restore) whatever its length and position."""
+  after a restore) whatever its length and position.
+- `Mixed`: a `SlotBatch`'s decode tokens first, then `Spans` of prefill: a step that decodes the
+  running sequences and prefills a chunk of another in one forward (the weights read once)."""
 
 from __future__ import annotations
 
@@ -126,4 +128,31 @@ class SlotPrefill:
         return None
 
 
-Batch = Spans | SlotBatch | SlotPrefill
+@dataclass
+class Mixed:
+    """The decode tokens of sequences in slots (the first `rows` rows) and prefill spans after them,
+    in one forward: every op that treats tokens independently runs once over all rows; attention,
+    the conv and the scan run each part's way on its rows."""
+
+    decode: SlotBatch
+    prefill: Spans
+
+    @property
+    def rows(self) -> int:
+        return self.decode.index.shape[0]
+
+    @property
+    def spans(self) -> list[Span]:
+        return self.prefill.spans
+
+    def positions(self, device: torch.device) -> torch.Tensor:
+        return torch.cat([self.decode.pos, self.prefill.positions(device)])
+
+    def wait_for(self, layer: int) -> None:
+        self.prefill.wait_for(layer)
+
+    def advance(self) -> None:
+        self.prefill.advance()
+
+
+Batch = Spans | SlotBatch | SlotPrefill | Mixed

@@ -13,7 +13,7 @@ import torch
 
 from engine import offload as expert_offload
 from engine import presets
-from engine.batch import Span
+from engine.batch import Mixed, Span, Spans
 from engine.config import ModelConfig
 from engine.feed import Feed, PrefillResult
 from engine.loader import build_model, fingerprint, load_folder, place
@@ -31,6 +31,7 @@ PREFILL_CHUNK: int | None = int(os.environ["FT_PREFILL_CHUNK"]) if os.environ.ge
 # plus ~25 us a token, so pieces win up to ~3K tokens (with several sequences, one eager forward
 # over all their chunks wins sooner: there only a single bucket runs on the slot).
 SLOT_PREFILL_ALONE = 2048
+MIXED_STEPS = os.environ.get("FT_MIXED_STEPS", "1") != "0"
 DEFAULT_CHUNK = {"cuda": 8192, "cpu": 4096}  # tokens per forward: bigger GEMMs on a GPU (bench/RESULTS.md)
 
 
@@ -216,28 +217,36 @@ class Engine:
 
     @torch.no_grad()
     def step(self, parts: Sequence[tuple[Feed, int]]) -> None:
-        """One step over the next `count` tokens of each feed (one part per sequence): the decode
-        tokens (one token, nothing captured) in one runner step on their slots, the rest in one
-        forward over their own states. A feed whose last token ran gets its `result`; its
+        """One step over the next `count` tokens of each feed (one part per sequence): short
+        prefills as captured slot prefills; the rest in one forward over their own states, which
+        takes the decode tokens (one token, nothing captured) too, on their slots (`Mixed`: the
+        weights are read once); without such a prefill (or under a memory budget: `mixes`) the
+        decode tokens are one runner step. A feed whose last token ran gets its `result`; its
         snapshots' host copies may still be running on a GPU until `result.ready()` returns."""
         decodes = [feed for feed, _ in parts if not feed.is_prefill]
-        if decodes:
+        parts = [(feed, count) for feed, count in parts if feed.is_prefill]
+        limit = SLOT_PREFILL_ALONE if len(parts) == 1 else PREFILL_BUCKETS[-1]
+        slotted = [(feed, count) for feed, count in parts if self._fits_slot(feed, count, limit)]
+        parts = [(feed, count) for feed, count in parts if not self._fits_slot(feed, count, limit)]
+        if decodes and not (parts and self.mixes):
             with self._phase("decode", len(decodes)):
                 logits = self.runner.decode([f.state for f in decodes], [f.token_ids[0] for f in decodes])
-            for feed, row in zip(decodes, logits, strict=True):
-                feed.done, feed.result = 1, PrefillResult(row, [])
-            parts = [(feed, count) for feed, count in parts if feed.is_prefill]
-        for feed, count in parts:
-            if self._fits_slot(feed, count, SLOT_PREFILL_ALONE if len(parts) == 1 else PREFILL_BUCKETS[-1]):
-                self._slot_prefill(feed, count)
-        parts = [(feed, count) for feed, count in parts if feed.result is None]
+            self._decoded(decodes, logits)
+            decodes = []
+        for feed, count in slotted:
+            self._slot_prefill(feed, count)
         if not parts:
             return
         spans = [feed.span(count) for feed, count in parts]
         self._fit_budget(parts, spans)
         ids = torch.as_tensor([t for feed, count in parts for t in feed.next_ids(count)], dtype=torch.long, device=self.device)
-        hidden, captures = self._prefill_forward(ids, spans)  # [T, H]
-        lo, finished = 0, []
+        batch: Spans | Mixed = Spans(spans)
+        if decodes:
+            decode_ids, rows = self.runner.slot_batch([f.state for f in decodes], [f.token_ids[0] for f in decodes])
+            ids, batch = torch.cat([decode_ids, ids]), Mixed(rows, batch)
+        hidden, captures = self._prefill_forward(ids, batch)  # [T, H]
+        self.runner.commit([f.state for f in decodes])
+        lo, finished = len(decodes), []
         for (feed, count), span, caps in zip(parts, spans, captures, strict=True):
             base = feed.start + feed.done
             feed.captured.update(dict(zip((base + off for off in span.capture_at), caps, strict=True)))  # copied out as made (`keep`)
@@ -249,23 +258,37 @@ class Engine:
             if feed.remaining == 0:
                 finished.append(feed)
         last = [f for f in finished if not f.all_logits]
-        if last:  # one lm_head GEMM for every feed that needs only its last position
-            logits = self.model.logits(torch.cat([f.hidden[-1] for f in last]))  # [n, V]
-            for feed, row in zip(last, logits, strict=True):
+        if decodes or last:  # one lm_head GEMM for the decode rows and every feed that needs only its last position
+            logits = self.model.logits(torch.cat([hidden[: len(decodes)], *(f.hidden[-1] for f in last)]))  # [n, V]
+            self._decoded(decodes, logits[: len(decodes)])
+            for feed, row in zip(last, logits[len(decodes) :], strict=True):
                 self._finish(feed, row)
         for feed in finished:
             if feed.all_logits:
                 self._finish(feed, self.model.logits(torch.cat(feed.hidden)))
 
-    def _prefill_forward(self, ids: torch.Tensor, spans: Sequence[Span]) -> tuple[torch.Tensor, list[list[dict]]]:
-        """The model's forward over the spans. Under a memory budget, a forward that runs out of
+    @staticmethod
+    def _decoded(feeds: Sequence[Feed], logits: torch.Tensor) -> None:
+        for feed, row in zip(feeds, logits, strict=True):
+            feed.done, feed.result = 1, PrefillResult(row, [])
+
+    @property
+    def mixes(self) -> bool:
+        """Whether decode tokens run in a prefill's forward (`step`): not under a memory budget,
+        where a forward that ran out of device memory is undone and run again, and the decode
+        rows' slot states, updated in place, could not be undone. FT_MIXED_STEPS=0: never (a
+        same-run baseline)."""
+        return self.offload is None and MIXED_STEPS
+
+    def _prefill_forward(self, ids: torch.Tensor, batch: Spans | Mixed) -> tuple[torch.Tensor, list[list[dict]]]:
+        """The model's forward over the batch. Under a memory budget, a forward that runs out of
         device memory is undone (every sequence back where it was: `SequenceState.rewinder`) and
         run once more with an eighth fewer expert slots; a second failure is raised."""
         def forward() -> tuple[torch.Tensor, list[list[dict]]]:
             with self._phase("prefill", len(ids)):
-                return self.model(ids, spans, self.kernels, keep=self._to_host)
+                return self.model(ids, batch, self.kernels, keep=self._to_host)
 
-        rewinds = [span.state.rewinder() for span in spans] if self.offload is not None else []
+        rewinds = [span.state.rewinder() for span in batch.spans] if self.offload is not None else []
         try:
             return forward()
         except torch.OutOfMemoryError:

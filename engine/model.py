@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.batch import Batch, SlotBatch, SlotPrefill, Span, Spans
+from engine.batch import Batch, Mixed, SlotBatch, SlotPrefill, Span, Spans
 from engine.config import ModelConfig
 from engine.ops import Kernels, moe_experts_quantized
 from engine.ops.rope import rope_cos_sin
@@ -206,23 +206,30 @@ class Attention(nn.Module):
         q = kernels.norm_rope(q, self.q_norm.weight, self.q_norm.eps, *rope)  # [T, Hq, D]
         k = kernels.norm_rope(k.view(length, -1, self.head_dim), self.k_norm.weight, self.k_norm.eps, *rope)  # [T, Hkv, D]
         v = v.view(length, -1, self.head_dim)
-        if isinstance(batch, SlotBatch):  # one query per slot, the new KV row written in place by the kernel
-            keys, values = batch.buffers.k[layer], batch.buffers.v[layer]
-            out = kernels.decode_attention(q, keys, values, batch.index, batch.pos + 1, k, v)
-        elif isinstance(batch, SlotPrefill):  # a few tokens of one slot: their KV rows written in place
-            keys, values = batch.buffers.k[layer], batch.buffers.v[layer]
-            rows = (batch.slot.expand(length), batch.pos)
-            keys.index_put_(rows, k)
-            values.index_put_(rows, v)
-            out = kernels.slot_prefill_attention(q, keys, values, batch.slot, batch.start)
-        else:
-            outs = []
-            for span, (lo, hi) in zip(batch.spans, batch.bounds(), strict=True):
-                keys, values = span.state.kv[layer].append(k[lo:hi], v[lo:hi])  # [S, Hkv, D]
-                outs.append(kernels.causal_attention(q[lo:hi], keys, values))
-            out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        out = self._attend(q, k, v, batch, layer, kernels)
         out = kernels.sigmoid_mul(out.reshape(length, self.num_heads, -1), gate)  # gate [T, Hq, D]
         return matmul(out.reshape(length, -1), self.o_proj.weight)
+
+    def _attend(self, q, k, v, batch: Batch, layer: int, kernels: Kernels) -> torch.Tensor:
+        """q [T, Hq, D], the new k, v [T, Hkv, D] -> out [T, Hq, D], the new KV written where the batch keeps it."""
+        if isinstance(batch, Mixed):  # the decode rows, then the prefill spans
+            n = batch.rows
+            decoded = self._attend(q[:n], k[:n], v[:n], batch.decode, layer, kernels)
+            return torch.cat([decoded, self._attend(q[n:], k[n:], v[n:], batch.prefill, layer, kernels)])
+        if isinstance(batch, SlotBatch):  # one query per slot, the new KV row written in place by the kernel
+            keys, values = batch.buffers.k[layer], batch.buffers.v[layer]
+            return kernels.decode_attention(q, keys, values, batch.index, batch.pos + 1, k, v)
+        if isinstance(batch, SlotPrefill):  # a few tokens of one slot: their KV rows written in place
+            keys, values = batch.buffers.k[layer], batch.buffers.v[layer]
+            rows = (batch.slot.expand(q.shape[0]), batch.pos)
+            keys.index_put_(rows, k)
+            values.index_put_(rows, v)
+            return kernels.slot_prefill_attention(q, keys, values, batch.slot, batch.start)
+        outs = []
+        for span, (lo, hi) in zip(batch.spans, batch.bounds(), strict=True):
+            keys, values = span.state.kv[layer].append(k[lo:hi], v[lo:hi])  # [S, Hkv, D]
+            outs.append(kernels.causal_attention(q[lo:hi], keys, values))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class GatedDeltaNet(nn.Module):
@@ -259,17 +266,26 @@ class GatedDeltaNet(nn.Module):
         c, length = self.c, x.shape[0]
         mixed, z, b, a = self.project(x)
         g, beta = kernels.deltanet_gates(a, b, self.neg_a, self.dt_bias)  # [T, Hv] fp32, b's dtype
-        if isinstance(batch, SlotBatch):
-            out, captures = self._decode(batch, layer, mixed, g, beta, kernels), []
-        elif isinstance(batch, SlotPrefill):
-            out, captures = self._slot_scan(batch, layer, mixed, g, beta, kernels), []
-        else:
-            parts = [self._scan(span, layer, mixed[lo:hi], g[lo:hi], beta[lo:hi], kernels)
-                     for span, (lo, hi) in zip(batch.spans, batch.bounds(), strict=True)]
-            out = parts[0][0] if len(parts) == 1 else torch.cat([o for o, _ in parts])
-            captures = [caps for _, caps in parts]
+        out, captures = self._mix(batch, layer, mixed, g, beta, kernels)
         out = kernels.gated_rms_norm(out, z.view(length, -1, c.linear_value_head_dim), self.norm.weight, c.rms_norm_eps)
         return matmul(out.reshape(length, -1), self.out_proj.weight), captures
+
+    def _mix(self, batch: Batch, layer: int, mixed, g, beta, kernels: Kernels):
+        """The conv and the scan of the batch's rows, each sequence from its own states and back into
+        them -> out [T, Hv, Dv] and, per span, its captures [(conv, rec)]."""
+        if isinstance(batch, Mixed):  # the decode rows, then the prefill spans
+            n = batch.rows
+            decoded, _ = self._mix(batch.decode, layer, mixed[:n], g[:n], beta[:n], kernels)
+            out, captures = self._mix(batch.prefill, layer, mixed[n:], g[n:], beta[n:], kernels)
+            return torch.cat([decoded, out]), captures
+        if isinstance(batch, SlotBatch):
+            return self._decode(batch, layer, mixed, g, beta, kernels), []
+        if isinstance(batch, SlotPrefill):
+            return self._slot_scan(batch, layer, mixed, g, beta, kernels), []
+        parts = [self._scan(span, layer, mixed[lo:hi], g[lo:hi], beta[lo:hi], kernels)
+                 for span, (lo, hi) in zip(batch.spans, batch.bounds(), strict=True)]
+        out = parts[0][0] if len(parts) == 1 else torch.cat([o for o, _ in parts])
+        return out, [caps for _, caps in parts]
 
     def _heads(self, q, k, v):
         """q, k [T, Hk*Dk], v [T, Hv*Dv] (the conv's output) -> q, k [T, Hk, Dk], v [T, Hv, Dv]."""
@@ -515,7 +531,7 @@ class HybridForCausalLM(nn.Module):
         batch = Spans(batch) if isinstance(batch, list) else batch
         rope = rope_cos_sin(batch.positions(ids.device), c.rotary_dim, c.rope_theta, self.lm_head.weight.dtype)
         x, h = embed(self.model.embed_tokens.weight, ids), None  # [T, H]: the residual stream, the last layer's output
-        spans = batch.spans if isinstance(batch, Spans) else []
+        spans = batch.spans if isinstance(batch, (Spans, Mixed)) else []
         captures: list[list[dict[str, torch.Tensor]]] = [[{} for _ in s.capture_at] for s in spans]
         for layer in cast(list[DecoderLayer], self.model.layers):
             batch.wait_for(layer.layer)

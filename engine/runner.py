@@ -16,6 +16,10 @@ A short prefill of one sequence (up to PREFILL_BUCKETS[-1] tokens: a tool result
 after a restore) runs the same way on its slot: a `SlotPrefill` padded to a token bucket, one graph
 per bucket, its slot, position and token count on the device. Eager, such a prefill costs ~100 ms
 of kernel launches on the H200 for ~10 ms of GPU work.
+
+A step that also prefills a longer chunk runs eagerly: `slot_batch` binds the decode rows to their
+slots and the engine's one forward takes them before the prefill's spans (`Mixed`), so the step
+reads the weights once.
 """
 
 from __future__ import annotations
@@ -93,9 +97,21 @@ class Runner:
         pad = rows - count  # padding rows: token 0 at position 0 of the scratch slot
         host = torch.tensor([[*tokens, *[0] * pad], [s.length for s in states] + [0] * pad, slots + [self.slots] * pad])
         logits = self._run("decode", rows, host, self.inputs[:, :rows])[:count].clone()
+        self.commit(states)
+        return logits
+
+    def slot_batch(self, states: Sequence[SequenceState], tokens: Sequence[int]) -> tuple[torch.Tensor, SlotBatch]:
+        """The decode rows of a step that runs eagerly beside a prefill (`Mixed`): tokens[b] for
+        states[b] on their slots, as (ids [B], the `SlotBatch`); `commit` them after the forward."""
+        self._reserve(len(states), max(s.length for s in states) + 1)
+        slots = self._assign(states)
+        ids, pos, index = torch.tensor([list(tokens), [s.length for s in states], slots]).to(self.device)
+        return ids, SlotBatch(self.buffers, index, pos)
+
+    def commit(self, states: Sequence[SequenceState]) -> None:
+        """The decode rows of a `slot_batch` ran: each state is one token longer."""
         for state in states:
             self._advance(state, 1)
-        return logits
 
     @torch.no_grad()
     def prefill(self, state: SequenceState, tokens: Sequence[int]) -> torch.Tensor:

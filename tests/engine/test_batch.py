@@ -73,6 +73,40 @@ def batched(engine, seqs, budget: int) -> list[list[torch.Tensor]]:
     return logits
 
 
+def test_decode_tokens_ride_in_a_prefill_forward(tiny, monkeypatch):
+    """A step of three decode tokens and another sequence's prefill chunk (capturing states) is
+    one forward (`Mixed`); its logits, captured states and the sequences' next steps are those of
+    the decode step and the prefill run apart (FT_MIXED_STEPS=0)."""
+    import engine.engine
+
+    def run(mixed: bool) -> tuple[list, list[torch.Tensor], list[type]]:
+        monkeypatch.setattr(engine.engine, "MIXED_STEPS", mixed)
+        states = [tiny.new_state() for _ in range(3)]
+        for i, state in enumerate(states):
+            tiny.prefill(state, list(range(300 + i, 340 + 9 * i)))
+        seen: list[type] = []
+        forward = tiny.model.forward
+        monkeypatch.setattr(tiny.model, "forward", lambda ids, batch, *a, **k: seen.append(type(batch)) or forward(ids, batch, *a, **k))
+        decodes = [Feed(state, [50 + i]) for i, state in enumerate(states)]
+        prefill = Feed(tiny.new_state(), list(range(900, 960)), capture_at=[20, 60])
+        tiny.step([(decodes[0], 1), (prefill, 60), (decodes[1], 1), (decodes[2], 1)])
+        monkeypatch.setattr(tiny.model, "forward", forward)
+        logits = [f.result.logits for f in [*decodes, prefill]]
+        after = [tiny.decode(f.state, 7) for f in [*decodes, prefill]]
+        return prefill.result.snapshots, logits + after, seen
+
+    snapshots, got, seen = run(mixed=True)
+    assert [t.__name__ for t in seen] == ["Mixed"]
+    want_snapshots, want, seen = run(mixed=False)
+    assert [t.__name__ for t in seen] == ["SlotBatch", "Spans"]
+    for a, b in zip(got, want, strict=True):
+        assert (a - b).abs().max().item() <= TOL
+    for a, b in zip(snapshots, want_snapshots, strict=True):
+        assert (a.start, a.end, a.tensors.keys()) == (b.start, b.end, b.tensors.keys())
+        for name, tensor in a.tensors.items():
+            assert (tensor - b.tensors[name]).abs().max().item() <= TOL, name
+
+
 @SETTINGS
 @given(seqs=sequences(), budget=st.integers(1, 96))
 def test_batched_steps_give_each_sequence_its_solo_logits(tiny, seqs, budget):

@@ -315,13 +315,17 @@ def test_graph_decode_matches_prefill_and_states_stay_separate(gpu_engine, gpu32
         assert all(verdicts.values()), verdicts
 
 
-def test_batched_decode_with_a_prefill_matches_each_sequence_alone(gpu_engine, gpu32, rng):
-    """Four sequences decoded in one forward together with a fifth's prefill chunk (fla's batched
-    recurrent step, per-sequence attention) give each sequence's own logits."""
+@pytest.mark.parametrize("joining", [(30, 300), (600, 900)], ids=["slot-prefill", "mixed"])
+def test_batched_decode_with_a_prefill_matches_each_sequence_alone(gpu_engine, gpu32, rng, joining):
+    """Four sequences decoded in one step together with a fifth's prefill chunk give each sequence's
+    own logits: a short chunk as a graphed slot prefill beside the decode graph, a chunk beyond the
+    largest bucket in one eager forward with the decode tokens (`Mixed`: fla's batched recurrent
+    step and the slots' attention for the decode rows, the span's own for the prefill)."""
     from engine import Feed
 
     eng = gpu_engine
-    prompts = [[rng.randrange(248_000) for _ in range(rng.randrange(30, 300))] for _ in range(5)]
+    prompts = [[rng.randrange(248_000) for _ in range(rng.randrange(30, 300))] for _ in range(4)]
+    prompts.append([rng.randrange(248_000) for _ in range(rng.randrange(*joining))])
     tokens = [rng.randrange(248_000) for _ in range(4)]
     states = [eng.new_state() for _ in range(4)]
     for state, prompt in zip(states, prompts[:4], strict=True):
@@ -333,12 +337,12 @@ def test_batched_decode_with_a_prefill_matches_each_sequence_alone(gpu_engine, g
     one_pass = torch.stack([eng.prefill(eng.new_state(), p + [t]).logits for p, t in zip(prompts, tokens, strict=False)]
                            + [eng.prefill(eng.new_state(), prompts[4]).logits])
     if eng.dtype == torch.float32:
-        metric("batched_step_fp32", rel(got, one_pass))
+        metric(f"batched_step_{joining[0]}_fp32", rel(got, one_pass))
         assert rel(got, one_pass) <= FP32_TOL, SEED
         return
     exact = torch.stack([gpu32.prefill(gpu32.new_state(), p + [t]).logits for p, t in zip(prompts, tokens, strict=False)]
                         + [gpu32.prefill(gpu32.new_state(), prompts[4]).logits])
-    _within_bf16_noise(got, one_pass, exact, "batched_step_bf16", factor=4)
+    _within_bf16_noise(got, one_pass, exact, f"batched_step_{joining[0]}_bf16", factor=4)
 
 
 def test_graph_steps_of_a_padded_batch_follow_each_sequence(gpu_engine, gpu32, rng):
