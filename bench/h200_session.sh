@@ -20,6 +20,9 @@
 #       quant-tests  pytest: quantized models against their dequantized fp32 selves (tests/engine/test_quant_model.py)
 #       offload-tests  pytest: offload on the GPU (tests/engine/test_offload_gpu.py)
 #       offload-peak  pytest: the peak reserved memory tests alone
+#       offload-small  pytest: the offloaded small preset's class of tests and the every-expert one (~3 min)
+#       mixed-tests  pytest: batched steps with a prefill (a slot prefill, a mixed forward), graph decode, restores
+#       mixed      a step decoding 4 sequences while a fifth prefills: one forward against two (bench/mixed_step.py)
 #       offload-profile  the random Q4_K_M at 8 GiB: speed, cache, link and a decode profile, no replay
 #       offload    the random Q4_K_M at 8 GiB with the replay (24 requests), at 12 and 24 GiB without; profiles
 #       offload-8  the random Q4_K_M at 8 GiB with the replay (24 requests, anchor and prefix), no profiles
@@ -125,6 +128,11 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
     quant-tests) step quant-tests python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/engine/test_quant_model.py ;;
     offload-tests) step offload-tests python3 -m pytest -q -p no:cacheprovider -s -rfE --tb=short tests/engine/test_offload_gpu.py ;;
     offload-peak) step offload-peak python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_offload_gpu.py -k peak ;;
+    offload-small) step offload-small python3 -m pytest -q -p no:cacheprovider -s -rfE --tb=short \
+      tests/engine/test_offload_gpu.py -k "TestSmallFp32 or every_expert" ;;
+    mixed-tests) step mixed-tests python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/engine/test_gpu.py \
+      -k "batched_decode_with_a_prefill or graph_decode or padded_batch or restore_then_suffix" ;;
+    mixed) step mixed python3 bench/mixed_step.py --preset $P-e64 --batch 4 --json $O/mixed.json ;;
     offload-profile)
       wait $gguf 2>/dev/null
       step offload-profile python3 bench/offload.py --preset $P --q4-k-m --budgets 8 --no-replay --profile \

@@ -315,8 +315,8 @@ def test_graph_decode_matches_prefill_and_states_stay_separate(gpu_engine, gpu32
         assert all(verdicts.values()), verdicts
 
 
-@pytest.mark.parametrize("joining", [(30, 300), (600, 900)], ids=["slot-prefill", "mixed"])
-def test_batched_decode_with_a_prefill_matches_each_sequence_alone(gpu_engine, gpu32, rng, joining):
+@pytest.mark.parametrize("lengths", [(30, 300), (600, 900)], ids=["slot-prefill", "mixed"])
+def test_batched_decode_with_a_prefill_matches_each_sequence_alone(gpu_engine, gpu32, rng, lengths):
     """Four sequences decoded in one step together with a fifth's prefill chunk give each sequence's
     own logits: a short chunk as a graphed slot prefill beside the decode graph, a chunk beyond the
     largest bucket in one eager forward with the decode tokens (`Mixed`: fla's batched recurrent
@@ -325,7 +325,7 @@ def test_batched_decode_with_a_prefill_matches_each_sequence_alone(gpu_engine, g
 
     eng = gpu_engine
     prompts = [[rng.randrange(248_000) for _ in range(rng.randrange(30, 300))] for _ in range(4)]
-    prompts.append([rng.randrange(248_000) for _ in range(rng.randrange(*joining))])
+    prompts.append([rng.randrange(248_000) for _ in range(rng.randrange(*lengths))])
     tokens = [rng.randrange(248_000) for _ in range(4)]
     states = [eng.new_state() for _ in range(4)]
     for state, prompt in zip(states, prompts[:4], strict=True):
@@ -337,12 +337,12 @@ def test_batched_decode_with_a_prefill_matches_each_sequence_alone(gpu_engine, g
     one_pass = torch.stack([eng.prefill(eng.new_state(), p + [t]).logits for p, t in zip(prompts, tokens, strict=False)]
                            + [eng.prefill(eng.new_state(), prompts[4]).logits])
     if eng.dtype == torch.float32:
-        metric(f"batched_step_{joining[0]}_fp32", rel(got, one_pass))
+        metric(f"batched_step_{lengths[0]}_fp32", rel(got, one_pass))
         assert rel(got, one_pass) <= FP32_TOL, SEED
         return
     exact = torch.stack([gpu32.prefill(gpu32.new_state(), p + [t]).logits for p, t in zip(prompts, tokens, strict=False)]
                         + [gpu32.prefill(gpu32.new_state(), prompts[4]).logits])
-    _within_bf16_noise(got, one_pass, exact, f"batched_step_{joining[0]}_bf16", factor=4)
+    _within_bf16_noise(got, one_pass, exact, f"batched_step_{lengths[0]}_bf16", factor=4)
 
 
 def test_graph_steps_of_a_padded_batch_follow_each_sequence(gpu_engine, gpu32, rng):

@@ -71,8 +71,8 @@ def plain_runs(preset: str, dtype: torch.dtype, runs) -> list[torch.Tensor]:
     return out
 
 
-# Slots of room a test budget leaves beyond the plan's: warm-up fits the decode graphs' pools beside a forward's
-# workspace (`calibrate_workspace`), ~5 of the small preset's fp32 slots on the H200, which `plan` has no figure for
+# Slots of room a test budget leaves beyond the plan's: the decode graphs' pools (captured at the first decode
+# step, ~5 of the small preset's fp32 slots on the H200), which `plan` has no figure for
 SPARE = 6
 
 
@@ -85,6 +85,9 @@ def offloaded(preset: str, dtype: torch.dtype, slots: int, spare: int = SPARE) -
     # budget_for: with the stream buffers `plan` reserves below half the experts
     budget = (budget_for(config, p, slots) + spare * p.expert_bytes * p.layers + p.expert_bytes // 2) / GiB
     engine = Engine.offloaded(model, fingerprint(config, state_dict), CUDA, budget, 1)
+    # of `ft serve`'s warm-up, what fits these small budgets (its full 8K-token chunk does not): what a short
+    # chunk allocates (`Plan.small`, each forward's workspace from it) and where chunks start to stream
+    engine.offload.calibrate_stream(lambda n: engine.prefill(engine.new_state(), prompt(n)))
     assert engine.offload is not None and config.num_experts_per_tok <= engine.offload.plan.slots
     return engine
 
