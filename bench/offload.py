@@ -14,7 +14,7 @@ Each budget runs in a child process of its own (a fresh engine: peak reserved me
 and the 256-expert weights are held once in host memory). Per budget: prefill tokens/s of one
 `--context`-token prompt, decode tokens/s at batch 1 (where decode gathers the experts it reads
 from host memory into staging rows, also with them read where they lie: the same run's baseline),
-hits / (hits + misses + host-computed) per phase, bytes host -> device per prefill and per decoded
+the expert cache's hit ratio per phase (`engine.offload.hit_ratio`), bytes host -> device per prefill and per decoded
 token, and the same times projected to a PCIe 4.0 x16 link (`--pcie` bytes/s, 25 GB/s): every
 byte's copy time moved from the link's measured rate (one large pinned copy, `bulk_link`) to that
 one, t + bytes x (1/pcie - 1/link) (exact where the copies are on the critical path, as in decode;
@@ -78,9 +78,10 @@ def bulk_link(device: str, nbytes: int = 256 << 20, repeat: int = 3) -> float:
 
 
 def hit_rate(before: dict, after: dict) -> float | None:
-    d = {k: after[k] - before[k] for k in ("hits", "misses", "on_host", "mapped")}
-    total = sum(d.values())
-    return round(d["hits"] / total, 4) if total else None
+    from engine.offload import hit_ratio  # noqa: PLC0415
+
+    ratio = hit_ratio({k: after[k] - before[k] for k in before})
+    return None if ratio is None else round(ratio, 4)
 
 
 def measure(engine, device: str, context: int, steps: int) -> dict:

@@ -102,9 +102,12 @@ class ExpertStream:
         cache.wait_for_table()  # a refresh's or resize's table lands first (the pieces skip what it lists)
         slot = cache.slot_table[ids]  # resident as the pieces were filled (before this layer adopts)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        if resident := sum(e >= 0 for e in cache.expert_in):  # hits (a long chunk routes to nearly all)
+        resident = sum(e >= 0 for e in cache.expert_in)
+        # counted as needed: a long chunk routes to nearly every expert (its routing is not read back)
+        self.stats.hits += resident
+        self.stats.fetched += cache.num_experts - resident
+        if resident:
             out += moe_experts(x, weights, slot, *cache.weights, partial=True).float()
-            self.stats.hits += resident
         for start, _ in self.ranges:
             buffer = self.cursor % STREAM_BUFFERS
             if (span := self.spans[buffer]) is not None:

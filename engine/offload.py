@@ -223,12 +223,16 @@ def plan(
 
 @dataclass
 class OffloadStats:
-    """Counters over every layer: experts found resident (hits), copied in (misses, prefetches
-    and refreshes included), computed on the host instead (on_host), read in place from host
-    memory (mapped: per assignment), experts evicted, and bytes moved host -> device (copied or
-    read in place) with the tokens and forwards of each phase."""
+    """Counters over every layer: experts a forward needed and found resident (hits), needed and
+    brought over the link for it (fetched: copied on demand, or streamed with a long chunk's
+    layer), computed on the host instead (on_host) or read in place from host memory (mapped: per
+    assignment); experts copied into slots or stream buffers for any reason (misses: prefetches,
+    refreshes and whole stream pieces included), experts evicted, and bytes moved host -> device
+    (copied or read in place) with the tokens and forwards of each phase. A hit ratio is hits over
+    hits + fetched + on_host + mapped (`hit_ratio`)."""
 
     hits: int = 0
+    fetched: int = 0
     misses: int = 0
     on_host: int = 0
     mapped: int = 0
@@ -241,6 +245,7 @@ class OffloadStats:
     def as_dict(self) -> dict[str, int]:
         out = {
             "hits": self.hits,
+            "fetched": self.fetched,
             "misses": self.misses,
             "on_host": self.on_host,
             "mapped": self.mapped,
@@ -249,6 +254,13 @@ class OffloadStats:
         for name in ("bytes_in", "tokens", "forwards"):
             out.update({f"{name}_{phase}": n for phase, n in getattr(self, name).items()})
         return out
+
+
+def hit_ratio(counts: dict[str, int]) -> float | None:
+    """Of every expert a forward needed (`OffloadStats.as_dict`'s counts, or differences of them),
+    the share found resident; None when none was needed."""
+    needed = sum(counts[k] for k in ("hits", "fetched", "on_host", "mapped"))
+    return counts["hits"] / needed if needed else None
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ from collections import Counter
 
 import msgspec
 
+from engine.offload import hit_ratio
+
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -64,12 +66,13 @@ class Metrics:
         lines.append("# TYPE ft_memory_bytes gauge")
         lines += [f'ft_memory_bytes{{part="{part}"}} {n}' for part, n in memory.items()]
         if expert_cache is not None:
-            # every expert a layer needed is counted once: a hit, a copy in (misses, which also count the
-            # prefetches and refreshes), a read in place from host memory (mapped) or computed there (on_host)
-            needed = sum(expert_cache[k] for k in ("hits", "misses", "mapped", "on_host"))
+            # every expert a layer needed is counted once: a hit, fetched for it (copied or streamed), read in
+            # place from host memory (mapped) or computed there (on_host); misses count every copy into a slot
+            # or stream buffer (prefetches and refreshes too)
             lines += ["# TYPE ft_expert_cache_hit_ratio gauge",
-                      f"ft_expert_cache_hit_ratio {expert_cache['hits'] / needed if needed else 0.0:.6f}"]
+                      f"ft_expert_cache_hit_ratio {hit_ratio(expert_cache) or 0.0:.6f}"]
             lines += ["# TYPE ft_expert_cache_hits_total counter", f"ft_expert_cache_hits_total {expert_cache['hits']}",
+                      "# TYPE ft_expert_cache_fetched_total counter", f"ft_expert_cache_fetched_total {expert_cache['fetched']}",
                       "# TYPE ft_expert_cache_misses_total counter", f"ft_expert_cache_misses_total {expert_cache['misses']}",
                       "# TYPE ft_expert_cache_evictions_total counter",
                       f"ft_expert_cache_evictions_total {expert_cache['evictions']}",

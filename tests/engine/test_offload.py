@@ -12,7 +12,16 @@ from engine import Engine, SamplingParams
 from engine.expert_cache import ExpertCache, Lane
 from engine.expert_stream import STREAM_BUFFERS, ExpertStream
 from engine.feed import Feed
-from engine.offload import BudgetError, GiB, OffloadStats, budget_for, dense_bytes, plan, state_bytes
+from engine.offload import (
+    BudgetError,
+    GiB,
+    OffloadStats,
+    budget_for,
+    dense_bytes,
+    hit_ratio,
+    plan,
+    state_bytes,
+)
 from engine.ops.moe import experts_loop
 from engine.runner import starting_capacity
 from engine.snapshot import concat_chain
@@ -123,16 +132,16 @@ def test_counters_under_the_smallest_cache(preset_dirs, tiny, monkeypatch, mappe
     state = engine.new_state()
     engine.prefill(state, list(range(300, 340)))  # past the policy's stream_tokens: streamed
     stats = engine.offload_stats()
-    assert stats["misses"] == layers * c.num_experts and stats["evictions"] == stats["hits"] == 0
+    assert stats["misses"] == stats["fetched"] == layers * c.num_experts and stats["evictions"] == stats["hits"] == 0
     assert all(cache.expert_in == [0, 1] for cache in offload.order)  # the first piece's, into empty slots
     assert all(cache.slot_table.tolist()[:3] == [0, 1, -1] for cache in offload.order)
     engine.prefill(state, [5, 6, 7])  # a short chunk: only the experts it routes to
     short = {k: v - stats[k] for k, v in engine.offload_stats().items()}
     if mapped:  # as few assignments as a decode step: read where they lie, each counted
         assert short["misses"] == 0 and short["hits"] + short["mapped"] == layers * 3 * c.num_experts_per_tok
-    else:  # copied into the slots (full: each copy evicts)
+    else:  # copied into the slots (full: each copy evicts), each for the forward that needed it
         assert short["misses"] + short["hits"] >= layers * c.num_experts_per_tok
-        assert short["evictions"] == short["misses"]
+        assert short["evictions"] == short["misses"] == short["fetched"]
     stats = engine.offload_stats()
     moved = stats["misses"] + stats["mapped"]
     assert stats["bytes_in_prefill"] == moved * expert and stats["bytes_in_decode"] == 0
@@ -142,8 +151,11 @@ def test_counters_under_the_smallest_cache(preset_dirs, tiny, monkeypatch, mappe
     after = engine.offload_stats()
     moved, read = after["misses"] - before["misses"], after["mapped"] - before["mapped"]
     assert read == 0 or mapped
-    # one token: exactly top_k experts per layer
+    # one token: exactly top_k experts per layer, each a hit or fetched (copied or read in place) for it
+    fetched = after["fetched"] - before["fetched"]
     assert after["hits"] - before["hits"] + (read if mapped else moved) == layers * 2
+    assert fetched == (0 if mapped else moved)
+    assert hit_ratio({k: after[k] - before[k] for k in before}) == (after["hits"] - before["hits"]) / (layers * 2)
     assert after["bytes_in_decode"] == (moved + read) * expert and after["tokens_decode"] == 1
 
 
@@ -174,7 +186,7 @@ def test_eviction_by_recency_then_frequency_never_a_needed_expert():
     assert cache.slot_of[2] < 0 and sorted(cache.expert_in) == [0, 3, 4]
     step(0, 5, 6)  # 0 is needed: 3 and 4 go, although 0 is older
     assert sorted(cache.expert_in) == [0, 5, 6]
-    assert (stats.hits, stats.misses, stats.evictions) == (2, 7, 4)
+    assert (stats.hits, stats.fetched, stats.misses, stats.evictions) == (2, 7, 7, 4)
     assert stats.bytes_in["prefill"] == 7 * cache.expert_bytes
 
 
@@ -275,8 +287,8 @@ def test_mapped_decode_reads_misses_from_host_and_refresh_swaps_hot_experts_in(s
     assert sorted(e for e in cache.expert_in) == [1, 5]  # 3, the coldest, went
     step((1, 3), (0, 2))  # every combination of slots and host still gives the plain result
     step((0, 4), (2, 6), (7, 3))  # more assignments than staging rows: read where they lie
-    assert (stats.misses, stats.evictions) == (3, 1)
-    assert stats.bytes_in["prefill"] == 3 * cache.expert_bytes
+    assert (stats.misses, stats.evictions) == (3, 1)  # the refreshes' copies: none was fetched for a forward
+    assert stats.fetched == 0 and stats.bytes_in["prefill"] == 3 * cache.expert_bytes
 
 
 class RecordingLane(Lane):
@@ -328,7 +340,7 @@ def test_a_streamed_forward_copies_each_piece_after_its_buffer_was_read_and_runs
     for j, (token, after) in enumerate(copies):
         assert after == ([reads[j - STREAM_BUFFERS]] if j >= STREAM_BUFFERS else [])
         assert waits[j] == [token]
-    assert stats.misses == 24 and stats.bytes_in["prefill"] == 24 * caches[0].expert_bytes
+    assert stats.misses == stats.fetched == 24 and stats.bytes_in["prefill"] == 24 * caches[0].expert_bytes
     assert all(c.expert_in == [0, 1] and c.slot_of[:3] == [0, 1, -1] for c in caches)  # from the stream
     # again, the second layer holding experts 0 and 5: the resident experts run from their slots,
     # a piece copies the span of those it lacks (the second layer's piece of 4 and 5: only 4)
@@ -340,6 +352,8 @@ def test_a_streamed_forward_copies_each_piece_after_its_buffer_was_read_and_runs
         torch.testing.assert_close(got, experts_loop(x, weights, ids, *host), rtol=0, atol=TOL)
     stream.end()
     assert len([v for k, v in lane.log if k == "copy"]) == 3 + 4 + 3 and stats.misses == 24 + 1 + 18
+    # needed by the forward: the two resident a layer hits, the other six fetched (the copy of 5 was not for it)
+    assert (stats.hits, stats.fetched) == (3 * 2, 24 + 18)
     assert stats.hits == 3 * 2  # the resident experts, served from the slots
     with pytest.raises(RuntimeError, match="out of order"):
         stream.begin()
