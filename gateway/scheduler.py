@@ -221,16 +221,19 @@ class Scheduler:
         (self._running if task in self._running else self._background).remove(task)
 
     def _parts(self, tasks: list[Task]) -> list[tuple[Feed, int]]:
-        """Every decode token, then prefill chunks in admission order within the token budget."""
+        """Every decode token, then prefill chunks within the token budget, the fewest remaining
+        tokens first (admission order among equals): a tool result's few hundred tokens join the
+        next step beside another session's long prompt rather than wait for all of it, which still
+        gets the rest of every step's budget."""
         parts = [(t.feed, 1) for t in tasks if t.feed is not None and not t.feed.is_prefill]
         budget = self.engine.step_tokens - len(parts)
         if not self._running:  # background work: short steps, so a request that arrives waits little
             budget = min(budget, BACKGROUND_STEP_TOKENS)
-        for task in tasks:
+        prefills = sorted((t.feed for t in tasks if t.feed is not None and t.feed.is_prefill), key=lambda f: f.remaining)
+        for feed in prefills:
             if budget <= 0:
                 break
-            if task.feed is not None and task.feed.is_prefill:
-                count = min(budget, task.feed.remaining)
-                parts.append((task.feed, count))
-                budget -= count
+            count = min(budget, feed.remaining)
+            parts.append((feed, count))
+            budget -= count
         return parts

@@ -143,3 +143,31 @@ def test_metrics_report_resident_memory(server):
     assert _metric(server, 'ft_memory_bytes{part="decode_slots"}') == engine.runner.nbytes > 0
     assert engine.runner.slots >= server.runtime.config.max_running
     assert _metric(server, 'ft_memory_bytes{part="ram_cache_budget"}') == int(server.runtime.config.ram_cache_gib * (1 << 30))
+
+
+def test_a_short_prefill_joins_the_next_step_beside_a_long_one(server):
+    """The step's prefill budget goes to the fewest remaining tokens first: a 300-token tool result
+    admitted after another session's long prompt gets all of its tokens into the next step, the
+    long prompt the rest of the budget; the decode tokens come first."""
+    from engine import Feed
+    from gateway.scheduler import Task
+
+    scheduler, engine = server.runtime.scheduler, server.runtime.engine
+    budget = engine.step_tokens
+
+    def task(tokens: int) -> Task:
+        t = Task(iter(()))
+        t.feed = Feed(engine.new_state(), list(range(tokens)))
+        return t
+
+    decoding, long, short, other = task(1), task(3 * budget), task(300), task(300)
+    server.wait_idle()
+    with scheduler._wake:  # the worker stays in its wait while these stand in for its running tasks
+        running, scheduler._running = scheduler._running, [long, decoding, short, other]
+        try:
+            parts = scheduler._parts(scheduler._running)
+        finally:
+            scheduler._running = running
+    assert [(feed, count) for feed, count in parts] == [
+        (decoding.feed, 1), (short.feed, 300), (other.feed, 300), (long.feed, budget - 601)
+    ]
