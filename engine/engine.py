@@ -158,8 +158,9 @@ class Engine:
 
     def _fit_budget(self, parts: Sequence[tuple[Feed, int]], spans: Sequence[Span]) -> None:
         """Under a memory budget on a GPU: room for a prefill forward (its chunk's share of the
-        workspace measured at warm-up, `Plan.workspace_for`), the KV its sequences grow by, the states it captures and the logits of every
-        position where a feed asks for them, taken from the expert slots if need be."""
+        workspace measured at warm-up, `Plan.workspace_for`), the KV its sequences grow by, the
+        states it captures and the logits of every position where a feed asks for them, taken
+        from the expert slots if need be."""
         if self.offload is None or self.device.type != "cuda":
             return
         growth = sum(cache.growth(count) for feed, count in parts for cache in feed.state.kv.values())

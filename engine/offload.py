@@ -39,8 +39,9 @@ cached blocks and retries, then raises rather than reserve more); warm-up measur
 prefill chunk allocates (`calibrate_workspace`, giving up slots while it does not fit) and the plan
 keeps that much free; `calibrate_stream`'s short chunks measure what any chunk allocates at least
 (`Plan.small`); before each prefill forward, what the device holds plus its chunk's workspace
-(`Plan.workspace_for`) plus the KV its sequences grow by must fit (`fit`), and as the decode slots grow (engine/runner.py
-doubles KV capacity) `make_room` does the same: the expert slots shrink first, never below top_k.
+(`Plan.workspace_for`) plus the KV its sequences grow by must fit (`fit`), and as the decode slots
+grow (engine/runner.py doubles KV capacity) `make_room` does the same: the expert slots shrink
+first, never below top_k.
 """
 
 from __future__ import annotations
