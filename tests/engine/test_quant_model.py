@@ -309,7 +309,6 @@ def llama_quantize_built() -> bool:
     return quantize_binary().is_file()
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not llama_quantize_built(), reason="llama-quantize not built (.peer/)")
 def test_llama_cpp_q4_k_m_preset_stays_at_the_files_size():
     """llama.cpp's own Q4_K_M of the `small` preset (`ft model init --format gguf-q4_k_m`): every

@@ -3,9 +3,9 @@ llama-server computes with it quantized (its CPU dot products also quantize the 
 8 bits), so the log-probabilities differ by more than in f32 (measured: 0.10-0.25 on tiny/small,
 the same as between llama.cpp's runs of the quantized file and of an f32 file of our dequantized
 weights); the greedy tokens must agree wherever our top-2 margin is clear of that. Against the
-f32 file of the dequantized weights the f32 bound holds. Slow: skipped unless llama-server and
-llama-quantize have been built into .peer/ (`python -c "from peer.llama_server import build;
-build(); build(target='llama-quantize')"`)."""
+f32 file of the dequantized weights the f32 bound holds. Skipped unless llama-server and
+llama-quantize have been built into .peer/ (`.ci/run` builds them; by hand: `python -c "from
+peer.llama_server import build; build(); build(target='llama-quantize')"`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ pytest.importorskip("gguf")
 from peer.llama_server import quantize_binary, server_binary  # noqa: E402
 
 pytestmark = [
-    pytest.mark.slow,
     pytest.mark.skipif(
         not (server_binary().is_file() and quantize_binary().is_file()),
         reason="llama-server / llama-quantize not built (.peer/build)",

@@ -1,5 +1,5 @@
-"""Against the real llama-server (slow; skipped unless it has been built into .peer/ with
-`python -c "from peer.llama_server import build; build()"`)."""
+"""Against the real llama-server (skipped unless it has been built into .peer/: `.ci/run` builds it; by
+hand `python -c "from peer.llama_server import build; build()"`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ pytest.importorskip("gguf")
 from peer.llama_server import LlamaServer, server_binary  # noqa: E402
 
 pytestmark = [
-    pytest.mark.slow,
     pytest.mark.skipif(not server_binary().is_file(), reason="llama-server not built (.peer/build)"),
 ]
 
