@@ -229,8 +229,8 @@ class Scheduler:
         budget = self.engine.step_tokens - len(parts)
         if not self._running:  # background work: short steps, so a request that arrives waits little
             budget = min(budget, BACKGROUND_STEP_TOKENS)
-        prefills = sorted((t.feed for t in tasks if t.feed is not None and t.feed.is_prefill), key=lambda f: f.remaining)
-        for feed in prefills:
+        prefills = [t.feed for t in tasks if t.feed is not None and t.feed.is_prefill]
+        for feed in sorted(prefills, key=lambda f: f.remaining):
             if budget <= 0:
                 break
             count = min(budget, feed.remaining)
