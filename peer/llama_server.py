@@ -64,7 +64,8 @@ def build(
     src = home / "src"
     if not (src / sdist.name.removesuffix(".tar.gz")).is_dir():
         with tarfile.open(sdist) as tar:
-            tar.extractall(src, filter="data")
+            # extraction filters came with Python 3.11.4 (Debian's 3.11.2 lacks them): the sdist's sha256 was checked
+            tar.extractall(src, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
     tree = src / sdist.name.removesuffix(".tar.gz") / "llama.cpp"
     out = binary.parent.parent
     out.mkdir(parents=True, exist_ok=True)
