@@ -34,11 +34,11 @@ Steps = Generator[Feed, None, Any]
 
 class Task:
     def __init__(self, steps: Steps, cancel: threading.Event | None = None,
-                 finishing: Callable[[], bool] = lambda: False):
+                 finishing: Callable[[], bool] = lambda: False, queued_at: int = 0):
         self.steps, self.cancel, self.finishing = steps, cancel, finishing
         self.future: Future = Future()
         self.feed: Feed | None = None
-        self.queued_at = 0  # the scheduler's step count when it was queued
+        self.queued_at = queued_at  # the scheduler's step count when it was queued
 
     @property
     def cancelled(self) -> bool:
@@ -89,8 +89,7 @@ class Scheduler:
         with self._wake:
             if len(self._waiting) >= self.max_queue:
                 raise Overloaded(f"{len(self._waiting)} requests already wait; retry shortly")
-            task = Task(steps, cancel, finishing)
-            task.queued_at = self.steps_total
+            task = Task(steps, cancel, finishing, queued_at=self.steps_total)
             self._waiting.append(task)
             self._wake.notify()
         return task.future
