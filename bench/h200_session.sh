@@ -23,6 +23,8 @@
 #       offload-small  pytest: the offloaded small preset's class of tests and the every-expert one (~3 min)
 #       mixed-tests  pytest: batched steps with a prefill (a slot prefill, a mixed forward), graph decode, restores
 #       mixed      a step decoding 4 sequences while a fifth prefills: one forward against two (bench/mixed_step.py)
+#       spans-tests  pytest: several sequences' prefill in one forward (the varlen conv and scan), their kernels
+#       spans      a step prefilling N sequences: varlen conv and scan against sequence by sequence (bench/spans_step.py)
 #       offload-profile  the random Q4_K_M at 8 GiB: speed, cache, link and a decode profile, no replay
 #       offload    the random Q4_K_M at 8 GiB with the replay (24 requests), at 12 and 24 GiB without; profiles
 #       offload-8  the random Q4_K_M at 8 GiB with the replay (24 requests, anchor and prefix), no profiles
@@ -133,6 +135,9 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
     mixed-tests) step mixed-tests python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/engine/test_gpu.py \
       -k "batched_decode_with_a_prefill or graph_decode or padded_batch or restore_then_suffix" ;;
     mixed) step mixed python3 bench/mixed_step.py --preset $P-e64 --batch 4 --json $O/mixed.json ;;
+    spans-tests) step spans-tests python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -s tests/engine/test_gpu.py \
+      tests/engine/test_fused_kernels.py tests/engine/test_spans_layout.py -k "spans or several or causal_conv" ;;
+    spans) step spans python3 bench/spans_step.py --preset $P-e64 --json $O/spans.json ;;
     offload-profile)
       wait $gguf 2>/dev/null
       step offload-profile python3 bench/offload.py --preset $P --q4-k-m --budgets 8 --no-replay --profile \

@@ -5,7 +5,8 @@ of a batch's tokens. Where a sequence's own state is read and written (attention
 conv and the Gated DeltaNet state) the batch says how:
 
 - `Spans`: any number of tokens per sequence, each sequence on its own `SequenceState` (prefill,
-  chunked prefill with captures). Attention, the conv and the chunked scan run per sequence.
+  chunked prefill with captures). Attention runs per sequence; the conv and the chunked scan take
+  every sequence's rows at once (on the GPU one conv launch and fla's varlen scan).
 - `SlotBatch`: one token per sequence, every state in one slot of stacked buffers (`SlotBuffers`)
   and every index on the device, so the whole step is free of host syncs and Python-side shapes and
   one CUDA graph per batch size replays it (`engine.runner.Runner`).

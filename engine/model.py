@@ -282,10 +282,7 @@ class GatedDeltaNet(nn.Module):
             return self._decode(batch, layer, mixed, g, beta, kernels), []
         if isinstance(batch, SlotPrefill):
             return self._slot_scan(batch, layer, mixed, g, beta, kernels), []
-        parts = [self._scan(span, layer, mixed[lo:hi], g[lo:hi], beta[lo:hi], kernels)
-                 for span, (lo, hi) in zip(batch.spans, batch.bounds(), strict=True)]
-        out = parts[0][0] if len(parts) == 1 else torch.cat([o for o, _ in parts])
-        return out, [caps for _, caps in parts]
+        return self._scan(batch, layer, mixed, g, beta, kernels)
 
     def _heads(self, q, k, v):
         """q, k [T, Hk*Dk], v [T, Hv*Dv] (the conv's output) -> q, k [T, Hk, Dk], v [T, Hv, Dv]."""
@@ -293,21 +290,24 @@ class GatedDeltaNet(nn.Module):
         return (q.view(length, -1, c.linear_key_head_dim), k.view(length, -1, c.linear_key_head_dim),
                 v.view(length, -1, c.linear_value_head_dim))
 
-    def _scan(self, span: Span, layer: int, mixed, g, beta, kernels: Kernels):
-        """One sequence's tokens through the conv and the chunked scan, from its own state."""
-        c, state = self.c, span.state
-        conv_state = state.conv.get(layer)
-        if conv_state is None:
-            conv_state = mixed.new_zeros(c.conv_dim, c.linear_conv_kernel_dim - 1)
-        parts, state.conv[layer], conv_caps = kernels.causal_conv(
-            mixed, conv_state, self.conv1d.weight[:, 0], span.capture_at, self.qkv_widths
+    def _scan(self, batch: Spans, layer: int, mixed, g, beta, kernels: Kernels):
+        """Every span's tokens through the conv and the chunked scan, each from its own states (a new
+        sequence's are zeros) and back into them; the spans' rows go through each op together."""
+        c, states = self.c, [span.state for span in batch.spans]
+        bounds, capture_ats = batch.bounds(), [span.capture_at for span in batch.spans]
+        conv_states = [s.conv.get(layer) for s in states]
+        conv_states = [mixed.new_zeros(c.conv_dim, c.linear_conv_kernel_dim - 1) if s is None else s for s in conv_states]
+        parts, conv_finals, conv_caps = kernels.causal_conv_spans(
+            mixed, conv_states, self.conv1d.weight[:, 0], bounds, capture_ats, self.qkv_widths
         )
         q, k, v = self._heads(*parts)
-        rec = state.rec.get(layer)
-        if rec is None:
-            rec = torch.zeros(v.shape[1], c.linear_key_head_dim, c.linear_value_head_dim, device=mixed.device)
-        out, state.rec[layer], rec_caps = kernels.chunk_gated_delta_rule(q, k, v, g, beta, rec, span.capture_at)
-        return out, list(zip(conv_caps, rec_caps, strict=True))
+        recs = [s.rec.get(layer) for s in states]
+        recs = [torch.zeros(v.shape[1], c.linear_key_head_dim, c.linear_value_head_dim, device=mixed.device)
+                if r is None else r for r in recs]  # fmt: skip
+        out, rec_finals, rec_caps = kernels.chunk_gated_delta_rule_spans(q, k, v, g, beta, recs, bounds, capture_ats)
+        for state, conv_state, rec in zip(states, conv_finals, rec_finals, strict=True):
+            state.conv[layer], state.rec[layer] = conv_state, rec
+        return out, [list(zip(cc, rc, strict=True)) for cc, rc in zip(conv_caps, rec_caps, strict=True)]
 
     def _slot_scan(self, batch: SlotPrefill, layer: int, mixed, g, beta, kernels: Kernels) -> torch.Tensor:
         """A few tokens of one slot's sequence through the conv and the chunked scan, from the

@@ -20,6 +20,8 @@ class Kernels:
     slot_prefill_attention: Callable = attention.slot_prefill_attention  # a few queries of one slot
     causal_conv: Callable = conv.causal_conv
     chunk_gated_delta_rule: Callable = deltanet.chunk_gated_delta_rule
+    causal_conv_spans: Callable = conv.causal_conv_spans  # several sequences' rows, each on its own state
+    chunk_gated_delta_rule_spans: Callable = deltanet.chunk_gated_delta_rule_spans  # the same
     decode_conv_slots: Callable = conv.decode_conv_slots  # one token of each of B slotted states, in place
     decode_gated_delta_rule_slots: Callable = deltanet.decode_gated_delta_rule_slots  # the same
     moe_experts: Callable = moe.experts_loop

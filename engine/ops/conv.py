@@ -25,6 +25,18 @@ def causal_conv(
     return parts, full[:, -width:].clone(), captured
 
 
+def causal_conv_spans(
+    x: torch.Tensor, states: Sequence[torch.Tensor], weight: torch.Tensor, bounds: Sequence[tuple[int, int]],
+    capture_ats: Sequence[list[int]], splits: Sequence[int], conv=causal_conv,
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[list[torch.Tensor]]]:  # fmt: skip
+    """`causal_conv` over several sequences' rows of x ([lo, hi) each, in `bounds`), each from its
+    own state: the parts over all rows, and per sequence its final state and captures. This one runs
+    `conv` on each sequence; the GPU's runs them all in one launch."""
+    runs = [conv(x[lo:hi], state, weight, caps, splits) for state, (lo, hi), caps in zip(states, bounds, capture_ats, strict=True)]
+    parts = [p[0] if len(runs) == 1 else torch.cat(p) for p in zip(*(r[0] for r in runs), strict=True)]
+    return parts, [r[1] for r in runs], [r[2] for r in runs]
+
+
 def decode_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One new input for each of B sequences. x: [B, C]; state: [B, C, K-1]; weight: [C, K].
     Returns SiLU(conv) [B, C] and the states after the input [B, C, K-1]."""

@@ -7,7 +7,7 @@ scaled by Dk^-0.5, as fla's kernels do with `use_qk_l2norm_in_kernel=True`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -83,6 +83,20 @@ def chunk_gated_delta_rule(
             captured.append(state.clone())
         lo = hi
     return torch.cat(outs, dim=1).transpose(0, 1).to(dtype), state, captured
+
+
+def chunk_gated_delta_rule_spans(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    states: Sequence[torch.Tensor], bounds: Sequence[tuple[int, int]], capture_ats: Sequence[list[int]],
+    scan: Callable = chunk_gated_delta_rule,
+) -> tuple[torch.Tensor, list[torch.Tensor], list[list[torch.Tensor]]]:  # fmt: skip
+    """`chunk_gated_delta_rule` over several sequences' rows ([lo, hi) each, in `bounds`), each
+    from its own state: out over all rows, and per sequence its final state and captures. This one
+    runs `scan` on each sequence; the GPU's runs them together (fla's varlen scan)."""
+    runs = [scan(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], state, caps)
+            for state, (lo, hi), caps in zip(states, bounds, capture_ats, strict=True)]  # fmt: skip
+    out = runs[0][0] if len(runs) == 1 else torch.cat([r[0] for r in runs])
+    return out, [r[1] for r in runs], [r[2] for r in runs]
 
 
 def recurrent_gated_delta_rule(

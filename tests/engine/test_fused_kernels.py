@@ -116,6 +116,32 @@ def test_causal_conv_reads_projection_columns_and_writes_contiguous_parts(dtype,
 
 
 @in_this_process
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("lengths", "capture_ats"),
+    [([5, 2, 9], [[2, 5], [], [1, 9]]), ([1, 1], [[1], []]), ([40, 3], [[], [3]])],
+    ids=["three", "single-rows", "long-short"],
+)
+def test_causal_conv_over_spans_is_each_sequence_from_its_own_state(dtype, lengths, capture_ats):
+    """Several sequences' rows in one launch: each row reads the rows before it only within its own
+    sequence and its own state before that (sequences shorter than the state too); the parts, each
+    sequence's final state and captures equal the conv run on each sequence alone."""
+    from engine.ops import conv as reference_conv  # noqa: PLC0415
+
+    splits = (32, 32, 64)
+    bounds = [(sum(lengths[:i]), sum(lengths[: i + 1])) for i in range(len(lengths))]
+    x = _randn(sum(lengths), 128 + 40, dtype=dtype, seed=sum(lengths))[:, :128]
+    states = [_randn(128, 3, dtype=dtype, seed=10 + i) for i in range(len(lengths))]
+    weight = _randn(128, 4, dtype=dtype, seed=3)
+    got = conv._triton_conv_spans(x, states, weight, bounds, capture_ats, splits)
+    want = reference_conv.causal_conv_spans(x, states, weight, bounds, capture_ats, splits)
+    assert [len(c) for c in got[2]] == [len(c) for c in capture_ats]
+    flat = [*got[0], *got[1], *(c for caps in got[2] for c in caps)]
+    for g, w in zip(flat, [*want[0], *want[1], *(c for caps in want[2] for c in caps)], strict=True):
+        _close(g, w)
+
+
+@in_this_process
 @pytest.mark.parametrize(
     ("tokens", "top_k", "experts"),
     [(400, 9, 257), (2000, 3, 11), (7, 3, 5), (1, 2, 8), (0, 8, 64)],
@@ -355,6 +381,7 @@ def test_the_model_with_the_fused_kernels_gives_the_reference_logits(preset_dirs
         "norm_rope": norm.norm_rope.fast,
         "gated_rms_norm": norm.gated_rms_norm.fast,
         "causal_conv": conv.causal_conv.fast,
+        "causal_conv_spans": conv.causal_conv_spans.fast,
         **{
             name: getattr(gates, name).fast
             for name in ("deltanet_gates", "silu_mul", "sigmoid_mul", "add_sigmoid_mul")

@@ -82,6 +82,32 @@ def test_chunk_gated_delta_rule_matches_reference(dtype, rng):
     assert max(errors) <= KERNEL_TOL[dtype], (errors, SEED)
 
 
+def test_chunk_gated_delta_rule_over_spans_is_each_sequence_alone(rng):
+    """Three sequences' rows in fla's varlen scan, round by round between their captures (one with
+    none, one shorter than a chunk): out, final states and captures as each sequence's own scan."""
+    from engine.ops import deltanet as ref
+    from engine.ops.gpu import deltanet as gpu
+
+    lengths = [rng.randrange(65, 400), rng.randrange(1, 64), rng.randrange(100, 700)]
+    capture_ats = [sorted(rng.sample(range(1, lengths[0]), 2)), [], [*sorted(rng.sample(range(1, lengths[2]), 3)), lengths[2]]]
+    seqs = [_gdn_inputs(n, seed=rng.randrange(1 << 30)) for n in lengths]
+    q, k, v, g, beta = (torch.cat([s[i] for s in seqs]).cuda() for i in range(5))
+    q, k, v, beta = (x.bfloat16() for x in (q, k, v, beta))
+    states = [s[5].cuda() for s in seqs]
+    bounds = [(sum(lengths[:i]), sum(lengths[: i + 1])) for i in range(3)]
+    out, finals, caps = gpu.chunk_gated_delta_rule_spans(q, k, v, g, beta, states, bounds, capture_ats)
+    assert out.dtype == torch.bfloat16 and [len(c) for c in caps] == [len(c) for c in capture_ats]
+    for i, (lo, hi) in enumerate(bounds):
+        args = (q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], states[i], capture_ats[i])
+        alone = gpu.chunk_gated_delta_rule(*args)
+        want = ref.chunk_gated_delta_rule(*(x.cpu() for x in args[:6]), capture_ats[i])
+        got = [out[lo:hi], finals[i], *caps[i]]
+        to_alone = max(rel(a, b) for a, b in zip(got, [alone[0], alone[1], *alone[2]], strict=True))
+        to_ref = max(rel(a, b) for a, b in zip(got, [want[0], want[1], *want[2]], strict=True))
+        metric(f"gdn_spans_{i}_vs_alone", to_alone)
+        assert to_alone <= 1e-3 and to_ref <= KERNEL_TOL[torch.bfloat16], (i, to_alone, to_ref, SEED)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_decode_gated_delta_rule_matches_the_recurrence_of_each_sequence(dtype, rng):
     """One token of each of 3 sequences, each from its own state (fla's batch dimension), against
@@ -343,6 +369,38 @@ def test_batched_decode_with_a_prefill_matches_each_sequence_alone(gpu_engine, g
     exact = torch.stack([gpu32.prefill(gpu32.new_state(), p + [t]).logits for p, t in zip(prompts, tokens, strict=False)]
                         + [gpu32.prefill(gpu32.new_state(), prompts[4]).logits])
     _within_bf16_noise(got, one_pass, exact, f"batched_step_{lengths[0]}_bf16", factor=4)
+
+
+def test_prefills_of_several_sequences_in_one_forward_match_each_alone(gpu_engine, gpu32, rng):
+    """Three prompts past the largest prefill bucket in one step, with captures: one forward over
+    their rows (the conv in one launch, the scan in varlen rounds in bf16) gives each prompt's own
+    logits, and a restore from each capture continues as the prompt does alone."""
+    from engine import Feed
+
+    eng = gpu_engine
+    prompts = [[rng.randrange(248_000) for _ in range(rng.randrange(600, 1200))] for _ in range(3)]
+    feeds = [Feed(eng.new_state(), p, capture_at=sorted(rng.sample(range(1, len(p)), i))) for i, p in enumerate(prompts)]
+    eng.step([(f, f.remaining) for f in feeds])
+    got = torch.stack([f.result.logits for f in feeds])
+    one_pass = torch.stack([eng.prefill(eng.new_state(), p).logits for p in prompts])
+    tail = [rng.randrange(248_000) for _ in range(7)]
+    for feed, prompt in zip(feeds[1:], prompts[1:], strict=True):  # the chain to each last capture restores its prefix
+        feed.result.ready()
+        chain = feed.result.snapshots
+        restored = eng.prefill(eng.restore(chain), tail).logits
+        alone = eng.prefill(eng.new_state(), prompt[: chain[-1].end] + tail).logits
+        if eng.dtype == torch.float32:
+            metric(f"spans_restore_{len(chain)}_fp32", rel(restored, alone))
+            assert rel(restored, alone) <= FP32_TOL, SEED
+        else:  # as a restore split in one sequence's prefill is bounded (test_restore_then_suffix_...)
+            exact = gpu32.prefill(gpu32.new_state(), prompt[: chain[-1].end] + tail).logits
+            _within_bf16_noise(restored, alone, exact, f"spans_restore_{len(chain)}_bf16", factor=8)
+    if eng.dtype == torch.float32:
+        metric("spans_forward_fp32", rel(got, one_pass))
+        assert rel(got, one_pass) <= FP32_TOL, SEED
+        return
+    exact = torch.stack([gpu32.prefill(gpu32.new_state(), p).logits for p in prompts])
+    _within_bf16_noise(got, one_pass, exact, "spans_forward_bf16")
 
 
 def test_graph_steps_of_a_padded_batch_follow_each_sequence(gpu_engine, gpu32, rng):

@@ -200,9 +200,12 @@ def test_prefill_layout_kernels_compile(gather, partial):
     and sum."""
     from engine.ops.gpu import conv, gates, norm
 
-    conv_sig = {"X": "*bf16", "S": "*bf16", "W": "*bf16", "Y": "*bf16", "T": "i32", "C": "i32", "stride_x": "i32",
-                "END0": "i32", "END1": "i32", "K": "constexpr", "BLOCK_T": "constexpr", "BLOCK_C": "constexpr"}  # fmt: skip
-    assert ".entry _causal_conv" in compile_for_h200(conv._causal_conv, conv_sig, {"K": 4, "BLOCK_T": 32, "BLOCK_C": 128})
+    conv_sig = {"X": "*bf16", "S": "*bf16", "SPAN": "*i32", "START": "*i32", "W": "*bf16", "Y": "*bf16", "T": "i32",
+                "C": "i32", "stride_x": "i32", "END0": "i32", "END1": "i32", "K": "constexpr", "SPANS": "constexpr",
+                "BLOCK_T": "constexpr", "BLOCK_C": "constexpr"}  # fmt: skip
+    for spans in (False, True):  # one sequence; several sequences' rows, each from its own state
+        consts = {"K": 4, "SPANS": spans, "BLOCK_T": 32, "BLOCK_C": 128}
+        assert ".entry _causal_conv" in compile_for_h200(conv._causal_conv, conv_sig, consts)
     strides = {name: "i32" for name in ("H", "N", "sx", "sxh", "sz", "szh")}
     norm_sig = {"X": "*bf16", "Z": "*bf16", "W": "*bf16", "Y": "*bf16", **strides, "eps": "fp32", "BLOCK": "constexpr"}
     assert ".entry _gated_rms_norm" in compile_for_h200(norm._gated_rms_norm, norm_sig, {"BLOCK": 128})

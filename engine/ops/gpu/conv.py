@@ -13,25 +13,36 @@ import triton
 import triton.language as tl
 
 from engine.ops import conv as reference
+from engine.ops.gpu import spans
 from engine.ops.gpu.checked import Checked
 
 
 @triton.jit
-def _causal_conv(X, S, W, Y, T, C, stride_x, END0, END1, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
+def _causal_conv(X, S, SPAN, START, W, Y, T, C, stride_x, END0, END1, K: tl.constexpr, SPANS: tl.constexpr,
+                 BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
     """Rows of X [T, C] (row stride `stride_x`) through the conv and SiLU into Y, which holds the output's
     column parts [0, END0), [END0, END1), [END1, C) one after another, each contiguous [T, width]; a
-    program's BLOCK_C channels lie within one part."""
+    program's BLOCK_C channels lie within one part. SPANS: the rows are several sequences', row t the
+    sequence SPAN[t]'s, which starts at row START[SPAN[t]] and whose state is S[SPAN[t]] ([N, C, K-1]);
+    otherwise one sequence from row 0, its state S [C, K-1]."""
     t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     c0 = tl.program_id(1) * BLOCK_C
     c = c0 + tl.arange(0, BLOCK_C)
     rows, cols = t < T, c < C
+    if SPANS:
+        span = tl.load(SPAN + t, mask=rows, other=0).to(tl.int64)
+        start = tl.load(START + span, mask=rows, other=0).to(tl.int64)
+    else:
+        span = tl.zeros([BLOCK_T], tl.int64)
+        start = tl.zeros([BLOCK_T], tl.int64)
+    state = S + span[:, None] * C * (K - 1) + c[None, :] * (K - 1)  # [BLOCK_T, BLOCK_C]: each row's state row
     acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
     for j in tl.static_range(K):
-        src = t - (K - 1) + j  # input time; below 0 it is state column K - 1 + src
-        in_x = rows & (src >= 0)
-        in_s = rows & (src < 0)
+        src = t - (K - 1) + j  # input row; before its sequence's start it is state column K - 1 + src - start
+        in_x = rows & (src >= start)
+        in_s = rows & (src < start)
         xv = tl.load(X + src[:, None] * stride_x + c[None, :], mask=in_x[:, None] & cols[None, :], other=0.0).to(tl.float32)
-        sv = tl.load(S + c[None, :] * (K - 1) + (K - 1 + src)[:, None], mask=in_s[:, None] & cols[None, :], other=0.0).to(tl.float32)
+        sv = tl.load(state + (K - 1 + src - start)[:, None], mask=in_s[:, None] & cols[None, :], other=0.0).to(tl.float32)
         w = tl.load(W + c * K + j, mask=cols, other=0.0).to(tl.float32)
         acc += (xv + sv) * w[None, :]
     y = acc * tl.sigmoid(acc)
@@ -49,25 +60,48 @@ def _window(x: torch.Tensor, state: torch.Tensor, end: int) -> torch.Tensor:
     return torch.cat([state[:, end:], x[:end].transpose(0, 1)], dim=1)
 
 
-def _triton_conv(x, state, weight, capture_at, splits):
+def _launch(x, states, rows, weight, splits):
+    """The conv kernel over x's rows into contiguous parts of the widths `splits`. `rows`: None (one
+    sequence, `states` [C, K-1]) or (each row's sequence, each sequence's first row), `states` [N, C, K-1]."""
     length, channels = x.shape
     assert len(splits) <= 3 and sum(splits) == channels
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    state = state.to(x.dtype).contiguous()
     ends = [*itertools.accumulate(splits), channels, channels][:2]
     block_c = min(128, math.gcd(*splits) & -math.gcd(*splits))  # a power of two dividing every part
     y = torch.empty(length * channels, dtype=x.dtype, device=x.device)
     if length:
+        span, start = rows if rows is not None else (x, x)  # not read without SPANS
         grid = (triton.cdiv(length, 32), triton.cdiv(channels, block_c))
-        _causal_conv[grid](x, state, weight.contiguous(), y, length, channels, x.stride(0), *ends,
-                           K=weight.shape[1], BLOCK_T=32, BLOCK_C=block_c)  # fmt: skip
+        _causal_conv[grid](x, states, span, start, weight.contiguous(), y, length, channels, x.stride(0), *ends,
+                           K=weight.shape[1], SPANS=rows is not None, BLOCK_T=32, BLOCK_C=block_c)  # fmt: skip
     starts = [0, *itertools.accumulate(splits)]
-    parts = [y[length * lo : length * (lo + n)].view(length, n) for lo, n in zip(starts, splits, strict=False)]
-    return parts, _window(x, state, length), [_window(x, state, off) for off in capture_at]
+    return [y[length * lo : length * (lo + n)].view(length, n) for lo, n in zip(starts, splits, strict=False)]
+
+
+def _triton_conv(x, state, weight, capture_at, splits):
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    state = state.to(x.dtype).contiguous()
+    parts = _launch(x, state, None, weight, splits)
+    return parts, _window(x, state, x.shape[0]), [_window(x, state, off) for off in capture_at]
+
+
+def _triton_conv_spans(x, states, weight, bounds, capture_ats, splits):
+    if len(bounds) == 1:
+        return reference.causal_conv_spans(x, states, weight, bounds, capture_ats, splits, conv=_triton_conv)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    states = [s.to(x.dtype) for s in states]
+    where = spans.layout(tuple(bounds), tuple(map(tuple, capture_ats)), x.device)
+    parts = _launch(x, torch.stack(states), (where.span, where.starts), weight, splits)
+    finals, captured = [], []
+    for state, (lo, hi), caps in zip(states, bounds, capture_ats, strict=True):
+        finals.append(_window(x[lo:hi], state, hi - lo))
+        captured.append([_window(x[lo:hi], state, off) for off in caps])
+    return parts, finals, captured
 
 
 causal_conv = Checked("causal_conv", _triton_conv, reference.causal_conv)
+causal_conv_spans = Checked("causal_conv_spans", _triton_conv_spans, reference.causal_conv_spans)
 
 
 @triton.jit

@@ -20,6 +20,7 @@ from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
 
 from engine.ops import deltanet as reference
+from engine.ops.gpu import spans
 
 try:  # fla-core 0.6 internals; the public API below is the fallback
     from fla.modules.norm.l2norm import l2norm_fwd
@@ -64,6 +65,39 @@ def chunk_gated_delta_rule(
         lo = hi
     out = outs[0] if len(outs) == 1 else torch.cat(outs)
     return out, h[0], captured
+
+
+def chunk_gated_delta_rule_spans(q, k, v, g, beta, states, bounds, capture_ats):
+    """`engine.ops.deltanet.chunk_gated_delta_rule_spans`'s contract: several sequences' rows, each
+    from its own state. Their segments between captures run round by round (`engine.ops.gpu.spans`),
+    each round one varlen scan over every sequence that has a segment left; q and k are normalised
+    once for all rows. One sequence, fp32, or fla without its forward internals: scan by scan."""
+    if len(bounds) == 1 or q.dtype == torch.float32 or chunk_gated_delta_rule_fwd is None:
+        return reference.chunk_gated_delta_rule_spans(q, k, v, g, beta, states, bounds, capture_ats,
+                                                      scan=chunk_gated_delta_rule)  # fmt: skip
+    where = spans.layout(tuple(bounds), tuple(map(tuple, capture_ats)), q.device)
+    q, k = l2norm_fwd(q.contiguous())[0], l2norm_fwd(k.contiguous())[0]
+    v, g, beta = v.contiguous(), g.float().contiguous(), beta.contiguous()
+    out = v.new_empty(v.shape)
+    h = [s.float() for s in states]
+    captured: list[list[torch.Tensor]] = [[] for _ in bounds]
+    for rnd in where.rounds:
+        ins = (q, k, v, g, beta) if rnd.rows is None else (x.index_select(0, rnd.rows) for x in (q, k, v, g, beta))
+        qs, ks, vs, gs, bs = (x.unsqueeze(0) for x in ins)  # [1, rows, H, *]
+        h0 = torch.stack([h[i] for i, *_ in rnd.pieces])  # [n, Hv, Dk, Dv]
+        res = chunk_gated_delta_rule_fwd(q=qs, k=ks, v=vs, g=gs, beta=bs, scale=q.shape[-1] ** -0.5,
+                                         initial_state=h0, output_final_state=True, cu_seqlens=rnd.cu_seqlens,
+                                         chunk_indices=rnd.chunk_indices)  # fmt: skip
+        o, final = res[1][0].to(v.dtype), res[3]
+        if rnd.rows is None:
+            out = o
+        else:
+            out.index_copy_(0, rnd.rows, o)
+        for n, (i, _, _, capture) in enumerate(rnd.pieces):
+            h[i] = final[n]
+            if capture:
+                captured[i].append(final[n])
+    return out, h, captured
 
 
 def decode_gated_delta_rule(

@@ -1,0 +1,99 @@
+"""A step that prefills several sequences at once (e.g. four sessions' tool results landing together):
+their conv in one launch and their scan as fla's varlen rounds (the default) against the conv and
+the scan run sequence by sequence (the kernels' per-sequence path), in the same process.
+
+    FT_MATERIALISE=1 python bench/spans_step.py --preset qwen3.6-35b-a3b-e64 --json out.json
+
+Each case is a step over N new sequences of `length` tokens, each with `captures` capture points
+(a conversation's anchors); lengths start above the largest captured prefill bucket (shorter ones
+run as slot graphs, not in one forward). Prints a table (median ms a step over --reps; the host's
+time to enqueue the step beside it) and writes JSON."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import torch  # noqa: E402
+
+from engine import Engine, Feed  # noqa: E402
+from engine.ops import conv, deltanet  # noqa: E402
+
+
+def per_sequence(kernels):
+    """The bundle with the spans ops running its own single-sequence conv and scan one by one."""
+    return dataclasses.replace(
+        kernels,
+        causal_conv_spans=functools.partial(conv.causal_conv_spans, conv=kernels.causal_conv),
+        chunk_gated_delta_rule_spans=functools.partial(deltanet.chunk_gated_delta_rule_spans,
+                                                       scan=kernels.chunk_gated_delta_rule),
+    )  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="qwen3.6-35b-a3b-e64")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--cases", default="2x600x0,4x600x0,4x600x2,8x600x0,4x2048x2",
+                        help="sequences x tokens x captures, comma-separated")  # fmt: skip
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    eng = Engine.from_preset(args.preset, device=args.device)
+    kernels = {"varlen": eng.kernels, "per sequence": per_sequence(eng.kernels)}
+    sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+
+    def timed(name: str, count: int, length: int, captures: int) -> tuple[float, float]:
+        eng.kernels = kernels[name]
+        cuts = [length * (i + 1) // (captures + 1) for i in range(captures)]
+        feeds = [Feed(eng.new_state(), [(5000 + 31 * s + j) % 50_000 for j in range(length)], capture_at=cuts)
+                 for s in range(count)]  # fmt: skip
+        sync()
+        start = time.perf_counter()
+        eng.step([(f, length) for f in feeds])
+        queued = time.perf_counter()
+        sync()
+        end = time.perf_counter()
+        for f in feeds:
+            f.result.ready()
+        return (end - start) * 1e3, (queued - start) * 1e3
+
+    rows = []
+    for case in args.cases.split(","):
+        count, length, captures = (int(x) for x in case.split("x"))
+        times: dict[str, list[tuple[float, float]]] = {name: [] for name in kernels}
+        for name in kernels:
+            timed(name, count, length, captures)  # untimed: kernels specialised for these shapes
+        for _ in range(args.reps):  # interleaved, so drift hits every case alike
+            for name in kernels:
+                times[name].append(timed(name, count, length, captures))
+        row = {"sequences": count, "tokens": length, "captures": captures}
+        for name, t in times.items():
+            row[name] = statistics.median(w for w, _ in t)
+            row[f"{name} host"] = statistics.median(h for _, h in t)
+        row["per sequence / varlen"] = row["per sequence"] / row["varlen"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    eng.kernels = kernels["varlen"]
+    device = torch.cuda.get_device_name() if eng.device.type == "cuda" else "cpu"
+    print(f"\n{args.preset} on {device}: one step prefilling N new sequences, median ms over {args.reps}\n")
+    print("| sequences x tokens | captures each | varlen | per sequence | per sequence / varlen | host: varlen "
+          "| host: per sequence |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['sequences']} x {r['tokens']} | {r['captures']} | {r['varlen']:.1f} | {r['per sequence']:.1f} "
+              f"| {r['per sequence / varlen']:.3f} | {r['varlen host']:.1f} | {r['per sequence host']:.1f} |")
+    if args.json:
+        args.json.write_text(json.dumps({"preset": args.preset, "device": device, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Where several sequences' rows lie in a forward's concatenated tokens, as the varlen kernels read it:
+the causal conv's row -> sequence map, and the scan's rounds. Built once per forward on the host and
+copied in without a host sync (every layer of the forward reads the same one: memoised on the
+spans' bounds and captures).
+
+A scan cannot stop at a capture inside one call (fla returns the fp32 state only at a sequence's
+end), so each sequence's rows are cut into segments at its captures, and round r scans the r-th
+segment of every sequence that has one, as one varlen call from the states the round before left."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+CHUNK = 64  # fla's chunk of the gated delta rule
+
+
+def to_device(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device, through pinned memory: the copy waits on nothing queued."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class Round:
+    """One varlen scan: the segments `pieces` [(sequence, lo, hi, captured)] in rows [lo, hi) of
+    the forward, taken in this order (`rows`; None where they are all rows in order)."""
+
+    pieces: tuple[tuple[int, int, int, bool], ...]
+    rows: torch.Tensor | None  # [n] long
+    cu_seqlens: torch.Tensor  # [len(pieces) + 1] long
+    chunk_indices: torch.Tensor  # [chunks, 2] long: each chunk's segment and its index within it
+
+
+@dataclass(frozen=True)
+class SpanLayout:
+    span: torch.Tensor  # [T] int32: each row's sequence
+    starts: torch.Tensor  # [N] int32: each sequence's first row
+    rounds: tuple[Round, ...]
+
+
+@functools.lru_cache(maxsize=4)
+def layout(
+    bounds: tuple[tuple[int, int], ...], capture_ats: tuple[tuple[int, ...], ...], device: torch.device
+) -> SpanLayout:
+    span = [i for i, (lo, hi) in enumerate(bounds) for _ in range(lo, hi)]
+    segments = []
+    for (lo, hi), caps in zip(bounds, capture_ats, strict=True):
+        cuts = [0, *sorted({*caps, hi - lo})]
+        segments.append([(lo + a, lo + b, b in caps) for a, b in zip(cuts, cuts[1:], strict=False)])
+    rounds = []
+    for r in range(max(len(s) for s in segments)):
+        pieces = tuple((i, *s[r]) for i, s in enumerate(segments) if len(s) > r)
+        rows = [t for _, lo, hi, _ in pieces for t in range(lo, hi)]
+        cu = [0]
+        chunks = []
+        for n, (_, lo, hi, _) in enumerate(pieces):
+            cu.append(cu[-1] + hi - lo)
+            chunks += [(n, j) for j in range(-(-(hi - lo) // CHUNK))]
+        in_order = rows == list(range(bounds[-1][1]))
+        rounds.append(Round(pieces, None if in_order else to_device(rows, torch.long, device),
+                            to_device(cu, torch.long, device), to_device(chunks, torch.long, device).view(-1, 2)))  # fmt: skip
+    starts = to_device([lo for lo, _ in bounds], torch.int32, device)
+    return SpanLayout(to_device(span, torch.int32, device), starts, tuple(rounds))
