@@ -25,6 +25,7 @@
 #       mixed      a step decoding 4 sequences while a fifth prefills: one forward against two (bench/mixed_step.py)
 #       spans-tests  pytest: several sequences' prefill in one forward (the varlen conv and scan), their kernels
 #       spans      a step prefilling N sequences: varlen conv and scan against sequence by sequence (bench/spans_step.py)
+#       spans-hold  the same with every step's snapshots kept (as the store keeps them), and a host profile
 #       offload-profile  the random Q4_K_M at 8 GiB: speed, cache, link and a decode profile, no replay
 #       offload    the random Q4_K_M at 8 GiB with the replay (24 requests), at 12 and 24 GiB without; profiles
 #       offload-8  the random Q4_K_M at 8 GiB with the replay (24 requests, anchor and prefix), no profiles
@@ -138,6 +139,8 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
     spans-tests) step spans-tests python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -s tests/engine/test_gpu.py \
       tests/engine/test_fused_kernels.py tests/engine/test_spans_layout.py -k "spans or several or causal_conv" ;;
     spans) step spans python3 bench/spans_step.py --preset $P-e64 --json $O/spans.json ;;
+    spans-hold) step spans-hold python3 bench/spans_step.py --preset $P-e64 --cases 4x600x0,4x600x2 --hold --profile \
+      --json $O/spans-hold.json ;;
     offload-profile)
       wait $gguf 2>/dev/null
       step offload-profile python3 bench/offload.py --preset $P --q4-k-m --budgets 8 --no-replay --profile \

@@ -46,10 +46,14 @@ def main() -> None:
                         help="sequences x tokens x captures, comma-separated")  # fmt: skip
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--hold", action="store_true",
+                        help="keep every step's snapshots (as the store's RAM tier does), not free them")
+    parser.add_argument("--profile", action="store_true", help="then profile one varlen step of the last case")
     args = parser.parse_args()
     eng = Engine.from_preset(args.preset, device=args.device)
     kernels = {"varlen": eng.kernels, "per sequence": per_sequence(eng.kernels)}
     sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
+    held: list = []
 
     def timed(name: str, count: int, length: int, captures: int) -> tuple[float, float]:
         eng.kernels = kernels[name]
@@ -64,6 +68,8 @@ def main() -> None:
         end = time.perf_counter()
         for f in feeds:
             f.result.ready()
+            if args.hold:
+                held.append(f.result.snapshots)
         return (end - start) * 1e3, (queued - start) * 1e3
 
     rows = []
@@ -92,7 +98,12 @@ def main() -> None:
         print(f"| {r['sequences']} x {r['tokens']} | {r['captures']} | {r['varlen']:.1f} | {r['per sequence']:.1f} "
               f"| {r['per sequence / varlen']:.3f} | {r['varlen host']:.1f} | {r['per sequence host']:.1f} |")
     if args.json:
-        args.json.write_text(json.dumps({"preset": args.preset, "device": device, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"preset": args.preset, "device": device, "hold": args.hold, "rows": rows},
+                                        indent=1))  # fmt: skip
+    if args.profile:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            timed("varlen", count, length, captures)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
 
 
 if __name__ == "__main__":
