@@ -445,6 +445,10 @@ class Engine:
             # above leave other kernel specialisations to it; a cold 2,800-token first request took
             # 1.2-1.9 s on the H200 after them, its later peers 0.1 s).
             self.prefill(self.new_state(), [1000 + i for i in range(SLOT_PREFILL_ALONE + 733)], capture_at=[1_001])
+            # several sequences in one forward (the varlen conv and scan), one of them split at a capture
+            feeds = [Feed(self.new_state(), [1000 + i for i in range(PREFILL_BUCKETS[-1] + n)], capture_at=caps)
+                     for n, caps in ((77, [300]), (301, []))]  # fmt: skip
+            self.step([(feed, feed.remaining) for feed in feeds])
         state = self.new_state()
         result = self.prefill(state, list(range(1000, 1160)), capture_at=[64, 160])
         list(self.generate(state, result.logits, SamplingParams(), forced=[11, 12, 13, 14]))
