@@ -32,6 +32,7 @@ PREFILL_CHUNK: int | None = int(os.environ["FT_PREFILL_CHUNK"]) if os.environ.ge
 # over all their chunks wins sooner: there only a single bucket runs on the slot).
 SLOT_PREFILL_ALONE = 2048
 MIXED_STEPS = os.environ.get("FT_MIXED_STEPS", "1") != "0"
+PINNED_CAPTURES = 8  # captured states whose pinned host memory warm-up pins ahead (a step of 4 sequences, 2 each)
 DEFAULT_CHUNK = {"cuda": 8192, "cpu": 4096}  # tokens per forward: bigger GEMMs on a GPU (bench/RESULTS.md)
 
 
@@ -424,6 +425,8 @@ class Engine:
         if self.device.type != "cuda":
             graphs()
         else:  # kernels tuned per shape: one full prefill chunk as well
+            if self.runtime is not None:
+                self.runtime.reserve_pinned(PINNED_CAPTURES * expert_offload.recurrent_bytes(self.config, self.dtype))
             def chunk() -> None:
                 self.prefill(self.new_state(), [1000 + i % 50_000 for i in range(self.step_tokens)])
 

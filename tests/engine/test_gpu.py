@@ -403,6 +403,28 @@ def test_prefills_of_several_sequences_in_one_forward_match_each_alone(gpu_engin
     _within_bf16_noise(got, one_pass, exact, "spans_forward_bf16")
 
 
+def test_captures_are_cut_from_shared_pinned_slabs():
+    """Captured tensors share 64 MiB pinned slabs (no pinning per capture): small ones are cut from one
+    slab, a slab that is full is followed by a new one, a capture of over a quarter slab gets its own
+    block; every copy holds its source's values once synced."""
+    from engine.ops.gpu.transfer import SLAB, Transfers
+
+    transfers = Transfers(torch.device("cuda"))
+    sources = [torch.randn(1000 + 77 * i, device="cuda") for i in range(6)]
+    outs = [transfers.to_host({"x": s, "y": s[:5].half()}) for s in sources]
+    big = torch.randn(SLAB // 16 + 1, device="cuda")  # over a quarter slab in bytes
+    fill = [transfers.to_host({"f": torch.ones(SLAB // 5, dtype=torch.uint8, device="cuda")}) for _ in range(5)]
+    apart = transfers.to_host({"b": big})
+    transfers.sync()
+    for out, src in zip(outs, sources, strict=True):
+        assert out["x"].is_pinned() and torch.equal(out["x"], src.cpu()) and torch.equal(out["y"], src[:5].half().cpu())
+    assert torch.equal(apart["b"], big.cpu()) and all(f["f"].eq(1).all() for f in fill)
+    slabs = {o["x"].untyped_storage().data_ptr() for o in outs}
+    assert len(slabs) == 1  # six captures, one slab
+    assert len({f["f"].untyped_storage().data_ptr() for f in fill} | slabs) == 2  # the fifth fifth of a slab is cut from a second
+    assert apart["b"].untyped_storage().nbytes() < SLAB and apart["b"].untyped_storage().data_ptr() not in slabs
+
+
 def test_graph_steps_of_a_padded_batch_follow_each_sequence(gpu_engine, gpu32, rng):
     """Three sequences decoded together for six steps (the batch-4 graph, one padding row), then
     one leaves and the other two go on: every step's logits are each sequence's own."""

@@ -24,6 +24,10 @@ class GpuRuntime:
     def sync(self) -> None:
         self.transfers.sync()
 
+    def reserve_pinned(self, nbytes: int) -> None:
+        """Pinned host memory for `nbytes` of captures, pinned now rather than in a request's forward."""
+        self.transfers.reserve(nbytes)
+
     def fence(self) -> torch.cuda.Event:
         return self.transfers.fence()
 
