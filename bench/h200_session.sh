@@ -27,6 +27,7 @@
 #       spans      a step prefilling N sequences: varlen conv and scan against sequence by sequence (bench/spans_step.py)
 #       spans-hold  the same with every step's snapshots kept (as the store keeps them), and a host profile
 #       spans-captures  the same with 0, 2 and 4 captures a sequence, snapshots freed as made, and a host profile
+#       spans-warm  the same after `ft serve`'s warm-up, each case's first (cold) step beside
 #       transfer-tests  pytest: captures cut from pinned slabs, restores, several sequences' prefill with captures
 #       offload-profile  the random Q4_K_M at 8 GiB: speed, cache, link and a decode profile, no replay
 #       offload    the random Q4_K_M at 8 GiB with the replay (24 requests), at 12 and 24 GiB without; profiles
@@ -145,6 +146,8 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
       --json $O/spans-hold.json ;;
     spans-captures) step spans-captures python3 bench/spans_step.py --preset $P-e64 --cases 4x600x0,4x600x2,4x600x4 \
       --profile --json $O/spans-captures.json ;;
+    spans-warm) step spans-warm python3 bench/spans_step.py --preset $P-e64 --warmup --cases 3x700x1,4x600x2 --reps 3 \
+      --json $O/spans-warm.json ;;
     transfer-tests) step transfer-tests python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -s tests/engine/test_gpu.py \
       -k "slabs or restore_then_suffix or several" ;;
     offload-profile)
