@@ -77,26 +77,25 @@ def chunk_gated_delta_rule_spans(q, k, v, g, beta, states, bounds, capture_ats):
                                                       scan=chunk_gated_delta_rule)  # fmt: skip
     where = spans.layout(tuple(bounds), tuple(map(tuple, capture_ats)), q.device)
     q, k = l2norm_fwd(q.contiguous())[0], l2norm_fwd(k.contiguous())[0]
-    v, g, beta = v.contiguous(), g.float().contiguous(), beta.contiguous()
-    out = v.new_empty(v.shape)
+    ins = [q, k, v.contiguous(), g.float().contiguous(), beta.contiguous()]
+    if where.order is not None:  # round after round: each round's rows are a slice
+        ins = [x.index_select(0, where.order) for x in ins]
     h = [s.float() for s in states]
-    captured: list[list[torch.Tensor]] = [[] for _ in bounds]
+    outs, captured = [], [[] for _ in bounds]
     for rnd in where.rounds:
-        ins = (q, k, v, g, beta) if rnd.rows is None else (x.index_select(0, rnd.rows) for x in (q, k, v, g, beta))
-        qs, ks, vs, gs, bs = (x.unsqueeze(0) for x in ins)  # [1, rows, H, *]
+        qs, ks, vs, gs, bs = (x[rnd.start : rnd.end].unsqueeze(0) for x in ins)  # [1, rows, H, *]
         h0 = torch.stack([h[i] for i, *_ in rnd.pieces])  # [n, Hv, Dk, Dv]
         res = chunk_gated_delta_rule_fwd(q=qs, k=ks, v=vs, g=gs, beta=bs, scale=q.shape[-1] ** -0.5,
                                          initial_state=h0, output_final_state=True, cu_seqlens=rnd.cu_seqlens,
                                          chunk_indices=rnd.chunk_indices)  # fmt: skip
-        o, final = res[1][0].to(v.dtype), res[3]
-        if rnd.rows is None:
-            out = o
-        else:
-            out.index_copy_(0, rnd.rows, o)
+        outs.append(res[1][0].to(v.dtype))
         for n, (i, _, _, capture) in enumerate(rnd.pieces):
-            h[i] = final[n]
+            h[i] = res[3][n]
             if capture:
-                captured[i].append(final[n])
+                captured[i].append(res[3][n])
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    if where.order is not None:
+        out = torch.empty_like(out).index_copy_(0, where.order, out)
     return out, h, captured
 
 

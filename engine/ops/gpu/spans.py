@@ -5,7 +5,8 @@ spans' bounds and captures).
 
 A scan cannot stop at a capture inside one call (fla returns the fp32 state only at a sequence's
 end), so each sequence's rows are cut into segments at its captures, and round r scans the r-th
-segment of every sequence that has one, as one varlen call from the states the round before left."""
+segment of every sequence that has one, as one varlen call from the states the round before left.
+The scan takes the rows in `order` (round after round) once a layer, so each round reads a slice."""
 
 from __future__ import annotations
 
@@ -27,10 +28,11 @@ def to_device(values: Sequence[int], dtype: torch.dtype, device: torch.device) -
 @dataclass(frozen=True)
 class Round:
     """One varlen scan: the segments `pieces` [(sequence, lo, hi, captured)] in rows [lo, hi) of
-    the forward, taken in this order (`rows`; None where they are all rows in order)."""
+    the forward, which are rows [start, end) of the rows taken in `SpanLayout.order`."""
 
     pieces: tuple[tuple[int, int, int, bool], ...]
-    rows: torch.Tensor | None  # [n] long
+    start: int
+    end: int
     cu_seqlens: torch.Tensor  # [len(pieces) + 1] long
     chunk_indices: torch.Tensor  # [chunks, 2] long: each chunk's segment and its index within it
 
@@ -39,6 +41,7 @@ class Round:
 class SpanLayout:
     span: torch.Tensor  # [T] int32: each row's sequence
     starts: torch.Tensor  # [N] int32: each sequence's first row
+    order: torch.Tensor | None  # [T] long: the rows, round after round; None where that is every row in order
     rounds: tuple[Round, ...]
 
 
@@ -51,17 +54,16 @@ def layout(
     for (lo, hi), caps in zip(bounds, capture_ats, strict=True):
         cuts = [0, *sorted({*caps, hi - lo})]
         segments.append([(lo + a, lo + b, b in caps) for a, b in zip(cuts, cuts[1:], strict=False)])
-    rounds = []
+    rounds, order = [], []
     for r in range(max(len(s) for s in segments)):
         pieces = tuple((i, *s[r]) for i, s in enumerate(segments) if len(s) > r)
-        rows = [t for _, lo, hi, _ in pieces for t in range(lo, hi)]
-        cu = [0]
-        chunks = []
+        start, cu, chunks = len(order), [0], []
         for n, (_, lo, hi, _) in enumerate(pieces):
+            order += range(lo, hi)
             cu.append(cu[-1] + hi - lo)
             chunks += [(n, j) for j in range(-(-(hi - lo) // CHUNK))]
-        in_order = rows == list(range(bounds[-1][1]))
-        rounds.append(Round(pieces, None if in_order else to_device(rows, torch.long, device),
-                            to_device(cu, torch.long, device), to_device(chunks, torch.long, device).view(-1, 2)))  # fmt: skip
-    starts = to_device([lo for lo, _ in bounds], torch.int32, device)
-    return SpanLayout(to_device(span, torch.int32, device), starts, tuple(rounds))
+        rounds.append(Round(pieces, start, len(order), to_device(cu, torch.long, device),
+                            to_device(chunks, torch.long, device).view(-1, 2)))  # fmt: skip
+    in_order = order == list(range(len(order)))
+    return SpanLayout(to_device(span, torch.int32, device), to_device([lo for lo, _ in bounds], torch.int32, device),
+                      None if in_order else to_device(order, torch.long, device), tuple(rounds))  # fmt: skip
