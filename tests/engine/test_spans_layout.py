@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.ops import deltanet
 from engine.ops.gpu import spans
 
 CPU = torch.device("cpu")
@@ -38,3 +39,32 @@ def test_captures_cut_segments_and_each_round_takes_the_next_segment_of_each_seq
     assert out.rounds[1].cu_seqlens.tolist() == [0, 6, 7]
     assert out.rounds[2].chunk_indices.tolist() == [[0, 0]]
     assert torch.equal(out.order.sort().values, torch.arange(20))  # every row scanned once
+
+
+def _reference_varlen(q, k, v, g, beta, h0, rnd):
+    """A varlen scan on the CPU: the reference scan of each segment of the round from its state."""
+    cu = rnd.cu_seqlens.tolist()
+    runs = [deltanet.chunk_gated_delta_rule(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], h0[n], [])
+            for n, (a, b) in enumerate(zip(cu, cu[1:], strict=False))]  # fmt: skip
+    return torch.cat([r[0] for r in runs]), torch.stack([r[1] for r in runs])
+
+
+def test_rounds_give_each_sequence_its_own_scan():
+    """The scan round by round over the rows taken in the layout's order (what the GPU does with fla's
+    varlen forward, here with the reference scan per segment) gives each sequence's out, final state
+    and captures as its scan alone: states carried from round to round, outputs put back in row order."""
+    gen = torch.Generator().manual_seed(0)
+    lengths, capture_ats = [70, 9, 130], [[5, 64], [], [1, 70, 130]]
+    bounds = [(sum(lengths[:i]), sum(lengths[: i + 1])) for i in range(3)]
+    rows = sum(lengths)
+    q, k = torch.randn(rows, 2, 16, generator=gen), torch.randn(rows, 2, 16, generator=gen)
+    v = torch.randn(rows, 4, 16, generator=gen)
+    g, beta = -torch.rand(rows, 4, generator=gen), torch.rand(rows, 4, generator=gen)
+    states = [torch.randn(4, 16, 16, generator=gen) * 0.1 for _ in lengths]
+    where = spans.layout(tuple(bounds), tuple(map(tuple, capture_ats)), CPU)
+    assert where.order is not None and len(where.rounds) == 3
+    out, finals, captured = spans.scan_rounds(where, q, k, v, g, beta, states, _reference_varlen)
+    want = deltanet.chunk_gated_delta_rule_spans(q, k, v, g, beta, states, bounds, capture_ats)
+    torch.testing.assert_close(out, want[0], rtol=1e-5, atol=1e-6)
+    for got, expected in zip([*finals, *sum(captured, [])], [*want[1], *sum(want[2], [])], strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)

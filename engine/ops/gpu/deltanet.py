@@ -77,26 +77,16 @@ def chunk_gated_delta_rule_spans(q, k, v, g, beta, states, bounds, capture_ats):
                                                       scan=chunk_gated_delta_rule)  # fmt: skip
     where = spans.layout(tuple(bounds), tuple(map(tuple, capture_ats)), q.device)
     q, k = l2norm_fwd(q.contiguous())[0], l2norm_fwd(k.contiguous())[0]
-    ins = [q, k, v.contiguous(), g.float().contiguous(), beta.contiguous()]
-    if where.order is not None:  # round after round: each round's rows are a slice
-        ins = [x.index_select(0, where.order) for x in ins]
-    h = [s.float() for s in states]
-    outs, captured = [], [[] for _ in bounds]
-    for rnd in where.rounds:
-        qs, ks, vs, gs, bs = (x[rnd.start : rnd.end].unsqueeze(0) for x in ins)  # [1, rows, H, *]
-        h0 = torch.stack([h[i] for i, *_ in rnd.pieces])  # [n, Hv, Dk, Dv]
-        res = chunk_gated_delta_rule_fwd(q=qs, k=ks, v=vs, g=gs, beta=bs, scale=q.shape[-1] ** -0.5,
-                                         initial_state=h0, output_final_state=True, cu_seqlens=rnd.cu_seqlens,
-                                         chunk_indices=rnd.chunk_indices)  # fmt: skip
-        outs.append(res[1][0].to(v.dtype))
-        for n, (i, _, _, capture) in enumerate(rnd.pieces):
-            h[i] = res[3][n]
-            if capture:
-                captured[i].append(res[3][n])
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    if where.order is not None:
-        out = torch.empty_like(out).index_copy_(0, where.order, out)
-    return out, h, captured
+    return spans.scan_rounds(where, q, k, v.contiguous(), g.float().contiguous(), beta.contiguous(), states, _varlen)
+
+
+def _varlen(q, k, v, g, beta, h0, rnd: spans.Round):
+    """fla's forward over one round's rows (q, k normalised), its segments as sequences."""
+    res = chunk_gated_delta_rule_fwd(q=q.unsqueeze(0), k=k.unsqueeze(0), v=v.unsqueeze(0), g=g.unsqueeze(0),
+                                     beta=beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=h0,
+                                     output_final_state=True, cu_seqlens=rnd.cu_seqlens,
+                                     chunk_indices=rnd.chunk_indices)  # fmt: skip
+    return res[1][0].to(v.dtype), res[3]
 
 
 def decode_gated_delta_rule(

@@ -11,7 +11,7 @@ The scan takes the rows in `order` (round after round) once a layer, so each rou
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -67,3 +67,29 @@ def layout(
     in_order = order == list(range(len(order)))
     return SpanLayout(to_device(span, torch.int32, device), to_device([lo for lo, _ in bounds], torch.int32, device),
                       None if in_order else to_device(order, torch.long, device), tuple(rounds))  # fmt: skip
+
+
+def scan_rounds(where: SpanLayout, q, k, v, g, beta, states: Sequence[torch.Tensor], varlen: Callable):
+    """The scan of several sequences' rows (q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]), each from
+    its state in `states`, round by round: `varlen(q, k, v, g, beta, h0, round)` scans one round's rows
+    (its segments as `round.cu_seqlens` says) from h0 [n, Hv, Dk, Dv] -> (out [rows, Hv, Dv], the n
+    final fp32 states). Returns out [T, Hv, Dv] in the rows' order, each sequence's final state and
+    its captures in order."""
+    ins = [q, k, v, g, beta]
+    if where.order is not None:  # round after round: each round's rows are a slice
+        ins = [x.index_select(0, where.order) for x in ins]
+    h = [s.float() for s in states]
+    outs: list[torch.Tensor] = []
+    captured: list[list[torch.Tensor]] = [[] for _ in states]
+    for rnd in where.rounds:
+        h0 = torch.stack([h[i] for i, *_ in rnd.pieces])  # [n, Hv, Dk, Dv]
+        out, final = varlen(*(x[rnd.start : rnd.end] for x in ins), h0, rnd)
+        outs.append(out)
+        for n, (i, _, _, capture) in enumerate(rnd.pieces):
+            h[i] = final[n]
+            if capture:
+                captured[i].append(final[n])
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    if where.order is not None:
+        out = torch.empty_like(out).index_copy_(0, where.order, out)
+    return out, h, captured
