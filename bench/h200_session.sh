@@ -23,7 +23,8 @@
 #       offload-small  pytest: the offloaded small preset's class of tests and the every-expert one (~3 min)
 #       mixed-tests  pytest: batched steps with a prefill (a slot prefill, a mixed forward), graph decode, restores
 #       mixed      a step decoding 4 sequences while a fifth prefills: one forward against two (bench/mixed_step.py)
-#       spans-tests  pytest: several sequences' prefill in one forward (the varlen conv and scan), their kernels
+#       spans-tests  pytest: several sequences' prefill in one forward (the varlen conv and scan), their kernels;
+#                  then the small preset's warm-up (it runs such a step)
 #       spans      a step prefilling N sequences: varlen conv and scan against sequence by sequence (bench/spans_step.py)
 #       spans-hold  the same with every step's snapshots kept (as the store keeps them), and a host profile
 #       spans-captures  the same with 0, 2 and 4 captures a sequence, snapshots freed as made, and a host profile
@@ -140,7 +141,9 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
       -k "batched_decode_with_a_prefill or graph_decode or padded_batch or restore_then_suffix" ;;
     mixed) step mixed python3 bench/mixed_step.py --preset $P-e64 --batch 4 --json $O/mixed.json ;;
     spans-tests) step spans-tests python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -s tests/engine/test_gpu.py \
-      tests/engine/test_fused_kernels.py tests/engine/test_spans_layout.py -k "spans or several" ;;
+      tests/engine/test_fused_kernels.py tests/engine/test_spans_layout.py -k "spans or several"
+      step warmup-small python3 -c "from engine import Engine; e = Engine.from_preset('small', device='cuda'); \
+e.warmup(max_batch=2); print('warm-up ran')" ;;
     spans) step spans python3 bench/spans_step.py --preset $P-e64 --json $O/spans.json ;;
     spans-hold) step spans-hold python3 bench/spans_step.py --preset $P-e64 --cases 4x600x0,4x600x2 --hold --profile \
       --json $O/spans-hold.json ;;
