@@ -427,6 +427,7 @@ class Engine:
         else:  # kernels tuned per shape: one full prefill chunk as well
             if self.runtime is not None:
                 self.runtime.reserve_pinned(PINNED_CAPTURES * expert_offload.recurrent_bytes(self.config, self.dtype))
+
             def chunk() -> None:
                 self.prefill(self.new_state(), [1000 + i % 50_000 for i in range(self.step_tokens)])
 
