@@ -5,12 +5,15 @@ an event on the compute stream; `sync()` waits for all copies issued so far (the
 once, at the end of a prefill, so a snapshot's tensors are complete when the snapshot is handed
 out). The pinned memory comes in slabs of `SLAB` bytes, each call's tensors cut from the current
 one: pinning fresh host memory (cudaHostAlloc) runs at ~2 GB/s on the H200's host (3.2 ms for each
-layer's 2.1 MiB state at the 35B shape, which torch's pinned allocator rounds to a power of two, 4 MiB:
-0.8 s of host time in a 4-sequence step with 8 captures when earlier snapshots were still held). A slab goes back to torch's pinned cache when the last tensor cut from it is freed
-(the store keeps its own copies), and the next slab comes from there without pinning anything;
-`reserve` fills that cache ahead (at warm-up). Host -> device: a restore copies each layer's tensors on the copy stream and leaves one
-event per layer in `SequenceState.pending`; the model waits for a layer's event just before it
-runs that layer, so the copies overlap the first prefill chunk.
+layer's 2.1 MiB state at the 35B shape, which torch's pinned allocator rounds to a power of two:
+0.8 s of host time in a 4-sequence step with 8 captures while earlier snapshots were still held).
+A slab goes back to torch's pinned cache when the last tensor cut from it is freed (the store keeps
+its own copies), and the next slab comes from there without pinning anything; `reserve` fills
+that cache ahead (at warm-up).
+
+Host -> device: a restore copies each layer's tensors on the copy stream and leaves one event per
+layer in `SequenceState.pending`; the model waits for a layer's event just before it runs that
+layer, so the copies overlap the first prefill chunk.
 """
 
 from __future__ import annotations
