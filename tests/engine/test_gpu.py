@@ -401,6 +401,9 @@ def test_prefills_of_several_sequences_in_one_forward_match_each_alone(gpu_engin
         return
     exact = torch.stack([gpu32.prefill(gpu32.new_state(), p).logits for p in prompts])
     _within_bf16_noise(got, one_pass, exact, "spans_forward_bf16")
+    from engine.ops.gpu import conv
+
+    assert conv._conv_spans.verdict, "the conv kernel's spans form failed its first-use check"
 
 
 def test_captures_are_cut_from_shared_pinned_slabs():

@@ -101,7 +101,15 @@ def _triton_conv_spans(x, states, weight, bounds, capture_ats, splits):
 
 
 causal_conv = Checked("causal_conv", _triton_conv, reference.causal_conv)
-causal_conv_spans = Checked("causal_conv_spans", _triton_conv_spans, reference.causal_conv_spans)
+_conv_spans = Checked("causal_conv_spans", _triton_conv_spans, reference.causal_conv_spans)
+
+
+def causal_conv_spans(x, states, weight, bounds, capture_ats, splits):
+    """One sequence through `causal_conv`; several through the kernel's SPANS form, checked on its own first
+    use (a first single-sequence call would otherwise settle the check without running that form)."""
+    if len(bounds) == 1:
+        return reference.causal_conv_spans(x, states, weight, bounds, capture_ats, splits, conv=causal_conv)
+    return _conv_spans(x, states, weight, bounds, capture_ats, splits)
 
 
 @triton.jit
