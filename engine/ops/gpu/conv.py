@@ -1,7 +1,8 @@
 """Causal depthwise conv1d + SiLU that carries its state, as one Triton kernel over [T, C] (no
 transposes, no concatenation with the state: rows before 0 are read from the state). Its input may be
 a column slice of a wider projection (rows strided), and its output comes as contiguous column parts
-(a DeltaNet's q, k and v, as fla's scan takes them): no copy on either side."""
+(a DeltaNet's q, k and v, as fla's scan takes them): no copy on either side. The same kernel takes
+several sequences' rows at once, each row reading only its own sequence's rows and state."""
 
 from __future__ import annotations
 
@@ -86,8 +87,6 @@ def _triton_conv(x, state, weight, capture_at, splits):
 
 
 def _triton_conv_spans(x, states, weight, bounds, capture_ats, splits):
-    if len(bounds) == 1:
-        return reference.causal_conv_spans(x, states, weight, bounds, capture_ats, splits, conv=_triton_conv)
     if x.stride(1) != 1:
         x = x.contiguous()
     states = [s.to(x.dtype) for s in states]
