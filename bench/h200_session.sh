@@ -29,7 +29,10 @@
 #       spans-hold  the same with every step's snapshots kept (as the store keeps them), and a host profile
 #       spans-captures  the same with 0, 2 and 4 captures a sequence, snapshots freed as made, and a host profile
 #       spans-warm  the same after `ft serve`'s warm-up, each case's first (cold) step beside
-#       transfer-tests  pytest: captures cut from pinned slabs, restores, several sequences' prefill with captures
+#       attention-shapes  a prefill's attention at new lengths per SDPA backend: first call against the next
+#                  (bench/attention_shapes.py)
+#       transfer-tests  pytest: captures cut from pinned slabs, restores (from the store's registered memory too),
+#                  several sequences' prefill with captures
 #       offload-profile  the random Q4_K_M at 8 GiB: speed, cache, link and a decode profile, no replay
 #       offload    the random Q4_K_M at 8 GiB with the replay (24 requests), at 12 and 24 GiB without; profiles
 #       offload-8  the random Q4_K_M at 8 GiB with the replay (24 requests, anchor and prefix), no profiles
@@ -46,7 +49,9 @@
 #       q4-decode  our Q4_K_M alone: prefill and decode (bench/quant.py), no llama.cpp
 #       q4         our Q4_K_M, its replay, llama-server on the same file and its replay (bench/quant.py)
 #       q4-llama   our Q4_K_M and llama-server on the same file: prefill and decode, no replays
-#       sessions   K = 1 and K = 4 sessions, ours and llama-server's (the e64 bf16 GGUF is written first)
+#       sessions   K = 1 and K = 4 sessions, ours and llama-server's (the e64 bf16 GGUF is written first);
+#                  $SESSION_TRACES (default the committed recording) and $SESSION_REQUESTS (8) a session; the
+#                  SWE-agent trajectories travel as shared/traces/swe-agent (a copy of ../shared/traces, git-ignored)
 #   bash bench/h200_session.sh poll SECONDS      # wait until done or SECONDS pass; progress, the newest logs,
 #                                                # and every log and JSON so far as $OUT/out.tgz
 #   bash bench/h200_session.sh base-tree [COMMIT]  # here, before the lease: COMMIT's tree (default 663c7cd,
@@ -144,6 +149,7 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
       tests/engine/test_fused_kernels.py tests/engine/test_spans_layout.py -k "spans or several"
       step warmup-small python3 -c "from engine import Engine; e = Engine.from_preset('small', device='cuda'); \
 e.warmup(max_batch=2); print('warm-up ran')" ;;
+    attention-shapes) step attention-shapes python3 bench/attention_shapes.py --json $O/attention-shapes.json ;;
     spans) step spans python3 bench/spans_step.py --preset $P-e64 --json $O/spans.json ;;
     spans-hold) step spans-hold python3 bench/spans_step.py --preset $P-e64 --cases 4x600x0,4x600x2 --hold --profile \
       --json $O/spans-hold.json ;;
@@ -152,7 +158,7 @@ e.warmup(max_batch=2); print('warm-up ran')" ;;
     spans-warm) step spans-warm python3 bench/spans_step.py --preset $P-e64 --warmup --cases 3x700x1,4x600x2 --reps 3 \
       --json $O/spans-warm.json ;;
     transfer-tests) step transfer-tests python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -s tests/engine/test_gpu.py \
-      -k "slabs or restore_then_suffix or several" ;;
+      -k "slabs or restore_then_suffix or several or registered" ;;
     offload-profile)
       wait $gguf 2>/dev/null
       step offload-profile python3 bench/offload.py --preset $P --q4-k-m --budgets 8 --no-replay --profile \
@@ -224,7 +230,7 @@ e.warmup(max_batch=2); print('warm-up ran')" ;;
       step sessions-gguf python3 -c "from peer.gguf_export import preset_gguf; from peer.llama_server import \
 PEER_HOME; print(preset_gguf('$P-e64', PEER_HOME / 'models', 'bf16', 'cuda'))"
       step sessions bash bench/llamacpp_h200.sh sessions $O/sessions.json \
-        traces/sessions/small-bugfix.recording.jsonl --max-requests 8
+        ${SESSION_TRACES:-traces/sessions/small-bugfix.recording.jsonl} --max-requests ${SESSION_REQUESTS:-8}
       ;;
     *) log "unknown step $s" ;;
     esac

@@ -58,6 +58,8 @@ class Engine:
         self.kernels: Kernels = kernels_for(self.device)
         make_runtime = getattr(self.kernels, "runtime", None)  # device extras: host copies
         self.runtime = make_runtime(self.config, self.device, self.dtype) if make_runtime is not None else None
+        # where a checkpoint store should keep what this engine restores (None: plain host memory)
+        self.host_memory = self.runtime.host_memory if self.runtime is not None else None
         graphs = self.device.type == "cuda" and os.environ.get("FT_CUDA_GRAPHS", "1") != "0"
         self.runner = Runner(
             model, self.kernels,

@@ -140,7 +140,7 @@ def build_runtime(config: ServeConfig, engine: Engine | None = None) -> Runtime:
         disk_dir=config.disk_cache,
         disk_bytes=int(config.disk_cache_gib * GiB),
         fingerprint=engine.fingerprint,
-    ))
+    ), host_memory=engine.host_memory)
     root = root_anchor(engine.fingerprint, renderer.template_id)
     # the memo's ids belong to this model and template, as the checkpoints do
     # failed memo writes count and log with the store's (one disk, one line in the log); a cache

@@ -299,6 +299,45 @@ def test_restore_then_suffix_matches_full_prefill(gpu_engine, gpu32, rng, trial)
     _within_bf16_noise(rest, full, exact, "restore_split_bf16", factor=8)
 
 
+def test_restores_from_the_stores_registered_memory_land_though_the_store_lets_go(gpu32, rng):
+    """The checkpoint store keeps RAM records in the engine's page-locked memory, so a restore's
+    copies run asynchronously from it: the store closed and its records freed right after the
+    restore (before the copies can have landed) still restores exactly, because the restore holds
+    its sources until its last copy has landed; a registered buffer is unregistered when freed."""
+    import gc
+
+    from checkpoint_store import CheckpointStore, StoreConfig
+    from engine.ops.gpu.transfer import REGISTER_MIN, registered
+
+    eng = gpu32
+    length = rng.randrange(600, 1500)
+    ids = [rng.randrange(248_000) for _ in range(length)]
+    captures = sorted(rng.sample(range(1, length), 3))
+    full = eng.prefill(eng.new_state(), ids).logits
+    snaps = eng.prefill(eng.new_state(), ids, capture_at=captures).snapshots
+    anchors = [bytes([i]) for i in range(len(snaps))]
+    store = CheckpointStore(StoreConfig(ram_bytes=1 << 30, fingerprint="fp"), host_memory=eng.host_memory)
+    for i, snap in enumerate(snaps):
+        store.put(anchors[i], anchors[i - 1] if i else None, snap)
+    records = store.load_records(anchors)
+    assert records is not None
+    assert all(t.is_pinned() for t in records[-1].tensors.values() if t.numel() * t.element_size() >= REGISTER_MIN)
+    state = eng.restore(records)
+    store.close()
+    del store, records
+    gc.collect()
+    rest = eng.prefill(state, ids[captures[-1] :]).logits
+    metric("restore_registered_fp32", rel(rest, full))
+    assert rel(rest, full) <= FP32_TOL, SEED
+
+    buffer = registered(REGISTER_MIN)
+    assert buffer.is_pinned()
+    pointer = buffer.data_ptr()
+    del buffer
+    gc.collect()
+    assert torch.cuda.cudart().cudaHostUnregister(pointer) != 0  # already unregistered
+
+
 def test_graph_decode_matches_prefill_and_states_stay_separate(gpu_engine, gpu32, rng):
     from engine import SamplingParams
 

@@ -1,18 +1,30 @@
-"""Attention on the GPU: SDPA (flash) with grouped KV heads for prefill, and a split-K Triton
-kernel for one query per sequence against slotted KV caches whose lengths live on the device
-(batched decode inside a CUDA graph: one graph serves every length up to the slots' capacity)."""
+"""Attention on the GPU: SDPA (flash: `PREFILL_BACKENDS`) with grouped KV heads for prefill, and a
+split-K Triton kernel for one query per sequence against slotted KV caches whose lengths live on the
+device (batched decode inside a CUDA graph: one graph serves every length up to the slots' capacity)."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
 from engine.ops.gpu.checked import Checked
 
 DECODE_SPLITS = 64
+# SDPA's backends for a prefill's causal attention. Left to itself torch runs cuDNN's on the H200
+# where queries and keys are the same rows, and cuDNN builds an execution graph for every new sequence
+# length; a server meets a new length at nearly every eager prefill (`bench/attention_shapes.py`
+# times the first call at a new length against the next ones). Flash, which the bottom-right mask of a
+# suffix prefill already runs, has no per-length setup. FT_PREFILL_SDPA=auto: torch's own choice.
+PREFILL_BACKENDS = (
+    None if os.environ.get("FT_PREFILL_SDPA", "flash") == "auto"
+    else [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+)  # fmt: skip
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -22,8 +34,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
         zero, length = torch.zeros(1, device=q.device, dtype=torch.long), torch.full((1,), total, device=q.device, dtype=torch.long)
         return decode_attention(q, k[None], v[None], zero, length)
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, T|S, D]
-    if num_q == total:
+    if num_q == total and PREFILL_BACKENDS is None:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    elif num_q == total:
+        with sdpa_kernel(PREFILL_BACKENDS):
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
     else:  # queries are the last rows: the causal mask is aligned to the bottom right
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(num_q, total), enable_gqa=True)
     return out[0].transpose(0, 1)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.config import ModelConfig
-from engine.ops.gpu.transfer import Transfers
+from engine.ops.gpu.transfer import Transfers, registered
 from engine.snapshot import Snapshot
 from engine.state import SequenceState
 
@@ -23,6 +23,11 @@ class GpuRuntime:
 
     def sync(self) -> None:
         self.transfers.sync()
+
+    @staticmethod
+    def host_memory(nbytes: int) -> torch.Tensor:
+        """Host memory that restores copy from at the link's rate (the checkpoint store's RAM tier)."""
+        return registered(nbytes)
 
     def reserve_pinned(self, nbytes: int) -> None:
         """Pinned host memory for `nbytes` of captures, pinned now rather than in a request's forward."""
