@@ -6,8 +6,9 @@ heads, 2 KV heads of 256).
     python bench/attention_shapes.py --json out.json [--lengths 600,1014,2252,8192] [--preset NAME]
 
 Backends: torch's own choice ("auto"; cuDNN where it takes the shape on the H200), cuDNN alone,
-flash alone (engine.ops.gpu.attention.PREFILL_BACKENDS: flash first), and a suffix's bottom-right
-mask (512 queries after the length: flash through torch's causal bias). Prints a table, writes JSON."""
+flash alone, the engine's (`engine.ops.gpu.attention.causal_attention`: cuDNN on rows padded to
+PREFILL_BUCKET, every bucket's graph built first as warm-up does), and a suffix's bottom-right mask
+(512 queries after the length: flash through torch's causal bias). Prints a table, writes JSON."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.nn.attention.bias import causal_lower_right  # noqa: E402
 
+from engine.ops.gpu import attention  # noqa: E402
 from engine.presets import PRESETS  # noqa: E402
 
 BACKENDS = {
@@ -37,6 +39,8 @@ SUFFIX = 512
 
 def call(backend, q, k, v) -> torch.Tensor:
     """One causal attention, q's rows the last of k's."""
+    if backend == "engine":
+        return attention.causal_attention(*(x[0].transpose(0, 1) for x in (q, k, v)))
     if q.shape[2] != k.shape[2]:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(q.shape[2], k.shape[2]),
                                               enable_gqa=True)  # fmt: skip
@@ -65,13 +69,17 @@ def main() -> None:
     cfg = PRESETS[args.preset]
     hq, hkv, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
     torch.manual_seed(0)
+    lengths = [int(x) for x in args.lengths.split(",")]
     for backend in BACKENDS.values():  # each backend's one-time setup at a length not timed
         q = torch.randn(1, hq, 128, d, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(1, hkv, 128, d, device="cuda", dtype=torch.bfloat16)
         call(backend, q, k, k)
+    start = time.perf_counter()
+    attention.prepare_prefill(hq, hkv, d, max(lengths), torch.device("cuda"), torch.bfloat16)
+    print(f"the engine's buckets up to {max(lengths)} rows built in {time.perf_counter() - start:.2f} s")
     rows = []
-    for length in (int(x) for x in args.lengths.split(",")):
-        for name, backend in [*BACKENDS.items(), ("suffix (bottom-right)", None)]:
+    for length in lengths:
+        for name, backend in [("engine", "engine"), *BACKENDS.items(), ("suffix (bottom-right)", None)]:
             queries = SUFFIX if name.startswith("suffix") else length
             total = length + SUFFIX if name.startswith("suffix") else length
             q = torch.randn(1, hq, queries, d, device="cuda", dtype=torch.bfloat16)

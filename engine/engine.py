@@ -58,8 +58,10 @@ class Engine:
         self.kernels: Kernels = kernels_for(self.device)
         make_runtime = getattr(self.kernels, "runtime", None)  # device extras: host copies
         self.runtime = make_runtime(self.config, self.device, self.dtype) if make_runtime is not None else None
-        # where a checkpoint store should keep what this engine restores (None: plain host memory)
-        self.host_memory = self.runtime.host_memory if self.runtime is not None else None
+        # where a checkpoint store should keep what this engine restores (None: plain host memory;
+        # FT_PINNED_STORE=0: pageable, as before session 20)
+        pinned = self.runtime is not None and os.environ.get("FT_PINNED_STORE", "1") != "0"
+        self.host_memory = self.runtime.host_memory if pinned else None
         graphs = self.device.type == "cuda" and os.environ.get("FT_CUDA_GRAPHS", "1") != "0"
         self.runner = Runner(
             model, self.kernels,
@@ -429,6 +431,7 @@ class Engine:
         else:  # kernels tuned per shape: one full prefill chunk as well
             if self.runtime is not None:
                 self.runtime.reserve_pinned(PINNED_CAPTURES * expert_offload.recurrent_bytes(self.config, self.dtype))
+                self.runtime.prepare_attention(self.step_tokens)
 
             def chunk() -> None:
                 self.prefill(self.new_state(), [1000 + i % 50_000 for i in range(self.step_tokens)])

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from engine.config import ModelConfig
+from engine.ops.gpu import attention
 from engine.ops.gpu.transfer import Transfers, registered
 from engine.snapshot import Snapshot
 from engine.state import SequenceState
@@ -28,6 +29,12 @@ class GpuRuntime:
     def host_memory(nbytes: int) -> torch.Tensor:
         """Host memory that restores copy from at the link's rate (the checkpoint store's RAM tier)."""
         return registered(nbytes)
+
+    def prepare_attention(self, max_tokens: int) -> None:
+        """The prefill attention's setup for every chunk length up to `max_tokens` (warm-up)."""
+        c = self.config
+        attention.prepare_prefill(c.num_attention_heads, c.num_key_value_heads, c.head_dim, max_tokens, self.device,
+                                  self.dtype)  # fmt: skip
 
     def reserve_pinned(self, nbytes: int) -> None:
         """Pinned host memory for `nbytes` of captures, pinned now rather than in a request's forward."""

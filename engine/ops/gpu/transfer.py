@@ -41,6 +41,17 @@ REGISTER_MIN = 1 << 20  # bytes: smaller host buffers stay pageable (their copie
 
 log = logging.getLogger(__name__)
 _unregistrable: list[int] = []  # the error code of the first refused registration (then no more tries)
+_registered = [0]  # bytes registered by `registered` and not yet freed
+
+
+def registered_bytes() -> int:
+    """Host memory `registered` holds page-locked now (the checkpoint store's RAM tier), in bytes."""
+    return _registered[0]
+
+
+def _unregister(pointer: int, size: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(pointer)
+    _registered[0] -= size
 
 
 def registered(nbytes: int) -> torch.Tensor:
@@ -62,7 +73,8 @@ def registered(nbytes: int) -> torch.Tensor:
         log.warning("page-locking %d bytes of host memory failed (CUDA error %d): checkpoints stay in pageable "
                     "memory, restores copy at the staged rate", size, int(error))  # fmt: skip
         return torch.from_numpy(raw[:nbytes])
-    weakref.finalize(raw, cudart.cudaHostUnregister, pages.ctypes.data)  # runs before numpy frees it
+    _registered[0] += size
+    weakref.finalize(raw, _unregister, pages.ctypes.data, size)  # runs before numpy frees it
     return torch.from_numpy(pages[:nbytes])
 
 
@@ -73,7 +85,7 @@ class Transfers:
         self.pending: list[torch.cuda.Event] = []
         self._slab: torch.Tensor | None = None  # the slab being cut, `_used` bytes of it taken
         self._used = 0
-        self._reading: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []  # restores' host sources in flight
+        self._reading: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []  # restores' sources in flight
 
     def to_host(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Pinned host copies of device `tensors` (views of one pinned buffer), complete after `sync()`."""
