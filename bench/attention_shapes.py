@@ -6,8 +6,9 @@ heads, 2 KV heads of 256).
     python bench/attention_shapes.py --json out.json [--lengths 600,1014,2252,8192] [--preset NAME]
 
 Backends: torch's own choice ("auto"; cuDNN where it takes the shape on the H200), cuDNN alone,
-flash alone, the engine's (`engine.ops.gpu.attention.causal_attention`: cuDNN on rows padded to
-PREFILL_BUCKET, every bucket's graph built first as warm-up does), and a suffix's bottom-right mask
+flash alone, the engine's (`engine.ops.gpu.attention.causal_attention`: flash, from PREFILL_CUDNN_ROWS
+on cuDNN over rows padded to PREFILL_BUCKET, every bucket's graph built first as warm-up does), and a
+suffix's bottom-right mask
 (512 queries after the length: flash through torch's causal bias). Prints a table, writes JSON."""
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def timed(backend, q, k, v) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen3.6-35b-a3b")
-    p.add_argument("--lengths", default="600,777,1014,2252,4097,8192")
+    p.add_argument("--lengths", default="600,777,1014,2252,4097,6000,8192")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--json", type=Path)
     args = p.parse_args()

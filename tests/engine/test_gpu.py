@@ -129,7 +129,7 @@ def test_decode_gated_delta_rule_matches_the_recurrence_of_each_sequence(dtype, 
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape", [(300, 300), (1300, 1300), (200, 1000), (1, 777)])
+@pytest.mark.parametrize("shape", [(300, 300), (4500, 4500), (200, 1000), (1, 777)])
 def test_causal_attention_matches_reference(dtype, shape, rng):
     from engine.ops.attention import causal_attention as ref
     from engine.ops.gpu.attention import causal_attention as gpu
@@ -300,10 +300,11 @@ def test_restore_then_suffix_matches_full_prefill(gpu_engine, gpu32, rng, trial)
 
 
 def test_restores_from_the_stores_registered_memory_land_though_the_store_lets_go(gpu32, rng):
-    """The checkpoint store keeps RAM records in the engine's page-locked memory, so a restore's
-    copies run asynchronously from it: the store closed and its records freed right after the
-    restore (before the copies can have landed) still restores exactly, because the restore holds
-    its sources until its last copy has landed; a registered buffer is unregistered when freed."""
+    """Given the engine's page-locked memory (what FT_PINNED_STORE=1 hands it), the checkpoint store
+    keeps its RAM records there, so a restore's copies run asynchronously from it: the store closed
+    and its records freed right after the restore (before the copies can have landed) still restores
+    exactly, because the restore holds its sources until its last copy has landed; a registered
+    buffer is unregistered when freed."""
     import gc
 
     from checkpoint_store import CheckpointStore, StoreConfig
@@ -316,7 +317,7 @@ def test_restores_from_the_stores_registered_memory_land_though_the_store_lets_g
     full = eng.prefill(eng.new_state(), ids).logits
     snaps = eng.prefill(eng.new_state(), ids, capture_at=captures).snapshots
     anchors = [bytes([i]) for i in range(len(snaps))]
-    store = CheckpointStore(StoreConfig(ram_bytes=1 << 30, fingerprint="fp"), host_memory=eng.host_memory)
+    store = CheckpointStore(StoreConfig(ram_bytes=1 << 30, fingerprint="fp"), host_memory=eng.runtime.host_memory)
     for i, snap in enumerate(snaps):
         store.put(anchors[i], anchors[i - 1] if i else None, snap)
     records = store.load_records(anchors)

@@ -1,7 +1,7 @@
-"""Attention on the GPU: SDPA (cuDNN on bucketed rows: `PREFILL_BACKENDS`) with grouped KV heads for
-prefill, and a split-K Triton kernel for one query per sequence against slotted KV caches whose
-lengths live on the device (batched decode inside a CUDA graph: one graph serves every length up to
-the slots' capacity)."""
+"""Attention on the GPU: SDPA with grouped KV heads for prefill (flash, or cuDNN on bucketed rows
+from PREFILL_CUDNN_ROWS on), and a split-K Triton kernel for one query per sequence against slotted
+KV caches whose lengths live on the device (batched decode inside a CUDA graph: one graph serves
+every length up to the slots' capacity)."""
 
 from __future__ import annotations
 
@@ -18,17 +18,20 @@ from engine.ops.gpu.checked import Checked
 
 DECODE_SPLITS = 64
 # A prefill's causal attention where queries and keys are the same rows (a fresh sequence's first
-# chunk) runs on cuDNN (2.2x flash at 8K tokens on the H200, 0.90 against 1.95 ms a layer), padded to
-# a multiple of PREFILL_BUCKET rows: cuDNN builds an execution graph for every new shape (~45 ms, ~1 s
-# for the first; `bench/attention_shapes.py`), and a server meets a new length at nearly every such
-# prefill. Zero rows after the last are never seen by a real query (causal), so the padding changes no
-# value; `prepare_prefill` builds every bucket's graph at warm-up. Where cuDNN does not take the shape,
-# SDPA falls back to flash. FT_PREFILL_SDPA=auto: torch's own choice on unpadded rows, as before.
+# chunk). Left to itself torch runs cuDNN's on the H200, which builds an execution graph for every new
+# shape (~60 ms each, ~1.4 s for the first: `bench/attention_shapes.py`, session 20), and a server meets
+# a new length at nearly every such prefill. Below PREFILL_CUDNN_ROWS rows it runs flash (no per-shape
+# setup; 0.08-0.6 ms a layer up to 4K rows). From there on cuDNN's is the faster (8,192 rows: 0.95
+# against 2.0 ms a layer), so those rows run on it padded to a multiple of PREFILL_BUCKET in one
+# contiguous layout (its graph cache keys on shape and strides): zero rows after the last are never
+# seen by a real query (causal), so the padding changes no value, and `prepare_prefill` builds every
+# bucket's graph at warm-up (1.11 ms a layer at 8,192 with the padding's copies). Where cuDNN does not
+# take a shape SDPA falls back to flash. FT_PREFILL_SDPA=auto: torch's own choice, unpadded, as before.
+PREFILL_CUDNN_ROWS = 4096
 PREFILL_BUCKET = 512
-PREFILL_BACKENDS = (
-    None if os.environ.get("FT_PREFILL_SDPA", "cudnn") == "auto"
-    else [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-)  # fmt: skip
+AUTO = os.environ.get("FT_PREFILL_SDPA", "") == "auto"
+_FLASH = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_CUDNN = [SDPBackend.CUDNN_ATTENTION, *_FLASH]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -38,21 +41,26 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
         zero, length = torch.zeros(1, device=q.device, dtype=torch.long), torch.full((1,), total, device=q.device, dtype=torch.long)
         return decode_attention(q, k[None], v[None], zero, length)
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, T|S, D]
-    if num_q == total and PREFILL_BACKENDS is None:
+    if num_q == total and AUTO:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
+    elif num_q == total and num_q < PREFILL_CUDNN_ROWS:
+        with sdpa_kernel(_FLASH):
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
     elif num_q == total:
         pad = (0, 0, 0, -num_q % PREFILL_BUCKET)
-        with sdpa_kernel(PREFILL_BACKENDS):
-            out = F.scaled_dot_product_attention(*(F.pad(x, pad) for x in (qh, kh, vh)), is_causal=True,
-                                                 enable_gqa=True)[:, :, :num_q]  # fmt: skip
+        rows = [F.pad(x, pad).contiguous() for x in (qh, kh, vh)]  # one layout whatever the caller's
+        with sdpa_kernel(_CUDNN):
+            out = F.scaled_dot_product_attention(*rows, is_causal=True, enable_gqa=True)[:, :, :num_q]
     else:  # queries are the last rows: the causal mask is aligned to the bottom right
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(num_q, total), enable_gqa=True)
     return out[0].transpose(0, 1)
 
 
 def prepare_prefill(heads: int, kv_heads: int, dim: int, max_tokens: int, device: torch.device, dtype: torch.dtype):
-    """Build the padded prefill attention's graph of every bucket up to `max_tokens` rows (warm-up)."""
-    for rows in range(PREFILL_BUCKET, max_tokens + PREFILL_BUCKET, PREFILL_BUCKET):
+    """Build cuDNN's graph of every padded bucket up to `max_tokens` rows (warm-up)."""
+    if AUTO:
+        return
+    for rows in range(PREFILL_CUDNN_ROWS, max_tokens + PREFILL_BUCKET, PREFILL_BUCKET):
         kv = torch.zeros(rows, kv_heads, dim, device=device, dtype=dtype)
         causal_attention(torch.zeros(rows, heads, dim, device=device, dtype=dtype), kv, kv)
 

@@ -13,11 +13,12 @@ that cache ahead (at warm-up).
 
 Host -> device: a restore copies each layer's tensors on the copy stream and leaves one event per
 layer in `SequenceState.pending`; the model waits for a layer's event just before it runs that
-layer, so the copies overlap the first prefill chunk. The checkpoint store's RAM tier keeps its
-records in `registered` memory (page-locked in place), so these copies run at the link's rate and
-truly asynchronously (from pageable memory the driver stages them through its own buffers: ~6.6 GB/s
-on the H200's host against 55, and the call returns only when the staging is done); a restore holds
-its sources until its copies have landed, however the store drops them meanwhile.
+layer, so the copies overlap the first prefill chunk. With FT_PINNED_STORE=1 (`Engine.host_memory`)
+the checkpoint store's RAM tier keeps its records in `registered` memory (page-locked in place), so
+these copies run at the link's rate and truly asynchronously (from pageable memory the driver stages
+them through its own buffers: ~6.6 GB/s on the H200's host against 55, and the call returns only when
+the staging is done); a restore holds its sources until its copies have landed, however the store
+drops them meanwhile.
 """
 
 from __future__ import annotations
