@@ -202,6 +202,8 @@ class _Run:
             if isinstance(item, _Done) and item.error is not None:
                 self.error = item.error
                 yield error_event(self.protocol.error_style, item.error)
+            elif (written := self.generation.memo_written) is not None:
+                await asyncio.wrap_future(written)  # the answer ends once its ids are on disk (kill -9 keeps them)
         finally:
             if not finished:  # a client that went away stops the generation at its next step
                 self._stop()

@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Generator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -71,6 +72,7 @@ class Generation:
         self.received_at, self.planned_at, self.call_id = received_at, planned_at, call_id
         self.events: list[Event] = []
         self.answered = False  # the answer is sent; what remains checkpoints its end
+        self.memo_written: Future | None = None  # the memo's disk write of this answer's ids
 
     def steps(self) -> Generator[Feed, None, list[Event]]:
         """Returns every event emitted (for the recorder)."""
@@ -155,6 +157,7 @@ class Generation:
             return None
         message = assistant_message(self.events)
         self.memo.remember(message, generated, self.plan.memo_handle)
+        self.memo_written = self.memo.written()  # the answer's end waits for it, this worker does not
         return message
 
     def _next_turn_segments(self, reply: Message) -> list[Segment]:

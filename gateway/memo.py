@@ -28,6 +28,8 @@ generation is not a message the model would continue from.
 With a disk cache the memo is also kept on disk (`MemoFile`, an LMDB folder beside the
 checkpoints, one per model and template), written before the answer's end is sent, so a
 restart, even after `kill -9`, renders surviving sessions with the ids their checkpoints hold.
+The synced write runs on a thread of its own (`TokenMemo.written`): the answer's end waits for
+it, the engine worker, and so every other session's next step, does not.
 The disk copy never fails an answer: a folder that cannot be used or a damaged file (moved
 aside, see `checkpoint_store.environment`) leaves a memo in memory only, an entry that fails
 its checksum is dropped (a miss), and a failed write (a full disk) is counted with the
@@ -42,6 +44,7 @@ import secrets
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import lmdb
@@ -169,14 +172,23 @@ class TokenMemo:
         self._lock = threading.Lock()
         self.hits = self.misses = 0
         self.file = file
+        self._writer: ThreadPoolExecutor | None = None  # one thread: the file's writes in the order remembered
         if file is not None:
             dropped = [h for handle, entry in file.entries() for h in self._insert(handle, entry)]
             if dropped:
                 file.write(None, dropped)
+            self._writer = ThreadPoolExecutor(1, thread_name_prefix="memo-writer")
 
     def close(self) -> None:
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)  # what was remembered reaches the file first
         if self.file is not None:
             self.file.close()
+
+    def written(self) -> Future | None:
+        """Done once every entry remembered so far is on disk (its synced write may take
+        milliseconds to tens of them); None without a file."""
+        return None if self._writer is None else self._writer.submit(lambda: None)
 
     def issue_handle(self) -> str:
         """A fresh opaque handle, to send to the client before the message is complete."""
@@ -184,13 +196,14 @@ class TokenMemo:
 
     def remember(self, message: Message, token_ids: Sequence[int], handle: str | None = None) -> str:
         """Remember `token_ids` as the generation of `message`; returns its handle
-        (`handle` if given, else a new one)."""
+        (`handle` if given, else a new one). Lookups find it at once; it is on disk once
+        `written()` says so."""
         handle = handle or self.issue_handle()
         entry = MemoEntry(tuple(token_ids), content_hash(message), body_hash(message))
         with self._lock:
             dropped = self._insert(handle, entry)
-        if self.file is not None:  # only the engine worker remembers: writes stay in order
-            self.file.write((handle, entry), dropped)
+        if self._writer is not None:
+            self._writer.submit(self.file.write, (handle, entry), dropped)  # type: ignore[union-attr]
         return handle
 
     def _insert(self, handle: str, entry: MemoEntry) -> list[str]:

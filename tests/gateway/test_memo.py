@@ -137,6 +137,7 @@ def test_a_failed_memo_write_is_counted_and_the_memo_keeps_the_ids(tmp_path, cap
     with caplog.at_level(logging.WARNING):
         for _ in range(3):
             memo.remember(big, list(range(50_000)))  # about 150 KiB: does not fit
+        memo.written().result()
     assert memo.lookup(big) == list(range(50_000))
     assert errors.count == 3 and caplog.text.count("memo write failed") == 1
     memo.close()
@@ -164,4 +165,29 @@ def test_entries_written_before_checksums_are_still_read(tmp_path):
     env.close()
     memo = TokenMemo(file=MemoFile(tmp_path / "memo"))
     assert memo.lookup(message) == [4, 5]
+    memo.close()
+
+
+def test_disk_writes_run_on_their_own_thread_in_order_and_written_says_when(tmp_path):
+    """`remember` returns before its synced write (the engine worker calls it; an answer's end
+    waits for `written()` instead): held writes leave the ids in memory, not yet on disk, and
+    `written()` not done; once they run they land in the order remembered."""
+    import threading
+
+    file = MemoFile(tmp_path / "memo")
+    release, write = threading.Event(), file.write
+
+    def slow_write(put, drop=()):
+        release.wait(10)
+        write(put, drop)
+
+    file.write = slow_write
+    memo = TokenMemo(max_entries=2, file=file)
+    messages = [Message(role="assistant", content=f"m{i}") for i in range(3)]
+    handles = [memo.remember(m, [i]) for i, m in enumerate(messages)]  # the third evicts the first
+    done = memo.written()
+    assert memo.lookup(messages[2]) == [2] and not done.done() and not list(file.entries())
+    release.set()
+    done.result(10)
+    assert [h for h, _ in file.entries()] == handles[1:]
     memo.close()

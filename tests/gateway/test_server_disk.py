@@ -287,3 +287,34 @@ def test_a_full_disk_fails_no_answer_and_is_logged_once(tmp_path: Path) -> None:
     assert (
         memo_file.stat().st_size == (tmp_path / "cache" / "data.mdb").stat().st_size == limit
     )  # both hit it
+
+
+def test_an_answer_ends_once_its_memo_write_lands_and_other_sessions_do_not_wait_for_it(
+    tmp_path: Path, engine
+) -> None:
+    """The memo's synced write (its disk held here, as a slow disk would) keeps its own answer from
+    ending, so a `kill -9` after an answer still finds its ids, but not the engine worker: another
+    session's request is answered meanwhile."""
+    import threading
+
+    with embedded(tmp_path / "cache", engine) as server, server.client() as client:
+        file = server.runtime.memo.file
+        release, write = threading.Event(), file.write
+
+        def held_write(put, drop=()):
+            release.wait(30)
+            write(put, drop)
+
+        file.write = held_write
+        with ThreadPoolExecutor(1) as pool:
+            body = {**BODY, "max_tokens": 64, "ft_forced_output": FORCED}
+            complete = pool.submit(client.post, "/v1/chat/completions", json=body)
+            time.sleep(1.0)
+            assert not complete.done()  # generated, remembered, not yet on disk: not ended
+            # another session's answer, truncated (no memo write of its own), within 10 s of the 30 held
+            other = {**BODY, "messages": [SYSTEM, {"role": "user", "content": "another session"}]}
+            truncated = client.post("/v1/chat/completions", json=other, timeout=10)
+            assert truncated.status_code == 200 and not complete.done()
+            release.set()
+            assert complete.result(30).status_code == 200
+        assert len(list(file.entries())) == 1
