@@ -83,3 +83,35 @@ def test_precompute_waiting_for_its_prefix_to_be_stored_never_holds_up_a_request
         stored.set()
     rt.store_queue.wait_for(chain[:1])
     assert rt.store.longest_restorable(chain) >= 1
+
+
+def test_a_request_arriving_while_precompute_computes_starts_within_one_step(runtime, monkeypatch):
+    """Precompute's engine steps under way (its first pass of several): a live request that arrives
+    meanwhile is admitted at the next step (its steps run instead of the background's), and the
+    precompute then goes on to the end of its history."""
+    rt = runtime
+    segments = long_history(rt, "third log")
+    computing = threading.Event()
+    step = rt.engine.step
+
+    def spied(parts):  # calls the real step; says when the background pass is computing
+        out = step(parts)
+        computing.set()
+        return out
+
+    monkeypatch.setattr(rt.engine, "step", spied)
+    precompute = rt.checkpoints.schedule_precompute(segments)
+    assert computing.wait(60)
+
+    def request():
+        feed = Feed(rt.engine.new_state(), [1, 2, 3])
+        yield feed
+        return feed.result.logits.shape
+
+    within = 'queue_steps_bucket{le="1"}'
+    before = rt.scheduler.stats()[within]
+    assert rt.scheduler.start(request()).result(timeout=60) is not None
+    assert not precompute.done()  # answered while the precompute was still under way
+    assert rt.scheduler.stats()[within] == before + 1  # admitted at the step after its arrival
+    assert precompute.result(timeout=300) > 2 * PRECOMPUTE_STEP  # several passes (earlier tests' prefix aside)
+    assert run(rt, segments) == 0  # all of it checkpointed
