@@ -1,9 +1,11 @@
 """Continuous batching through the real server: concurrent sessions over the three protocols get
-exactly the answers each gets alone (greedy), a client that leaves does not disturb the others,
-and a request does not wait for the previous answer's checkpoint writes."""
+exactly the answers each gets alone (greedy), also with stop strings and streamed, a client that
+leaves does not disturb the others, and a request does not wait for the previous answer's checkpoint
+writes."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -105,6 +107,47 @@ def test_a_client_that_leaves_mid_stream_does_not_disturb_the_others(server):
         gone.result()
     assert left.is_set() and together == alone
     server.wait_idle(timeout=60)  # the departed generation was cancelled, not run to 400 tokens
+
+
+def _chat(server, i: int, stop: str | None = None, stream: bool = False) -> tuple[str, str]:
+    """Session i's answer text (thinking off) and finish reason, streamed or not, with `stop`."""
+    body = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0, "stream": stream,
+            "chat_template_kwargs": {"enable_thinking": False},
+            "messages": [{"role": "user", "content": f"Session {i}: show the diff of module_{i} " + "now " * i}]}
+    if stop is not None:
+        body["stop"] = [stop]
+    with server.client() as c:
+        if not stream:
+            r = c.post("/v1/chat/completions", json=body)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            return choice["message"]["content"] or "", choice["finish_reason"]
+        text, finish = "", None
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    for choice in chunk["choices"]:
+                        text += choice["delta"].get("content") or ""
+                        finish = choice.get("finish_reason") or finish
+        return text, finish
+
+
+def test_stop_strings_and_streams_inside_a_batch_end_each_answer_as_alone(server):
+    """Six sessions, each with a stop string from the middle of its own answer, half of them
+    streamed, run together: each ends where it ends alone, just before its stop string."""
+    sessions = range(6)
+    stops, alone = {}, {}
+    for i in sessions:
+        text, _ = _chat(server, i)
+        stops[i] = text[len(text) // 2 : len(text) // 2 + 2]
+        alone[i] = _chat(server, i, stops[i])
+        assert alone[i] == (text[: text.index(stops[i])], "stop"), f"session {i}"
+    server.wait_idle()
+    with ThreadPoolExecutor(len(sessions)) as pool:
+        together = dict(zip(sessions, pool.map(lambda i: _chat(server, i, stops[i], stream=i % 2 == 1), sessions),
+                            strict=True))  # fmt: skip
+    assert together == alone
 
 
 def test_a_request_does_not_wait_for_the_previous_answers_checkpoint_writes(server, monkeypatch):
