@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +149,19 @@ class Engine:
                 experts_host=self.offload.host_bytes,
             )
         return memory
+
+    def held_bytes(self, states: Iterable[SequenceState]) -> int:
+        """Bytes `states` hold on the engine's device beyond the decode slots (each storage once,
+        KV buffers at their capacity): what sequences kept between requests cost."""
+        slots, held = self.runner.storages(), {}
+        for state in states:
+            tensors = [*(c.k for c in state.kv.values()), *(c.v for c in state.kv.values()), *state.conv.values(),
+                       *state.rec.values()]  # fmt: skip
+            for t in tensors:
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in slots:
+                    held[storage.data_ptr()] = storage.nbytes()
+        return sum(held.values())
 
     def _make_room(self, slots: int, capacity: int) -> None:
         assert self.offload is not None

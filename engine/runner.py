@@ -149,6 +149,13 @@ class Runner:
         ptr = tensor.untyped_storage().data_ptr()
         return self.buffers is not None and any(t.untyped_storage().data_ptr() == ptr for t in self.buffers.k.values())
 
+    def storages(self) -> set[int]:
+        """The data pointers of the slot buffers' storages."""
+        if self.buffers is None:
+            return set()
+        b = self.buffers
+        return {t.untyped_storage().data_ptr() for part in (b.k, b.v, b.conv, b.rec) for t in part.values()}
+
     @property
     def nbytes(self) -> int:
         """Bytes of the slot buffers (KV, conv and recurrent state of every slot)."""

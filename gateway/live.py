@@ -13,7 +13,8 @@ class LiveSequences:
     """Sequences the worker left at a state checkpoint (an answer's end, a precompute's end),
     oldest first, at most `limit`: each is exactly what restoring its anchor's record gives, so
     a request that extends one continues it in place. Several are kept because clients interleave
-    sessions (a title or sub-agent request between two turns of the main loop). Worker thread only."""
+    sessions (a title or sub-agent request between two turns of the main loop). Worker thread only,
+    but for `states()`."""
 
     def __init__(self, limit: int):
         self.limit = limit
@@ -37,6 +38,10 @@ class LiveSequences:
                 del self._by_anchor[chain[i]]
                 return state
         return None
+
+    def states(self) -> list[SequenceState]:
+        """The kept states (a copy of the list: any thread may ask, e.g. for the memory report)."""
+        return list(self._by_anchor.values())
 
     def __len__(self) -> int:
         return len(self._by_anchor)

@@ -74,14 +74,15 @@ class Runtime:
     started_at: float = field(default_factory=time.time)
     planner: Planner = field(init=False)  # a request's plan, off the event loop
     checkpoints: Checkpoints = field(init=False)  # every request's checkpoint steps (worker only)
+    live: LiveSequences = field(init=False)  # sequences kept on the device between requests (worker only)
 
     def __post_init__(self) -> None:
         self.scheduler = Scheduler(self.engine, self.config.max_running, self.config.max_queue)
         self.store_queue = StoreQueue(self.store)
         self.planner = Planner(self.renderer, self.memo, self.root, self.volatile_rules, self.replay,
                                self.engine.max_context, self.config.default_max_tokens, self.config.max_tokens_cap)
-        live = LiveSequences(self.config.live_sequences)  # sequences left at a state checkpoint
-        self.checkpoints = Checkpoints(self.engine, self.store, self.store_queue, live, self.metrics,
+        self.live = LiveSequences(self.config.live_sequences)  # sequences left at a state checkpoint
+        self.checkpoints = Checkpoints(self.engine, self.store, self.store_queue, self.live, self.metrics,
                                        self.config.policy, self.root, self.scheduler)
 
     @property
@@ -90,9 +91,11 @@ class Runtime:
         return self.scheduler.idle and self.store_queue.idle
 
     def memory(self) -> dict[str, int]:
-        """Resident bytes by part: the engine's (weights, decode slots on its device) and the
-        checkpoint RAM cache's budget (host memory; what it holds is `ft_store_ram_bytes`)."""
-        return {**self.engine.memory(), "ram_cache_budget": int(self.config.ram_cache_gib * GiB)}  # use: ft_store_ram_bytes
+        """Resident bytes by part: the engine's (weights, decode slots on its device), the live
+        sequences' beyond the slots (on the device, kept between requests) and the checkpoint RAM
+        cache's budget (host memory; what it holds is `ft_store_ram_bytes`)."""
+        return {**self.engine.memory(), "live_sequences": self.engine.held_bytes(self.live.states()),
+                "ram_cache_budget": int(self.config.ram_cache_gib * GiB)}  # fmt: skip
 
     @property
     def volatile_rules(self) -> VolatileRules:

@@ -188,6 +188,23 @@ def test_metrics_report_resident_memory(server):
     assert _metric(server, 'ft_memory_bytes{part="ram_cache_budget"}') == int(server.runtime.config.ram_cache_gib * (1 << 30))
 
 
+def test_metrics_report_the_live_sequences_memory(server):
+    """A sequence kept on the device after its answer (continued in place by the next turn) is
+    counted beyond the decode slots, each storage once; once the next turn has taken it over and
+    its own answer is kept instead, the figure follows."""
+    body = {"model": "tiny", "max_tokens": 64, "messages": [{"role": "user", "content": "Kept?"}],
+            "ft_forced_output": {"reasoning": "Short.", "content": "Yes."}}  # a complete answer: kept live
+    with server.client() as c:
+        assert c.post("/v1/chat/completions", json=body).status_code == 200
+    server.wait_idle()
+    live = server.runtime.live.states()
+    held = _metric(server, 'ft_memory_bytes{part="live_sequences"}')
+    assert live and held == server.runtime.engine.held_bytes(live) > 0
+    kv = {c.k.untyped_storage().data_ptr(): c.k.untyped_storage().nbytes() for s in live for c in s.kv.values()}
+    slots = server.runtime.engine.runner.storages()
+    assert held >= 2 * sum(n for ptr, n in kv.items() if ptr not in slots)  # keys, and values as large
+
+
 def test_a_short_prefill_joins_the_next_step_beside_a_long_one(server):
     """The step's prefill budget goes to the fewest remaining tokens first: a 300-token tool result
     admitted after another session's long prompt gets all of its tokens into the next step, the
