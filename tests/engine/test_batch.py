@@ -16,7 +16,9 @@ SETTINGS = settings(max_examples=10, deadline=None, suppress_health_check=[Healt
 @st.composite
 def sequences(draw):
     """Per sequence: prompt, tokens fed after it, the step it joins at, where it is restored from
-    (0: a fresh state), capture points in its prompt, and after how many fed tokens it leaves."""
+    (0: a fresh state), capture points in its prompt, after how many fed tokens it leaves, and
+    whether its fed tokens are teacher-forced in one feed (`--forced-decode prefill`) rather than
+    decoded one a step."""
     out = []
     for _ in range(draw(st.integers(2, 5))):
         length = draw(st.integers(2, 70))
@@ -26,15 +28,23 @@ def sequences(draw):
         captures = draw(st.lists(st.integers(restore_at + 1, length), max_size=3, unique=True))
         leaves = draw(st.integers(1, len(fed)))  # < len(fed): cancelled mid-batch
         out.append(dict(prompt=prompt, fed=fed[:leaves], join=draw(st.integers(0, 6)), restore_at=restore_at,
-                        captures=sorted(captures)))
+                        captures=sorted(captures), forced=leaves > 2 and draw(st.booleans())))
     return out
 
 
 def solo(engine, seq) -> list[torch.Tensor]:
-    """The logits after the prompt, then after each fed token, the sequence alone."""
+    """The logits after the prompt, then after each fed token (a forced sequence: after the last),
+    the sequence alone, decoding them one by one."""
     state = engine.new_state()
     logits = [engine.prefill(state, seq["prompt"]).logits]
-    return logits + [engine.decode(state, t) for t in seq["fed"][:-1]]
+    logits += [engine.decode(state, t) for t in seq["fed"][:-1]]
+    return [logits[0], logits[-1]] if seq["forced"] else logits
+
+
+def results(seq) -> int:
+    """How many logits a sequence gives: after its prompt and each fed token, or after its prompt
+    and its forced feed."""
+    return 2 if seq["forced"] else len(seq["fed"])
 
 
 def batched(engine, seqs, budget: int) -> list[list[torch.Tensor]]:
@@ -42,7 +52,7 @@ def batched(engine, seqs, budget: int) -> list[list[torch.Tensor]]:
     logits: list[list[torch.Tensor]] = [[] for _ in seqs]
     feeds: dict[int, Feed] = {}
     step = 0
-    while any(len(out) < len(s["fed"]) for out, s in zip(logits, seqs, strict=True)):
+    while any(len(out) < results(s) for out, s in zip(logits, seqs, strict=True)):
         for i, s in enumerate(seqs):
             if s["join"] == step:
                 state = engine.new_state()
@@ -64,9 +74,9 @@ def batched(engine, seqs, budget: int) -> list[list[torch.Tensor]]:
                 continue
             logits[i].append(feed.result.logits)
             seq = seqs[i]
-            assert [s.end for s in feed.result.snapshots] == (seq["captures"] if feed.is_prefill else [])
-            if len(logits[i]) < len(seq["fed"]):
-                feeds[i] = Feed(feed.state, [seq["fed"][len(logits[i]) - 1]])
+            assert [s.end for s in feed.result.snapshots] == (seq["captures"] if len(logits[i]) == 1 else [])
+            if len(logits[i]) < results(seq):  # the next token, or all the forced ones in one feed
+                feeds[i] = Feed(feed.state, seq["fed"][:-1] if seq["forced"] else [seq["fed"][len(logits[i]) - 1]])
             else:
                 del feeds[i]  # left the batch (finished, or cancelled before its other tokens)
         step += 1
