@@ -16,25 +16,27 @@ store; with `--server URL` the replay runs once against that server, whatever it
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import msgspec
 
-from adapters.trace import Trace, TraceRequest
+from adapters.client import (
+    FLOOR_PATH,
+    ReplayError,
+    floor_ms,
+    http_wait_idle,
+    prefilled_counter,
+    send,
+)
+from adapters.trace import Trace
 
 POLICY_ORDER = ("anchor", "prefix", "user", "none")
-FLOOR_PATH = "/v1/ft/suffix_floor"
 
-
-class ReplayError(Exception):
-    """A failure worth one line: bad arguments, a bad trace, a server that refused a request."""
 
 
 class Row(msgspec.Struct):
@@ -83,108 +85,6 @@ def serve_in_thread(config: Any, engine: Any = None) -> Any:
         raise ReplayError(str(exc)) from None
 
 
-# -- one request ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Measured:
-    client_ttft_ms: float
-    server_ttft_ms: float
-    total_ms: float
-    prefilled: int
-    cached: int
-    output_tokens: int
-    server_timing: dict[str, float]
-
-
-def parse_server_timing(header: str) -> dict[str, float]:
-    """`plan;dur=1.2, restore;dur=30.5` -> {"plan": 1.2, "restore": 30.5} (entries without a duration skipped)."""
-    phases = {}
-    for item in header.split(","):
-        name, _, dur = item.strip().partition(";dur=")
-        if name and dur:
-            phases[name] = float(dur)
-    return phases
-
-
-def stream_body(req: TraceRequest) -> dict[str, Any]:
-    body = req.replay_body()
-    body["stream"] = True
-    if req.protocol == "chat":
-        body["stream_options"] = {"include_usage": True}
-    return body
-
-
-def is_output_delta(protocol: str, event: dict[str, Any]) -> bool:
-    """Whether an SSE data event carries model output (reasoning, text or a tool call)."""
-    kind = event.get("type")
-    if protocol == "anthropic":
-        return kind == "content_block_delta"
-    if protocol == "responses":
-        return isinstance(kind, str) and kind.startswith("response.") and kind.endswith(".delta")
-    for choice in event.get("choices") or []:
-        delta = choice.get("delta") or {}
-        if any(delta.get(k) for k in ("content", "reasoning_content", "reasoning", "tool_calls")):
-            return True
-    return False
-
-
-def output_tokens_of(protocol: str, event: dict[str, Any]) -> int | None:
-    if protocol == "anthropic" and event.get("type") == "message_delta":
-        return (event.get("usage") or {}).get("output_tokens")
-    if protocol == "responses" and event.get("type") in ("response.completed", "response.incomplete"):
-        return ((event.get("response") or {}).get("usage") or {}).get("output_tokens")
-    if protocol == "chat" and event.get("usage"):
-        return event["usage"].get("completion_tokens")
-    return None
-
-
-def stream_error(protocol: str, event: dict[str, Any]) -> str | None:
-    kind = event.get("type")
-    if kind in ("error", "response.failed") or (protocol == "chat" and "error" in event):
-        error = event.get("error") or (event.get("response") or {}).get("error") or event
-        return str(error.get("message", error)) if isinstance(error, dict) else str(error)
-    return None
-
-
-def sse_data(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
-    for line in lines:
-        if line.startswith("data:"):
-            data = line[5:].strip()
-            if data and data != "[DONE]":
-                yield json.loads(data)
-
-
-def send(client: httpx.Client, req: TraceRequest) -> Measured:
-    """Send one request (streaming) and measure it."""
-    started = time.perf_counter()
-    first: float | None = None
-    output_tokens: int | None = None
-    with client.stream("POST", req.path, json=stream_body(req)) as response:
-        if response.status_code != 200:
-            text = response.read().decode(errors="replace")
-            raise ReplayError(f"{req.path}: HTTP {response.status_code}: {text[:300]}")
-        for event in sse_data(response.iter_lines()):
-            if first is None and is_output_delta(req.protocol, event):
-                first = time.perf_counter()
-            if (message := stream_error(req.protocol, event)) is not None:
-                raise ReplayError(f"{req.path}: stream error: {message}")
-            output_tokens = output_tokens_of(req.protocol, event) or output_tokens
-        headers = response.headers
-    ended = time.perf_counter()
-    if "x-prefill-tokens" not in headers:
-        raise ReplayError(f"{req.path}: the server sent no x-prefill-tokens header (not an ft server?)")
-    return Measured(
-        client_ttft_ms=1000 * ((first or ended) - started),
-        server_ttft_ms=float(headers["x-server-ttft-ms"]),
-        total_ms=1000 * (ended - started),
-        prefilled=int(headers["x-prefill-tokens"]),
-        cached=int(headers["x-cached-tokens"]),
-        output_tokens=output_tokens or 0,
-        server_timing=parse_server_timing(headers.get("server-timing", "")),
-    )
-
-
 # -- sessions and policies -----------------------------------------------------------------------
 
 
@@ -225,25 +125,10 @@ def replay_trace(
     return rows
 
 
-def floor_ms(client: httpx.Client, context: int, new: int) -> float:
-    response = client.post(FLOOR_PATH, json={"context": context, "new": new})
-    if response.status_code != 200:
-        raise ReplayError(f"{FLOOR_PATH}: HTTP {response.status_code}: {response.text[:300]}")
-    return float(response.json()["ms"])
-
-
 def floor_query(row: Row) -> tuple[int, int] | None:
     """(context, new) of a row's suffix floor; None where the prompt rewrote history (new <= 0:
     how much of it is new is not known from token counts)."""
     return (row.context_tokens, row.new_tokens) if row.new_tokens > 0 else None
-
-
-def prefilled_counter(client: httpx.Client) -> int | None:
-    response = client.get("/metrics")
-    for line in response.text.splitlines() if response.status_code == 200 else []:
-        if line.startswith('ft_tokens_total{kind="prefilled"}'):
-            return int(float(line.split()[-1]))
-    return None
 
 
 def run_policy(
@@ -275,24 +160,6 @@ def copy_floors(source: PolicyRun, runs: list[PolicyRun]) -> None:
     for run in runs:
         for row in run.rows:
             row.floor_ms = floors.get((row.session, row.index, floor_query(row)), row.floor_ms)
-
-
-def http_wait_idle(url: str) -> Callable[[], None]:
-    """For a server in another process: wait until /health reports its worker idle (no job
-    queued or running; a server without that field: an empty queue)."""
-
-    def wait() -> None:
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            try:
-                health = httpx.get(f"{url}/health", timeout=10).json()
-                if health.get("idle", health.get("queue_depth", 0) == 0):
-                    return
-            except (httpx.HTTPError, ValueError):
-                return
-            time.sleep(0.05)
-
-    return wait
 
 
 # -- command line --------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ import httpx
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/engine.py would shadow the engine package
 
-from adapters.replay import http_wait_idle  # noqa: E402
+from adapters.client import http_wait_idle  # noqa: E402
 from bench.load import rss_mib  # noqa: E402
 from gateway.embedded import serve_process  # noqa: E402
 

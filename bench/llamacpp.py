@@ -29,8 +29,8 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from adapters.client import http_wait_idle  # noqa: E402
 from adapters.readers import read_trace  # noqa: E402
-from adapters.replay import http_wait_idle  # noqa: E402
 from peer.compare import (  # noqa: E402
     Sample,
     gateway_forced_sample,

@@ -348,8 +348,8 @@ def llama_side(args) -> dict:
     """llama-server with every layer's experts on the CPU, the same traces (chat ones)."""
     import msgspec  # noqa: PLC0415
 
+    from adapters.client import http_wait_idle  # noqa: PLC0415
     from adapters.readers import read_trace  # noqa: PLC0415
-    from adapters.replay import http_wait_idle  # noqa: PLC0415
     from peer.compare import llama_sample, summarise  # noqa: PLC0415
     from peer.compare import replay as llama_replay
     from peer.gguf_export import preset_gguf  # noqa: PLC0415

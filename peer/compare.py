@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from adapters.replay import parse_server_timing
+from adapters.client import parse_server_timing
 from adapters.trace import Trace, TraceRequest
 
 

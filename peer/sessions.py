@@ -35,8 +35,8 @@ from typing import Any
 import httpx
 import msgspec
 
-from adapters.replay import is_output_delta, sse_data, stream_error
-from adapters.replay import send as replay_send
+from adapters.client import send as replay_send
+from adapters.client import stream
 from adapters.replay_report import percentile
 from adapters.trace import Trace, TraceRequest
 from gateway.plan import forced_message
@@ -134,33 +134,6 @@ def plan_sessions(traces: list[Trace], k: int, renderer: Renderer) -> list[Sessi
 # -- one request, streamed ------------------------------------------------------------------------
 
 
-class Streamed(msgspec.Struct):
-    ttft_ms: float
-    total_ms: float
-    events: list[dict[str, Any]]
-
-
-def stream_chat(client: httpx.Client, body: dict[str, Any]) -> Streamed:
-    """POST a streaming chat request (to the client's base URL); the time to the first output
-    delta and to the end, and every event (llama-server's `timings` come in the last)."""
-    started = time.perf_counter()
-    first: float | None = None
-    events = []
-    with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(
-                f"HTTP {response.status_code}: {response.read().decode(errors='replace')[:300]}"
-            )
-        for event in sse_data(response.iter_lines()):
-            if first is None and is_output_delta("chat", event):
-                first = time.perf_counter()
-            if (message := stream_error("chat", event)) is not None:
-                raise RuntimeError(f"stream error: {message}")
-            events.append(event)
-    ended = time.perf_counter()
-    return Streamed(1000 * ((first or ended) - started), 1000 * (ended - started), events)
-
-
 def usage_of(events: list[dict[str, Any]]) -> dict[str, Any]:
     return next((e["usage"] for e in reversed(events) if e.get("usage")), {})
 
@@ -201,7 +174,7 @@ def ft_send(client: httpx.Client, request: TraceRequest, n: int) -> dict[str, An
 def llama_send(client: httpx.Client, request: TraceRequest, n: int) -> dict[str, Any]:
     """llama-server: `n` tokens decoded whatever they are (`ignore_eos`), its prompt cache on."""
     body = {**stream_body(request, n, "peer"), "temperature": 0, "ignore_eos": True, "cache_prompt": True}
-    s = stream_chat(client, body)
+    s = stream(client, "/v1/chat/completions", body, "chat")
     t = next((e["timings"] for e in reversed(s.events) if e.get("timings")), None)
     if t is None:
         raise RuntimeError("llama-server sent no timings")

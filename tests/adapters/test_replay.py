@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from adapters import replay
+from adapters import client
 from adapters.trace import AssistantOutput, RecordLine, ToolCall, encode_jsonl
 from ft.cli import main
 from gateway.suffix_floor import SuffixFloor, code_corpus
@@ -237,18 +237,18 @@ def test_unreachable_server_is_one_line(trace_file, capsys):
 
 
 def test_output_delta_detection_per_protocol():
-    assert replay.is_output_delta(
+    assert client.is_output_delta(
         "anthropic", {"type": "content_block_delta", "delta": {"type": "thinking_delta"}}
     )
-    assert not replay.is_output_delta("anthropic", {"type": "content_block_start"})
-    assert replay.is_output_delta("responses", {"type": "response.reasoning_text.delta"})
-    assert not replay.is_output_delta("responses", {"type": "response.output_item.added"})
-    assert replay.is_output_delta("chat", {"choices": [{"delta": {"reasoning_content": "x"}}]})
-    assert not replay.is_output_delta("chat", {"choices": [{"delta": {"role": "assistant", "content": ""}}]})
+    assert not client.is_output_delta("anthropic", {"type": "content_block_start"})
+    assert client.is_output_delta("responses", {"type": "response.reasoning_text.delta"})
+    assert not client.is_output_delta("responses", {"type": "response.output_item.added"})
+    assert client.is_output_delta("chat", {"choices": [{"delta": {"reasoning_content": "x"}}]})
+    assert not client.is_output_delta("chat", {"choices": [{"delta": {"role": "assistant", "content": ""}}]})
 
 
 def test_server_timing_header_parses():
-    from adapters.replay import parse_server_timing
+    from adapters.client import parse_server_timing
 
     assert parse_server_timing("plan;dur=1.2, queue;dur=0.0,restore;dur=30.5, prefill;dur=120") == {
         "plan": 1.2,

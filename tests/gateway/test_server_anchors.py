@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from adapters.replay import http_wait_idle
+from adapters.client import http_wait_idle
 from gateway.protocols import chat
 from gateway.render import segment_ids
 from tests.conftest import start_server
