@@ -36,6 +36,21 @@ def run(rt, segments) -> int:
     return rt.checkpoints.schedule_precompute(segments).result(timeout=300)
 
 
+def assert_admitted_within_one_step(rt) -> None:
+    """A live request of three tokens, run to its logits, admitted at the engine step after its
+    arrival (the scheduler's queue_steps histogram)."""
+
+    def request():
+        feed = Feed(rt.engine.new_state(), [1, 2, 3])
+        yield feed
+        return feed.result.logits.shape
+
+    within = 'queue_steps_bucket{le="1"}'
+    before = rt.scheduler.stats()[within]
+    assert rt.scheduler.start(request()).result(timeout=60) is not None
+    assert rt.scheduler.stats()[within] == before + 1
+
+
 def test_precompute_stops_for_a_live_request_and_resumes_from_its_checkpoints(runtime, monkeypatch):
     segments = long_history(runtime)
     total = sum(len(s.token_ids) for s in segments)
@@ -67,16 +82,7 @@ def test_precompute_waiting_for_its_prefix_to_be_stored_never_holds_up_a_request
         monkeypatch.setattr(rt.scheduler, "live_waiting", lambda: asked.set() or live_waiting())  # a spy
         precompute = rt.checkpoints.schedule_precompute(segments)
         assert asked.wait(60)  # the worker has taken it up and waits for its prefix
-
-        def request():
-            feed = Feed(rt.engine.new_state(), [1, 2, 3])
-            yield feed
-            return feed.result.logits.shape
-
-        within = 'queue_steps_bucket{le="1"}'
-        before = rt.scheduler.stats()[within]
-        assert rt.scheduler.start(request()).result(timeout=60) is not None  # ran while the store is held
-        assert rt.scheduler.stats()[within] == before + 1  # within one engine step of its arrival
+        assert_admitted_within_one_step(rt)  # while the store is held
         assert rt.store_queue.holds(chain[:1])
         assert precompute.result(timeout=60) == 0  # gave way before computing anything
     finally:
@@ -102,16 +108,7 @@ def test_a_request_arriving_while_precompute_computes_starts_within_one_step(run
     monkeypatch.setattr(rt.engine, "step", spied)
     precompute = rt.checkpoints.schedule_precompute(segments)
     assert computing.wait(60)
-
-    def request():
-        feed = Feed(rt.engine.new_state(), [1, 2, 3])
-        yield feed
-        return feed.result.logits.shape
-
-    within = 'queue_steps_bucket{le="1"}'
-    before = rt.scheduler.stats()[within]
-    assert rt.scheduler.start(request()).result(timeout=60) is not None
+    assert_admitted_within_one_step(rt)
     assert not precompute.done()  # answered while the precompute was still under way
-    assert rt.scheduler.stats()[within] == before + 1  # admitted at the step after its arrival
     assert precompute.result(timeout=300) > 2 * PRECOMPUTE_STEP  # several passes (earlier tests' prefix aside)
     assert run(rt, segments) == 0  # all of it checkpointed
