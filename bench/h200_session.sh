@@ -32,8 +32,8 @@
 #       attention-shapes  a prefill's attention at new lengths per SDPA backend: first call against the next
 #                  (bench/attention_shapes.py)
 #       attention-tests  pytest: the prefill attention against the reference, restores from registered memory, slabs
-#       sessions-ft  the `sessions` step on our side alone (no llama-server build); sessions-ft-pageable the same
-#                  with the store's RAM tier in pageable memory (FT_PINNED_STORE=0); $SESSION_K (default 1,4)
+#       sessions-ft  the `sessions` step on our side alone (no llama-server build); sessions-ft-pinned the same
+#                  with the store's RAM tier in registered memory (FT_PINNED_STORE=1); $SESSION_K (default 1,4)
 #       transfer-tests  pytest: captures cut from pinned slabs, restores (from the store's registered memory too),
 #                  several sequences' prefill with captures
 #       offload-profile  the random Q4_K_M at 8 GiB: speed, cache, link and a decode profile, no replay
@@ -154,13 +154,11 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
 e.warmup(max_batch=2); print('warm-up ran')" ;;
     attention-tests) step attention-tests python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -s \
       tests/engine/test_gpu.py -k "causal_attention or registered or slabs" ;;
-    sessions-ft) step sessions-ft python3 bench/llamacpp.py --preset $P-e64 --device cuda --dtype bf16 --only ft \
-      --ft-arg=--ram-cache=48 --sessions ${SESSION_K:-1,4} --parallel 4 --out $O/sessions-ft.json \
-      ${SESSION_TRACES:-traces/sessions/small-bugfix.recording.jsonl} --max-requests ${SESSION_REQUESTS:-8} ;;
-    sessions-ft-pageable) FT_PINNED_STORE=0 step sessions-ft-pageable python3 bench/llamacpp.py --preset $P-e64 \
-      --device cuda --dtype bf16 --only ft --ft-arg=--ram-cache=48 --sessions ${SESSION_K:-1,4} --parallel 4 \
-      --out $O/sessions-ft-pageable.json ${SESSION_TRACES:-traces/sessions/small-bugfix.recording.jsonl} \
-      --max-requests ${SESSION_REQUESTS:-8} ;;
+    sessions-ft | sessions-ft-pinned) # ours alone; -pinned: the store's RAM tier in registered memory
+      FT_PINNED_STORE=$([ $s = sessions-ft-pinned ] && echo 1 || echo 0) step $s python3 bench/llamacpp.py \
+        --preset $P-e64 --device cuda --dtype bf16 --only ft --ft-arg=--ram-cache=48 --sessions ${SESSION_K:-1,4} \
+        --parallel 4 --out $O/$s.json ${SESSION_TRACES:-traces/sessions/small-bugfix.recording.jsonl} \
+        --max-requests ${SESSION_REQUESTS:-8} ;;
     attention-shapes) step attention-shapes python3 bench/attention_shapes.py --json $O/attention-shapes.json ;;
     spans) step spans python3 bench/spans_step.py --preset $P-e64 --json $O/spans.json ;;
     spans-hold) step spans-hold python3 bench/spans_step.py --preset $P-e64 --cases 4x600x0,4x600x2 --hold --profile \

@@ -146,8 +146,7 @@ class Runner:
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` lives in the slot buffers (its memory is reused by the next sequence
         bound to its slot)."""
-        ptr = tensor.untyped_storage().data_ptr()
-        return self.buffers is not None and any(t.untyped_storage().data_ptr() == ptr for t in self.buffers.k.values())
+        return tensor.untyped_storage().data_ptr() in self.storages()
 
     def storages(self) -> set[int]:
         """The data pointers of the slot buffers' storages."""

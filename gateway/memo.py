@@ -202,8 +202,8 @@ class TokenMemo:
         entry = MemoEntry(tuple(token_ids), content_hash(message), body_hash(message))
         with self._lock:
             dropped = self._insert(handle, entry)
-        if self._writer is not None:
-            self._writer.submit(self.file.write, (handle, entry), dropped)  # type: ignore[union-attr]
+        if self._writer is not None and self.file is not None:
+            self._writer.submit(self.file.write, (handle, entry), dropped)
         return handle
 
     def _insert(self, handle: str, entry: MemoEntry) -> list[str]:

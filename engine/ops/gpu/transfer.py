@@ -58,9 +58,10 @@ def _unregister(pointer: int, size: int) -> None:
 def registered(nbytes: int) -> torch.Tensor:
     """`nbytes` of host memory page-locked in place for the device's copy engines (cudaHostRegister
     on a page-aligned numpy buffer; unregistered when the buffer is freed): what the checkpoint
-    store's RAM tier packs records into with FT_PINNED_STORE=1. Unlike pinned allocations from torch's cache, its size is
-    exact (torch rounds to a power of two) and it goes back to the system when freed. Pageable below
-    REGISTER_MIN bytes, or where the system refuses to lock more memory (logged once)."""
+    store's RAM tier packs records into with FT_PINNED_STORE=1. Unlike pinned allocations from
+    torch's cache, its size is exact (torch rounds to a power of two) and it goes back to the
+    system when freed. Pageable below REGISTER_MIN bytes, or where the system refuses to lock more
+    memory (logged once)."""
     if nbytes < REGISTER_MIN or _unregistrable:
         return torch.from_numpy(np.empty(nbytes, dtype=np.uint8))
     size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
