@@ -32,6 +32,7 @@ class Measured:
     cached: int
     output_tokens: int
     server_timing: dict[str, float]
+    link_bytes: int | None = None  # host -> device until the first token (`x-link-bytes`; a GPU's only)
 
 
 def parse_server_timing(header: str) -> dict[str, float]:
@@ -136,6 +137,7 @@ def send(client: httpx.Client, req: TraceRequest) -> Measured:
         cached=int(s.headers["x-cached-tokens"]),
         output_tokens=counts[-1] if counts else 0,
         server_timing=parse_server_timing(s.headers.get("server-timing", "")),
+        link_bytes=int(s.headers["x-link-bytes"]) if "x-link-bytes" in s.headers else None,
     )
 
 

@@ -61,6 +61,7 @@ class Row(msgspec.Struct):
     floor_ms: float | None = None
     server_timing: dict[str, float] | None = None  # the server's time to first token by phase (ms)
     fidelity: str = "identical"  # of the rebuilt request body (adapters/trace.py)
+    link_bytes: int | None = None  # host -> device until the first token (the server's `x-link-bytes`)
 
 
 class PolicyRun(msgspec.Struct):
@@ -118,6 +119,7 @@ def replay_trace(
                 total_ms=round(m.total_ms, 2),
                 server_timing=m.server_timing,
                 fidelity=req.fidelity,
+                link_bytes=m.link_bytes,
             )
         )
         context = prompt + m.output_tokens

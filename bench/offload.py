@@ -21,7 +21,8 @@ one, t + bytes x (1/pcie - 1/link) (exact where the copies are on the critical p
 an upper bound where they overlap compute). Then `--traces` replayed (`ft replay`'s driver,
 recorded answers teacher-forced) with the policies of `--policies` on the same engine: worst TTFT
 after a tool and TTFT at new user turns (requests after the first whose last message is not a
-tool result). `--llama-server` adds llama-server with its experts on the CPU (`--n-cpu-moe`, from a
+tool result), each also projected to the PCIe 4.0 link the same way from the bytes the server moved
+until that first token (its `x-link-bytes` header: restored checkpoints and experts). `--llama-server` adds llama-server with its experts on the CPU (`--n-cpu-moe`, from a
 GGUF export of the preset: chat traces only, see bench/llamacpp.py). Prints tables, writes JSON.
 """
 
@@ -221,8 +222,10 @@ def q4_k_m_file(preset: str) -> Path:
     return random_gguf(preset, PEER_HOME / "models")
 
 
-def replay(engine, args, budget: float) -> dict:
-    """Each policy over `args.traces` on a fresh store, with this engine (adapters/replay.py)."""
+def replay(engine, args, budget: float, link_bw: float | None) -> dict:
+    """Each policy over `args.traces` on a fresh store, with this engine (adapters/replay.py). With
+    `link_bw` (the measured link), each TTFT is also projected to `args.pcie` from the bytes the
+    server moved host -> device until that first token (`x-link-bytes`: restores and experts)."""
     from adapters.replay import load_traces, run_policy, serve_in_thread  # noqa: PLC0415
     from adapters.replay_report import request_table, summarize  # noqa: PLC0415
     from gateway.runtime import ServeConfig  # noqa: PLC0415
@@ -242,7 +245,8 @@ def replay(engine, args, budget: float) -> dict:
         with serve_in_thread(config, engine) as server:
             run = run_policy(server.url, policy, traces, args.limit, server.wait_idle, False, lambda: None)
         runs.append(run)
-        user = [r.client_ttft_ms for r in run.rows if r.index > 0 and not r.after_tool_result]
+        users = [r for r in run.rows if r.index > 0 and not r.after_tool_result]
+        user = [r.client_ttft_ms for r in users]
         summary = summarize(run)
         out[policy] = {
             "worst_after_tool_ms": summary.worst_after_tool_ms,
@@ -253,6 +257,11 @@ def replay(engine, args, budget: float) -> dict:
             "seconds": summary.seconds,
             "requests": [msgspec.to_builtins(r) for r in run.rows],  # each with the server's phases
         }
+        if link_bw is not None and all(r.link_bytes is not None for r in run.rows):
+            pcie4 = {id(r): 1000 * project(r.client_ttft_ms / 1000, r.link_bytes, link_bw, args.pcie) for r in run.rows}
+            after = [pcie4[id(r)] for r in run.rows if r.after_tool_result]
+            out[policy]["worst_after_tool_ms_pcie4"] = max(after, default=None)
+            out[policy]["user_turn_ttft_ms_pcie4"] = [pcie4[id(r)] for r in users]
     console = Console(width=200)
     console.print(request_table(runs))
     for run in runs:  # where each request's time to first token went, by the server's phases
@@ -338,7 +347,7 @@ def run_budget(args) -> dict:
         out["within_budget"] = out["peak_reserved_bytes"] <= budget * (1 << 30)
     if args.traces:
         started = time.perf_counter()
-        done("replay", started, replay=replay(engine, args, budget))
+        done("replay", started, replay=replay(engine, args, budget, link_bw if link is not None else None))
         if args.device == "cuda":  # live sequences and restored states included
             out["peak_reserved_replay_bytes"] = offload.peak_reserved()
     return out
@@ -467,8 +476,10 @@ def tables(results: list[dict], llama: dict | None, console: Console) -> None:
         "budget GiB",
         "policy",
         "worst after a tool",
+        "PCIe4 proj.",
         "worst at a user turn",
         "user turns",
+        "PCIe4 proj.",
         "prefilled",
     ):
         t.add_column(col, justify="right")
@@ -478,8 +489,10 @@ def tables(results: list[dict], llama: dict | None, console: Console) -> None:
                 f"{r['budget_gib']:g}",
                 policy,
                 ms(p["worst_after_tool_ms"]),
+                ms(p.get("worst_after_tool_ms_pcie4")),
                 ms(p["worst_user_turn_ms"]),
                 " ".join(ms(x) for x in p["user_turn_ttft_ms"]),
+                " ".join(ms(x) for x in p.get("user_turn_ttft_ms_pcie4", [])) or "-",
                 f"{p['prefilled_tokens']:,}",
             )
     for session, p in (llama or {}).items():
@@ -487,8 +500,10 @@ def tables(results: list[dict], llama: dict | None, console: Console) -> None:
             "-",
             f"llama.cpp --n-cpu-moe ({session})",
             ms(p["worst_after_tool_ms"]),
+            "-",
             ms(max(p["user_turn_ttft_ms"], default=None)),
             " ".join(ms(x) for x in p["user_turn_ttft_ms"]),
+            "-",
             "-",
         )
     console.print(t)

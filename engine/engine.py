@@ -206,6 +206,16 @@ class Engine:
         self.offload.flush()
         return self.offload.stats.as_dict()
 
+    def link_bytes(self) -> int | None:
+        """Bytes moved host -> device so far: restored checkpoints (on a GPU) and offloaded experts
+        (copied or read in place; the host/device split simulated on a CPU too). None where neither
+        moves any (a CPU without offload). Differences of it give a request's link traffic."""
+        restored = self.runtime.restored_bytes if self.runtime is not None else None
+        if self.offload is None:
+            return restored
+        self.offload.flush()
+        return (restored or 0) + sum(self.offload.stats.bytes_in.values())
+
     def _phase(self, name: str, tokens: int) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if self.offload is None else self.offload.phase(name, tokens)
 

@@ -49,6 +49,7 @@ class Started:
     prefill_tokens: int
     ttft_s: float
     phases: dict[str, float]  # seconds from request to first token, by phase (the Server-Timing header)
+    link_bytes: int | None  # moved host -> device from the restore to the first token (Engine.link_bytes)
 
 
 class Generation:
@@ -78,13 +79,15 @@ class Generation:
         """Returns every event emitted (for the recorder)."""
         plan, checkpoints = self.plan, self.checkpoints
         t_start = time.perf_counter()
+        linked = checkpoints.engine.link_bytes()
         state, cached = checkpoints.restore(plan.chain[:-1], plan.ends)
         t_restored = time.perf_counter()
         result = yield from checkpoints.prefill(state, plan.segments, plan.chain, plan.ends, cached)
         t_first = time.perf_counter()
         phases = {"plan": self.planned_at - self.received_at, "queue": t_start - self.planned_at,
                   "restore": t_restored - t_start, "prefill": t_first - t_restored}
-        started = Started(cached, plan.prompt_len - cached, t_first - self.received_at, phases)
+        moved = None if linked is None else cast(int, checkpoints.engine.link_bytes()) - linked
+        started = Started(cached, plan.prompt_len - cached, t_first - self.received_at, phases, moved)
         self.metrics.observe_ttft(started.ttft_s)
         self.metrics.add_tokens(prefilled=started.prefill_tokens, reused=cached)
         self.emit(started)

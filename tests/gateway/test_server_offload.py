@@ -62,13 +62,35 @@ def test_offloaded_server_answers_as_without(live_server, offloaded):
     assert _metric(offloaded, "ft_expert_cache_on_host_total") == 0  # the CPU simulation copies every miss
     assert _metric(offloaded, "ft_expert_cache_hit_ratio") == pytest.approx(hits / (hits + fetched + mapped), abs=1e-6)
     expert = engine.offload.plan.expert_bytes
-    moved = sum(
-        _metric(offloaded, f'ft_expert_cache_bytes_in_total{{phase="{p}"}}') for p in ("prefill", "decode")
-    )
-    assert moved == (misses + mapped) * expert
+    assert _moved(offloaded) == (misses + mapped) * expert
     assert _metric(offloaded, 'ft_memory_bytes{part="expert_cache"}') == engine.offload.nbytes
     with live_server.client() as c:
         assert "ft_expert_cache" not in c.get("/metrics").text
+
+
+def test_each_response_names_the_bytes_it_moved_over_the_link(live_server, offloaded):
+    """`x-link-bytes`: what moved host -> device until the first token. With one output token
+    nothing runs after it (no decode, no answer end to capture), so it is the request's whole
+    traffic as /metrics counts it; a server without offload on a CPU moves nothing and says nothing."""
+    expert = offloaded.runtime.engine.offload.plan.expert_bytes
+    body = {"model": "tiny", "max_tokens": 1, "temperature": 0}
+    for content in ("Which file parses the flags?", "Which file parses the flags? And which one tests it? " * 4):
+        offloaded.wait_idle()
+        before = _moved(offloaded)
+        with offloaded.client() as c:
+            r = c.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": content}]})
+        assert r.status_code == 200, r.text
+        offloaded.wait_idle()
+        moved = int(r.headers["x-link-bytes"])
+        assert moved > 0 and moved % expert == 0
+        assert moved == _moved(offloaded) - before
+    with live_server.client() as c:
+        r = c.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200 and "x-link-bytes" not in r.headers
+
+
+def _moved(server) -> float:
+    return sum(_metric(server, f'ft_expert_cache_bytes_in_total{{phase="{p}"}}') for p in ("prefill", "decode"))
 
 
 def test_gpu_memory_flag_reaches_the_config():

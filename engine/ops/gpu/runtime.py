@@ -47,6 +47,11 @@ class GpuRuntime:
         self.transfers.restore(state, chain, self.config, self.dtype)
         return state
 
+    @property
+    def restored_bytes(self) -> int:
+        """Bytes restores copied host -> device so far."""
+        return self.transfers.restored_bytes
+
     def wait_copies(self) -> None:
         """The compute stream waits for every host copy issued so far (before memory they read is overwritten)."""
         torch.cuda.current_stream(self.device).wait_stream(self.transfers.stream)

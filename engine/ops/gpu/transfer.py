@@ -88,6 +88,7 @@ class Transfers:
         self._slab: torch.Tensor | None = None  # the slab being cut, `_used` bytes of it taken
         self._used = 0
         self._reading: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []  # restores' sources in flight
+        self.restored_bytes = 0  # copied host -> device by restores (sources already on the device excluded)
 
     def to_host(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Pinned host copies of device `tensors` (views of one pinned buffer), complete after `sync()`."""
@@ -169,5 +170,6 @@ class Transfers:
                 event.record(self.stream)
             state.pending[layer] = event
             sources += [src for _, src in copies]
+        self.restored_bytes += sum(src.nbytes for src in sources if not src.is_cuda)
         self._reading.append((event, sources))  # the copies read them until the last event
         state.length = end
