@@ -137,7 +137,8 @@ class Engine:
     def memory(self) -> dict[str, int]:
         """Resident bytes on the engine's device: the weights (each storage once: fused projections
         are views; weights kept quantized count their packed arrays, `QuantWeight.nbytes`) and the
-        decode slots (KV and states of the sequences being decoded)."""
+        decode slots (KV and states of the sequences being decoded); on a GPU also all that torch's
+        allocator holds there (`device_reserved`: those parts and everything else)."""
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in [*self.model.parameters(), *self.model.buffers()]}
         memory = {"weights": sum(storages.values()), "decode_slots": self.runner.nbytes}
@@ -148,6 +149,8 @@ class Engine:
                 expert_stream=self.offload.stream.nbytes if self.offload.stream is not None else 0,
                 experts_host=self.offload.host_bytes,
             )
+        if self.device.type == "cuda":
+            memory["device_reserved"] = torch.cuda.memory_reserved(self.device)
         return memory
 
     def held_bytes(self, states: Iterable[SequenceState]) -> int:

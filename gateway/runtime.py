@@ -29,6 +29,7 @@ from gateway.volatile import VolatileRules
 
 log = logging.getLogger("gateway")
 GiB = 1 << 30
+DEVICE_PARTS = ("weights", "decode_slots", "expert_cache", "expert_staging", "expert_stream", "live_sequences")
 
 
 @dataclass(frozen=True)
@@ -93,9 +94,15 @@ class Runtime:
     def memory(self) -> dict[str, int]:
         """Resident bytes by part: the engine's (weights, decode slots on its device), the live
         sequences' beyond the slots (on the device, kept between requests) and the checkpoint RAM
-        cache's budget (host memory; what it holds is `ft_store_ram_bytes`)."""
-        return {**self.engine.memory(), "live_sequences": self.engine.held_bytes(self.live.states()),
-                "ram_cache_budget": int(self.config.ram_cache_gib * GiB)}  # fmt: skip
+        cache's budget (host memory; what it holds is `ft_store_ram_bytes`). On a GPU also all that
+        torch's allocator holds there (`device_reserved`) and the rest of it beyond those parts
+        (`workspace`: forwards' activations, CUDA graphs' pools, captures in flight, free blocks)."""
+        memory = {**self.engine.memory(), "live_sequences": self.engine.held_bytes(self.live.states()),
+                  "ram_cache_budget": int(self.config.ram_cache_gib * GiB)}  # fmt: skip
+        if (reserved := memory.get("device_reserved")) is not None:
+            on_device = sum(memory.get(part, 0) for part in DEVICE_PARTS)
+            memory["workspace"] = max(0, reserved - on_device)
+        return memory
 
     @property
     def volatile_rules(self) -> VolatileRules:

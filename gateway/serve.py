@@ -178,6 +178,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"  memory: weights {memory['weights'] / GiB:.2f} GiB and decode slots {memory['decode_slots'] / GiB:.2f} GiB "
           f"({runtime.engine.runner.slots} sequences x {runtime.engine.runner.capacity} tokens, growing) on "
           f"{runtime.engine.device}; checkpoint RAM cache up to {memory['ram_cache_budget'] / GiB:.1f} GiB", flush=True)
+    if "device_reserved" in memory:
+        print(f"  {memory['device_reserved'] / GiB:.2f} GiB reserved on {runtime.engine.device} in all, "
+              f"{memory['workspace'] / GiB:.2f} GiB of it workspace (activations, CUDA graphs, free blocks)", flush=True)
     if (offload := runtime.engine.offload) is not None:
         print(f"  expert offload: {offload.plan.slots} of {runtime.engine.config.num_experts} experts per layer "
               f"resident ({memory['expert_cache'] / GiB:.2f} GiB on {runtime.engine.device}), all "

@@ -250,6 +250,14 @@ def test_gpu_engine_uses_gpu_kernels(gpu_engine):
     assert gpu_engine.kernels.name == "gpu" and gpu_engine.runtime is not None
 
 
+def test_memory_report_counts_what_the_allocator_holds(gpu_engine):
+    """`device_reserved` is torch's allocator's whole holding, the parts within it."""
+    gpu_engine.prefill(gpu_engine.new_state(), list(range(1000, 1300)))  # a forward's workspace stays reserved
+    memory = gpu_engine.memory()
+    assert memory["device_reserved"] == torch.cuda.memory_reserved(gpu_engine.device)
+    assert memory["device_reserved"] > memory["weights"] + memory["decode_slots"]
+
+
 def _within_bf16_noise(got: torch.Tensor, one_pass: torch.Tensor, exact: torch.Tensor, tag: str, factor: float = 2) -> None:
     """`got` (bf16, another path) vs `exact` (fp32): no further than `factor` times the one-pass bf16
     run, and the fp32 greedy token wherever the fp32 margin exceeds twice the bf16 tolerance (the

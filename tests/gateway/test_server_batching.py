@@ -186,6 +186,21 @@ def test_metrics_report_resident_memory(server):
     assert _metric(server, 'ft_memory_bytes{part="decode_slots"}') == engine.runner.nbytes > 0
     assert engine.runner.slots >= server.runtime.config.max_running
     assert _metric(server, 'ft_memory_bytes{part="ram_cache_budget"}') == int(server.runtime.config.ram_cache_gib * (1 << 30))
+    with server.client() as c:  # a CPU has no allocator holding to report
+        assert "device_reserved" not in c.get("/metrics").text
+
+
+def test_memory_report_names_the_workspace_beyond_the_device_parts(server, monkeypatch):
+    """On a GPU the engine reports its allocator's whole holding (tests/engine/test_gpu.py); the rest
+    beyond the parts resident there is the workspace. A CPU holds none: the engine's report is
+    given one here, the arithmetic over the real parts is what is tested."""
+    runtime = server.runtime
+    parts = runtime.memory()
+    on_device = parts["weights"] + parts["decode_slots"] + parts["live_sequences"]
+    engine_memory = runtime.engine.memory
+    monkeypatch.setattr(runtime.engine, "memory", lambda: {**engine_memory(), "device_reserved": on_device + 12345})
+    assert runtime.memory()["workspace"] == 12345
+    assert _metric(server, 'ft_memory_bytes{part="workspace"}') == 12345
 
 
 def test_metrics_report_the_live_sequences_memory(server):
