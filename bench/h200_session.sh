@@ -46,6 +46,7 @@
 #       gemv-probe  the quantized decode GEMVs at the Q4_K_M shapes, 32 and 64 rows a program, or the probes
 #                  $PROBE_KINDS names (bench/gemv_probe.py --kinds, e.g. wide-dp4a,dp4a)
 #       q8x        our Q4_K_M decode per FT_Q8X in $Q8X_VALUES (default 0 1): the Q4_K GEMVs taking x as Q8_1, in dp4a
+#       memory-tests  pytest: the memory report's allocator holding on the GPU
 #       gpu-quant-tests  pytest: the Q4_K_M model on the GPU against its dequantized selves (tests/engine/test_gpu_quant.py)
 #       wide-off   our Q4_K_M decode with the large plain GEMVs at 32 rows a program, not 64 (FT_GEMV_WIDE_N)
 #       batch-profile  where a batch-8 decode step's time goes at the e64 shape (bench/profile_batch.py)
@@ -210,6 +211,7 @@ e.warmup(max_batch=2); print('warm-up ran')" ;;
         step q8x-$q8x env FT_Q8X=$q8x python3 bench/quant.py --preset $P --device cuda --parts q4_k_m --json $O/q8x-$q8x.json
       done
       ;;
+    memory-tests) step memory-tests python3 -m pytest -q -p no:cacheprovider -rfE tests/engine/test_gpu.py -k memory_report ;;
     gpu-quant-tests) step gpu-quant-tests python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_gpu_quant.py ;;
     wide-off)  # our Q4_K_M decode with every plain GEMV at 32 rows a program (FT_GEMV_WIDE_N off)
       wait $gguf 2>/dev/null
