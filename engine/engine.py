@@ -469,15 +469,6 @@ class Engine:
             if self.offload is None:
                 graphs()
                 chunk()
-                # A step decoding two sequences beside two prefills, one past 4,096 rows (one
-                # forward: the decode rows' kernels eager at lengths no graph ran); the first such
-                # step of four cold sessions cost ~0.3 s more than the next on the H200.
-                decoding = [self.new_state() for _ in range(2)]
-                for state in decoding:
-                    self.prefill(state, [1000 + i for i in range(PREFILL_BUCKETS[-1] + 45)])
-                prompts = [Feed(self.new_state(), [1000 + i for i in range(n)], capture_at=caps)
-                           for n, caps in ((4096 + 333, [1_500]), (1_111, []))]  # fmt: skip
-                self.step([*((Feed(state, [7]), 1) for state in decoding), *((f, f.remaining) for f in prompts)])
             else:  # what both allocate is measured: the expert slots keep room for them within the budget
                 offload = self.offload
 
