@@ -435,6 +435,23 @@ class Engine:
         state.length = chain[-1].end
         return state
 
+    def rewind(self, state: SequenceState, record: Snapshot) -> SequenceState:
+        """`state` put back at `record.end`, where its tokens so far ran through the chain that
+        `record` ends (its KV caches cut there; its DeltaNet states `record`'s, copied in as a
+        restore copies them): what restoring that chain gives, for the states' bytes alone."""
+        if not record.has_state or record.end > state.length:
+            raise ValueError("rewind needs a record with a state at or before the sequence's end")
+        states = Snapshot(record.end, record.end, record.without_kv().tensors)
+        if self.runtime is not None:
+            return self.runtime.restore(state, [states])
+        for cache in state.kv.values():
+            cache.length = record.end
+        for layer in self.config.deltanet_layers:
+            state.conv[layer] = states.tensors[f"conv.{layer}"].to(self.device, self.dtype, copy=True)
+            state.rec[layer] = states.tensors[f"rec.{layer}"].to(self.device, torch.float32, copy=True)
+        state.length = record.end
+        return state
+
     @torch.no_grad()
     def generate(
         self, state: SequenceState, logits: torch.Tensor, params: SamplingParams, forced: Sequence[int] | None = None

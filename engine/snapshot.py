@@ -42,6 +42,9 @@ class Snapshot:
     def without_state(self) -> Snapshot:
         return Snapshot(self.start, self.end, {n: t for n, t in self.tensors.items() if is_kv(n)})
 
+    def without_kv(self) -> Snapshot:
+        return Snapshot(self.start, self.end, {n: t for n, t in self.tensors.items() if not is_kv(n)})
+
 
 def concat_chain(snapshots: list[Snapshot]) -> Snapshot:
     """KV deltas of consecutive snapshots concatenated; the last snapshot's state."""

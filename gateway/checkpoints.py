@@ -11,7 +11,7 @@ from concurrent.futures import Future
 from typing import cast
 
 from checkpoint_store import CheckpointStore
-from engine import Engine, Feed, PrefillResult, SequenceState
+from engine import Engine, Feed, PrefillResult, SequenceState, Snapshot
 from gateway.anchors import anchor_chain, boundaries
 from gateway.live import LiveSequences
 from gateway.metrics import Metrics
@@ -60,9 +60,19 @@ class Checkpoints:
                 break
             records = self.store.load_records(list(chain[:count]))  # deltas, not joined: copied into place once
             if records is not None:
-                return self.engine.restore(records), ends[count - 1]
+                return self._restored(chain[count - 1], records), ends[count - 1]
             count = self.store.longest_restorable(list(chain))
         return self.engine.new_state(), 0
+
+    def _restored(self, anchor: bytes, records: list[Snapshot]) -> SequenceState:
+        """The state at the end of `records` (a chain ending at `anchor`): a live sequence whose
+        last turn runs through `anchor` rewound there (its KV stays in place: only the DeltaNet
+        states are copied in, from the last record), else a restore."""
+        kept = self.live.take_rewind(anchor)
+        if kept is None:
+            return self.engine.restore(records)
+        self.metrics.add_tokens(continued=records[-1].end)
+        return self.engine.rewind(kept, records[-1])
 
     def prefill(
         self, state: SequenceState, segments: Sequence[Segment], chain: Sequence[bytes], ends: Sequence[int],
@@ -83,15 +93,19 @@ class Checkpoints:
         return result
 
     def save_generation_end(
-        self, state: SequenceState, segments: Sequence[Segment], start: int, parent: bytes, generated: list[int],
+        self, state: SequenceState, segments: Sequence[Segment], start: int, prompt: Sequence[bytes],
+        generated: list[int],
     ) -> Generator[Feed, None, None]:
         """Checkpoint a generation as the next request will render it (`segments`, a memo hit),
-        after its prompt (`start` tokens, ending at anchor `parent`): KV deltas per generated
-        segment, the state after the end-of-turn token (fed here). The sequence stays live there."""
+        after its prompt (`start` tokens, its chain `prompt`): KV deltas per generated segment,
+        the state after the end-of-turn token (fed here). The sequence stays live there, and may
+        be rewound to its prompt's last message or its end by a request that shares no more of it
+        (the answer rendered otherwise, e.g. its reasoning dropped; the same prompt sent again)."""
         ends = [start + e for e in boundaries(segments)]
         if not ends or ends[-1] != state.length + 1:
             log.debug("generation end not checkpointed: %s != %s", ends[-1:] or None, state.length + 1)
             return
+        parent = prompt[-1]
         chain = anchor_chain(segments, parent)
         starts = [start, *ends[:-1]]
         snapshots = [self.engine.kv_delta(state, a, b) for a, b in zip(starts[:-1], ends[:-1], strict=True)]
@@ -99,7 +113,7 @@ class Checkpoints:
         yield feed
         tail = cast(PrefillResult, feed.result)
         self.store_queue.put(chain, parent, [*snapshots, *tail.snapshots], tail.ready)
-        self.live.keep(chain[-1], state)
+        self.live.keep(chain[-1], state, rewinds=prompt[-2:])  # a re-rendered answer; a retried prompt
 
     def schedule_precompute(self, segments: list[Segment]) -> Future:
         """Precompute `segments` in the scheduler's gaps (a background task); its future gives

@@ -104,7 +104,7 @@ class Generation:
         if message is not None:
             if keeps_generation_end(checkpoints.policy):
                 segments = self.renderer.generation_segments(generated, len(plan.conv.messages))
-                yield from checkpoints.save_generation_end(state, segments, plan.prompt_len, plan.chain[-1], generated)
+                yield from checkpoints.save_generation_end(state, segments, plan.prompt_len, plan.chain, generated)
             if precomputes(checkpoints.policy) and not message.tool_calls:
                 checkpoints.schedule_precompute(self._next_turn_segments(message))
         return self.events

@@ -18,13 +18,16 @@ class LiveSequences:
 
     def __init__(self, limit: int):
         self.limit = limit
-        self._by_anchor: OrderedDict[bytes, SequenceState] = OrderedDict()
+        # each kept state with the anchors before its own that a request may rewind it to
+        self._by_anchor: OrderedDict[bytes, tuple[SequenceState, frozenset[bytes]]] = OrderedDict()
 
-    def keep(self, anchor: bytes, state: SequenceState) -> None:
-        """Call right after a checkpoint with a state was captured at `state`'s current position."""
+    def keep(self, anchor: bytes, state: SequenceState, rewinds: Sequence[bytes] = ()) -> None:
+        """Call right after a checkpoint with a state was captured at `state`'s current position.
+        `rewinds`: earlier anchors of the sequence's own tokens (its last turn's: what a client
+        that edits that turn still shares) where `take_rewind` may hand it over."""
         if self.limit <= 0:
             return
-        self._by_anchor[anchor] = state
+        self._by_anchor[anchor] = (state, frozenset(rewinds))
         self._by_anchor.move_to_end(anchor)
         while len(self._by_anchor) > self.limit:
             self._by_anchor.popitem(last=False)
@@ -33,15 +36,27 @@ class LiveSequences:
         """The deepest kept sequence at an anchor of `chain` past its first `deeper_than - 1`
         (as deep as what the store can restore, or deeper), handed over: the request moves it on."""
         for i in range(len(chain) - 1, max(deeper_than - 1, 0) - 1, -1):
-            state = self._by_anchor.get(chain[i])
-            if state is not None and state.length == ends[i]:
+            kept = self._by_anchor.get(chain[i])
+            if kept is not None and kept[0].length == ends[i]:
                 del self._by_anchor[chain[i]]
+                return kept[0]
+        return None
+
+    def take_rewind(self, anchor: bytes) -> SequenceState | None:
+        """The newest kept sequence that may be rewound to `anchor` (its tokens run through it),
+        handed over: the caller puts it back there (`Engine.rewind`). E.g. Qwen's template drops
+        an answer's reasoning once a new user message follows: the next request shares the answer's
+        sequence up to the message before it, where its KV still lies in place."""
+        for key in reversed(self._by_anchor):
+            state, rewinds = self._by_anchor[key]
+            if anchor in rewinds:
+                del self._by_anchor[key]
                 return state
         return None
 
     def states(self) -> list[SequenceState]:
         """The kept states (a copy of the list: any thread may ask, e.g. for the memory report)."""
-        return list(self._by_anchor.values())
+        return [state for state, _ in self._by_anchor.values()]
 
     def __len__(self) -> int:
         return len(self._by_anchor)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -49,6 +50,34 @@ def test_teacher_forced_decode_then_prefill_equals_full_prefill(tiny, case, forc
     restored = tiny.restore(snapshot)
     after = tiny.prefill(restored, [forced[-1], *tail])
     assert (after.logits - full.logits).abs().max().item() <= TOL
+
+
+@SETTINGS
+@given(case=sequence_and_captures(), data=st.data(), decoded=st.lists(st.integers(0, 248_000), max_size=6))
+def test_a_sequence_rewound_to_a_capture_continues_as_a_restore(tiny, case, data, decoded):
+    """A sequence that went on past a capture (more prompt, decoded tokens on its decode slot) put
+    back there with the capture's DeltaNet states (its KV cut in place) continues exactly as a
+    restore of the chain up to it (`Engine.rewind`)."""
+    ids, captures = case
+    state = tiny.new_state()
+    snapshots = tiny.prefill(state, ids, capture_at=captures).snapshots
+    for token in decoded:
+        tiny.decode(state, token)
+    upto = data.draw(st.integers(1, len(captures)))
+    suffix = data.draw(st.lists(st.integers(0, 248_000), min_size=1, max_size=40))
+    restored = tiny.prefill(tiny.restore(snapshots[:upto]), suffix).logits
+    rewound_state = tiny.rewind(state, snapshots[upto - 1])
+    assert rewound_state is state and state.length == captures[upto - 1]
+    assert (tiny.prefill(state, suffix).logits - restored).abs().max().item() <= TOL
+
+
+def test_rewind_needs_a_state_within_the_sequence(tiny):
+    state = tiny.new_state()
+    kv_only, with_state = tiny.prefill(state, list(range(1000, 1040)), capture_at=[10, 20], state_at={20}).snapshots
+    with pytest.raises(ValueError, match="rewind needs"):
+        tiny.rewind(state, kv_only)
+    with pytest.raises(ValueError, match="rewind needs"):
+        tiny.rewind(tiny.new_state(), with_state)
 
 
 def test_state_at_limits_which_snapshots_hold_a_state(tiny):

@@ -176,6 +176,36 @@ def test_a_request_extending_the_last_answer_continues_it_in_place_exactly(serve
     assert_continuation_is_exact(continuation_answers(server))
 
 
+def test_a_new_user_turn_rewinds_the_answer_to_its_prompt_and_answers_as_a_restore():
+    """Qwen's template drops an answer's reasoning once a new user message follows, so the next
+    request shares the answer's sequence only up to the user message before it. With no precompute
+    (the `user` policy: states at client messages) the kept sequence is rewound there, its KV in
+    place and only the DeltaNet states copied in: the same greedy answer as a restore from the
+    store (live sequences off), the prefix counted as continued."""
+    results = []
+    for live_sequences in (4, 0):
+        s = start_server(preset="tiny", policy="user", live_sequences=live_sequences)
+        try:
+            with s.client() as client:
+                messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Explain the bug."}]
+                forced = {"reasoning": "Think it over first.", "content": "It is an off-by-one."}
+                response, _, _ = call(client, messages, forced)
+                messages += [assistant_turn(response, forced["reasoning"]), {"role": "user", "content": "Fix it."}]
+                s.wait_idle()
+                before = s.runtime.metrics.tokens["continued"]
+                body = {"model": "tiny", "messages": messages, "tools": TOOLS, "max_tokens": 24, "temperature": 0}
+                r = client.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                results.append((r.json()["choices"][0]["message"], int(r.headers["x-cached-tokens"]),
+                                s.runtime.metrics.tokens["continued"] - before))
+        finally:
+            s.stop()
+    (rewound, cached, continued), (restored, cached_restored, continued_restored) = results
+    assert cached == cached_restored > 0
+    assert continued == cached and continued_restored == 0
+    assert rewound == restored
+
+
 @pytest.mark.parametrize("live_sequences", [0, 1, 2])
 def test_interleaved_sessions_each_continue_in_place_while_kept(live_sequences):
     """Two sessions take turns (as a client's side requests interleave with its main loop): with

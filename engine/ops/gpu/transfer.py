@@ -141,7 +141,9 @@ class Transfers:
         self.pending.clear()
 
     def restore(self, state: SequenceState, chain: Sequence[Snapshot], config: ModelConfig, dtype: torch.dtype) -> None:
-        """Fill the empty `state` from `chain` (KV deltas from 0, the last one holding a state)."""
+        """Fill the empty `state` from `chain` (KV deltas from 0, the last one holding a state); or
+        put a `state` whose KV already holds the chain's back at its end: `chain` is then the
+        last state alone, a snapshot of no tokens (`Engine.rewind`)."""
         self._reading = [(event, held) for event, held in self._reading if not event.query()]
         end = chain[-1].end
         last = chain[-1].tensors
@@ -153,7 +155,7 @@ class Transfers:
             if layer in state.kv:
                 cache = state.kv[layer]
                 cache.reserve(end + KV_HEADROOM)
-                for snap in chain:
+                for snap in (s for s in chain if s.end > s.start):
                     copies.append((cache.k[snap.start : snap.end], snap.tensors[f"kv.{layer}.k"]))
                     copies.append((cache.v[snap.start : snap.end], snap.tensors[f"kv.{layer}.v"]))
                 cache.length = end
