@@ -36,14 +36,15 @@ class Checkpoints:
         self.engine, self.store, self.store_queue, self.live = engine, store, store_queue, live
         self.metrics, self.policy, self.root, self.scheduler = metrics, policy, root, scheduler
 
-    def restore(self, chain: Sequence[bytes], ends: Sequence[int]) -> tuple[SequenceState, int]:
+    def restore(self, chain: Sequence[bytes], ends: Sequence[int], rewind: bool = True) -> tuple[SequenceState, int]:
         """A state at the end of the longest restorable prefix of `chain` (a fresh state when none)
         and the number of tokens it covers. When a live sequence sits at that prefix's end or deeper
         (the previous answer, or the precomputed history, that this request extends), it is continued
         in place: the same state with no copy (on a GPU: no host-to-device transfer of the prefix).
         Checkpoints of `chain` still on their way into the store are waited for, no others; the
         match is recomputed only after such a wait (only this thread queues checkpoints, so with
-        none of `chain` queued before the match, the match is final)."""
+        none of `chain` queued before the match, the match is final). With `rewind`, a live sequence
+        that ran through the restored prefix's end may be put back there instead (`_restored`)."""
         if self.policy == "none" or not chain:
             return self.engine.new_state(), 0
         queued = self.store_queue.holds(chain)
@@ -60,15 +61,15 @@ class Checkpoints:
                 break
             records = self.store.load_records(list(chain[:count]))  # deltas, not joined: copied into place once
             if records is not None:
-                return self._restored(chain[count - 1], records), ends[count - 1]
+                kept = self.live.take_rewind(chain[count - 1]) if rewind else None
+                return self._restored(kept, records), ends[count - 1]
             count = self.store.longest_restorable(list(chain))
         return self.engine.new_state(), 0
 
-    def _restored(self, anchor: bytes, records: list[Snapshot]) -> SequenceState:
-        """The state at the end of `records` (a chain ending at `anchor`): a live sequence whose
-        last turn runs through `anchor` rewound there (its KV stays in place: only the DeltaNet
-        states are copied in, from the last record), else a restore."""
-        kept = self.live.take_rewind(anchor)
+    def _restored(self, kept: SequenceState | None, records: list[Snapshot]) -> SequenceState:
+        """The state at the end of `records`: `kept` (a live sequence that ran through it) rewound
+        there (its KV stays in place: only the DeltaNet states are copied in, from the last record),
+        else a restore."""
         if kept is None:
             return self.engine.restore(records)
         self.metrics.add_tokens(continued=records[-1].end)
@@ -133,7 +134,8 @@ class Checkpoints:
             return 0
         if self.store.longest_restorable(chain) == len(chain):
             return 0
-        state, done = self.restore(chain, ends)
+        # a copy off any request's path: the answer's own sequence stays live for one that extends it
+        state, done = self.restore(chain, ends, rewind=False)
         computed, at_state = 0, None
         for i, end in enumerate(ends):
             if end <= done or (end - done < PRECOMPUTE_STEP and i + 1 < len(ends)):

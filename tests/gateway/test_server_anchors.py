@@ -206,6 +206,22 @@ def test_a_new_user_turn_rewinds_the_answer_to_its_prompt_and_answers_as_a_resto
     assert rewound == restored
 
 
+def test_precompute_leaves_the_answers_own_sequence_live():
+    """Precompute restores its prefix by a copy (in the gaps, off any request's path), not by
+    rewinding the answer's sequence, which stays kept beside the precomputed history for a request
+    that extends the answer as it was generated."""
+    s = start_server(preset="tiny", policy="anchor")
+    try:
+        with s.client() as client:
+            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Summarise the repo."}]
+            call(client, messages, {"reasoning": "Look first.", "content": "It is small."})
+        s.wait_idle()
+        assert s.runtime.metrics.tokens["precomputed"] > 0
+        assert len(s.runtime.live) == 2
+    finally:
+        s.stop()
+
+
 @pytest.mark.parametrize("live_sequences", [0, 1, 2])
 def test_interleaved_sessions_each_continue_in_place_while_kept(live_sequences):
     """Two sessions take turns (as a client's side requests interleave with its main loop): with
