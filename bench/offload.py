@@ -22,8 +22,9 @@ an upper bound where they overlap compute). Then `--traces` replayed (`ft replay
 recorded answers teacher-forced) with the policies of `--policies` on the same engine: worst TTFT
 after a tool and TTFT at new user turns (requests after the first whose last message is not a
 tool result), each also projected to the PCIe 4.0 link the same way from the bytes the server moved
-until that first token (its `x-link-bytes` header: restored checkpoints and experts). `--llama-server` adds llama-server with its experts on the CPU (`--n-cpu-moe`, from a
-GGUF export of the preset: chat traces only, see bench/llamacpp.py). Prints tables, writes JSON.
+until that first token (its `x-link-bytes` header: restored checkpoints and experts). `--llama-server`
+adds llama-server with its experts on the CPU (`--n-cpu-moe`, from a GGUF export of the preset: chat
+traces only, see bench/llamacpp.py). Prints tables, writes JSON.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from concurrent.futures import Future
 from typing import cast
 
 from checkpoint_store import CheckpointStore
-from engine import Engine, Feed, PrefillResult, SequenceState, Snapshot
+from engine import Engine, Feed, PrefillResult, SequenceState
 from gateway.anchors import anchor_chain, boundaries
 from gateway.live import LiveSequences
 from gateway.metrics import Metrics
@@ -44,7 +44,8 @@ class Checkpoints:
         Checkpoints of `chain` still on their way into the store are waited for, no others; the
         match is recomputed only after such a wait (only this thread queues checkpoints, so with
         none of `chain` queued before the match, the match is final). With `rewind`, a live sequence
-        that ran through the restored prefix's end may be put back there instead (`_restored`)."""
+        that ran through the restored prefix's end (`LiveSequences.take_rewind`) is put back there
+        instead (`Engine.rewind`)."""
         if self.policy == "none" or not chain:
             return self.engine.new_state(), 0
         queued = self.store_queue.holds(chain)
@@ -62,18 +63,12 @@ class Checkpoints:
             records = self.store.load_records(list(chain[:count]))  # deltas, not joined: copied into place once
             if records is not None:
                 kept = self.live.take_rewind(chain[count - 1]) if rewind else None
-                return self._restored(kept, records), ends[count - 1]
+                if kept is None:
+                    return self.engine.restore(records), ends[count - 1]
+                self.metrics.add_tokens(continued=ends[count - 1])  # its KV in place: only the states copied in
+                return self.engine.rewind(kept, records[-1]), ends[count - 1]
             count = self.store.longest_restorable(list(chain))
         return self.engine.new_state(), 0
-
-    def _restored(self, kept: SequenceState | None, records: list[Snapshot]) -> SequenceState:
-        """The state at the end of `records`: `kept` (a live sequence that ran through it) rewound
-        there (its KV stays in place: only the DeltaNet states are copied in, from the last record),
-        else a restore."""
-        if kept is None:
-            return self.engine.restore(records)
-        self.metrics.add_tokens(continued=records[-1].end)
-        return self.engine.rewind(kept, records[-1])
 
     def prefill(
         self, state: SequenceState, segments: Sequence[Segment], chain: Sequence[bytes], ends: Sequence[int],

@@ -4,8 +4,9 @@ off the event loop, run the generation on the engine worker, and answer with SSE
 Headers are sent once the first token is ready, so every response carries what was
 restored and computed: `x-cached-tokens`, `x-prefill-tokens`, `x-server-ttft-ms`, and where
 the time to the first token went (`server-timing`: plan, queue, restore, prefill, in ms); on a
-GPU, `x-link-bytes`: the bytes copied host -> device meanwhile (restored checkpoints, offloaded
-experts; every sequence's in the steps it shared), from which a slower link's TTFT is projected."""
+GPU or under a memory budget, `x-link-bytes`: the bytes copied host -> device meanwhile (restored
+checkpoints, offloaded experts; every sequence's in the steps it shared), from which a slower
+link's TTFT is projected."""
 
 from __future__ import annotations
 
@@ -105,7 +106,7 @@ async def generate(request: Request, protocol: Protocol) -> Response:
         "x-server-ttft-ms": f"{1000 * first.ttft_s:.1f}",
         "server-timing": ", ".join(f"{name};dur={1000 * s:.1f}" for name, s in first.phases.items()),
     }
-    if first.link_bytes is not None:  # a GPU's restores, offloaded experts
+    if first.link_bytes is not None:
         headers["x-link-bytes"] = str(first.link_bytes)
     model = conv.model or rt.model_id
     if conv.params.stream:
