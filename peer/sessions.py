@@ -19,8 +19,8 @@ another's beyond the system prompt and tools (which real sessions share too).
 
 Client TTFT is the time from sending a request to the first streamed delta of output (reasoning,
 text or a tool call). Rows carry the server's own view: our `x-server-ttft-ms`, `server-timing`
-phases and `x-prefill-tokens` / `x-cached-tokens`; llama-server's `timings` (`prompt_ms`,
-`prompt_n`, `cache_n`, `predicted_n`).
+phases, `x-prefill-tokens` / `x-cached-tokens` and (on a GPU) `x-link-bytes`; llama-server's
+`timings` (`prompt_ms`, `prompt_n`, `cache_n`, `predicted_n`).
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ class Turn(msgspec.Struct):
     output_tokens: int
     answer_tokens: int  # what was asked for: the recorded answer's length
     phases: dict[str, float] | None = None  # ours: server-timing (plan, queue, restore, prefill)
+    link_bytes: int | None = None  # ours on a GPU: copied host -> device until the first token (x-link-bytes)
 
 
 class RunSummary(msgspec.Struct):
@@ -168,6 +169,7 @@ def ft_send(client: httpx.Client, request: TraceRequest, n: int) -> dict[str, An
         reused=m.cached,
         output_tokens=m.output_tokens,
         phases=m.server_timing,
+        link_bytes=m.link_bytes,
     )
 
 
