@@ -307,6 +307,30 @@ def test_restore_then_suffix_matches_full_prefill(gpu_engine, gpu32, rng, trial)
     _within_bf16_noise(rest, full, exact, "restore_split_bf16", factor=8)
 
 
+def test_a_rewound_sequence_continues_as_a_restore_and_copies_only_its_states(gpu32, rng):
+    """A sequence that decoded on its slot past a capture, rewound there (`Engine.rewind`: its KV
+    cut in place, the capture's DeltaNet states copied in), continues as a restore of the chain up
+    to it does; its copies are the states' bytes alone, a restore's also the KV."""
+    eng = gpu32
+    length = rng.randrange(600, 1500)
+    ids = [rng.randrange(248_000) for _ in range(length)]
+    captures = sorted(rng.sample(range(1, length), 3))
+    state = eng.new_state()
+    snaps = eng.prefill(state, ids, capture_at=captures).snapshots
+    for token in (11, 12, 13):
+        eng.decode(state, token)
+    suffix = [rng.randrange(248_000) for _ in range(rng.randrange(1, 700))]
+    upto = rng.randrange(1, len(captures) + 1)
+    moved = eng.link_bytes()
+    restored = eng.prefill(eng.restore(snaps[:upto]), suffix).logits
+    restore_bytes, moved = eng.link_bytes() - moved, eng.link_bytes()
+    eng.rewind(state, snaps[upto - 1])
+    rewound = eng.prefill(state, suffix).logits
+    assert eng.link_bytes() - moved == snaps[upto - 1].without_kv().nbytes < restore_bytes
+    metric("rewind_vs_restore_fp32", rel(rewound, restored))
+    assert rel(rewound, restored) <= FP32_TOL, SEED
+
+
 def test_restores_from_the_stores_registered_memory_land_though_the_store_lets_go(gpu32, rng):
     """Given the engine's page-locked memory (what FT_PINNED_STORE=1 hands it), the checkpoint store
     keeps its RAM records there, so a restore's copies run asynchronously from it: the store closed
