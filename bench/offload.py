@@ -259,10 +259,11 @@ def replay(engine, args, budget: float, link_bw: float | None) -> dict:
             "requests": [msgspec.to_builtins(r) for r in run.rows],  # each with the server's phases
         }
         if link_bw is not None and all(r.link_bytes is not None for r in run.rows):
-            pcie4 = {id(r): 1000 * project(r.client_ttft_ms / 1000, r.link_bytes, link_bw, args.pcie) for r in run.rows}
-            after = [pcie4[id(r)] for r in run.rows if r.after_tool_result]
-            out[policy]["worst_after_tool_ms_pcie4"] = max(after, default=None)
-            out[policy]["user_turn_ttft_ms_pcie4"] = [pcie4[id(r)] for r in users]
+            def pcie4(r) -> float:
+                return 1000 * project(r.client_ttft_ms / 1000, r.link_bytes, link_bw, args.pcie)
+
+            out[policy]["worst_after_tool_ms_pcie4"] = max((pcie4(r) for r in run.rows if r.after_tool_result), default=None)
+            out[policy]["user_turn_ttft_ms_pcie4"] = [pcie4(r) for r in users]
     console = Console(width=200)
     console.print(request_table(runs))
     for run in runs:  # where each request's time to first token went, by the server's phases

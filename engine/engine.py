@@ -428,12 +428,7 @@ class Engine:
             cache.reserve(chain[-1].end)
             for part in chain:  # each delta copied into place once (store views are read-only)
                 cache.append(part.tensors[f"kv.{layer}.k"].to(self.dtype), part.tensors[f"kv.{layer}.v"].to(self.dtype))
-        last = chain[-1].tensors
-        for layer in self.config.deltanet_layers:
-            state.conv[layer] = last[f"conv.{layer}"].to(self.device, self.dtype, copy=True)
-            state.rec[layer] = last[f"rec.{layer}"].to(self.device, torch.float32, copy=True)
-        state.length = chain[-1].end
-        return state
+        return self._load_states(state, chain[-1])
 
     def rewind(self, state: SequenceState, record: Snapshot) -> SequenceState:
         """`state` put back at `record.end`, where its tokens so far ran through the chain that
@@ -441,14 +436,17 @@ class Engine:
         restore copies them): what restoring that chain gives, for the states' bytes alone."""
         if not record.has_state or record.end > state.length:
             raise ValueError("rewind needs a record with a state at or before the sequence's end")
-        states = Snapshot(record.end, record.end, record.without_kv().tensors)
         if self.runtime is not None:
-            return self.runtime.restore(state, [states])
+            return self.runtime.restore(state, [Snapshot(record.end, record.end, record.without_kv().tensors)])
         for cache in state.kv.values():
             cache.length = record.end
+        return self._load_states(state, record)
+
+    def _load_states(self, state: SequenceState, record: Snapshot) -> SequenceState:
+        """On the CPU: `record`'s DeltaNet states copied into `state`, which ends where `record` does."""
         for layer in self.config.deltanet_layers:
-            state.conv[layer] = states.tensors[f"conv.{layer}"].to(self.device, self.dtype, copy=True)
-            state.rec[layer] = states.tensors[f"rec.{layer}"].to(self.device, torch.float32, copy=True)
+            state.conv[layer] = record.tensors[f"conv.{layer}"].to(self.device, self.dtype, copy=True)
+            state.rec[layer] = record.tensors[f"rec.{layer}"].to(self.device, torch.float32, copy=True)
         state.length = record.end
         return state
 
