@@ -38,7 +38,8 @@
 #                  several sequences' prefill with captures
 #       offload-profile  the random Q4_K_M at 8 GiB: speed, cache, link and a decode profile, no replay
 #       offload    the random Q4_K_M at 8 GiB with the replay (24 requests), at 12 and 24 GiB without; profiles
-#       offload-8  the random Q4_K_M at 8 GiB with the replay (24 requests, anchor and prefix), no profiles
+#       offload-8  the random Q4_K_M at 8 GiB with the replay (24 requests, anchor and prefix), no profiles;
+#                  $OFFLOAD_STEP_LOG=MS logs its slow prefill forwards (bench/offload.py --step-log)
 #       offload-llama  llama-server --n-cpu-moe on the same file and requests
 #       q4-variants  our Q4_K_M's decode per GEMV launch setting ($GEMV_VARIANTS, bench/quant.py --gemv-variants)
 #       slot-seed  the graphed slot prefill's bf16 test at one seed ($FT_TEST_SEED), shared expert folded and apart
@@ -140,7 +141,7 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
       tests/engine/test_quant_kernels.py \
       tests/engine/test_gpu.py::test_grouped_experts_of_a_streamed_piece_skip_the_absent_assignments ;;
     capture-tests) step capture-tests python3 -m pytest -q -p no:cacheprovider -o log_cli=true --log-cli-level=WARNING tests/engine/test_gpu.py \
-      -k "restore_then_suffix or prefill_matches_cpu or slot_prefill_matches or graph_decode or batched_decode or padded_batch" ;;
+      -k "restore_then_suffix or prefill_matches_cpu or slot_prefill_matches or graph_decode or batched_decode or padded_batch or rewound" ;;
     quant-tests) step quant-tests python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/engine/test_quant_model.py ;;
     offload-tests) step offload-tests python3 -m pytest -q -p no:cacheprovider -s -rfE --tb=short tests/engine/test_offload_gpu.py ;;
     offload-peak) step offload-peak python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_offload_gpu.py -k peak ;;
@@ -187,7 +188,7 @@ e.warmup(max_batch=2); print('warm-up ran')" ;;
     offload-8)
       wait $gguf 2>/dev/null
       step offload-8 python3 bench/offload.py --preset $P --q4-k-m --budgets 8 --limit 24 --policies anchor,prefix \
-        --json $O/offload-8.json
+        ${OFFLOAD_STEP_LOG:+--step-log $OFFLOAD_STEP_LOG} --json $O/offload-8.json
       ;;
     offload-llama)
       wait $builder 2>/dev/null

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -348,6 +349,10 @@ def run_budget(args) -> dict:
         out["peak_reserved_bytes"] = offload.peak_reserved()
         out["within_budget"] = out["peak_reserved_bytes"] <= budget * (1 << 30)
     if args.traces:
+        if args.step_log is not None:  # the replay's slow forwards, each split into host and device time
+            logging.basicConfig(format="%(message)s")
+            logging.getLogger("engine.engine").setLevel(logging.INFO)
+            engine.step_log_ms = args.step_log
         started = time.perf_counter()
         done("replay", started, replay=replay(engine, args, budget, link_bw if link is not None else None))
         if args.device == "cuda":  # live sequences and restored states included
@@ -403,7 +408,7 @@ def child(args, budget: str) -> dict:
     """Run one budget in a fresh interpreter; its JSON result."""
     out = Path(args.json).with_suffix(f".{budget}.json")
     argv = [sys.executable, __file__, "--child", "--budgets", budget, "--json", str(out)]
-    for name in ("preset", "device", "context", "decode_steps", "pcie", "policies", "limit"):
+    for name in ("preset", "device", "context", "decode_steps", "pcie", "policies", "limit", "step_log"):
         if (value := getattr(args, name)) is not None:
             argv += [f"--{name.replace('_', '-')}", str(value)]
     argv += ["--traces", *args.traces] if args.traces else ["--no-replay"]
@@ -531,6 +536,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-replay", action="store_true")
     p.add_argument("--policies", default="anchor,prefix,none")
     p.add_argument("--limit", type=int, default=None, help="requests per trace")
+    p.add_argument(
+        "--step-log", type=float, default=None, metavar="MS",
+        help="during the replay, log each prefill forward slower than MS ms: its time fitting the budget, "
+        "queueing the forward and on the device after it (a sync after each forward), link bytes, expert slots",
+    )  # fmt: skip
     p.add_argument("--llama-server", action="store_true", help="also llama-server with --n-cpu-moe")
     p.add_argument(
         "--profile",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,10 @@ class Engine:
         self.slot_prefill = self.runner.use_graph and (offload is None or offload.holds_all)
         if offload is not None:
             offload.on_change = self._after_offload_change
+        # log every prefill forward slower than this many ms (INFO, this module's logger), its time
+        # split into fitting the budget, queueing the forward and the device finishing it (a sync
+        # after each forward while set: a diagnosis, not a serving mode)
+        self.step_log_ms: float | None = None
 
     @classmethod
     def load(cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
@@ -274,13 +279,19 @@ class Engine:
         if not parts:
             return
         spans = [feed.span(count) for feed, count in parts]
+        timer = _StepTimer(self) if self.step_log_ms is not None else None
         self._fit_budget(parts, spans)
+        if timer is not None:
+            timer.mark("fit")
         ids = torch.as_tensor([t for feed, count in parts for t in feed.next_ids(count)], dtype=torch.long, device=self.device)
         batch: Spans | Mixed = Spans(spans)
         if decodes:
             decode_ids, rows = self.runner.slot_batch([f.state for f in decodes], [f.token_ids[0] for f in decodes])
             ids, batch = torch.cat([decode_ids, ids]), Mixed(rows, batch)
         hidden, captures = self._prefill_forward(ids, batch)  # [T, H]
+        if timer is not None:
+            timer.mark("queue")
+            timer.done(len(ids), len(parts), sum(len(span.capture_at) for span in spans))
         self.runner.commit([f.state for f in decodes])
         lo, finished = len(decodes), []
         for (feed, count), span, caps in zip(parts, spans, captures, strict=True):
@@ -523,6 +534,44 @@ class Engine:
         self.step([(feed, 1)])
         assert feed.result is not None
         return feed.result.logits
+
+
+class _StepTimer:
+    """`Engine.step_log_ms`: one prefill forward's host time by part, then (after a sync) the
+    device's rest, logged when the whole passes the threshold."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.start = self.last = time.perf_counter()
+        self.parts: dict[str, float] = {}
+        self.slots = engine.offload.plan.slots if engine.offload is not None else None
+        self.link = self._copied()
+
+    def _copied(self) -> int:
+        """Bytes counted over the link on the host so far (restores, streamed and fetched experts;
+        not yet those decode read in place, which wait for its counters)."""
+        runtime, offload = self.engine.runtime, self.engine.offload
+        restored = runtime.restored_bytes if runtime is not None else 0
+        return restored + (sum(offload.stats.bytes_in.values()) if offload is not None else 0)
+
+    def mark(self, name: str) -> None:
+        now = time.perf_counter()
+        self.parts[name], self.last = (now - self.last) * 1e3, now
+
+    def done(self, tokens: int, sequences: int, captures: int) -> None:
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)
+        self.mark("device")
+        total = (self.last - self.start) * 1e3
+        assert self.engine.step_log_ms is not None
+        if total < self.engine.step_log_ms:
+            return
+        parts = " ".join(f"{name} {ms:.1f}" for name, ms in self.parts.items())
+        extra = f"; link {(self._copied() - self.link) / 2**20:,.1f} MiB"
+        if self.engine.offload is not None:
+            extra += f", expert slots {self.slots} -> {self.engine.offload.plan.slots}"
+        log.info("prefill forward of %d tokens (%d sequences, %d captures): %.1f ms (%s)%s",
+                 tokens, sequences, captures, total, parts, extra)  # fmt: skip
 
 
 def chunk_tokens(device: torch.device) -> int:

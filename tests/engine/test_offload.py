@@ -117,6 +117,28 @@ def test_two_prefills_in_one_streamed_forward_match_no_offload(tiny, offloaded):
     assert (out["plain"] - out["offload"]).abs().max().item() <= TOL
 
 
+def test_the_step_log_names_a_slow_streamed_forward_its_parts_and_link_bytes(offloaded, caplog):
+    """`Engine.step_log_ms`: a forward past the threshold is logged with its parts, the bytes its
+    streamed experts moved and the slots; one under it, or with the log off, is not."""
+    state = offloaded.new_state()
+    try:
+        with caplog.at_level("INFO", logger="engine.engine"):
+            offloaded.step_log_ms = 0.0
+            offloaded.prefill(state, list(range(300, 340)), capture_at=[20, 40])
+            offloaded.step_log_ms = 1e9
+            offloaded.prefill(state, list(range(400, 440)))
+            offloaded.step_log_ms = None
+            offloaded.prefill(state, list(range(500, 540)))
+    finally:
+        offloaded.step_log_ms = None
+    lines = [r.getMessage() for r in caplog.records if r.name == "engine.engine"]
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert line.startswith("prefill forward of 40 tokens (1 sequences, 2 captures): ")
+    assert "fit " in line and "queue " in line and "device " in line and "expert slots 3 -> 3" in line
+    assert "link 0.0 MiB" not in line  # the experts not resident streamed in (40 tokens: a whole stream)
+
+
 @pytest.mark.parametrize("mapped", [True, False])
 def test_counters_under_the_smallest_cache(preset_dirs, tiny, monkeypatch, mapped):
     """top_k slots per layer: a long chunk streams every expert of every layer once (filling the
