@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import SamplingParams, concat_chain
+from engine.feed import Feed
 
 TOL = 1e-4
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -85,6 +86,11 @@ def test_state_at_limits_which_snapshots_hold_a_state(tiny):
     snaps = tiny.prefill(tiny.new_state(), ids, capture_at=[10, 50, 100], state_at={50}).snapshots
     assert [s.has_state for s in snaps] == [False, True, False]
     assert snaps[2].tensors["kv.3.k"].shape[0] == 50
+    # the forward copies out the states at 50 alone (a KV-only capture's KV is read from the cache)
+    feed = Feed(tiny.new_state(), ids, capture_at=[10, 50, 100], state_at={50})
+    tiny.step([(feed, len(ids))])
+    assert list(feed.captured) == [50]
+    assert [s.has_state for s in feed.result.snapshots] == [False, True, False]
 
 
 def test_recurrent_state_is_fp32_and_kv_delta_is_tokens_first(tiny):
