@@ -39,7 +39,8 @@
 #       offload-profile  the random Q4_K_M at 8 GiB: speed, cache, link and a decode profile, no replay
 #       offload    the random Q4_K_M at 8 GiB with the replay (24 requests), at 12 and 24 GiB without; profiles
 #       offload-8  the random Q4_K_M at 8 GiB with the replay (24 requests, anchor and prefix), no profiles;
-#                  $OFFLOAD_STEP_LOG=MS logs its slow prefill forwards (bench/offload.py --step-log)
+#                  $OFFLOAD_STEP_LOG=MS logs its slow prefill forwards (bench/offload.py --step-log), $OFFLOAD_POLICIES
+#                  its policies (default anchor,prefix; e.g. anchor:streamed: short chunks stream every expert too)
 #       offload-llama  llama-server --n-cpu-moe on the same file and requests
 #       q4-variants  our Q4_K_M's decode per GEMV launch setting ($GEMV_VARIANTS, bench/quant.py --gemv-variants)
 #       slot-seed  the graphed slot prefill's bf16 test at one seed ($FT_TEST_SEED), shared expert folded and apart
@@ -187,7 +188,7 @@ e.warmup(max_batch=2); print('warm-up ran')" ;;
       ;;
     offload-8)
       wait $gguf 2>/dev/null
-      step offload-8 python3 bench/offload.py --preset $P --q4-k-m --budgets 8 --limit 24 --policies anchor,prefix \
+      step offload-8 python3 bench/offload.py --preset $P --q4-k-m --budgets 8 --limit 24 --policies ${OFFLOAD_POLICIES:-anchor,prefix} \
         ${OFFLOAD_STEP_LOG:+--step-log $OFFLOAD_STEP_LOG} --json $O/offload-8.json
       ;;
     offload-llama)

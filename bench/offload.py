@@ -234,7 +234,14 @@ def replay(engine, args, budget: float, link_bw: float | None) -> dict:
 
     traces = load_traces([Path(p) for p in args.traces])
     out, runs = {}, []
-    for policy in args.policies.split(","):
+    offload = engine.offload
+    routed_tokens = offload.routed_tokens if offload is not None else 0
+    for label in args.policies.split(","):
+        # POLICY:streamed: every streamed chunk streams all the experts not resident (a same-run baseline
+        # for the routed pieces, which gather only those a short chunk routes to)
+        policy, _, variant = label.partition(":")
+        if offload is not None:
+            offload.routed_tokens = 0 if variant == "streamed" else routed_tokens
         config = ServeConfig(  # one live sequence: those kept after their answer hold KV outside the plan
             preset=args.preset,
             model_dir=q4_k_m_file(args.preset) if args.q4_k_m else None,
@@ -245,12 +252,14 @@ def replay(engine, args, budget: float, link_bw: float | None) -> dict:
             gpu_memory_gib=budget,
         )
         with serve_in_thread(config, engine) as server:
-            run = run_policy(server.url, policy, traces, args.limit, server.wait_idle, False, lambda: None)
+            run = msgspec.structs.replace(
+                run_policy(server.url, policy, traces, args.limit, server.wait_idle, False, lambda: None), policy=label
+            )
         runs.append(run)
         users = [r for r in run.rows if r.index > 0 and not r.after_tool_result]
         user = [r.client_ttft_ms for r in users]
         summary = summarize(run)
-        out[policy] = {
+        out[label] = {
             "worst_after_tool_ms": summary.worst_after_tool_ms,
             "user_turn_ttft_ms": user,
             "worst_user_turn_ms": max(user, default=None),
@@ -263,8 +272,10 @@ def replay(engine, args, budget: float, link_bw: float | None) -> dict:
             def pcie4(r) -> float:
                 return 1000 * project(r.client_ttft_ms / 1000, r.link_bytes, link_bw, args.pcie)
 
-            out[policy]["worst_after_tool_ms_pcie4"] = max((pcie4(r) for r in run.rows if r.after_tool_result), default=None)
-            out[policy]["user_turn_ttft_ms_pcie4"] = [pcie4(r) for r in users]
+            out[label]["worst_after_tool_ms_pcie4"] = max((pcie4(r) for r in run.rows if r.after_tool_result), default=None)
+            out[label]["user_turn_ttft_ms_pcie4"] = [pcie4(r) for r in users]
+    if offload is not None:
+        offload.routed_tokens = routed_tokens
     console = Console(width=200)
     console.print(request_table(runs))
     for run in runs:  # where each request's time to first token went, by the server's phases
@@ -312,7 +323,8 @@ def run_budget(args) -> dict:
         started,
         plan={k: getattr(offload.plan, k) for k in ("dense", "states", "workspace", "expert_bytes", "slots")},
         experts=engine.config.num_experts,
-        policy={"stream_tokens": offload.policy.stream_tokens, "cpu_rows": offload.policy.cpu_rows},
+        policy={"stream_tokens": offload.policy.stream_tokens, "routed_tokens": offload.routed_tokens,
+                "cpu_rows": offload.policy.cpu_rows},
         link=None
         if link is None
         else {
@@ -534,7 +546,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pcie", type=float, default=PCIE4_X16, help="bytes/s of the projected link")
     p.add_argument("--traces", nargs="*", default=[DEFAULT_TRACE])
     p.add_argument("--no-replay", action="store_true")
-    p.add_argument("--policies", default="anchor,prefix,none")
+    p.add_argument(
+        "--policies", default="anchor,prefix,none",
+        help="capture policies to replay; POLICY:streamed replays POLICY with every streamed chunk streaming all the "
+        "experts not resident (short chunks otherwise gather only those they route to)",
+    )  # fmt: skip
     p.add_argument("--limit", type=int, default=None, help="requests per trace")
     p.add_argument(
         "--step-log", type=float, default=None, metavar="MS",

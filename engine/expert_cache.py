@@ -79,6 +79,23 @@ class Lane:
             done.record(self.stream)
         return done
 
+    def run(self, work: Callable[[], None], after: list[Any], holds: tuple[torch.Tensor, ...] = ()) -> Any:
+        """`work` (kernels that fill device buffers, e.g. a gather from host memory) on the copy
+        stream once every event of `after` has completed; an event that completes with it. `holds`:
+        tensors of the compute stream it reads, kept from the allocator until it ran."""
+        if self.stream is None:
+            work()
+            return None
+        for event in {id(e): e for e in after if e is not None}.values():
+            self.stream.wait_event(event)
+        with torch.cuda.stream(self.stream):
+            work()
+            for t in holds:
+                t.record_stream(self.stream)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return done
+
     def record(self) -> Any:
         """An event of the compute stream's work so far."""
         if self.stream is None:

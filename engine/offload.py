@@ -71,6 +71,8 @@ log = logging.getLogger(__name__)
 GiB = 1 << 30
 EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 SWAPS_PER_STEP = 1  # experts a layer may copy into its slots after each decode step (mapped)
+# off: chunks shorter than the coverage stream every expert too (a same-run baseline for `routed_tokens`)
+ROUTED_PIECES = os.environ.get("FT_ROUTED_PIECES", "1") != "0"
 
 
 class BudgetError(ValueError):
@@ -370,6 +372,11 @@ class ExpertOffload:
             self.stream = ExpertStream(order, order[0].lane, stats)
             for cache in order:
                 cache.stream = self.stream
+        # streamed chunks of fewer tokens gather only the experts they route to (engine/expert_stream.py),
+        # where the device reads host memory in place: below the coverage, they reach at most 90% of a
+        # layer's experts (a 38-token chunk ~70%, 21 tokens ~48% at the 256-expert shape)
+        routes = self.stream is not None and self.mapped and ROUTED_PIECES and self._gathers()
+        self.routed_tokens = Policy.coverage_tokens(config) if routes else 0
         # every layer's device counters in one tensor (ExpertCache.counters are its rows), copied
         # back after each forward and read at the next (`settle`)
         self.counters = torch.stack([c.counters for c in order])  # [L, 2, E]
@@ -385,6 +392,15 @@ class ExpertOffload:
         if self.holds_all:  # the budget holds every expert: copied in once, then never chosen
             for cache in order:
                 cache.hold_all()
+
+    def _gathers(self) -> bool:
+        """Whether the gather kernel reads every layer's mapped parts (on a GPU: whole words,
+        aligned); the CPU's gather always does."""
+        if self.device.type != "cuda":
+            return True
+        from engine.ops.gpu.gather import gather_fits  # noqa: PLC0415 (Triton)
+
+        return all(gather_fits(c.mapped) for c in self.order if c.mapped is not None)
 
     @property
     def nbytes(self) -> int:
@@ -454,7 +470,7 @@ class ExpertOffload:
         else:
             fetched, streamed = timed(tokens + 1), timed(tokens)
             self.policy = measured.crossover(self.config, tokens, fetched, streamed)
-            log.info("a %d-token chunk: %.0f ms fetching its experts, %.0f ms streaming them all: chunks of %d "
+            log.info("a %d-token chunk: %.0f ms fetching its experts, %.0f ms streaming them: chunks of %d "
                      "tokens or more stream", tokens, fetched * 1e3, streamed * 1e3, self.policy.stream_tokens)
         if small:
             self.plan = dataclasses.replace(self.plan, small=max(small))
@@ -467,12 +483,13 @@ class ExpertOffload:
         self.stats.phase = name
         long = tokens >= self.policy.stream_tokens and not self.holds_all
         whole = long and self.stream is not None  # every layer's experts streamed (`ExpertStream`)
+        routed = whole and tokens < self.routed_tokens  # ... or those routed to alone
         for cache in self.caches.values():
             cache.prefetch_next = cache.slots // 2 if long and not whole else 0
             cache.cpu_rows, cache.costs = (0, None) if long else (self.policy.cpu_rows, self.policy.costs)
         if whole:
             assert self.stream is not None
-            self.stream.begin()  # its first pieces overlap the embedding and the first layer's attention
+            self.stream.begin(routed)  # its first pieces overlap the embedding and the first layer's attention
         elif long:
             first = self.caches[min(self.caches)]
             first.prefetch(first.slots // 2)  # overlaps the embedding and the first layer's attention

@@ -3,6 +3,7 @@ cache smaller than the experts, and the same logits as without offload."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -115,6 +116,43 @@ def test_two_prefills_in_one_streamed_forward_match_no_offload(tiny, offloaded):
         engine.step([(f, 1) for f in decoded])
         out[name] = torch.stack([f.result.logits for f in [*feeds, *decoded]])
     assert (out["plain"] - out["offload"]).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("tokens", [2, 40])
+def test_a_routed_chunk_gathers_only_its_missing_experts_and_matches_no_offload(tiny, offloaded, tokens, monkeypatch):
+    """A streamed chunk below `routed_tokens` gathers the experts it routes to that are not resident
+    (ranked on the device, in pieces): the same logits as without offload, a decode step after it
+    too, and the link bytes of exactly those experts, counted on the device."""
+    offload = offloaded.offload
+    if not offload.mapped:
+        pytest.skip("the routed pieces gather from host memory the device reads in place")
+    stream = offload.stream
+    expected = []  # per MoE layer: the experts routed to that were not resident
+    run_routed = stream.run_routed
+
+    def seen(cache, x, weights, ids, moe_experts):
+        expected.append({e for e in ids.flatten().tolist() if cache.slot_of[e] < 0})
+        return run_routed(cache, x, weights, ids, moe_experts)
+
+    monkeypatch.setattr(stream, "run_routed", seen)
+    monkeypatch.setattr(offload, "policy", dataclasses.replace(offload.policy, stream_tokens=1))
+    monkeypatch.setattr(offload, "routed_tokens", 1000)
+    state = offloaded.new_state()
+    offload.flush()
+    before = sum(offload.stats.bytes_in.values())
+    logits = offloaded.prefill(state, list(range(700, 700 + tokens)), capture_at=[tokens]).logits
+    offload.settle()  # the routed forward's counters reach the host
+    offload.flush()
+    moved = sum(offload.stats.bytes_in.values()) - before
+    monkeypatch.undo()  # decode as it runs by default
+    decoded = offloaded.decode(state, 11)
+    assert len(expected) == len(offload.order)
+    assert moved == sum(len(e) for e in expected) * offload.plan.expert_bytes
+    if tokens == 2:  # 2 tokens reach at most 4 of a layer's 8 experts, 5 of them not resident
+        assert all(len(e) <= 4 for e in expected)
+    state = tiny.new_state()
+    plain = (tiny.prefill(state, list(range(700, 700 + tokens))).logits, tiny.decode(state, 11))
+    assert all((a - b).abs().max().item() <= TOL for a, b in zip(plain, (logits, decoded), strict=True))
 
 
 def test_the_step_log_names_a_slow_streamed_forward_its_parts_and_link_bytes(offloaded, caplog):

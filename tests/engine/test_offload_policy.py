@@ -80,7 +80,7 @@ def test_the_stream_threshold_measured_both_ways(preset_dirs, tiny):
     assert offload is not None and offload.stream is not None
     began, streamed = [], []
     begin = offload.stream.begin
-    offload.stream.begin = lambda: (began.append(1), begin())[1]
+    offload.stream.begin = lambda routed=False: (began.append(1), begin(routed))[1]
 
     def prefill(n: int) -> None:
         before = len(began)
