@@ -162,8 +162,12 @@ class ExpertStream:
         missing = routed & (cache.slot_table < 0)
         cache.counters[0] += routed  # per expert, as the stream counts: routed, and resident among them
         cache.counters[1] += routed & ~missing
+        experts = cache.num_experts
         rank = torch.cumsum(missing, 0) - 1  # [E]: each missing expert's row in the gathered order
-        order = torch.nonzero_static(missing, size=cache.num_experts, fill_value=-1)[:, 0]  # [E], -1 past them
+        # the missing experts in rank order, -1 past them (the others scattered to a spare last row)
+        order = torch.full((experts + 1,), -1, dtype=torch.long, device=x.device)
+        order.scatter_(0, torch.where(missing, rank, experts), torch.arange(experts, device=x.device))
+        order = order[:experts]
         routed_rank = torch.where(missing[ids], rank[ids], -1)  # [T, k]
         out = moe_experts(x, weights, slot, *cache.weights, partial=True).float()
         ready = self.lane.record()  # the order is made: the gathers may read it
