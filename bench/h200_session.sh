@@ -40,7 +40,7 @@
 #       offload    the random Q4_K_M at 8 GiB with the replay (24 requests), at 12 and 24 GiB without; profiles
 #       offload-8  the random Q4_K_M at 8 GiB with the replay (24 requests, anchor and prefix), no profiles;
 #                  $OFFLOAD_STEP_LOG=MS logs its slow prefill forwards (bench/offload.py --step-log), $OFFLOAD_POLICIES
-#                  its policies (default anchor,prefix; e.g. anchor:streamed: short chunks stream every expert too)
+#                  its policies (default anchor,prefix; with FT_ROUTED_PIECES=1, anchor:streamed is its baseline)
 #       offload-llama  llama-server --n-cpu-moe on the same file and requests
 #       q4-variants  our Q4_K_M's decode per GEMV launch setting ($GEMV_VARIANTS, bench/quant.py --gemv-variants)
 #       slot-seed  the graphed slot prefill's bf16 test at one seed ($FT_TEST_SEED), shared expert folded and apart

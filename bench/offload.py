@@ -549,7 +549,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--policies", default="anchor,prefix,none",
         help="capture policies to replay; POLICY:streamed replays POLICY with every streamed chunk streaming all the "
-        "experts not resident (short chunks otherwise gather only those they route to)",
+        "experts not resident (the same-run baseline of FT_ROUTED_PIECES=1, where short chunks gather only those "
+        "they route to)",
     )  # fmt: skip
     p.add_argument("--limit", type=int, default=None, help="requests per trace")
     p.add_argument(

@@ -18,14 +18,15 @@ all are): the slots save link bytes here too. What decode keeps resident survive
 only a layer's empty slots are filled, from the pieces as they pass (device to device, nothing
 more over the link): after the first long prefill, decode finds its slots full.
 
-A shorter chunk (`begin(routed=True)`: tens of tokens, which reach only part of a layer's experts)
-gathers only the experts it routes to that are not resident, where the device reads host memory in
-place: after each layer's routing, on the device, the missing experts are ranked, and the same
-pieces and buffers take them in rank order (a gather kernel on the copy stream, each piece's
-experts run as it lands; pieces past the last missing expert gather and run nothing). No host
-sync, but no prefetch either: a layer's copies wait for its routing. Their count reaches the host
-through the device counters (`ExpertOffload.settle`): per expert, the routed ones and the resident
-among them.
+A shorter chunk (`begin(routed=True)`, with FT_ROUTED_PIECES=1: tens of tokens, which reach only
+part of a layer's experts) gathers only the experts it routes to that are not resident, where the
+device reads host memory in place: after each layer's routing, on the device, the missing experts
+are ranked, and the same pieces and buffers take them in rank order (a gather kernel on the copy
+stream, each piece's experts run as it lands; pieces past the last missing expert gather and run
+nothing). No host sync, but no prefetch either: a layer's copies wait for its routing (on the H200
+that lost more than the bytes saved: engine/offload.py's ROUTED_PIECES). Their count reaches the
+host through the device counters (`ExpertOffload.settle`): per expert, the routed ones and the
+resident among them.
 """
 
 from __future__ import annotations

@@ -71,8 +71,11 @@ log = logging.getLogger(__name__)
 GiB = 1 << 30
 EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 SWAPS_PER_STEP = 1  # experts a layer may copy into its slots after each decode step (mapped)
-# off: chunks shorter than the coverage stream every expert too (a same-run baseline for `routed_tokens`)
-ROUTED_PIECES = os.environ.get("FT_ROUTED_PIECES", "1") != "0"
+# FT_ROUTED_PIECES=1: streamed chunks shorter than the coverage gather only the experts they route to
+# (`routed_tokens`). Off by default: on the H200 at 8 GiB (session 23) a 21-token chunk took 528 ms that
+# way against 395 streaming every missing expert, a 38-token one 423 against 423; each layer's gathers
+# wait for its routing, where the stream's copies run ahead of the compute.
+ROUTED_PIECES = os.environ.get("FT_ROUTED_PIECES", "0") == "1"
 
 
 class BudgetError(ValueError):
@@ -372,9 +375,9 @@ class ExpertOffload:
             self.stream = ExpertStream(order, order[0].lane, stats)
             for cache in order:
                 cache.stream = self.stream
-        # streamed chunks of fewer tokens gather only the experts they route to (engine/expert_stream.py),
-        # where the device reads host memory in place: below the coverage, they reach at most 90% of a
-        # layer's experts (a 38-token chunk ~70%, 21 tokens ~48% at the 256-expert shape)
+        # with FT_ROUTED_PIECES=1, streamed chunks of fewer tokens gather only the experts they route to
+        # (engine/expert_stream.py), where the device reads host memory in place: below the coverage, they
+        # reach at most 90% of a layer's experts (a 38-token chunk ~70%, 21 tokens ~48% at the 256-expert shape)
         routes = self.stream is not None and self.mapped and ROUTED_PIECES and self._gathers()
         self.routed_tokens = Policy.coverage_tokens(config) if routes else 0
         # every layer's device counters in one tensor (ExpertCache.counters are its rows), copied
