@@ -72,7 +72,7 @@ GiB = 1 << 30
 EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 SWAPS_PER_STEP = 1  # experts a layer may copy into its slots after each decode step (mapped)
 # FT_ROUTED_PIECES=1: streamed chunks shorter than the coverage gather only the experts they route to
-# (`routed_tokens`). Off by default: on the H200 at 8 GiB (session 23) a 21-token chunk took 528 ms that
+# (`routed_tokens`). Off by default: on the H200 at 8 GiB (session 23) a 21-token request took 528 ms that
 # way against 395 streaming every missing expert, a 38-token one 423 against 423; each layer's gathers
 # wait for its routing, where the stream's copies run ahead of the compute.
 ROUTED_PIECES = os.environ.get("FT_ROUTED_PIECES", "0") == "1"
