@@ -144,14 +144,8 @@ class ExpertStream:
             self._fill(self.cursor + STREAM_BUFFERS - 1)  # into the buffer just read, once that read is done
         return out.to(x.dtype)
 
-    def run_routed(
-        self,
-        cache: ExpertCache,
-        x: torch.Tensor,
-        weights: torch.Tensor,
-        ids: torch.Tensor,
-        moe_experts: Callable,
-    ) -> torch.Tensor:
+    def run_routed(self, cache: ExpertCache, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                   moe_experts: Callable) -> torch.Tensor:  # fmt: skip
         """This layer's experts, the resident ones from their slots, the missing ones the chunk
         routes to gathered from host memory in rank order, a piece at a time (see the module
         docstring); summed in fp32."""
