@@ -214,14 +214,17 @@ class Engine:
         self.offload.flush()
         return self.offload.stats.as_dict()
 
-    def link_bytes(self) -> int | None:
+    def link_bytes(self, counted: bool = True) -> int | None:
         """Bytes moved host -> device so far: restored checkpoints (on a GPU) and offloaded experts
         (copied or read in place; the host/device split simulated on a CPU too). None where neither
-        moves any (a CPU without offload). Differences of it give a request's link traffic."""
+        moves any (a CPU without offload). Differences of it give a request's link traffic.
+        `counted=False`: as the host has counted them, without waiting for the device counters of
+        the reads in place (whose flush would also take a decode's refresh from its own settle)."""
         restored = self.runtime.restored_bytes if self.runtime is not None else None
         if self.offload is None:
             return restored
-        self.offload.flush()
+        if counted:
+            self.offload.flush()
         return (restored or 0) + sum(self.offload.stats.bytes_in.values())
 
     def _phase(self, name: str, tokens: int) -> contextlib.AbstractContextManager:
@@ -545,14 +548,7 @@ class _StepTimer:
         self.start = self.last = time.perf_counter()
         self.parts: dict[str, float] = {}
         self.slots = engine.offload.plan.slots if engine.offload is not None else None
-        self.link = self._copied()
-
-    def _copied(self) -> int:
-        """Bytes counted over the link on the host so far (restores, streamed and fetched experts;
-        not yet those decode read in place, which wait for its counters)."""
-        runtime, offload = self.engine.runtime, self.engine.offload
-        restored = runtime.restored_bytes if runtime is not None else 0
-        return restored + (sum(offload.stats.bytes_in.values()) if offload is not None else 0)
+        self.link = engine.link_bytes(counted=False) or 0
 
     def mark(self, name: str) -> None:
         now = time.perf_counter()
@@ -567,7 +563,7 @@ class _StepTimer:
         if total < self.engine.step_log_ms:
             return
         parts = " ".join(f"{name} {ms:.1f}" for name, ms in self.parts.items())
-        extra = f"; link {(self._copied() - self.link) / 2**20:,.1f} MiB"
+        extra = f"; link {((self.engine.link_bytes(counted=False) or 0) - self.link) / 2**20:,.1f} MiB"
         if self.engine.offload is not None:
             extra += f", expert slots {self.slots} -> {self.engine.offload.plan.slots}"
         log.info("prefill forward of %d tokens (%d sequences, %d captures): %.1f ms (%s)%s",

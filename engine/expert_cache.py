@@ -66,18 +66,12 @@ class Lane:
     def copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: list[Any]) -> Any:
         """Copy each (device, host) pair once every event of `after` (compute that read the
         destinations) has completed; an event that completes with the copies."""
-        if self.stream is None:
+
+        def copies() -> None:
             for dst, src in pairs:
-                dst.copy_(src)
-            return None
-        for event in {id(e): e for e in after if e is not None}.values():
-            self.stream.wait_event(event)
-        with torch.cuda.stream(self.stream):
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
-        return done
+                dst.copy_(src, non_blocking=self.stream is not None)
+
+        return self.run(copies, after)
 
     def run(self, work: Callable[[], None], after: list[Any], holds: tuple[torch.Tensor, ...] = ()) -> Any:
         """`work` (kernels that fill device buffers, e.g. a gather from host memory) on the copy
