@@ -28,12 +28,14 @@
 #       spans      a step prefilling N sequences: varlen conv and scan against sequence by sequence (bench/spans_step.py)
 #       spans-hold  the same with every step's snapshots kept (as the store keeps them), and a host profile
 #       spans-captures  the same with 0, 2 and 4 captures a sequence, snapshots freed as made, and a host profile
-#       spans-warm  the same after `ft serve`'s warm-up, each case's first (cold) step beside
+#       spans-warm  the same after `ft serve`'s warm-up, each case's first (cold) step beside; $SPANS_CASES its
+#                  cases, $SPANS_PROFILE_COLD=1 profiles the first case's cold step
 #       attention-shapes  a prefill's attention at new lengths per SDPA backend: first call against the next
 #                  (bench/attention_shapes.py)
 #       attention-tests  pytest: the prefill attention against the reference, restores from registered memory, slabs
 #       sessions-ft  the `sessions` step on our side alone (no llama-server build); sessions-ft-pinned the same
-#                  with the store's RAM tier in registered memory (FT_PINNED_STORE=1); $SESSION_K (default 1,4)
+#                  with the store's RAM tier in registered memory (FT_PINNED_STORE=1); $SESSION_K (default 1,4);
+#                  $SESSION_STEP_LOG=MS: the server logs its steps slower than MS (ft serve --step-log)
 #       transfer-tests  pytest: captures cut from pinned slabs, restores (from the store's registered memory too),
 #                  several sequences' prefill with captures
 #       offload-profile  the random Q4_K_M at 8 GiB: speed, cache, link and a decode profile, no replay
@@ -161,15 +163,16 @@ e.warmup(max_batch=2); print('warm-up ran')" ;;
       FT_PINNED_STORE=$([ $s = sessions-ft-pinned ] && echo 1 || echo 0) step $s python3 bench/llamacpp.py \
         --preset $P-e64 --device cuda --dtype bf16 --only ft --ft-arg=--ram-cache=48 --sessions ${SESSION_K:-1,4} \
         --parallel 4 --out $O/$s.json ${SESSION_TRACES:-traces/sessions/small-bugfix.recording.jsonl} \
-        --max-requests ${SESSION_REQUESTS:-8} ;;
+        --max-requests ${SESSION_REQUESTS:-8} ${SESSION_STEP_LOG:+--ft-arg=--step-log=$SESSION_STEP_LOG --ft-arg=--log-level=info}
+      cp .peer/ft-serve.log $O/$s-serve.log 2>/dev/null ;;  # the last K's server log
     attention-shapes) step attention-shapes python3 bench/attention_shapes.py --json $O/attention-shapes.json ;;
     spans) step spans python3 bench/spans_step.py --preset $P-e64 --json $O/spans.json ;;
     spans-hold) step spans-hold python3 bench/spans_step.py --preset $P-e64 --cases 4x600x0,4x600x2 --hold --profile \
       --json $O/spans-hold.json ;;
     spans-captures) step spans-captures python3 bench/spans_step.py --preset $P-e64 --cases 4x600x0,4x600x2,4x600x4 \
       --profile --json $O/spans-captures.json ;;
-    spans-warm) step spans-warm python3 bench/spans_step.py --preset $P-e64 --warmup --cases 3x700x1,4x600x2 --reps 3 \
-      --json $O/spans-warm.json ;;
+    spans-warm) step spans-warm python3 bench/spans_step.py --preset $P-e64 --warmup --cases ${SPANS_CASES:-3x700x1,4x600x2} \
+      --reps 3 --json $O/spans-warm.json ${SPANS_PROFILE_COLD:+--profile-cold} ;;
     transfer-tests) step transfer-tests python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -s tests/engine/test_gpu.py \
       -k "slabs or restore_then_suffix or several or registered" ;;
     offload-profile)

@@ -49,6 +49,8 @@ def main() -> None:
     parser.add_argument("--hold", action="store_true",
                         help="keep every step's snapshots (as the store's RAM tier does), not free them")
     parser.add_argument("--profile", action="store_true", help="then profile one varlen step of the last case")
+    parser.add_argument("--profile-cold", action="store_true",
+                        help="profile the first case's first (cold) varlen step: ops by host and by device time")
     parser.add_argument("--warmup", action="store_true",
                         help="warm the engine up as `ft serve` does first, and report each case's first step (cold)")
     args = parser.parse_args()
@@ -82,6 +84,13 @@ def main() -> None:
     for case in args.cases.split(","):
         count, length, captures = (int(x) for x in case.split("x"))
         times: dict[str, list[tuple[float, float]]] = {name: [] for name in kernels}
+        if args.profile_cold and not rows:
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=activities) as prof:
+                cold_ms = timed("varlen", count, length, captures)[0]
+            print(f"first varlen step of {case}, profiled: {cold_ms:.1f} ms")
+            for key in ("self_cpu_time_total", "self_device_time_total"):
+                print(prof.key_averages().table(sort_by=key, row_limit=25), flush=True)
         cold = {name: timed(name, count, length, captures)[0] for name in kernels}  # kernels specialised for these shapes
         for _ in range(args.reps):  # interleaved, so drift hits every case alike
             for name in kernels:

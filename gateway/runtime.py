@@ -56,6 +56,7 @@ class ServeConfig:
     max_queue: int = 64  # requests waiting beyond max_running; more are answered `overloaded`
     gpu_memory_gib: float | None = None  # device budget: routed experts offloaded to host memory (engine/offload.py)
     model_name: str | None = None
+    step_log_ms: float | None = None  # log engine steps and prefill forwards slower than this (a diagnostic)
 
 
 @dataclass
@@ -79,6 +80,7 @@ class Runtime:
 
     def __post_init__(self) -> None:
         self.scheduler = Scheduler(self.engine, self.config.max_running, self.config.max_queue)
+        self.scheduler.step_log_ms = self.engine.step_log_ms = self.config.step_log_ms
         self.store_queue = StoreQueue(self.store)
         self.planner = Planner(self.renderer, self.memo, self.root, self.volatile_rules, self.replay,
                                self.engine.max_context, self.config.default_max_tokens, self.config.max_tokens_cap)

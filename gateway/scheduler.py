@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Generator
 from concurrent.futures import Future
@@ -75,6 +76,8 @@ class Scheduler:
         self._busy = False  # a step or job is running
         self.steps_total = self.step_sequences_total = self.step_tokens_total = 0
         self.queue_steps = Histogram(QUEUE_STEP_BUCKETS)  # engine steps each live request waited (the worker's)
+        self.step_log_ms: float | None = None  # `ft serve --step-log`: log each step slower than this
+        self._step_end = time.perf_counter()
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="engine-worker", daemon=True)
         self._thread.start()
@@ -200,6 +203,7 @@ class Scheduler:
         parts = self._parts(tasks)
         if not parts:
             return
+        start = time.perf_counter()
         try:
             self.engine.step(parts)
         except Exception as exc:  # noqa: BLE001 (the step's requests fail; the worker goes on)
@@ -212,9 +216,24 @@ class Scheduler:
         self.steps_total += 1
         self.step_sequences_total += len(parts)
         self.step_tokens_total += sum(count for _, count in parts)
+        stepped = time.perf_counter()
         for task in tasks:
             if task.feed is not None and task.feed.result is not None and not task.advance():
                 self._discard(task)
+        self._log_step(parts, start, stepped)
+
+    def _log_step(self, parts: list[tuple[Feed, int]], start: float, stepped: float) -> None:
+        """`step_log_ms`: a step slower than that, split into the engine's step, resuming its tasks
+        (sampling, checkpoint hand-offs, the next feed) and the worker's time before it since the
+        last step (jobs, admissions: restores)."""
+        end, before = time.perf_counter(), start - self._step_end
+        self._step_end = end
+        if self.step_log_ms is None or (end - start) * 1e3 < self.step_log_ms:
+            return
+        prefills = [count for feed, count in parts if feed.is_prefill]
+        log.info("step %d: %d prefill tokens in %d parts, %d decode rows: engine %.1f ms, tasks %.1f ms; "
+                 "%.1f ms since the last step", self.steps_total, sum(prefills), len(prefills),
+                 len(parts) - len(prefills), (stepped - start) * 1e3, (end - stepped) * 1e3, before * 1e3)  # fmt: skip
 
     def _discard(self, task: Task) -> None:
         (self._running if task in self._running else self._background).remove(task)

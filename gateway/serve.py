@@ -98,6 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--body-timeout", type=float, default=ServerLimits.body_timeout_s, metavar="SECONDS",
                         help=f"a request's body must arrive within this long (default {ServerLimits.body_timeout_s:g})")
     parser.add_argument("--served-model-name", help="model id to report (default: folder or preset name)")
+    parser.add_argument("--step-log", type=count, metavar="MS",
+                        help="log every engine step slower than MS (engine, resuming its requests, the worker's time "
+                             "before it) and every prefill forward slower than MS (host time by part, then the "
+                             "device's rest: a sync per forward, so a diagnostic, not for serving)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -136,6 +140,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         keep_volatile=args.keep_volatile, default_max_tokens=args.max_tokens, max_tokens_cap=args.max_tokens_cap,
         forced_decode=args.forced_decode, model_name=args.served_model_name, live_sequences=args.live_sequences,
         max_running=args.max_running, max_queue=args.max_queue, gpu_memory_gib=args.gpu_memory,
+        step_log_ms=args.step_log,
     )
 
 
