@@ -100,6 +100,8 @@ def main() -> None:
             row[name] = statistics.median(w for w, _ in t)
             row[f"{name} host"] = statistics.median(h for _, h in t)
         row["per sequence / varlen"] = row["per sequence"] / row["varlen"]
+        if eng.runtime is not None:  # pinned slabs the captures were cut from, all cases so far
+            row["pinned slabs"] = len(eng.runtime.transfers.slabs.slabs)
         rows.append(row)
         print(json.dumps(row), flush=True)
     eng.kernels = kernels["varlen"]

@@ -33,7 +33,8 @@ PREFILL_CHUNK: int | None = int(os.environ["FT_PREFILL_CHUNK"]) if os.environ.ge
 # over all their chunks wins sooner: there only a single bucket runs on the slot).
 SLOT_PREFILL_ALONE = 2048
 MIXED_STEPS = os.environ.get("FT_MIXED_STEPS", "1") != "0"
-PINNED_CAPTURES = 8  # captured states whose pinned host memory warm-up pins ahead (a step of 4 sequences, 2 each)
+PINNED_CAPTURES = 3  # captured states a sequence of a step, whose pinned host memory warm-up pins ahead (the first
+# step of four SWE-agent sessions at once captured 7 states in two prompts)
 DEFAULT_CHUNK = {"cuda": 8192, "cpu": 4096}  # tokens per forward: bigger GEMMs on a GPU (bench/RESULTS.md)
 
 
@@ -489,7 +490,8 @@ class Engine:
             graphs()
         else:  # kernels tuned per shape: one full prefill chunk as well
             if self.runtime is not None:
-                self.runtime.reserve_pinned(PINNED_CAPTURES * expert_offload.recurrent_bytes(self.config, self.dtype))
+                captures = PINNED_CAPTURES * max(max_batch, 2)
+                self.runtime.reserve_pinned(captures * expert_offload.recurrent_bytes(self.config, self.dtype))
                 self.runtime.prepare_attention(self.step_tokens)
 
             def chunk() -> None:

@@ -481,7 +481,8 @@ def test_prefills_of_several_sequences_in_one_forward_match_each_alone(gpu_engin
 def test_captures_are_cut_from_shared_pinned_slabs():
     """Captured tensors share 64 MiB pinned slabs (no pinning per capture): small ones are cut from one
     slab, a slab that is full is followed by a new one, a capture of over a quarter slab gets its own
-    block; every copy holds its source's values once synced."""
+    block; every copy holds its source's values once synced; slabs whose captures are gone are cut
+    again, with nothing pinned anew."""
     from engine.ops.gpu.transfer import SLAB, Transfers
 
     transfers = Transfers(torch.device("cuda"))
@@ -498,6 +499,13 @@ def test_captures_are_cut_from_shared_pinned_slabs():
     assert len(slabs) == 1  # six captures, one slab
     assert len({f["f"].untyped_storage().data_ptr() for f in fill} | slabs) == 2  # the fifth fifth of a slab is cut from a second
     assert apart["b"].untyped_storage().nbytes() < SLAB and apart["b"].untyped_storage().data_ptr() not in slabs
+    both = slabs | {f["f"].untyped_storage().data_ptr() for f in fill}
+    del outs, fill
+    # three more fifths fill the second slab, four more the first one again (its captures are gone)
+    again = [transfers.to_host({"f": torch.full((SLAB // 5,), k, dtype=torch.uint8, device="cuda")}) for k in range(7)]
+    transfers.sync()
+    assert len(transfers.slabs.slabs) == 2 and {a["f"].untyped_storage().data_ptr() for a in again} == both
+    assert all(a["f"].eq(k).all() for k, a in enumerate(again))
 
 
 def test_graph_steps_of_a_padded_batch_follow_each_sequence(gpu_engine, gpu32, rng):

@@ -3,13 +3,13 @@
 Device -> host: each captured tensor is copied into pinned host memory on the copy stream after
 an event on the compute stream; `sync()` waits for all copies issued so far (the engine calls it
 once, at the end of a prefill, so a snapshot's tensors are complete when the snapshot is handed
-out). The pinned memory comes in slabs of `SLAB` bytes, each call's tensors cut from the current
-one: pinning fresh host memory (cudaHostAlloc) runs at ~2 GB/s on the H200's host (3.2 ms for each
-layer's 2.1 MiB state at the 35B shape, which torch's pinned allocator rounds to a power of two:
-0.8 s of host time in a 4-sequence step with 8 captures while earlier snapshots were still held).
-A slab goes back to torch's pinned cache when the last tensor cut from it is freed (the store keeps
-its own copies), and the next slab comes from there without pinning anything; `reserve` fills
-that cache ahead (at warm-up).
+out). The pinned memory comes in slabs of `SLAB` bytes from a `SlabPool`, each call's tensors cut
+from the current one: pinning fresh host memory (cudaHostAlloc) runs at ~2 GB/s on the H200's host
+(~30 ms a 64 MiB slab, about one capture's states at the 35B shape). The pool keeps every slab it
+pinned and cuts one again once no tensor cut from it is alive (the store keeps its own copies);
+`reserve` pins slabs ahead (at warm-up). Torch's own pinned cache did not serve here: with slabs
+freed back to it, a warm 3-sequence step with 12 captures still called cudaHostAlloc ~8 times
+(~30 ms each, the step host-bound at 432 ms; session 24).
 
 Host -> device: a restore copies each layer's tensors on the copy stream and leaves one event per
 layer in `SequenceState.pending`; the model waits for a layer's event just before it runs that
@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import mmap
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -80,13 +80,56 @@ def registered(nbytes: int) -> torch.Tensor:
     return torch.from_numpy(pages[:nbytes])
 
 
+class SlabPool:
+    """Host slabs of `size` bytes (from `make`, e.g. pinned) cut into tensors (`take`); a slab is
+    cut again once no tensor cut from it is alive, else a new one is made and kept. Writes into a
+    slab must be ordered after the earlier writes into it (the copies share one stream), since a
+    slab is reused as soon as the host holds no tensor of it."""
+
+    def __init__(self, size: int, make: Callable[[int], torch.Tensor]):
+        self.size, self.make = size, make
+        self.slabs: list[torch.Tensor] = []
+        self._bare = 0  # a slab's storage use count with no tensor cut from it
+        self._current: torch.Tensor | None = None
+        self._used = 0  # bytes of the current slab taken
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """`nbytes` (at most `size`) cut from the current slab, or from the next free one."""
+        if self._current is None or self._used + nbytes > self.size:
+            free = self._free()
+            self._current, self._used = (self._grow() if free is None else free), 0
+        out = self._current[self._used : self._used + nbytes]
+        self._used += -(-nbytes // ALIGN) * ALIGN
+        return out
+
+    def reserve(self, count: int) -> None:
+        """At least `count` slabs made now."""
+        while len(self.slabs) < count:
+            self._grow()
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * len(self.slabs)
+
+    def _cut(self, slab: torch.Tensor) -> bool:
+        return torch._C._storage_Use_Count(slab.untyped_storage()._cdata) > self._bare
+
+    def _free(self) -> torch.Tensor | None:
+        return next((slab for slab in self.slabs if slab is not self._current and not self._cut(slab)), None)
+
+    def _grow(self) -> torch.Tensor:
+        slab = self.make(self.size)
+        self._bare = torch._C._storage_Use_Count(slab.untyped_storage()._cdata)
+        self.slabs.append(slab)
+        return slab
+
+
 class Transfers:
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self.pending: list[torch.cuda.Event] = []
-        self._slab: torch.Tensor | None = None  # the slab being cut, `_used` bytes of it taken
-        self._used = 0
+        self.slabs = SlabPool(SLAB, lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
         self._reading: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []  # restores' sources in flight
         self.restored_bytes = 0  # copied host -> device by restores (sources already on the device excluded)
 
@@ -113,20 +156,15 @@ class Transfers:
         return out
 
     def _pinned(self, nbytes: int) -> torch.Tensor:
-        """`nbytes` of pinned host memory: cut from the current slab, a new slab when it is full (a
-        request of over a quarter slab gets its own block)."""
+        """`nbytes` of pinned host memory: cut from the slabs (a request of over a quarter slab gets
+        its own block from torch's pinned cache)."""
         if nbytes > SLAB // 4:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        if self._slab is None or self._used + nbytes > SLAB:
-            self._slab, self._used = torch.empty(SLAB, dtype=torch.uint8, pin_memory=True), 0
-        out = self._slab[self._used : self._used + nbytes]
-        self._used += -(-nbytes // ALIGN) * ALIGN
-        return out
+        return self.slabs.take(nbytes)
 
     def reserve(self, nbytes: int) -> None:
-        """Pin slabs for `nbytes` now and hand them to torch's pinned cache, where `_pinned` finds them."""
-        slabs = [torch.empty(SLAB, dtype=torch.uint8, pin_memory=True) for _ in range(-(-nbytes // SLAB))]
-        del slabs
+        """Pin slabs for `nbytes` of captures now."""
+        self.slabs.reserve(-(-nbytes // SLAB))
 
     def fence(self) -> torch.cuda.Event:
         """An event that completes with every copy issued so far (they share one stream)."""

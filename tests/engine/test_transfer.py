@@ -1,0 +1,44 @@
+"""The pinned slabs captures are cut from (`SlabPool`), on host tensors: a slab is cut again once no
+tensor cut from it is alive, and only then."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.ops.gpu.transfer import ALIGN, SlabPool
+
+
+def storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def test_a_slab_is_cut_again_once_nothing_cut_from_it_is_alive():
+    made: list[int] = []
+    pool = SlabPool(1024, lambda n: made.append(n) or torch.zeros(n, dtype=torch.uint8))
+    piece = 300  # takes 320 bytes of a slab (ALIGN): three a slab
+    assert -(-piece // ALIGN) * ALIGN == 320
+    first = [pool.take(piece) for _ in range(3)]
+    second = pool.take(piece)  # the first slab is full
+    slab0, slab1 = storage(first[0]), storage(second)
+    assert len(pool.slabs) == 2 and slab0 != slab1 and {storage(t) for t in first} == {slab0}
+    kept = first[1].view(torch.float16)[10:]  # a view of a cut tensor holds its slab too
+    del first
+    rest = [pool.take(piece) for _ in range(3)]  # two fill the second slab; the first is still held
+    assert [storage(t) for t in rest[:2]] == [slab1, slab1] and storage(rest[2]) not in (slab0, slab1)
+    assert len(pool.slabs) == 3
+    del kept
+    more = [pool.take(piece) for _ in range(3)]  # the third slab fills, then the first is free again
+    assert storage(more[-1]) == slab0 and len(pool.slabs) == 3
+    assert pool.take(1024 - 320).shape == (704,) and len(pool.slabs) == 3  # the rest of the first slab
+    del second, rest
+    assert storage(pool.take(piece)) == slab1  # the second slab, freed, before any new one
+    pool.reserve(5)
+    assert made == [1024] * 5 and pool.nbytes == 5 * 1024
+
+
+def test_cut_tensors_do_not_overlap():
+    pool = SlabPool(4096, lambda n: torch.zeros(n, dtype=torch.uint8))
+    pieces = [pool.take(n) for n in (1, 63, 64, 65, 1000, 2000)]
+    for i, t in enumerate(pieces):
+        t.fill_(i + 1)
+    assert all(t.eq(i + 1).all() for i, t in enumerate(pieces))
