@@ -500,7 +500,7 @@ def test_captures_are_cut_from_shared_pinned_slabs():
     assert len({f["f"].untyped_storage().data_ptr() for f in fill} | slabs) == 2  # the fifth fifth of a slab is cut from a second
     assert apart["b"].untyped_storage().nbytes() < SLAB and apart["b"].untyped_storage().data_ptr() not in slabs
     both = slabs | {f["f"].untyped_storage().data_ptr() for f in fill}
-    del outs, fill
+    del outs, fill, out  # the loop's last `out` holds tensors of the first slab too
     # three more fifths fill the second slab, four more the first one again (its captures are gone)
     again = [transfers.to_host({"f": torch.full((SLAB // 5,), k, dtype=torch.uint8, device="cuda")}) for k in range(7)]
     transfers.sync()
