@@ -7,9 +7,10 @@ out). The pinned memory comes in slabs of `SLAB` bytes from a `SlabPool`, each c
 from the current one: pinning fresh host memory (cudaHostAlloc) runs at ~2 GB/s on the H200's host
 (~30 ms a 64 MiB slab, about one capture's states at the 35B shape). The pool keeps every slab it
 pinned and cuts one again once no tensor cut from it is alive (the store keeps its own copies);
-`reserve` pins slabs ahead (at warm-up). Torch's own pinned cache did not serve here: with slabs
-freed back to it, a warm 3-sequence step with 12 captures still called cudaHostAlloc ~8 times
-(~30 ms each, the step host-bound at 432 ms; session 24).
+`reserve` pins slabs ahead (at warm-up). Before the pool, slabs went back to torch's pinned cache
+(reserved there at warm-up), and the first step of three 2,730-token prompts with 4 captures each after
+warm-up called cudaHostAlloc 12 times (354 of its 554 ms of host time), 8 slabs reserved; with the pool
+and 12 captures' slabs reserved, 3 (session 24).
 
 Host -> device: a restore copies each layer's tensors on the copy stream and leaves one event per
 layer in `SequenceState.pending`; the model waits for a layer's event just before it runs that
