@@ -250,6 +250,7 @@ def replay(engine, args, budget: float, link_bw: float | None) -> dict:
             max_running=1,
             live_sequences=1,
             gpu_memory_gib=budget,
+            step_log_ms=args.step_log,  # the replay's slow forwards, each split into host and device time
         )
         with serve_in_thread(config, engine) as server:
             run = msgspec.structs.replace(
@@ -361,10 +362,10 @@ def run_budget(args) -> dict:
         out["peak_reserved_bytes"] = offload.peak_reserved()
         out["within_budget"] = out["peak_reserved_bytes"] <= budget * (1 << 30)
     if args.traces:
-        if args.step_log is not None:  # the replay's slow forwards, each split into host and device time
+        if args.step_log is not None:  # the replay's server logs its slow steps and forwards (replay())
             logging.basicConfig(format="%(message)s")
-            logging.getLogger("engine.engine").setLevel(logging.INFO)
-            engine.step_log_ms = args.step_log
+            for name in ("engine.engine", "gateway.scheduler"):
+                logging.getLogger(name).setLevel(logging.INFO)
         started = time.perf_counter()
         done("replay", started, replay=replay(engine, args, budget, link_bw if link is not None else None))
         if args.device == "cuda":  # live sequences and restored states included

@@ -36,12 +36,15 @@ def test_bench_smoke_run_on_the_cpu(tiny, tmp_path, ft_home):
         "3",
         "--policies",
         "anchor,none",
+        "--step-log",
+        "0",
         "--json",
         str(out),
     ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "expert offload" in proc.stdout and "worst after a tool" in proc.stdout
+    assert "prefill forward of" in proc.stderr and "prefill tokens in" in proc.stderr  # the replay's step log
     result = json.loads(out.read_text())
     (run,) = result["budgets"]
     assert run["plan"]["slots"] == 3 and run["experts"] == 8
