@@ -108,10 +108,6 @@ class SlabPool:
         while len(self.slabs) < count:
             self._grow()
 
-    @property
-    def nbytes(self) -> int:
-        return self.size * len(self.slabs)
-
     def _cut(self, slab: torch.Tensor) -> bool:
         return torch._C._storage_Use_Count(slab.untyped_storage()._cdata) > self._bare
 
