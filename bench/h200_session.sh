@@ -29,7 +29,8 @@
 #       spans-hold  the same with every step's snapshots kept (as the store keeps them), and a host profile
 #       spans-captures  the same with 0, 2 and 4 captures a sequence, snapshots freed as made, and a host profile
 #       spans-warm  the same after `ft serve`'s warm-up, each case's first (cold) step beside; $SPANS_CASES its
-#                  cases, $SPANS_PROFILE_COLD=1 profiles the first case's cold step
+#                  cases, $SPANS_PROFILE_COLD=1 profiles the first case's cold step, $SPANS_CPROFILE=1 a warm
+#                  step of each case under cProfile (e.g. SPANS_CASES=3x2730x0,3x2730x4: what captures cost the host)
 #       attention-shapes  a prefill's attention at new lengths per SDPA backend: first call against the next
 #                  (bench/attention_shapes.py)
 #       attention-tests  pytest: the prefill attention against the reference, restores from registered memory, slabs
@@ -172,7 +173,7 @@ e.warmup(max_batch=2); print('warm-up ran')" ;;
     spans-captures) step spans-captures python3 bench/spans_step.py --preset $P-e64 --cases 4x600x0,4x600x2,4x600x4 \
       --profile --json $O/spans-captures.json ;;
     spans-warm) step spans-warm python3 bench/spans_step.py --preset $P-e64 --warmup --cases ${SPANS_CASES:-3x700x1,4x600x2} \
-      --reps 3 --json $O/spans-warm.json ${SPANS_PROFILE_COLD:+--profile-cold} ;;
+      --reps 3 --json $O/spans-warm.json ${SPANS_PROFILE_COLD:+--profile-cold} ${SPANS_CPROFILE:+--cprofile} ;;
     transfer-tests) step transfer-tests python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -s tests/engine/test_gpu.py \
       -k "slabs or restore_then_suffix or several or registered" ;;
     offload-profile)

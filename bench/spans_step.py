@@ -12,9 +12,11 @@ time to enqueue the step beside it) and writes JSON."""
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import functools
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -51,6 +53,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="then profile one varlen step of the last case")
     parser.add_argument("--profile-cold", action="store_true",
                         help="profile the first case's first (cold) varlen step: ops by host and by device time")
+    parser.add_argument("--cprofile", action="store_true",
+                        help="then one warm varlen step of each case under cProfile: the host's Python by function")
     parser.add_argument("--warmup", action="store_true",
                         help="warm the engine up as `ft serve` does first, and report each case's first step (cold)")
     args = parser.parse_args()
@@ -100,6 +104,14 @@ def main() -> None:
             row[name] = statistics.median(w for w, _ in t)
             row[f"{name} host"] = statistics.median(h for _, h in t)
         row["per sequence / varlen"] = row["per sequence"] / row["varlen"]
+        if args.cprofile:  # where a warm step's host time goes, by Python function (cumulative and own)
+            profiler = cProfile.Profile()
+            profiler.enable()
+            timed("varlen", count, length, captures)
+            profiler.disable()
+            print(f"varlen step of {case} under cProfile:")
+            for key in ("cumulative", "tottime"):
+                pstats.Stats(profiler).sort_stats(key).print_stats(25)
         if eng.runtime is not None:  # pinned slabs the captures were cut from, all cases so far
             row["pinned slabs"] = len(eng.runtime.transfers.slabs.slabs)
         rows.append(row)
