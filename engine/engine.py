@@ -490,7 +490,7 @@ class Engine:
             graphs()
         else:  # kernels tuned per shape: one full prefill chunk as well
             if self.runtime is not None:
-                captures = PINNED_CAPTURES * max(max_batch, 2)
+                captures = PINNED_CAPTURES * max(max_batch, 2)  # 2: warm-up's own step of two sequences, below
                 self.runtime.reserve_pinned(captures * expert_offload.recurrent_bytes(self.config, self.dtype))
                 self.runtime.prepare_attention(self.step_tokens)
 

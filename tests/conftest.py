@@ -3,6 +3,7 @@ app on a loopback port (the real app, engine and store; see gateway/embedded.py)
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Iterator
 
@@ -10,7 +11,7 @@ import pytest
 
 from gateway.embedded import EmbeddedServer, free_port, serve_in_thread
 
-__all__ = ["free_port", "start_server"]
+__all__ = ["free_port", "serve_args", "start_server"]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -25,6 +26,15 @@ def start_server(**config) -> EmbeddedServer:
     from gateway.runtime import ServeConfig
 
     return serve_in_thread(ServeConfig(**config))
+
+
+def serve_args(*argv: str) -> argparse.Namespace:
+    """`ft serve`'s flags parsed as its CLI parses them (argparse errors raise SystemExit)."""
+    from gateway.serve import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(argv)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ too many connections are cut, and SIGTERM ends every answer in its protocol's sh
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import resource
@@ -24,8 +23,8 @@ from gateway.embedded import serve_in_thread
 from gateway.http_server import ServerLimits
 from gateway.recorder import Recorder
 from gateway.runtime import ServeConfig
-from gateway.serve import add_arguments, api_key, limits_from_args
-from tests.conftest import free_port, start_server
+from gateway.serve import api_key, limits_from_args
+from tests.conftest import free_port, serve_args, start_server
 from tests.gateway.test_server_errors import ENDPOINTS, _generated, assert_error_shape
 
 CHAT = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
@@ -377,32 +376,28 @@ def test_an_empty_api_key_is_refused_before_the_model_loads():
 
 
 def test_the_key_comes_from_the_flag_a_file_or_the_environment(tmp_path, monkeypatch):
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
     key_file = tmp_path / "key"
     key_file.write_text("from-file\n")
     monkeypatch.setenv("FT_API_KEY", "from-env")
-    assert api_key(parser.parse_args(["--api-key-file", str(key_file)])) == "from-file"
-    assert api_key(parser.parse_args(["--api-key", "flag"])) == "flag"
-    assert api_key(parser.parse_args([])) == "from-env"
+    assert api_key(serve_args("--api-key-file", str(key_file))) == "from-file"
+    assert api_key(serve_args("--api-key", "flag")) == "flag"
+    assert api_key(serve_args()) == "from-env"
     monkeypatch.setenv("FT_API_KEY", " ")
     with pytest.raises(ValueError, match="empty"):
-        api_key(parser.parse_args([]))
+        api_key(serve_args())
     key_file.write_text("")
     with pytest.raises(ValueError, match="empty"):
-        api_key(parser.parse_args(["--api-key-file", str(key_file)]))
+        api_key(serve_args("--api-key-file", str(key_file)))
     monkeypatch.delenv("FT_API_KEY")
-    assert api_key(parser.parse_args([])) is None
+    assert api_key(serve_args()) is None
 
 
 def test_timeouts_are_flags():
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    limits = limits_from_args(parser.parse_args(["--header-timeout", "2.5", "--body-timeout", "7"]))
+    limits = limits_from_args(serve_args("--header-timeout", "2.5", "--body-timeout", "7"))
     assert (limits.head_timeout_s, limits.body_timeout_s) == (2.5, 7.0)
     for flag in ("--header-timeout", "--body-timeout"):
         with pytest.raises(ValueError, match=flag):
-            limits_from_args(parser.parse_args([flag, "0"]))
+            limits_from_args(serve_args(flag, "0"))
 
 
 def test_a_silent_connection_is_closed_at_the_header_timeout_flag():

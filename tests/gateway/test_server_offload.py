@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from gateway.serve import add_arguments, config_from_args
-from tests.conftest import start_server
+from gateway.serve import config_from_args
+from tests.conftest import serve_args, start_server
 from tests.engine.test_offload import budget_gib
 
 TURNS = ["List the files under src/ and say which one parses flags.", "Now explain what the parser does " * 3]
@@ -94,14 +94,10 @@ def _moved(server) -> float:
 
 
 def test_gpu_memory_flag_reaches_the_config():
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    assert config_from_args(parser.parse_args(["--gpu-memory", "6.5"])).gpu_memory_gib == 6.5
-    assert config_from_args(parser.parse_args([])).gpu_memory_gib is None
+    assert config_from_args(serve_args("--gpu-memory", "6.5")).gpu_memory_gib == 6.5
+    assert config_from_args(serve_args()).gpu_memory_gib is None
     with pytest.raises(SystemExit):
-        parser.parse_args(["--gpu-memory", "0"])
+        serve_args("--gpu-memory", "0")
 
 
 def test_budget_below_the_dense_weights_stops_ft_serve(ft_home):

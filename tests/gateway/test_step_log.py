@@ -3,7 +3,6 @@ what it ran and where its time went, and the engine each slow prefill forward; w
 
 from __future__ import annotations
 
-import argparse
 import logging
 import re
 
@@ -11,7 +10,8 @@ import pytest
 
 from gateway.protocols import chat
 from gateway.runtime import ServeConfig, build_runtime
-from gateway.serve import add_arguments, config_from_args
+from gateway.serve import config_from_args
+from tests.conftest import serve_args
 
 STEP = re.compile(r"step \d+: (\d+) prefill tokens in 1 parts, 0 decode rows: engine [\d.]+ ms, tasks [\d.]+ ms; "
                   r"[\d.]+ ms since the last step")  # fmt: skip
@@ -44,9 +44,7 @@ def test_slow_steps_are_logged_only_when_asked(step_log_ms, caplog):
 
 
 def test_step_log_flag():
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    assert config_from_args(parser.parse_args(["--step-log", "25"])).step_log_ms == 25
-    assert config_from_args(parser.parse_args([])).step_log_ms is None
+    assert config_from_args(serve_args("--step-log", "25")).step_log_ms == 25
+    assert config_from_args(serve_args()).step_log_ms is None
     with pytest.raises(SystemExit):
-        parser.parse_args(["--step-log", "-1"])
+        serve_args("--step-log", "-1")
