@@ -337,7 +337,7 @@ class Engine:
         run once more with an eighth fewer expert slots; a second failure is raised."""
         def forward() -> tuple[torch.Tensor, list[list[dict]]]:
             with self._phase("prefill", len(ids)):
-                return self.model(ids, batch, self.kernels, keep=self._to_host)
+                return self.model(ids, batch, self.kernels, keep=self._to_host_many)
 
         rewinds = [span.state.rewinder() for span in batch.spans] if self.offload is not None else []
         try:
@@ -392,6 +392,9 @@ class Engine:
     def _to_host(self, tensors: dict[str, Any]) -> dict[str, torch.Tensor]:
         """On a GPU, snapshot tensors go to pinned host memory on a side stream."""
         return tensors if self.runtime is None else self.runtime.to_host(tensors)
+
+    def _to_host_many(self, groups: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:
+        return groups if self.runtime is None else self.runtime.to_host_many(groups)
 
     def _snapshots(self, state, positions, captured, kv_start, state_at) -> list[Snapshot]:
         snapshots, prev = [], kv_start

@@ -519,13 +519,14 @@ class HybridForCausalLM(nn.Module):
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
 
     def forward(
-        self, ids: torch.Tensor, batch: Batch | list[Span], kernels: Kernels, keep: Callable[[dict], dict] | None = None
+        self, ids: torch.Tensor, batch: Batch | list[Span], kernels: Kernels,
+        keep: Callable[[list[dict]], list[dict]] | None = None,
     ) -> tuple[torch.Tensor, list[list[dict]]]:
         """ids [T] (the batch's tokens, sequence after sequence) -> final hidden states [T, H] and,
         for `Spans`, per span and per offset in its `capture_at`, the DeltaNet states after that
-        many of its tokens: {"conv.L": [C, K-1], "rec.L": [Hv, Dk, Dv]}, each layer's passed through
-        `keep` as the layer makes them (the engine's copies them to host memory: the forward then
-        holds one layer's captures on the device, not every layer's). Every sequence's state is
+        many of its tokens: {"conv.L": [C, K-1], "rec.L": [Hv, Dk, Dv]}, each layer's (a list of
+        every capture's) passed through `keep` as the layer makes them (the engine's copies them to
+        host memory: the forward then holds one layer's captures on the device, not every layer's). Every sequence's state is
         extended in place (a `SlotBatch`'s lengths are committed by its runner)."""
         c = self.config
         batch = Spans(batch) if isinstance(batch, list) else batch
@@ -536,10 +537,12 @@ class HybridForCausalLM(nn.Module):
         for layer in cast(list[DecoderLayer], self.model.layers):
             batch.wait_for(layer.layer)
             x, h, captured = layer(x, h, rope, batch, kernels)
-            for per_span, caps in zip(captures, captured, strict=False):
-                for snapshot, (conv, rec) in zip(per_span, caps, strict=False):
-                    made = {f"conv.{layer.layer}": conv, f"rec.{layer.layer}": rec}
-                    snapshot.update(made if keep is None else keep(made))
+            made = [{f"conv.{layer.layer}": conv, f"rec.{layer.layer}": rec} for caps in captured for conv, rec in caps]
+            if made:
+                kept = iter(made if keep is None else keep(made))
+                for per_span, caps in zip(captures, captured, strict=False):
+                    for snapshot in per_span[: len(caps)]:
+                        snapshot.update(next(kept))
         batch.advance()
         return self.model.norm(x, h, kernels)[1], captures
 

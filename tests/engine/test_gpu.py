@@ -108,6 +108,24 @@ def test_chunk_gated_delta_rule_over_spans_is_each_sequence_alone(rng):
         assert to_alone <= 1e-3 and to_ref <= KERNEL_TOL[torch.bfloat16], (i, to_alone, to_ref, SEED)
 
 
+def test_one_sequence_with_captures_scans_in_rounds_as_segment_by_segment(rng):
+    """One sequence cut at its captures goes through the rounds too (each chunk's own half of fla's
+    forward once for all segments, then the states carried segment after segment): out, final state
+    and captures as fla's whole forward on each segment in turn."""
+    from engine.ops.gpu import deltanet as gpu
+
+    length = rng.randrange(200, 900)
+    capture_at = sorted(rng.sample(range(1, length), 4))
+    q, k, v, g, beta, state = _gdn_inputs(length, seed=rng.randrange(1 << 30))
+    q, k, v, beta = (x.cuda().bfloat16() for x in (q, k, v, beta))
+    g, state = g.cuda(), state.cuda()
+    out, (final,), (caps,) = gpu.chunk_gated_delta_rule_spans(q, k, v, g, beta, [state], [(0, length)], [capture_at])
+    alone = gpu.chunk_gated_delta_rule(q, k, v, g, beta, state, capture_at)
+    errors = [rel(a, b) for a, b in zip([out, final, *caps], [alone[0], alone[1], *alone[2]], strict=True)]
+    metric("gdn_rounds_one_vs_segments", max(errors))
+    assert len(caps) == 4 and max(errors) <= 1e-3, (errors, SEED)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_decode_gated_delta_rule_matches_the_recurrence_of_each_sequence(dtype, rng):
     """One token of each of 3 sequences, each from its own state (fla's batch dimension), against

@@ -19,6 +19,8 @@ def test_rows_without_captures_are_one_round_in_order():
     (only,) = out.rounds
     assert (only.start, only.end) == (0, 70) and only.cu_seqlens.tolist() == [0, 3, 70]
     assert only.chunk_indices.tolist() == [[0, 0], [1, 0], [1, 1]]  # 67 rows: two chunks of 64
+    assert only.chunk_offsets.tolist() == [0, 1, 3]
+    assert torch.equal(out.cu_seqlens, only.cu_seqlens) and torch.equal(out.chunk_indices, only.chunk_indices)
     assert [p[3] for p in only.pieces] == [False, False]
 
 
@@ -38,6 +40,10 @@ def test_captures_cut_segments_and_each_round_takes_the_next_segment_of_each_seq
         ]
     assert out.rounds[1].cu_seqlens.tolist() == [0, 6, 7]
     assert out.rounds[2].chunk_indices.tolist() == [[0, 0]]
+    assert out.rounds[0].chunk_offsets.tolist() == [0, 1, 2, 3]
+    # every round's segments in the order, as one varlen batch (the scan's chunk-local half)
+    assert out.cu_seqlens.tolist() == [0, 4, 8, 10, 16, 17, 20]
+    assert out.chunk_indices.tolist() == [[n, 0] for n in range(6)]
     assert torch.equal(out.order.sort().values, torch.arange(20))  # every row scanned once
 
 
@@ -63,7 +69,14 @@ def test_rounds_give_each_sequence_its_own_scan():
     states = [torch.randn(4, 16, 16, generator=gen) * 0.1 for _ in lengths]
     where = spans.layout(tuple(bounds), tuple(map(tuple, capture_ats)), CPU)
     assert where.order is not None and len(where.rounds) == 3
-    out, finals, captured = spans.scan_rounds(where, q, k, v, g, beta, states, _reference_varlen)
+    seen = []
+
+    def local(*rows_and_where):  # the chunk-local half: once, over the rows in the layout's order
+        seen.append(rows_and_where[:-1])
+        return rows_and_where[:-1]
+
+    out, finals, captured = spans.scan_rounds(where, q, k, v, g, beta, states, _reference_varlen, local)
+    assert len(seen) == 1 and all(torch.equal(a, x[where.order]) for a, x in zip(seen[0], (q, k, v, g, beta), strict=True))
     want = deltanet.chunk_gated_delta_rule_spans(q, k, v, g, beta, states, bounds, capture_ats)
     torch.testing.assert_close(out, want[0], rtol=1e-5, atol=1e-6)
     for got, expected in zip([*finals, *sum(captured, [])], [*want[1], *sum(want[2], [])], strict=True):

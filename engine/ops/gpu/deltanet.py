@@ -24,7 +24,12 @@ from engine.ops.gpu import spans
 
 try:  # fla-core 0.6 internals; the public API below is the fallback
     from fla.modules.norm.l2norm import l2norm_fwd
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_o import chunk_fwd_o
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
+    from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum
+    from fla.ops.utils.constant import RCP_LN2
 except ImportError:  # pragma: no cover
     chunk_gated_delta_rule_fwd = None
 
@@ -69,24 +74,44 @@ def chunk_gated_delta_rule(
 
 def chunk_gated_delta_rule_spans(q, k, v, g, beta, states, bounds, capture_ats):
     """`engine.ops.deltanet.chunk_gated_delta_rule_spans`'s contract: several sequences' rows, each
-    from its own state. Their segments between captures run round by round (`engine.ops.gpu.spans`),
-    each round one varlen scan over every sequence that has a segment left; q and k are normalised
-    once for all rows. One sequence, fp32, or fla without its forward internals: scan by scan."""
-    if len(bounds) == 1 or q.dtype == torch.float32 or chunk_gated_delta_rule_fwd is None:
+    from its own state. Their segments between captures run round by round (`engine.ops.gpu.spans`):
+    each chunk's own half of fla's forward (`_local`) once over every round's rows, then each round
+    carries its segments' states through their chunks (`_varlen`); q and k are normalised once for
+    all rows. One sequence without captures, fp32, or fla without its forward internals: scan by
+    scan."""
+    one = len(bounds) == 1 and not capture_ats[0]
+    if one or q.dtype == torch.float32 or chunk_gated_delta_rule_fwd is None:
         return reference.chunk_gated_delta_rule_spans(q, k, v, g, beta, states, bounds, capture_ats,
                                                       scan=chunk_gated_delta_rule)  # fmt: skip
     where = spans.layout(tuple(bounds), tuple(map(tuple, capture_ats)), q.device)
     q, k = l2norm_fwd(q.contiguous())[0], l2norm_fwd(k.contiguous())[0]
-    return spans.scan_rounds(where, q, k, v.contiguous(), g.float().contiguous(), beta.contiguous(), states, _varlen)
+    return spans.scan_rounds(where, q, k, v.contiguous(), g.float().contiguous(), beta.contiguous(), states,
+                             _varlen, _local)  # fmt: skip
 
 
-def _varlen(q, k, v, g, beta, h0, rnd: spans.Round):
-    """fla's forward over one round's rows (q, k normalised), its segments as sequences."""
-    res = chunk_gated_delta_rule_fwd(q=q.unsqueeze(0), k=k.unsqueeze(0), v=v.unsqueeze(0), g=g.unsqueeze(0),
-                                     beta=beta.unsqueeze(0), scale=q.shape[-1] ** -0.5, initial_state=h0,
-                                     output_final_state=True, cu_seqlens=rnd.cu_seqlens,
-                                     chunk_indices=rnd.chunk_indices)  # fmt: skip
-    return res[1][0].to(v.dtype), res[3]
+def _local(q, k, v, g, beta, where: spans.SpanLayout):
+    """What fla's forward computes within each chunk, for every round's segments at once (rows in
+    the layout's order): q, k and, per row, w, u (the WY representation) and the gates' cumulative
+    sums within its chunk (log2 units, as fla's kernels read them)."""
+    cu, chunks = where.cu_seqlens, where.chunk_indices
+    g = chunk_local_cumsum(
+        g.unsqueeze(0), chunk_size=spans.CHUNK, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=chunks
+    )
+    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k.unsqueeze(0), v=v.unsqueeze(0), g=g, beta=beta.unsqueeze(0),
+                                               cu_seqlens=cu, chunk_indices=chunks, chunk_size=spans.CHUNK)  # fmt: skip
+    return q, k, w[0], u[0], g[0]
+
+
+def _varlen(q, k, w, u, g, h0, rnd: spans.Round):
+    """fla's forward across chunks over one round's rows (`_local`'s), its segments as sequences:
+    the states carried through them from h0, and the outputs."""
+    q, k, w, u, g = (x.unsqueeze(0) for x in (q, k, w, u, g))
+    h, v_new, final = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g, initial_state=h0, output_final_state=True,
+                                                   chunk_size=spans.CHUNK, cu_seqlens=rnd.cu_seqlens,
+                                                   chunk_indices=rnd.chunk_indices, chunk_offsets=rnd.chunk_offsets)  # fmt: skip
+    out = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=q.shape[-1] ** -0.5, cu_seqlens=rnd.cu_seqlens,
+                      chunk_size=spans.CHUNK, chunk_indices=rnd.chunk_indices)  # fmt: skip
+    return out[0], final
 
 
 def decode_gated_delta_rule(

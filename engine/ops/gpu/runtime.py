@@ -22,6 +22,9 @@ class GpuRuntime:
     def to_host(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return self.transfers.to_host(tensors)
 
+    def to_host_many(self, groups: Sequence[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        return self.transfers.to_host_many(groups)
+
     def sync(self) -> None:
         self.transfers.sync()
 

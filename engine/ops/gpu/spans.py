@@ -6,7 +6,11 @@ spans' bounds and captures).
 A scan cannot stop at a capture inside one call (fla returns the fp32 state only at a sequence's
 end), so each sequence's rows are cut into segments at its captures, and round r scans the r-th
 segment of every sequence that has one, as one varlen call from the states the round before left.
-The scan takes the rows in `order` (round after round) once a layer, so each round reads a slice."""
+The scan takes the rows in `order` (round after round) once a layer, so each round reads a slice.
+What a chunk computes from its own rows alone (the gates' cumulative sums, the WY representation)
+does not depend on the states: that half runs once a layer over every segment of every round
+(`SpanLayout.cu_seqlens`, `SpanLayout.chunk_indices`), and a round only carries the states through
+its chunks and reads its outputs off them."""
 
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ class Round:
     end: int
     cu_seqlens: torch.Tensor  # [len(pieces) + 1] long
     chunk_indices: torch.Tensor  # [chunks, 2] long: each chunk's segment and its index within it
+    chunk_offsets: torch.Tensor  # [len(pieces) + 1] long: each segment's first chunk
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,8 @@ class SpanLayout:
     starts: torch.Tensor  # [N] int32: each sequence's first row
     order: torch.Tensor | None  # [T] long: the rows, round after round; None where that is every row in order
     rounds: tuple[Round, ...]
+    cu_seqlens: torch.Tensor  # every round's segments in `order`, as one varlen batch
+    chunk_indices: torch.Tensor
 
 
 @functools.lru_cache(maxsize=4)
@@ -57,27 +64,44 @@ def layout(
     rounds, order = [], []
     for r in range(max(len(s) for s in segments)):
         pieces = tuple((i, *s[r]) for i, s in enumerate(segments) if len(s) > r)
-        start, cu, chunks = len(order), [0], []
-        for n, (_, lo, hi, _) in enumerate(pieces):
+        start = len(order)
+        for _, lo, hi, _ in pieces:
             order += range(lo, hi)
-            cu.append(cu[-1] + hi - lo)
-            chunks += [(n, j) for j in range(-(-(hi - lo) // CHUNK))]
+        cu, chunks, offsets = _index([hi - lo for _, lo, hi, _ in pieces])
         rounds.append(Round(pieces, start, len(order), to_device(cu, torch.long, device),
-                            to_device(chunks, torch.long, device).view(-1, 2)))  # fmt: skip
+                            to_device(chunks, torch.long, device).view(-1, 2), to_device(offsets, torch.long, device)))  # fmt: skip
+    cu, chunks, _ = _index([hi - lo for rnd in rounds for _, lo, hi, _ in rnd.pieces])
     in_order = order == list(range(len(order)))
     return SpanLayout(to_device(span, torch.int32, device), to_device([lo for lo, _ in bounds], torch.int32, device),
-                      None if in_order else to_device(order, torch.long, device), tuple(rounds))  # fmt: skip
+                      None if in_order else to_device(order, torch.long, device), tuple(rounds),
+                      to_device(cu, torch.long, device), to_device(chunks, torch.long, device).view(-1, 2))  # fmt: skip
 
 
-def scan_rounds(where: SpanLayout, q, k, v, g, beta, states: Sequence[torch.Tensor], varlen: Callable):
+def _index(lengths: list[int]) -> tuple[list[int], list[tuple[int, int]], list[int]]:
+    """Segments of `lengths` rows as fla's varlen kernels index them: cumulative lengths, each
+    chunk's (segment, index within it), each segment's first chunk."""
+    cu, chunks, offsets = [0], [], [0]
+    for n, length in enumerate(lengths):
+        cu.append(cu[-1] + length)
+        chunks += [(n, j) for j in range(-(-length // CHUNK))]
+        offsets.append(len(chunks))
+    return cu, chunks, offsets
+
+
+def scan_rounds(where: SpanLayout, q, k, v, g, beta, states: Sequence[torch.Tensor], varlen: Callable,
+                local: Callable | None = None):  # fmt: skip
     """The scan of several sequences' rows (q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]), each from
-    its state in `states`, round by round: `varlen(q, k, v, g, beta, h0, round)` scans one round's rows
-    (its segments as `round.cu_seqlens` says) from h0 [n, Hv, Dk, Dv] -> (out [rows, Hv, Dv], the n
-    final fp32 states). Returns out [T, Hv, Dv] in the rows' order, each sequence's final state and
-    its captures in order."""
+    its state in `states`, round by round: `varlen(*rows, h0, round)` scans one round's rows (its
+    segments as `round.cu_seqlens` says) from h0 [n, Hv, Dk, Dv] -> (out [rows, Hv, Dv], the n final
+    fp32 states). The rows are q, k, v, g, beta taken in the layout's order, or what
+    `local(q, k, v, g, beta, where)` makes of them there, once for every round (tensors of one row
+    per input row). Returns out [T, Hv, Dv] in the rows' order, each sequence's final state and its
+    captures in order."""
     ins = [q, k, v, g, beta]
     if where.order is not None:  # round after round: each round's rows are a slice
         ins = [x.index_select(0, where.order) for x in ins]
+    if local is not None:
+        ins = local(*ins, where)
     h = [s.float() for s in states]
     outs: list[torch.Tensor] = []
     captured: list[list[torch.Tensor]] = [[] for _ in states]

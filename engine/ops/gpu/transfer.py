@@ -132,21 +132,27 @@ class Transfers:
 
     def to_host(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Pinned host copies of device `tensors` (views of one pinned buffer), complete after `sync()`."""
+        return self.to_host_many([tensors])[0]
+
+    def to_host_many(self, groups: Sequence[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+        """`to_host` of each of `groups` (e.g. a layer's captures of every sequence in a forward)
+        behind one wait on the compute stream; each group's tensors are views of one pinned buffer."""
         ready = torch.cuda.Event()
         ready.record()
         self.stream.wait_event(ready)
-        offsets, total = [], 0
-        for t in tensors.values():
-            offsets.append(total)
-            total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-        buffer = self._pinned(total)
-        out = {}
+        out: list[dict[str, torch.Tensor]] = []
         with torch.cuda.stream(self.stream):
-            for (name, t), offset in zip(tensors.items(), offsets, strict=True):
-                host = buffer[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                host.copy_(t, non_blocking=True)
-                t.record_stream(self.stream)  # the allocator must not reuse t's memory before the copy ran
-                out[name] = host
+            for tensors in groups:
+                offsets, total = [], 0
+                for t in tensors.values():
+                    offsets.append(total)
+                    total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+                buffer, host = self._pinned(total), {}
+                for (name, t), offset in zip(tensors.items(), offsets, strict=True):
+                    host[name] = buffer[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                    host[name].copy_(t, non_blocking=True)
+                    t.record_stream(self.stream)  # the allocator must not reuse t's memory before the copy ran
+                out.append(host)
         done = torch.cuda.Event()
         done.record(self.stream)
         self.pending.append(done)
