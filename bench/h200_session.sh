@@ -31,6 +31,7 @@
 #       spans-warm  the same after `ft serve`'s warm-up, each case's first (cold) step beside; $SPANS_CASES its
 #                  cases, $SPANS_PROFILE_COLD=1 profiles the first case's cold step, $SPANS_CPROFILE=1 a warm
 #                  step of each case under cProfile (e.g. SPANS_CASES=3x2730x0,3x2730x4: what captures cost the host)
+#       base-spans  spans-warm's cases on the tree carried as .base/ (`base-tree`): a same-lease baseline
 #       attention-shapes  a prefill's attention at new lengths per SDPA backend: first call against the next
 #                  (bench/attention_shapes.py)
 #       attention-tests  pytest: the prefill attention against the reference, restores from registered memory, slabs
@@ -155,7 +156,7 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
       -k "batched_decode_with_a_prefill or graph_decode or padded_batch or restore_then_suffix" ;;
     mixed) step mixed python3 bench/mixed_step.py --preset $P-e64 --batch 4 --json $O/mixed.json ;;
     spans-tests) step spans-tests python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -s tests/engine/test_gpu.py \
-      tests/engine/test_fused_kernels.py tests/engine/test_spans_layout.py -k "spans or several"
+      tests/engine/test_fused_kernels.py tests/engine/test_spans_layout.py -k "spans or several or rounds"
       step warmup-small python3 -c "from engine import Engine; e = Engine.from_preset('small', device='cuda'); \
 e.warmup(max_batch=2); print('warm-up ran')" ;;
     attention-tests) step attention-tests python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -s \
@@ -174,6 +175,8 @@ e.warmup(max_batch=2); print('warm-up ran')" ;;
       --profile --json $O/spans-captures.json ;;
     spans-warm) step spans-warm python3 bench/spans_step.py --preset $P-e64 --warmup --cases ${SPANS_CASES:-3x700x1,4x600x2} \
       --reps 3 --json $O/spans-warm.json ${SPANS_PROFILE_COLD:+--profile-cold} ${SPANS_CPROFILE:+--cprofile} ;;
+    base-spans) step base-spans env PYTHONPATH=/tmp/site:$PWD/.base python3 .base/bench/spans_step.py --preset $P-e64 \
+      --warmup --cases ${SPANS_CASES:-3x700x1,4x600x2} --reps 3 --json $O/base-spans.json ;;
     transfer-tests) step transfer-tests python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -s tests/engine/test_gpu.py \
       -k "slabs or restore_then_suffix or several or registered" ;;
     offload-profile)
