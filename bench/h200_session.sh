@@ -37,7 +37,8 @@
 #       attention-tests  pytest: the prefill attention against the reference, restores from registered memory, slabs
 #       sessions-ft  the `sessions` step on our side alone (no llama-server build); sessions-ft-pinned the same
 #                  with the store's RAM tier in registered memory (FT_PINNED_STORE=1); $SESSION_K (default 1,4);
-#                  $SESSION_STEP_LOG=MS: the server logs its steps slower than MS (ft serve --step-log)
+#                  $SESSION_STEP_LOG=MS: the server logs its steps slower than MS (ft serve --step-log);
+#                  sessions-ft-chunked the same with ft serve --decode-step-prefill ${SESSION_DECODE_PREFILL:-2048}
 #       transfer-tests  pytest: captures cut from pinned slabs, restores (from the store's registered memory too),
 #                  several sequences' prefill with captures
 #       offload-profile  the random Q4_K_M at 8 GiB: speed, cache, link and a decode profile, no replay
@@ -161,11 +162,13 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
 e.warmup(max_batch=2); print('warm-up ran')" ;;
     attention-tests) step attention-tests python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -s \
       tests/engine/test_gpu.py -k "causal_attention or registered or slabs" ;;
-    sessions-ft | sessions-ft-pinned) # ours alone; -pinned: the store's RAM tier in registered memory
+    sessions-ft | sessions-ft-pinned | sessions-ft-chunked) # ours alone; -pinned: the store's RAM tier in registered
+      # memory; -chunked: at most $SESSION_DECODE_PREFILL (default 2048) prefill tokens a step beside decode rows
       FT_PINNED_STORE=$([ $s = sessions-ft-pinned ] && echo 1 || echo 0) step $s python3 bench/llamacpp.py \
         --preset $P-e64 --device cuda --dtype bf16 --only ft --ft-arg=--ram-cache=48 --sessions ${SESSION_K:-1,4} \
         --parallel 4 --out $O/$s.json ${SESSION_TRACES:-traces/sessions/small-bugfix.recording.jsonl} \
-        --max-requests ${SESSION_REQUESTS:-8} ${SESSION_STEP_LOG:+--ft-arg=--step-log=$SESSION_STEP_LOG --ft-arg=--log-level=info}
+        --max-requests ${SESSION_REQUESTS:-8} ${SESSION_STEP_LOG:+--ft-arg=--step-log=$SESSION_STEP_LOG --ft-arg=--log-level=info} \
+        $([ $s = sessions-ft-chunked ] && echo --ft-arg=--decode-step-prefill=${SESSION_DECODE_PREFILL:-2048})
       cp .peer/ft-serve.log $O/$s-serve.log 2>/dev/null ;;  # the last K's server log
     attention-shapes) step attention-shapes python3 bench/attention_shapes.py --json $O/attention-shapes.json ;;
     spans) step spans python3 bench/spans_step.py --preset $P-e64 --json $O/spans.json ;;

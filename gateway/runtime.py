@@ -54,6 +54,7 @@ class ServeConfig:
     live_sequences: int = 4  # sequences kept after their answer, continued in place (0: always restore)
     max_running: int = 4  # requests decoded together, one batched forward per step
     max_queue: int = 64  # requests waiting beyond max_running; more are answered `overloaded`
+    decode_step_prefill: int | None = None  # prefill tokens a step carries beside decode rows (None: its budget)
     gpu_memory_gib: float | None = None  # device budget: routed experts offloaded to host memory (engine/offload.py)
     model_name: str | None = None
     step_log_ms: float | None = None  # log engine steps and prefill forwards slower than this (a diagnostic)
@@ -79,7 +80,8 @@ class Runtime:
     live: LiveSequences = field(init=False)  # sequences kept on the device between requests (worker only)
 
     def __post_init__(self) -> None:
-        self.scheduler = Scheduler(self.engine, self.config.max_running, self.config.max_queue)
+        self.scheduler = Scheduler(self.engine, self.config.max_running, self.config.max_queue,
+                                   self.config.decode_step_prefill)  # fmt: skip
         self.scheduler.step_log_ms = self.engine.step_log_ms = self.config.step_log_ms
         self.store_queue = StoreQueue(self.store)
         self.planner = Planner(self.renderer, self.memo, self.root, self.volatile_rules, self.replay,

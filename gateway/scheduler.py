@@ -66,8 +66,10 @@ class Task:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, max_running: int = 4, max_queue: int = 64):
+    def __init__(self, engine: Engine, max_running: int = 4, max_queue: int = 64,
+                 decode_step_prefill: int | None = None):  # fmt: skip
         self.engine, self.max_running, self.max_queue = engine, max_running, max_queue
+        self.decode_step_prefill = decode_step_prefill  # prefill tokens a step carries beside decode rows
         self._waiting: deque[Task] = deque()
         self._running: list[Task] = []
         self._background: list[Task] = []
@@ -242,9 +244,13 @@ class Scheduler:
         """Every decode token, then prefill chunks within the token budget, the fewest remaining
         tokens first (admission order among equals): a tool result's few hundred tokens join the
         next step beside another session's long prompt rather than wait for all of it, which still
-        gets the rest of every step's budget."""
+        gets the rest of every step's budget. A step with decode rows carries at most
+        `decode_step_prefill` prefill tokens, so the decoding sequences' tokens come at a short
+        step's pace while long prompts prefill."""
         parts = [(t.feed, 1) for t in tasks if t.feed is not None and not t.feed.is_prefill]
         budget = self.engine.step_tokens - len(parts)
+        if parts and self.decode_step_prefill:
+            budget = min(budget, self.decode_step_prefill)
         if not self._running:  # background work: short steps, so a request that arrives waits little
             budget = min(budget, BACKGROUND_STEP_TOKENS)
         prefills = [t.feed for t in tasks if t.feed is not None and t.feed.is_prefill]

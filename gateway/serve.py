@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from gateway.http_server import ServerLimits
@@ -24,11 +25,18 @@ def count(text: str) -> int:
     return int(text)
 
 
-def positive(text: str) -> int:
-    """argparse type: a whole number >= 1."""
-    if count(text) < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return int(text)
+def at_least(low: int) -> Callable[[str], int]:
+    """argparse type: a whole number >= `low`."""
+
+    def parse(text: str) -> int:
+        if count(text) < low:
+            raise argparse.ArgumentTypeError(f"expected a whole number >= {low}, got {text!r}")
+        return int(text)
+
+    return parse
+
+
+positive = at_least(1)
 
 
 def gib(text: str) -> float:
@@ -82,6 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-running", type=positive, default=4, metavar="N",
                         help="requests decoded together: every engine step runs one batched forward over their "
                              "decode tokens and a chunk of pending prefill (default 4)")
+    parser.add_argument("--decode-step-prefill", type=at_least(256), metavar="N",
+                        help="prefill tokens a step carries beside sequences that are decoding: a long prompt goes "
+                             "in chunks of N while others decode, so their tokens keep coming at a short step's pace "
+                             "(default: the step's whole token budget)")
     parser.add_argument("--max-queue", type=count, default=64, metavar="N",
                         help="requests that may wait beyond --max-running; more are answered with the protocol's "
                              "overloaded error (default 64)")
@@ -140,7 +152,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         keep_volatile=args.keep_volatile, default_max_tokens=args.max_tokens, max_tokens_cap=args.max_tokens_cap,
         forced_decode=args.forced_decode, model_name=args.served_model_name, live_sequences=args.live_sequences,
         max_running=args.max_running, max_queue=args.max_queue, gpu_memory_gib=args.gpu_memory,
-        step_log_ms=args.step_log,
+        step_log_ms=args.step_log, decode_step_prefill=args.decode_step_prefill,
     )
 
 

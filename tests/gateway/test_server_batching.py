@@ -220,29 +220,51 @@ def test_metrics_report_the_live_sequences_memory(server):
     assert held >= 2 * sum(n for ptr, n in kv.items() if ptr not in slots)  # keys, and values as large
 
 
-def test_a_short_prefill_joins_the_next_step_beside_a_long_one(server):
-    """The step's prefill budget goes to the fewest remaining tokens first: a 300-token tool result
-    admitted after another session's long prompt gets all of its tokens into the next step, the
-    long prompt the rest of the budget; the decode tokens come first."""
+def _parts_of(server, tokens: list[int]):
+    """The worker's parts of a step over tasks with feeds of `tokens` each (a 1 is a decode row),
+    standing in for its running tasks -> their feeds and the parts."""
     from engine import Feed
     from gateway.scheduler import Task
 
     scheduler, engine = server.runtime.scheduler, server.runtime.engine
-    budget = engine.step_tokens
-
-    def task(tokens: int) -> Task:
-        t = Task(iter(()))
-        t.feed = Feed(engine.new_state(), list(range(tokens)))
-        return t
-
-    decoding, long, short, other = task(1), task(3 * budget), task(300), task(300)
+    tasks = [Task(iter(())) for _ in tokens]
+    for t, n in zip(tasks, tokens, strict=True):
+        t.feed = Feed(engine.new_state(), list(range(n)))
     server.wait_idle()
     with scheduler._wake:  # the worker stays in its wait while these stand in for its running tasks
-        running, scheduler._running = scheduler._running, [long, decoding, short, other]
+        running, scheduler._running = scheduler._running, tasks
         try:
-            parts = scheduler._parts(scheduler._running)
+            return [t.feed for t in tasks], scheduler._parts(scheduler._running)
         finally:
             scheduler._running = running
-    assert [(feed, count) for feed, count in parts] == [
-        (decoding.feed, 1), (short.feed, 300), (other.feed, 300), (long.feed, budget - 601)
-    ]
+
+
+def test_a_short_prefill_joins_the_next_step_beside_a_long_one(server):
+    """The step's prefill budget goes to the fewest remaining tokens first: a 300-token tool result
+    admitted after another session's long prompt gets all of its tokens into the next step, the
+    long prompt the rest of the budget; the decode tokens come first."""
+    budget = server.runtime.engine.step_tokens
+    (long, decoding, short, other), parts = _parts_of(server, [3 * budget, 1, 300, 300])
+    assert parts == [(decoding, 1), (short, 300), (other, 300), (long, budget - 601)]
+
+
+def test_a_step_with_decode_rows_carries_at_most_decode_step_prefill_tokens(server, monkeypatch):
+    """`ft serve --decode-step-prefill N`: beside decode rows a step's prefill is at most N tokens
+    (the shortest first as ever); with no decode row it takes the whole budget."""
+    budget = server.runtime.engine.step_tokens
+    monkeypatch.setattr(server.runtime.scheduler, "decode_step_prefill", 512)
+    (long, decoding, short), parts = _parts_of(server, [3 * budget, 1, 300])
+    assert parts == [(decoding, 1), (short, 300), (long, 212)]
+    (long, short), parts = _parts_of(server, [3 * budget, 300])
+    assert parts == [(short, 300), (long, budget - 300)]
+
+
+def test_decode_step_prefill_flag_reaches_the_config_and_refuses_tiny_chunks(capsys):
+    from gateway.serve import config_from_args
+    from tests.conftest import serve_args
+
+    assert config_from_args(serve_args("--decode-step-prefill", "2048")).decode_step_prefill == 2048
+    assert config_from_args(serve_args()).decode_step_prefill is None
+    with pytest.raises(SystemExit):
+        serve_args("--decode-step-prefill", "100")
+    assert "expected a whole number >= 256, got '100'" in capsys.readouterr().err
