@@ -390,10 +390,11 @@ class Engine:
             feed.result.ready = self.runtime.fence().synchronize
 
     def _to_host(self, tensors: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """On a GPU, snapshot tensors go to pinned host memory on a side stream."""
-        return tensors if self.runtime is None else self.runtime.to_host(tensors)
+        return self._to_host_many([tensors])[0]
 
     def _to_host_many(self, groups: list[dict[str, Any]]) -> list[dict[str, torch.Tensor]]:
+        """On a GPU, snapshot tensors go to pinned host memory on a side stream (each group behind
+        one wait: a layer's captures of every sequence)."""
         return groups if self.runtime is None else self.runtime.to_host_many(groups)
 
     def _snapshots(self, state, positions, captured, kv_start, state_at) -> list[Snapshot]:

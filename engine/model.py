@@ -524,10 +524,11 @@ class HybridForCausalLM(nn.Module):
     ) -> tuple[torch.Tensor, list[list[dict]]]:
         """ids [T] (the batch's tokens, sequence after sequence) -> final hidden states [T, H] and,
         for `Spans`, per span and per offset in its `capture_at`, the DeltaNet states after that
-        many of its tokens: {"conv.L": [C, K-1], "rec.L": [Hv, Dk, Dv]}, each layer's (a list of
-        every capture's) passed through `keep` as the layer makes them (the engine's copies them to
-        host memory: the forward then holds one layer's captures on the device, not every layer's). Every sequence's state is
-        extended in place (a `SlotBatch`'s lengths are committed by its runner)."""
+        many of its tokens: {"conv.L": [C, K-1], "rec.L": [Hv, Dk, Dv]}, each layer's passed through
+        `keep` as the layer makes them, all of the layer's captures in one list (the engine's copies
+        them to host memory: the forward then holds one layer's captures on the device, not every
+        layer's). Every sequence's state is extended in place (a `SlotBatch`'s lengths are committed
+        by its runner)."""
         c = self.config
         batch = Spans(batch) if isinstance(batch, list) else batch
         rope = rope_cos_sin(batch.positions(ids.device), c.rotary_dim, c.rope_theta, self.lm_head.weight.dtype)

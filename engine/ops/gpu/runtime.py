@@ -19,9 +19,6 @@ class GpuRuntime:
         self.config, self.device, self.dtype = config, device, dtype
         self.transfers = Transfers(device)
 
-    def to_host(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return self.transfers.to_host(tensors)
-
     def to_host_many(self, groups: Sequence[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
         return self.transfers.to_host_many(groups)
 
