@@ -81,8 +81,8 @@ class Runtime:
 
     def __post_init__(self) -> None:
         self.scheduler = Scheduler(self.engine, self.config.max_running, self.config.max_queue,
-                                   self.config.decode_step_prefill)  # fmt: skip
-        self.scheduler.step_log_ms = self.engine.step_log_ms = self.config.step_log_ms
+                                   self.config.decode_step_prefill, self.config.step_log_ms)  # fmt: skip
+        self.engine.step_log_ms = self.config.step_log_ms
         self.store_queue = StoreQueue(self.store)
         self.planner = Planner(self.renderer, self.memo, self.root, self.volatile_rules, self.replay,
                                self.engine.max_context, self.config.default_max_tokens, self.config.max_tokens_cap)

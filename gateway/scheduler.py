@@ -67,9 +67,10 @@ class Task:
 
 class Scheduler:
     def __init__(self, engine: Engine, max_running: int = 4, max_queue: int = 64,
-                 decode_step_prefill: int | None = None):  # fmt: skip
+                 decode_step_prefill: int | None = None, step_log_ms: float | None = None):  # fmt: skip
         self.engine, self.max_running, self.max_queue = engine, max_running, max_queue
         self.decode_step_prefill = decode_step_prefill  # prefill tokens a step carries beside decode rows
+        self.step_log_ms = step_log_ms  # `ft serve --step-log`: log each step slower than this
         self._waiting: deque[Task] = deque()
         self._running: list[Task] = []
         self._background: list[Task] = []
@@ -78,7 +79,6 @@ class Scheduler:
         self._busy = False  # a step or job is running
         self.steps_total = self.step_sequences_total = self.step_tokens_total = 0
         self.queue_steps = Histogram(QUEUE_STEP_BUCKETS)  # engine steps each live request waited (the worker's)
-        self.step_log_ms: float | None = None  # `ft serve --step-log`: log each step slower than this
         self._step_end = time.perf_counter()
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="engine-worker", daemon=True)
