@@ -17,11 +17,11 @@ def test_rows_without_captures_are_one_round_in_order():
     out = spans.layout(((0, 3), (3, 70)), ((), ()), CPU)
     assert out.span.tolist() == [0] * 3 + [1] * 67 and out.starts.tolist() == [0, 3] and out.order is None
     (only,) = out.rounds
-    assert (only.start, only.end) == (0, 70) and only.cu_seqlens.tolist() == [0, 3, 70]
-    assert only.chunk_indices.tolist() == [[0, 0], [1, 0], [1, 1]]  # 67 rows: two chunks of 64
-    assert only.chunk_offsets.tolist() == [0, 1, 3]
-    assert torch.equal(out.cu_seqlens, only.cu_seqlens) and torch.equal(out.chunk_indices, only.chunk_indices)
+    assert (only.start, only.end, only.first, only.h0) == (0, 70, 0, None) and out.cu_seqlens.tolist() == [0, 3, 70]
+    assert out.chunk_indices.tolist() == [[0, 0], [1, 0], [1, 1]]  # 67 rows: two chunks of 64
+    assert out.chunk_offsets.tolist() == [0, 1, 3]
     assert [p[3] for p in only.pieces] == [False, False]
+    assert out.finals.tolist() == [0, 1] and out.captured == ((), ())
 
 
 def test_captures_cut_segments_and_each_round_takes_the_next_segment_of_each_sequence():
@@ -38,27 +38,43 @@ def test_captures_cut_segments_and_each_round_takes_the_next_segment_of_each_seq
         assert out.order[rnd.start : rnd.end].tolist() == [
             t for _, lo, hi, _ in rnd.pieces for t in range(lo, hi)
         ]
-    assert out.rounds[1].cu_seqlens.tolist() == [0, 6, 7]
-    assert out.rounds[2].chunk_indices.tolist() == [[0, 0]]
-    assert out.rounds[0].chunk_offsets.tolist() == [0, 1, 2, 3]
-    # every round's segments in the order, as one varlen batch (the scan's chunk-local half)
+    # every round's segments in the order, as one varlen batch; a round is a slice of its segments
     assert out.cu_seqlens.tolist() == [0, 4, 8, 10, 16, 17, 20]
     assert out.chunk_indices.tolist() == [[n, 0] for n in range(6)]
+    assert out.chunk_offsets.tolist() == list(range(7))
+    assert [rnd.segments for rnd in out.rounds] == [slice(0, 3), slice(3, 5), slice(5, 6)]
+    # each round starts from its sequences' segments of the round before: sequences 0 and 2 (not
+    # consecutive there: an index), then sequence 2 alone (a slice)
+    assert out.rounds[0].h0 is None and out.rounds[1].h0.tolist() == [0, 2] and out.rounds[2].h0 == slice(4, 5)
+    assert out.finals.tolist() == [3, 1, 5] and out.captured == ((0, 3), (), (2, 4))
     assert torch.equal(out.order.sort().values, torch.arange(20))  # every row scanned once
 
 
-def _reference_varlen(q, k, v, g, beta, h0, rnd):
-    """A varlen scan on the CPU: the reference scan of each segment of the round from its state."""
-    cu = rnd.cu_seqlens.tolist()
-    runs = [deltanet.chunk_gated_delta_rule(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], h0[n], [])
-            for n, (a, b) in enumerate(zip(cu, cu[1:], strict=False))]  # fmt: skip
-    return torch.cat([r[0] for r in runs]), torch.stack([r[1] for r in runs])
+class _ReferenceRounds:
+    """`spans.RoundScan` on the CPU: the reference scan of each segment of a round from its state."""
+
+    made: list[tuple] = []
+
+    def __init__(self, q, k, v, g, beta, where):
+        self.rows, self.where, self.outs = (q, k, v, g, beta), where, []
+        _ReferenceRounds.made.append(self.rows)
+
+    def carry(self, h0, rnd, finals):
+        cu = self.where.cu_seqlens.tolist()
+        for n, j in enumerate(range(rnd.first, rnd.first + len(rnd.pieces))):
+            out, final, _ = deltanet.chunk_gated_delta_rule(*(x[cu[j] : cu[j + 1]] for x in self.rows), h0[n], [])
+            self.outs.append(out)
+            finals[n] = final
+
+    def outputs(self):
+        return torch.cat(self.outs)
 
 
 def test_rounds_give_each_sequence_its_own_scan():
     """The scan round by round over the rows taken in the layout's order (what the GPU does with fla's
-    varlen forward, here with the reference scan per segment) gives each sequence's out, final state
-    and captures as its scan alone: states carried from round to round, outputs put back in row order."""
+    kernels, here with the reference scan per segment) gives each sequence's out, final state and
+    captures as its scan alone: states carried from round to round through the buffer of every
+    segment's final state, outputs put back in row order."""
     gen = torch.Generator().manual_seed(0)
     lengths, capture_ats = [70, 9, 130], [[5, 64], [], [1, 70, 130]]
     bounds = [(sum(lengths[:i]), sum(lengths[: i + 1])) for i in range(3)]
@@ -69,15 +85,14 @@ def test_rounds_give_each_sequence_its_own_scan():
     states = [torch.randn(4, 16, 16, generator=gen) * 0.1 for _ in lengths]
     where = spans.layout(tuple(bounds), tuple(map(tuple, capture_ats)), CPU)
     assert where.order is not None and len(where.rounds) == 3
-    seen = []
-
-    def local(*rows_and_where):  # the chunk-local half: once, over the rows in the layout's order
-        seen.append(rows_and_where[:-1])
-        return rows_and_where[:-1]
-
-    out, finals, captured = spans.scan_rounds(where, q, k, v, g, beta, states, _reference_varlen, local)
-    assert len(seen) == 1 and all(torch.equal(a, x[where.order]) for a, x in zip(seen[0], (q, k, v, g, beta), strict=True))
+    _ReferenceRounds.made.clear()
+    out, finals, captured = spans.scan_rounds(where, q, k, v, g, beta, states, _ReferenceRounds)
+    (made,) = _ReferenceRounds.made  # made once, from the rows in the layout's order
+    assert all(torch.equal(a, x[where.order]) for a, x in zip(made, (q, k, v, g, beta), strict=True))
     want = deltanet.chunk_gated_delta_rule_spans(q, k, v, g, beta, states, bounds, capture_ats)
     torch.testing.assert_close(out, want[0], rtol=1e-5, atol=1e-6)
     for got, expected in zip([*finals, *sum(captured, [])], [*want[1], *sum(want[2], [])], strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    # the captures are views of one buffer (one copy to host memory takes them); the final states are not
+    assert len({c.untyped_storage().data_ptr() for c in sum(captured, [])}) == 1
+    assert all(f.untyped_storage().data_ptr() != captured[0][0].untyped_storage().data_ptr() for f in finals)

@@ -6,6 +6,7 @@ several sequences' rows at once, each row reading only its own sequence's rows a
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 
@@ -53,12 +54,48 @@ def _causal_conv(X, S, SPAN, START, W, Y, T, C, stride_x, END0, END1, K: tl.cons
     tl.store(out, y.to(Y.dtype.element_ty), mask=rows[:, None] & cols[None, :])
 
 
-def _window(x: torch.Tensor, state: torch.Tensor, end: int) -> torch.Tensor:
-    """The K-1 inputs before `end` as a conv state [C, K-1]."""
-    width = state.shape[1]
-    if end >= width:
-        return x[end - width : end].transpose(0, 1).contiguous()
-    return torch.cat([state[:, end:], x[:end].transpose(0, 1)], dim=1)
+@triton.jit
+def _windows_kernel(X, S, ROWS, OUT, C, stride_x, WIDTH: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Window w's BLOCK_C channels: OUT[w] [C, WIDTH] takes, for each column j, row ROWS[w, j] of X, or
+    where that is negative (r = -1 - ROWS[w, j]) column r % WIDTH of the state S[r // WIDTH] ([N, C, WIDTH])."""
+    w = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cols = c < C
+    for j in tl.static_range(WIDTH):
+        row = tl.zeros([BLOCK_C], tl.int64) + tl.load(ROWS + w * WIDTH + j)  # the same for every channel
+        held = -1 - row
+        xv = tl.load(X + row * stride_x + c, mask=cols & (row >= 0), other=0.0)
+        sv = tl.load(S + (held // WIDTH) * C * WIDTH + c * WIDTH + held % WIDTH, mask=cols & (row < 0), other=0.0)
+        tl.store(OUT + w * C * WIDTH + c * WIDTH + j, tl.where(row >= 0, xv, sv), mask=cols)
+
+
+@functools.lru_cache(maxsize=4)
+def _window_rows(bounds: tuple[tuple[int, int], ...], capture_ats: tuple[tuple[int, ...], ...], width: int,
+                 device: torch.device) -> torch.Tensor:  # fmt: skip
+    """[W, width] int32: for every capture of every sequence in order, then every sequence's end, the
+    `width` inputs before it as `_windows_kernel` reads them (a row of x, or -1 - the state element)."""
+    ends = [(i, off) for i, caps in enumerate(capture_ats) for off in caps]
+    ends += [(i, hi - lo) for i, (lo, hi) in enumerate(bounds)]
+    rows = [bounds[i][0] + src if src >= 0 else -1 - (i * width + width + src)
+            for i, off in ends for src in range(off - width, off)]  # fmt: skip
+    return spans.to_device(rows, torch.int32, device).view(-1, width)
+
+
+def _windows(x, states, bounds, capture_ats):
+    """The conv states [C, K-1] at each capture and at each sequence's end (its K-1 inputs before
+    there, from x's rows or before its first row from its state; states [N, C, K-1]) in one launch:
+    per sequence its final state and its captures, views of one buffer (the captures consecutive)."""
+    width, channels = states.shape[2], x.shape[1]
+    rows = _window_rows(tuple(bounds), tuple(map(tuple, capture_ats)), width, x.device)
+    out = torch.empty(rows.shape[0], channels, width, dtype=x.dtype, device=x.device)
+    block = 128
+    _windows_kernel[(rows.shape[0], triton.cdiv(channels, block))](x, states, rows, out, channels, x.stride(0),
+                                                                    WIDTH=width, BLOCK_C=block)  # fmt: skip
+    captured, n = [], 0
+    for caps in capture_ats:
+        captured.append(list(out[n : n + len(caps)]))
+        n += len(caps)
+    return list(out[n:]), captured
 
 
 def _launch(x, states, rows, weight, splits):
@@ -83,20 +120,17 @@ def _triton_conv(x, state, weight, capture_at, splits):
         x = x.contiguous()
     state = state.to(x.dtype).contiguous()
     parts = _launch(x, state, None, weight, splits)
-    return parts, _window(x, state, x.shape[0]), [_window(x, state, off) for off in capture_at]
+    (final,), (captured,) = _windows(x, state.unsqueeze(0), [(0, x.shape[0])], [capture_at])
+    return parts, final, captured
 
 
 def _triton_conv_spans(x, states, weight, bounds, capture_ats, splits):
     if x.stride(1) != 1:
         x = x.contiguous()
-    states = [s.to(x.dtype) for s in states]
+    states = torch.stack([s.to(x.dtype) for s in states])
     where = spans.layout(tuple(bounds), tuple(map(tuple, capture_ats)), x.device)
-    parts = _launch(x, torch.stack(states), (where.span, where.starts), weight, splits)
-    finals, captured = [], []
-    for state, (lo, hi), caps in zip(states, bounds, capture_ats, strict=True):
-        finals.append(_window(x[lo:hi], state, hi - lo))
-        captured.append([_window(x[lo:hi], state, off) for off in caps])
-    return parts, finals, captured
+    parts = _launch(x, states, (where.span, where.starts), weight, splits)
+    return parts, *_windows(x, states, bounds, capture_ats)
 
 
 causal_conv = Checked("causal_conv", _triton_conv, reference.causal_conv)

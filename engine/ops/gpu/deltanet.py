@@ -16,6 +16,7 @@ capture position ends one segment. Inputs are made contiguous once; segments alo
 from __future__ import annotations
 
 import torch
+import triton
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
 
@@ -24,7 +25,9 @@ from engine.ops.gpu import spans
 
 try:  # fla-core 0.6 internals; the public API below is the fallback
     from fla.modules.norm.l2norm import l2norm_fwd
-    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
+    from fla.ops.common.chunk_delta_h import (
+        chunk_gated_delta_rule_fwd_kernel_h_blockdim64 as fla_state_kernel,
+    )
     from fla.ops.common.chunk_o import chunk_fwd_o
     from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_fwd
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
@@ -74,11 +77,9 @@ def chunk_gated_delta_rule(
 
 def chunk_gated_delta_rule_spans(q, k, v, g, beta, states, bounds, capture_ats):
     """`engine.ops.deltanet.chunk_gated_delta_rule_spans`'s contract: several sequences' rows, each
-    from its own state. Their segments between captures run round by round (`engine.ops.gpu.spans`):
-    each chunk's own half of fla's forward (`_local`) once over every round's rows, then each round
-    carries its segments' states through their chunks (`_varlen`); q and k are normalised once for
-    all rows. One sequence without captures, fp32, or fla without its forward internals: scan by
-    scan."""
+    from its own state. Their segments between captures run round by round (`engine.ops.gpu.spans`,
+    `_FlaRounds`); q and k are normalised once for all rows. One sequence without captures, fp32,
+    or fla without its forward internals: scan by scan."""
     one = len(bounds) == 1 and not capture_ats[0]
     if one or q.dtype == torch.float32 or chunk_gated_delta_rule_fwd is None:
         return reference.chunk_gated_delta_rule_spans(q, k, v, g, beta, states, bounds, capture_ats,
@@ -86,32 +87,42 @@ def chunk_gated_delta_rule_spans(q, k, v, g, beta, states, bounds, capture_ats):
     where = spans.layout(tuple(bounds), tuple(map(tuple, capture_ats)), q.device)
     q, k = l2norm_fwd(q.contiguous())[0], l2norm_fwd(k.contiguous())[0]
     return spans.scan_rounds(where, q, k, v.contiguous(), g.float().contiguous(), beta.contiguous(), states,
-                             _varlen, _local)  # fmt: skip
+                             _FlaRounds)  # fmt: skip
 
 
-def _local(q, k, v, g, beta, where: spans.SpanLayout):
-    """What fla's forward computes within each chunk, for every round's segments at once (rows in
-    the layout's order): q, k and, per row, w, u (the WY representation) and the gates' cumulative
-    sums within its chunk (log2 units, as fla's kernels read them)."""
-    cu, chunks = where.cu_seqlens, where.chunk_indices
-    g = chunk_local_cumsum(
-        g.unsqueeze(0), chunk_size=spans.CHUNK, scale=RCP_LN2, cu_seqlens=cu, chunk_indices=chunks
-    )
-    w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k.unsqueeze(0), v=v.unsqueeze(0), g=g, beta=beta.unsqueeze(0),
-                                               cu_seqlens=cu, chunk_indices=chunks, chunk_size=spans.CHUNK)  # fmt: skip
-    return q, k, w[0], u[0], g[0]
+class _FlaRounds:
+    """fla's chunked forward split where the rounds need it: what each chunk computes from its own
+    rows (the gates' cumulative sums in log2 units, the WY representation w, u) once over every
+    round's segments, then fla's state kernel round by round (each a slice of the segments, writing
+    every chunk's state and new values into buffers of all of them), then the outputs once."""
 
+    def __init__(self, q, k, v, g, beta, where: spans.SpanLayout):
+        cu, chunks = where.cu_seqlens, where.chunk_indices
+        self.where = where
+        self.q, self.k = q.unsqueeze(0), k.unsqueeze(0)  # [1, T, Hk, Dk]
+        self.g = chunk_local_cumsum(g.unsqueeze(0), chunk_size=spans.CHUNK, scale=RCP_LN2, cu_seqlens=cu,
+                                    chunk_indices=chunks)  # fmt: skip
+        self.w, self.u, _ = chunk_gated_delta_rule_fwd_intra(k=self.k, v=v.unsqueeze(0), g=self.g, beta=beta.unsqueeze(0),
+                                                             cu_seqlens=cu, chunk_indices=chunks, chunk_size=spans.CHUNK)  # fmt: skip
+        hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
+        self.h = k.new_empty(1, len(chunks), hv, dk, dv)  # every chunk's state at its start
+        self.v_new = torch.empty_like(self.u)
 
-def _varlen(q, k, w, u, g, h0, rnd: spans.Round):
-    """fla's forward across chunks over one round's rows (`_local`'s), its segments as sequences:
-    the states carried through them from h0, and the outputs."""
-    q, k, w, u, g = (x.unsqueeze(0) for x in (q, k, w, u, g))
-    h, v_new, final = chunk_gated_delta_rule_fwd_h(k=k, w=w, u=u, g=g, initial_state=h0, output_final_state=True,
-                                                   chunk_size=spans.CHUNK, cu_seqlens=rnd.cu_seqlens,
-                                                   chunk_indices=rnd.chunk_indices, chunk_offsets=rnd.chunk_offsets)  # fmt: skip
-    out = chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g, scale=q.shape[-1] ** -0.5, cu_seqlens=rnd.cu_seqlens,
-                      chunk_size=spans.CHUNK, chunk_indices=rnd.chunk_indices)  # fmt: skip
-    return out[0], final
+    def carry(self, h0, rnd: spans.Round, finals) -> None:
+        _, rows, hk, dk = self.k.shape
+        hv, dv = self.u.shape[2], self.u.shape[3]
+        segments = slice(rnd.first, rnd.first + len(rnd.pieces) + 1)  # their bounds: global rows and chunks
+        fla_state_kernel[lambda meta: (triton.cdiv(dv, meta["BV"]) * len(rnd.pieces) * hv,)](
+            k=self.k, v=self.u, w=self.w, v_new=self.v_new, g=self.g, gk=None, h=self.h, h0=h0, ht=finals,
+            cu_seqlens=self.where.cu_seqlens[segments], chunk_offsets=self.where.chunk_offsets[segments],
+            T=rows, H=hk, HV=hv, K=dk, V=dv, BT=spans.CHUNK, STATE_V_FIRST=False,
+        )  # fmt: skip
+
+    def outputs(self) -> torch.Tensor:
+        out = chunk_fwd_o(q=self.q, k=self.k, v=self.v_new, h=self.h, g=self.g, scale=self.k.shape[-1] ** -0.5,
+                          cu_seqlens=self.where.cu_seqlens, chunk_size=spans.CHUNK,
+                          chunk_indices=self.where.chunk_indices)  # fmt: skip
+        return out[0]
 
 
 def decode_gated_delta_rule(

@@ -36,7 +36,7 @@ from engine.config import ModelConfig
 from engine.snapshot import Snapshot
 from engine.state import SequenceState
 
-ALIGN = 64  # bytes between tensors in one pinned buffer
+ALIGN = 64  # bytes between the buffers cut from one slab
 SLAB = 64 << 20  # bytes of pinned memory cut into snapshot tensors; a power of two (torch's pinned cache rounds up)
 KV_HEADROOM = 4096  # tokens of KV capacity beyond a restored prefix, so the next prefill need not regrow
 REGISTER_MIN = 1 << 20  # bytes: smaller host buffers stay pageable (their copies are short either way)
@@ -121,6 +121,26 @@ class SlabPool:
         return slab
 
 
+def _runs(items: list[tuple[int, str, torch.Tensor]]):
+    """Contiguous tensors (with their group and name) as runs to copy whole: (storage, first byte,
+    end byte, the run's items). A run holds tensors of one storage in order, each starting at most
+    its own size past the run's end (a gap is copied too), up to a quarter slab."""
+    runs: list[tuple[torch.UntypedStorage, int, int, list]] = []
+    key = lambda item: (item[2].untyped_storage().data_ptr(), item[2].storage_offset())  # noqa: E731
+    for item in sorted(items, key=key):
+        t = item[2]
+        lo = t.storage_offset() * t.element_size()
+        hi = lo + t.nbytes
+        if runs:
+            storage, first, end, run = runs[-1]
+            same = storage.data_ptr() == t.untyped_storage().data_ptr()
+            if same and lo - end <= t.nbytes and max(hi, end) - first <= SLAB // 4:
+                runs[-1] = (storage, first, max(hi, end), [*run, item])
+                continue
+        runs.append((t.untyped_storage(), lo, hi, [item]))
+    return runs
+
+
 class Transfers:
     def __init__(self, device: torch.device):
         self.device = device
@@ -131,28 +151,29 @@ class Transfers:
         self.restored_bytes = 0  # copied host -> device by restores (sources already on the device excluded)
 
     def to_host(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Pinned host copies of device `tensors` (views of one pinned buffer), complete after `sync()`."""
+        """Pinned host copies of device `tensors`, complete after `sync()`."""
         return self.to_host_many([tensors])[0]
 
     def to_host_many(self, groups: Sequence[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
         """`to_host` of each of `groups` (e.g. a layer's captures of every sequence in a forward)
-        behind one wait on the compute stream; each group's tensors are views of one pinned buffer."""
+        behind one wait on the compute stream. Tensors that lie near each other in one device
+        buffer (a layer's captures) go over in one copy (`_runs`), each a view of its run's pinned
+        buffer."""
         ready = torch.cuda.Event()
         ready.record()
         self.stream.wait_event(ready)
-        out: list[dict[str, torch.Tensor]] = []
+        out: list[dict[str, torch.Tensor]] = [{} for _ in groups]
         with torch.cuda.stream(self.stream):
-            for tensors in groups:
-                offsets, total = [], 0
-                for t in tensors.values():
-                    offsets.append(total)
-                    total += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-                buffer, host = self._pinned(total), {}
-                for (name, t), offset in zip(tensors.items(), offsets, strict=True):
-                    host[name] = buffer[offset : offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-                    host[name].copy_(t, non_blocking=True)
-                    t.record_stream(self.stream)  # the allocator must not reuse t's memory before the copy ran
-                out.append(host)
+            items = [(g, name, t if t.is_contiguous() else t.contiguous())
+                     for g, tensors in enumerate(groups) for name, t in tensors.items()]  # fmt: skip
+            for storage, lo, hi, run in _runs(items):
+                source = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, lo, (hi - lo,), (1,))
+                host = self._pinned(hi - lo)
+                host.copy_(source, non_blocking=True)
+                source.record_stream(self.stream)  # the allocator must not reuse the memory before the copy ran
+                for g, name, t in run:
+                    start = t.storage_offset() * t.element_size() - lo
+                    out[g][name] = host[start : start + t.nbytes].view(t.dtype).view(t.shape)
         done = torch.cuda.Event()
         done.record(self.stream)
         self.pending.append(done)
