@@ -398,23 +398,29 @@ class Engine:
         return groups if self.runtime is None else self.runtime.to_host_many(groups)
 
     def _snapshots(self, state, positions, captured, kv_start, state_at) -> list[Snapshot]:
-        snapshots, prev = [], kv_start
-        for p in positions:
-            tensors = self._kv_tensors(state, prev, p)
-            if state_at is None or p in state_at:
-                tensors.update(captured[p])
-            snapshots.append(Snapshot(prev, p, tensors))
-            prev = p
+        """A snapshot at each of `positions`: the KV since the one before (one copy to host memory for
+        all of them: a layer's ranges lie side by side in its cache) and, where `state_at` wants it,
+        the DeltaNet states captured there."""
+        bounds = list(zip([kv_start, *positions], positions, strict=False))
+        kv = self._to_host_many([self._kv_views(state, start, end) for start, end in bounds])
+        snapshots = []
+        for (start, end), tensors in zip(bounds, kv, strict=True):
+            if state_at is None or end in state_at:
+                tensors.update(captured[end])
+            snapshots.append(Snapshot(start, end, tensors))
         return snapshots
 
-    def _kv_tensors(self, state: SequenceState, start: int, end: int) -> dict[str, torch.Tensor]:
+    def _kv_views(self, state: SequenceState, start: int, end: int) -> dict[str, torch.Tensor]:
         tensors = {}
         for layer, cache in state.kv.items():
             k, v = cache.slice(start, end)  # a private cache is append-only: its views stay valid
             if self.runtime is None and self.runner.holds(cache.k):  # a decode slot is reused: copy now
                 k, v = k.clone(), v.clone()  # (a GPU copies to the host before the slot is reused)
             tensors[f"kv.{layer}.k"], tensors[f"kv.{layer}.v"] = k, v
-        return self._to_host(tensors)
+        return tensors
+
+    def _kv_tensors(self, state: SequenceState, start: int, end: int) -> dict[str, torch.Tensor]:
+        return self._to_host(self._kv_views(state, start, end))
 
     def kv_delta(self, state: SequenceState, start: int, end: int) -> Snapshot:
         """A KV-only snapshot of positions [start, end) of `state` (no DeltaNet state)."""

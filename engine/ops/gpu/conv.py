@@ -54,6 +54,14 @@ def _causal_conv(X, S, SPAN, START, W, Y, T, C, stride_x, END0, END1, K: tl.cons
     tl.store(out, y.to(Y.dtype.element_ty), mask=rows[:, None] & cols[None, :])
 
 
+def _window(x: torch.Tensor, state: torch.Tensor, end: int) -> torch.Tensor:
+    """The K-1 inputs before `end` as a conv state [C, K-1]."""
+    width = state.shape[1]
+    if end >= width:
+        return x[end - width : end].transpose(0, 1).contiguous()
+    return torch.cat([state[:, end:], x[:end].transpose(0, 1)], dim=1)
+
+
 @triton.jit
 def _windows_kernel(X, S, ROWS, OUT, C, stride_x, WIDTH: tl.constexpr, BLOCK_C: tl.constexpr):
     """Window w's BLOCK_C channels: OUT[w] [C, WIDTH] takes, for each column j, row ROWS[w, j] of X, or
@@ -120,6 +128,8 @@ def _triton_conv(x, state, weight, capture_at, splits):
         x = x.contiguous()
     state = state.to(x.dtype).contiguous()
     parts = _launch(x, state, None, weight, splits)
+    if not capture_at:  # (what a graphed slot prefill runs: no index copied in from the host)
+        return parts, _window(x, state, x.shape[0]), []
     (final,), (captured,) = _windows(x, state.unsqueeze(0), [(0, x.shape[0])], [capture_at])
     return parts, final, captured
 

@@ -26,7 +26,11 @@ CHUNK = 64  # fla's chunk of the gated delta rule
 
 
 def to_device(values: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on the device, through pinned memory: the copy waits on nothing queued."""
+    """A small host list on the device, through pinned memory: the copy waits on nothing queued. Not
+    while a CUDA graph is captured: the graph would copy from a host buffer long reused, into its
+    own pool's memory (what a memoised index would then keep)."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("host values copied to the device inside a CUDA graph capture")
     host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)
 
