@@ -501,7 +501,9 @@ class Engine:
         else:  # kernels tuned per shape: one full prefill chunk as well
             if self.runtime is not None:
                 captures = PINNED_CAPTURES * max(max_batch, 2)  # 2: warm-up's own step of two sequences, below
-                self.runtime.reserve_pinned(captures * expert_offload.recurrent_bytes(self.config, self.dtype))
+                states = captures * expert_offload.recurrent_bytes(self.config, self.dtype)
+                kv = expert_offload.kv_bytes(self.config, self.dtype, self.step_tokens)  # a step's, snapshotted too
+                self.runtime.reserve_pinned(states + kv)
                 self.runtime.prepare_attention(self.step_tokens)
 
             def chunk() -> None:

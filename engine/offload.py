@@ -128,9 +128,13 @@ class Plan:
 def state_bytes(c: ModelConfig, dtype: torch.dtype, sequences: int, capacity: int) -> int:
     """Bytes of the runner's slot buffers (engine/runner.py) for `sequences` slots (+ its scratch
     slot) of `capacity` tokens: KV per attention layer, conv and fp32 recurrent state per DeltaNet layer."""
+    return (sequences + 1) * (kv_bytes(c, dtype, capacity) + recurrent_bytes(c, dtype))
+
+
+def kv_bytes(c: ModelConfig, dtype: torch.dtype, tokens: int) -> int:
+    """Bytes of `tokens` tokens' keys and values in every attention layer."""
     size = torch.empty(0, dtype=dtype).element_size()
-    kv = 2 * capacity * c.num_key_value_heads * c.head_dim * size * len(c.attention_layers)
-    return (sequences + 1) * (kv + recurrent_bytes(c, dtype))
+    return 2 * tokens * c.num_key_value_heads * c.head_dim * size * len(c.attention_layers)
 
 
 def recurrent_bytes(c: ModelConfig, dtype: torch.dtype, layers: int | None = None) -> int:
