@@ -19,7 +19,7 @@ def test_rows_without_captures_are_one_round_in_order():
     (only,) = out.rounds
     assert (only.start, only.end, only.first, only.h0) == (0, 70, 0, None) and out.cu_seqlens.tolist() == [0, 3, 70]
     assert out.chunk_indices.tolist() == [[0, 0], [1, 0], [1, 1]]  # 67 rows: two chunks of 64
-    assert out.chunk_offsets.tolist() == [0, 1, 3]
+    assert only.chunk_offsets.tolist() == [0, 1, 3] and only.cu_seqlens.tolist() == [0, 3, 70]
     assert [p[3] for p in only.pieces] == [False, False]
     assert out.finals.tolist() == [0, 1] and out.captured == ((), ())
 
@@ -41,8 +41,10 @@ def test_captures_cut_segments_and_each_round_takes_the_next_segment_of_each_seq
     # every round's segments in the order, as one varlen batch; a round is a slice of its segments
     assert out.cu_seqlens.tolist() == [0, 4, 8, 10, 16, 17, 20]
     assert out.chunk_indices.tolist() == [[n, 0] for n in range(6)]
-    assert out.chunk_offsets.tolist() == list(range(7))
     assert [rnd.segments for rnd in out.rounds] == [slice(0, 3), slice(3, 5), slice(5, 6)]
+    # each round's bounds among the batch's rows and chunks, as tensors of their own
+    assert [rnd.cu_seqlens.tolist() for rnd in out.rounds] == [[0, 4, 8, 10], [10, 16, 17], [17, 20]]
+    assert [rnd.chunk_offsets.tolist() for rnd in out.rounds] == [[0, 1, 2, 3], [3, 4, 5], [5, 6]]
     # each round starts from its sequences' segments of the round before: sequences 0 and 2 (not
     # consecutive there: an index), then sequence 2 alone (a slice)
     assert out.rounds[0].h0 is None and out.rounds[1].h0.tolist() == [0, 2] and out.rounds[2].h0 == slice(4, 5)
@@ -60,9 +62,9 @@ class _ReferenceRounds:
         _ReferenceRounds.made.append(self.rows)
 
     def carry(self, h0, rnd, finals):
-        cu = self.where.cu_seqlens.tolist()
-        for n, j in enumerate(range(rnd.first, rnd.first + len(rnd.pieces))):
-            out, final, _ = deltanet.chunk_gated_delta_rule(*(x[cu[j] : cu[j + 1]] for x in self.rows), h0[n], [])
+        cu = rnd.cu_seqlens.tolist()
+        for n in range(len(rnd.pieces)):
+            out, final, _ = deltanet.chunk_gated_delta_rule(*(x[cu[n] : cu[n + 1]] for x in self.rows), h0[n], [])
             self.outs.append(out)
             finals[n] = final
 

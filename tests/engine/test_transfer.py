@@ -47,8 +47,8 @@ def test_cut_tensors_do_not_overlap():
 def test_runs_copy_neighbours_in_one_buffer_together_and_nothing_else():
     """A layer's captures are views of one device buffer (with the segments nobody captured between
     them): they go to host memory as runs of that buffer, a gap no wider than the next tensor copied
-    along, a run at most a quarter slab; other storages and far-apart views are runs of their own."""
-    from engine.ops.gpu.transfer import SLAB, _runs  # noqa: PLC0415
+    along, a run at most RUN bytes; other storages and far-apart views are runs of their own."""
+    from engine.ops.gpu.transfer import RUN, _runs  # noqa: PLC0415
 
     finals = torch.zeros(6, 4, 8)  # 128 bytes a row
     other = torch.zeros(3, 5, dtype=torch.bfloat16)
@@ -58,9 +58,9 @@ def test_runs_copy_neighbours_in_one_buffer_together_and_nothing_else():
     # rows 0, 1, 3 (row 2 copied along: no wider than row 3) and 5 (row 4 along) are one run
     assert runs == {storage(finals): (0, 768, [(1, "rec"), (2, "rec"), (0, "rec"), (3, "rec")]),
                     storage(other): (10, 20, [(0, "conv")])}  # fmt: skip
-    far = torch.zeros(SLAB // 4 // 4 + 64)  # fp32: a quarter slab and 256 bytes
+    far = torch.zeros(RUN // 4 + 64)  # fp32: a run's most and 256 bytes
     (a, b) = _runs([(0, "x", far[:32]), (0, "y", far[-32:])])
     assert (a[1], a[2], b[1], b[2]) == (0, 128, far.nbytes - 128, far.nbytes)  # too far apart for one run
-    wide = torch.zeros(SLAB // 4 // 4 + 16)
+    wide = torch.zeros(RUN // 4 + 16)
     (first, second) = _runs([(0, "x", wide[: len(wide) // 2 + 8]), (0, "y", wide[len(wide) // 2 + 8 :])])
-    assert first[2] == second[1]  # adjacent, but together over a quarter slab
+    assert first[2] == second[1]  # adjacent, but together over a run's most

@@ -111,10 +111,9 @@ class _FlaRounds:
     def carry(self, h0, rnd: spans.Round, finals) -> None:
         _, rows, hk, dk = self.k.shape
         hv, dv = self.u.shape[2], self.u.shape[3]
-        segments = slice(rnd.first, rnd.first + len(rnd.pieces) + 1)  # their bounds: global rows and chunks
         fla_state_kernel[lambda meta: (triton.cdiv(dv, meta["BV"]) * len(rnd.pieces) * hv,)](
             k=self.k, v=self.u, w=self.w, v_new=self.v_new, g=self.g, gk=None, h=self.h, h0=h0, ht=finals,
-            cu_seqlens=self.where.cu_seqlens[segments], chunk_offsets=self.where.chunk_offsets[segments],
+            cu_seqlens=rnd.cu_seqlens, chunk_offsets=rnd.chunk_offsets,
             T=rows, H=hk, HV=hv, K=dk, V=dv, BT=spans.CHUNK, STATE_V_FIRST=False,
         )  # fmt: skip
 

@@ -39,16 +39,20 @@ def to_device(values: Sequence[int], dtype: torch.dtype, device: torch.device) -
 class Round:
     """One pass of the states: the segments `pieces` [(sequence, lo, hi, captured)] in rows [lo, hi)
     of the forward, which are rows [start, end) of the rows taken in `SpanLayout.order` and the
-    varlen batch's segments [first, first + len(pieces)). `h0`: where their initial states lie among
-    the segments' final states (each sequence's segment of the round before): a slice, or an index
-    where they are not consecutive; None for the first round, which takes every sequence from its
-    own state."""
+    varlen batch's segments [first, first + len(pieces)), whose bounds in the batch's rows and chunks
+    are `cu_seqlens` and `chunk_offsets` (tensors of their own, not slices of the batch's: a kernel
+    given a pointer of another alignment is compiled again, ~0.1 s on the H200). `h0`: where their
+    initial states lie among the segments' final states (each sequence's segment of the round
+    before): a slice, or an index where they are not consecutive; None for the first round, which
+    takes every sequence from its own state."""
 
     pieces: tuple[tuple[int, int, int, bool], ...]
     start: int
     end: int
     first: int
     h0: slice | torch.Tensor | None
+    cu_seqlens: torch.Tensor  # [len(pieces) + 1] long: the varlen batch's rows where its segments start, and the end
+    chunk_offsets: torch.Tensor  # [len(pieces) + 1] long: the batch's chunks where its segments start, and the end
 
     @property
     def segments(self) -> slice:
@@ -63,7 +67,6 @@ class SpanLayout:
     rounds: tuple[Round, ...]
     cu_seqlens: torch.Tensor  # [S + 1] long: every round's segments in `order`, as one varlen batch
     chunk_indices: torch.Tensor  # [chunks, 2] long: each chunk's segment and its index within it
-    chunk_offsets: torch.Tensor  # [S + 1] long: each segment's first chunk
     finals: torch.Tensor  # [N] long: each sequence's last segment
     captured: tuple[tuple[int, ...], ...]  # per sequence, its captured segments in order
 
@@ -79,8 +82,9 @@ def layout(
         segments.append([(lo + a, lo + b, b in caps) for a, b in zip(cuts, cuts[1:], strict=False)])
     rounds, order, last = [], [], {}  # last: each sequence's segment so far
     captured: list[list[int]] = [[] for _ in bounds]
-    for r in range(max(len(s) for s in segments)):
-        pieces = tuple((i, *s[r]) for i, s in enumerate(segments) if len(s) > r)
+    each = [tuple((i, *s[r]) for i, s in enumerate(segments) if len(s) > r) for r in range(max(map(len, segments)))]
+    cu, chunks, offsets = _index([hi - lo for pieces in each for _, lo, hi, _ in pieces])
+    for r, pieces in enumerate(each):
         start, first = len(order), sum(len(rnd.pieces) for rnd in rounds)
         h0 = None if r == 0 else _rows([last[i] for i, *_ in pieces], device)
         for n, (i, lo, hi, capture) in enumerate(pieces):
@@ -88,13 +92,14 @@ def layout(
             last[i] = first + n
             if capture:
                 captured[i].append(first + n)
-        rounds.append(Round(pieces, start, len(order), first, h0))
-    cu, chunks, offsets = _index([hi - lo for rnd in rounds for _, lo, hi, _ in rnd.pieces])
+        ends = slice(first, first + len(pieces) + 1)
+        rounds.append(Round(pieces, start, len(order), first, h0, to_device(cu[ends], torch.long, device),
+                            to_device(offsets[ends], torch.long, device)))  # fmt: skip
     in_order = order == list(range(len(order)))
     return SpanLayout(to_device(span, torch.int32, device), to_device([lo for lo, _ in bounds], torch.int32, device),
                       None if in_order else to_device(order, torch.long, device), tuple(rounds),
                       to_device(cu, torch.long, device), to_device(chunks, torch.long, device).view(-1, 2),
-                      to_device(offsets, torch.long, device), to_device([last[i] for i in range(len(bounds))], torch.long, device),
+                      to_device([last[i] for i in range(len(bounds))], torch.long, device),
                       tuple(map(tuple, captured)))  # fmt: skip
 
 

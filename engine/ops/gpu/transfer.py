@@ -38,6 +38,7 @@ from engine.state import SequenceState
 
 ALIGN = 64  # bytes between the buffers cut from one slab
 SLAB = 64 << 20  # bytes of pinned memory cut into snapshot tensors; a power of two (torch's pinned cache rounds up)
+RUN = SLAB // 8  # bytes of one copy of neighbouring tensors at most: a slab's unused tail stays under it
 KV_HEADROOM = 4096  # tokens of KV capacity beyond a restored prefix, so the next prefill need not regrow
 REGISTER_MIN = 1 << 20  # bytes: smaller host buffers stay pageable (their copies are short either way)
 
@@ -124,7 +125,8 @@ class SlabPool:
 def _runs(items: list[tuple[int, str, torch.Tensor]]):
     """Contiguous tensors (with their group and name) as runs to copy whole: (storage, first byte,
     end byte, the run's items). A run holds tensors of one storage in order, each starting at most
-    its own size past the run's end (a gap is copied too), up to a quarter slab."""
+    its own size past the run's end (a gap is copied too), up to RUN bytes (the tail of a slab that
+    the next run does not fit goes unused: up to a quarter of every slab with quarter-slab runs)."""
     runs: list[tuple[torch.UntypedStorage, int, int, list]] = []
     key = lambda item: (item[2].untyped_storage().data_ptr(), item[2].storage_offset())  # noqa: E731
     for item in sorted(items, key=key):
@@ -134,7 +136,7 @@ def _runs(items: list[tuple[int, str, torch.Tensor]]):
         if runs:
             storage, first, end, run = runs[-1]
             same = storage.data_ptr() == t.untyped_storage().data_ptr()
-            if same and lo - end <= t.nbytes and max(hi, end) - first <= SLAB // 4:
+            if same and lo - end <= t.nbytes and max(hi, end) - first <= RUN:
                 runs[-1] = (storage, first, max(hi, end), [*run, item])
                 continue
         runs.append((t.untyped_storage(), lo, hi, [item]))
