@@ -40,8 +40,8 @@ class Round:
     """One pass of the states: the segments `pieces` [(sequence, lo, hi, captured)] in rows [lo, hi)
     of the forward, which are rows [start, end) of the rows taken in `SpanLayout.order` and the
     varlen batch's segments [first, first + len(pieces)), whose bounds in the batch's rows and chunks
-    are `cu_seqlens` and `chunk_offsets` (tensors of their own, not slices of the batch's: a kernel
-    given a pointer of another alignment is compiled again, ~0.1 s on the H200). `h0`: where their
+    are `cu_seqlens` and `chunk_offsets` (tensors of their own, not slices of the batch's: Triton
+    compiles a kernel again for a pointer of another alignment than warm-up's). `h0`: where their
     initial states lie among the segments' final states (each sequence's segment of the round
     before): a slice, or an index where they are not consecutive; None for the first round, which
     takes every sequence from its own state."""

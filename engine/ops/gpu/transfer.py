@@ -128,10 +128,12 @@ def _runs(items: list[tuple[int, str, torch.Tensor]]):
     its own size past the run's end (a gap is copied too), up to RUN bytes (the tail of a slab that
     the next run does not fit goes unused: up to a quarter of every slab with quarter-slab runs)."""
     runs: list[tuple[torch.UntypedStorage, int, int, list]] = []
-    key = lambda item: (item[2].untyped_storage().data_ptr(), item[2].storage_offset())  # noqa: E731
-    for item in sorted(items, key=key):
+    def first_byte(t: torch.Tensor) -> int:
+        return t.storage_offset() * t.element_size()
+
+    for item in sorted(items, key=lambda item: (item[2].untyped_storage().data_ptr(), first_byte(item[2]))):
         t = item[2]
-        lo = t.storage_offset() * t.element_size()
+        lo = first_byte(t)
         hi = lo + t.nbytes
         if runs:
             storage, first, end, run = runs[-1]
@@ -166,15 +168,20 @@ class Transfers:
         self.stream.wait_event(ready)
         out: list[dict[str, torch.Tensor]] = [{} for _ in groups]
         with torch.cuda.stream(self.stream):
-            items = [(g, name, t if t.is_contiguous() else t.contiguous())
-                     for g, tensors in enumerate(groups) for name, t in tensors.items()]  # fmt: skip
+            items = []
+            for g, tensors in enumerate(groups):
+                for name, t in tensors.items():
+                    if not t.is_contiguous():  # made contiguous here, on this stream
+                        t.record_stream(self.stream)
+                        t = t.contiguous()
+                    items.append((g, name, t))
             for storage, lo, hi, run in _runs(items):
                 source = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, lo, (hi - lo,), (1,))
                 host = self._pinned(hi - lo)
                 host.copy_(source, non_blocking=True)
                 source.record_stream(self.stream)  # the allocator must not reuse the memory before the copy ran
                 for g, name, t in run:
-                    start = t.storage_offset() * t.element_size() - lo
+                    start = t.storage_offset() * t.element_size() - lo  # its first byte in the run
                     out[g][name] = host[start : start + t.nbytes].view(t.dtype).view(t.shape)
         done = torch.cuda.Event()
         done.record(self.stream)
