@@ -41,7 +41,8 @@
 #                  sessions-ft-chunked the same with ft serve --decode-step-prefill ${SESSION_DECODE_PREFILL:-2048}
 #       rounds-tests  pytest: what the scan's rounds, the conv's windows and the runs of captures to host
 #                  memory touch: restores, captures, graphs, several sequences, slabs, the conv kernels
-#                  ($FT_TEST_SEED fixes the tests' draws, e.g. to rerun a failure)
+#                  ($FT_TEST_SEED fixes the tests' draws, e.g. to rerun a failure); base-rounds-tests the
+#                  same tests of the tree carried as .base/ (`base-tree`), e.g. at a failure's seed
 #       transfer-tests  pytest: captures cut from pinned slabs, restores (from the store's registered memory too),
 #                  several sequences' prefill with captures
 #       offload-profile  the random Q4_K_M at 8 GiB: speed, cache, link and a decode profile, no replay
@@ -183,10 +184,12 @@ e.warmup(max_batch=2); print('warm-up ran')" ;;
       --reps 3 --json $O/spans-warm.json ${SPANS_PROFILE_COLD:+--profile-cold} ${SPANS_CPROFILE:+--cprofile} ;;
     base-spans) step base-spans env PYTHONPATH=/tmp/site:$PWD/.base python3 .base/bench/spans_step.py --preset $P-e64 \
       --warmup --cases ${SPANS_CASES:-3x700x1,4x600x2} --reps 3 --json $O/base-spans.json ;;
-    rounds-tests) step rounds-tests python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -o log_cli=true \
-      --log-cli-level=WARNING tests/engine/test_gpu.py tests/engine/test_fused_kernels.py -k "restore_then_suffix or \
-prefill_matches_cpu or slot_prefill_matches or graph_decode or batched_decode or padded_batch or rewound or spans or \
-several or rounds or slabs or registered or conv" ;;
+    rounds-tests | base-rounds-tests)  # base-: the same tests of the tree carried as .base/, on its engine
+      tree=$([ $s = base-rounds-tests ] && echo .base || echo .)
+      (cd $tree && PYTHONPATH=/tmp/site:$PWD step $s python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
+        -o log_cli=true --log-cli-level=WARNING tests/engine/test_gpu.py tests/engine/test_fused_kernels.py \
+        -k "restore_then_suffix or prefill_matches_cpu or slot_prefill_matches or graph_decode or batched_decode or \
+padded_batch or rewound or spans or several or rounds or slabs or registered or conv") ;;
     transfer-tests) step transfer-tests python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -s tests/engine/test_gpu.py \
       -k "slabs or restore_then_suffix or several or registered" ;;
     offload-profile)
