@@ -374,12 +374,14 @@ class Engine:
         self._finish(feed, logits)
 
     def _states(self, state: SequenceState) -> dict[str, torch.Tensor]:
-        """Copies of the DeltaNet states of `state` (a slot's are overwritten by its next step)."""
-        states = {}
-        for layer in self.config.deltanet_layers:
-            states[f"conv.{layer}"] = state.conv[layer].clone()
-            states[f"rec.{layer}"] = state.rec[layer].clone()
-        return states
+        """Copies of the DeltaNet states of `state` (a slot's are overwritten by its next step): every
+        layer's conv states in one buffer, its recurrent states in another (two launches, and their
+        copy to host memory goes in a few runs, not one copy a tensor)."""
+        layers = self.config.deltanet_layers
+        conv = torch.stack([state.conv[layer] for layer in layers])
+        rec = torch.stack([state.rec[layer] for layer in layers])
+        return {**{f"conv.{layer}": conv[i] for i, layer in enumerate(layers)},
+                **{f"rec.{layer}": rec[i] for i, layer in enumerate(layers)}}  # fmt: skip
 
     def _finish(self, feed: Feed, logits: torch.Tensor) -> None:
         kv_start = feed.start if feed.kv_start is None else feed.kv_start
@@ -419,20 +421,16 @@ class Engine:
             tensors[f"kv.{layer}.k"], tensors[f"kv.{layer}.v"] = k, v
         return tensors
 
-    def _kv_tensors(self, state: SequenceState, start: int, end: int) -> dict[str, torch.Tensor]:
-        return self._to_host(self._kv_views(state, start, end))
-
     def kv_delta(self, state: SequenceState, start: int, end: int) -> Snapshot:
         """A KV-only snapshot of positions [start, end) of `state` (no DeltaNet state)."""
         if not 0 <= start <= end <= state.length:
             raise ValueError(f"KV range [{start}, {end}) outside the state's {state.length} tokens")
-        return Snapshot(start, end, self._kv_tensors(state, start, end))
+        return Snapshot(start, end, self._to_host(self._kv_views(state, start, end)))
 
     def snapshot(self, state: SequenceState, start: int) -> Snapshot:
         """KV of [start, state.length) and the current DeltaNet states."""
         state.wait_all()
-        tensors = self._kv_tensors(state, start, state.length)
-        tensors.update(self._to_host(self._states(state)))
+        tensors = self._to_host({**self._kv_views(state, start, state.length), **self._states(state)})
         if self.runtime is not None:
             self.runtime.sync()
         return Snapshot(start, state.length, tensors)

@@ -122,18 +122,20 @@ class SlabPool:
         return slab
 
 
+def _first_byte(t: torch.Tensor) -> int:
+    """Where `t` starts in its storage, in bytes."""
+    return t.storage_offset() * t.element_size()
+
+
 def _runs(items: list[tuple[int, str, torch.Tensor]]):
     """Contiguous tensors (with their group and name) as runs to copy whole: (storage, first byte,
     end byte, the run's items). A run holds tensors of one storage in order, each starting at most
     its own size past the run's end (a gap is copied too), up to RUN bytes (the tail of a slab that
     the next run does not fit goes unused: up to a quarter of every slab with quarter-slab runs)."""
     runs: list[tuple[torch.UntypedStorage, int, int, list]] = []
-    def first_byte(t: torch.Tensor) -> int:
-        return t.storage_offset() * t.element_size()
-
-    for item in sorted(items, key=lambda item: (item[2].untyped_storage().data_ptr(), first_byte(item[2]))):
+    for item in sorted(items, key=lambda item: (item[2].untyped_storage().data_ptr(), _first_byte(item[2]))):
         t = item[2]
-        lo = first_byte(t)
+        lo = _first_byte(t)
         hi = lo + t.nbytes
         if runs:
             storage, first, end, run = runs[-1]
@@ -181,7 +183,7 @@ class Transfers:
                 host.copy_(source, non_blocking=True)
                 source.record_stream(self.stream)  # the allocator must not reuse the memory before the copy ran
                 for g, name, t in run:
-                    start = t.storage_offset() * t.element_size() - lo  # its first byte in the run
+                    start = _first_byte(t) - lo
                     out[g][name] = host[start : start + t.nbytes].view(t.dtype).view(t.shape)
         done = torch.cuda.Event()
         done.record(self.stream)
