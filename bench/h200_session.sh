@@ -126,12 +126,13 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
     case $s in
     gpu) step gpu python3 bench/gpu.py --only decode,batched,prefill --profile --json $O/gpu.json --markdown $O/gpu.md ;;
     moe-tiles)  # the decode experts' launch settings alone, then the e64 decode with the best beside the default
-      step moe-tiles-tests python3 -m pytest -q -p no:cacheprovider -rfE tests/engine/test_fused_kernels.py -k moe
+      step moe-tiles-tests python3 -m pytest -q -p no:cacheprovider -rfE tests/engine/test_fused_kernels.py \
+        -k "moe or grouped_decode"
       step moe-tiles python3 bench/moe_decode_tiles.py --preset $P-e64 --best $O/moe-tiles-best.txt --json $O/moe-tiles.json
-      step moe-tiles-default python3 bench/gpu.py --preset $P-e64 --only decode,batched --json $O/moe-tiles-default.json
-      FT_MOE_TILES=$(cat $O/moe-tiles-best.txt) step moe-tiles-best python3 bench/gpu.py --preset $P-e64 \
-        --only decode,batched --json $O/moe-tiles-best.json
-      ;;
+      for run in default best default2; do  # the default on both sides of the best (separate processes)
+        FT_MOE_TILES=$([ $run = best ] && cat $O/moe-tiles-best.txt) step moe-tiles-$run python3 bench/gpu.py \
+          --preset $P-e64 --only decode,batched --json $O/moe-tiles-$run.json
+      done ;;
     gpu-e64) step gpu-e64 python3 bench/gpu.py --preset $P-e64 --only decode,batched --json $O/gpu-e64.json ;;
     rows)
       step rows-32 env FT_DECODE_ROWS=32 python3 bench/gpu.py --only batched --json $O/rows-32.json

@@ -1,14 +1,14 @@
 """The bf16 decode experts' two kernels (`engine.ops.gpu.moe._experts_triton`) per launch setting, at a
 preset's MoE shape, for batches of 1 to 16 tokens: is a batch-8 step's expert time (session 25: up 53 +
 down 30 us a layer, ~3.1 TB/s of the distinct experts' bytes) held by the grid's last wave, the tiles, or
-neither?
+reading an expert once per token that chose it (the `grouped` settings read it once for all of them)?
 
 Each setting runs as a CUDA graph of one call per layer over LAYERS layers' own weights (every call's
 experts come from HBM, as in a decode step: no layer's stacks fit the L2 beside the next's), the best of
 three replays; per batch the distinct experts' bytes over the time (TB/s) beside a copy of as many bytes.
 Each setting's output is checked against the default's (a sum in another order: within 2e-2 of the
 largest). `--best` prints the `FT_MOE_TILES` value of the setting with the least time over the batches
-named by `--score` (default 4 and 8), for the decode benches to run it.
+named by `--score` (default 1, 4 and 8), for the decode benches to run it.
 
     python bench/moe_decode_tiles.py --preset qwen3.6-35b-a3b-e64 --json OUT.json   # on a GPU
 """
@@ -48,6 +48,22 @@ VARIANTS = {  # name: DecodeTiles fields changed from the default
     "up_i-4-down_n-16": {"up_i": 4, "down_n": 16},
     "up_i-4-down_n-16-programs-8": {"up_i": 4, "down_n": 16, "programs": 8},
 }
+GROUPED = {"grouped": 1, "up_i": 16, "up_h": 256, "down_n": 32, "down_i": 128}
+VARIANTS.update({
+    "grouped": GROUPED,
+    "grouped-up_h-128": {**GROUPED, "up_h": 128},
+    "grouped-up_h-512": {**GROUPED, "up_h": 512},
+    "grouped-up_i-32": {**GROUPED, "up_i": 32},
+    "grouped-down_n-16": {**GROUPED, "down_n": 16},
+    "grouped-down_n-64": {**GROUPED, "down_n": 64},
+    "grouped-down_i-64": {**GROUPED, "down_i": 64},
+    "grouped-down_i-256": {**GROUPED, "down_i": 256},
+    "grouped-warps-8": {**GROUPED, "up_warps": 8, "down_warps": 8},
+    "grouped-warps-2": {**GROUPED, "up_warps": 2, "down_warps": 2},
+    "grouped-stages-2": {**GROUPED, "stages": 2},
+    "grouped-stages-4": {**GROUPED, "stages": 4},
+    "grouped-up_h-128-stages-4": {**GROUPED, "up_h": 128, "stages": 4},
+})
 
 
 def timed_graph(fn, replays: int = 3) -> float:
@@ -83,7 +99,7 @@ def main() -> None:
     parser.add_argument("--preset", default="qwen3.6-35b-a3b-e64")
     parser.add_argument("--batches", default="1,2,4,8,16")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="names from VARIANTS")
-    parser.add_argument("--score", default="4,8", help="batches whose summed time picks --best")
+    parser.add_argument("--score", default="1,4,8", help="batches whose summed time picks --best")
     parser.add_argument("--best", type=Path, help="write the best setting's FT_MOE_TILES value here")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

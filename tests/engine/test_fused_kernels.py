@@ -311,6 +311,36 @@ def test_moe_decode_kernels_skip_absent_experts(dtype):
 
 @in_this_process
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 6, 17])
+def test_grouped_decode_experts_equal_the_loop(dtype, tokens):
+    """The decode experts that read each chosen expert once for all its tokens (`DecodeTiles.grouped`):
+    experts chosen by several tokens (the shared one, last, by every token), absent ones (-1) and a
+    token with none, more tokens than one tensor-core tile's 16 rows; the tickets left at zero."""
+    if dtype == torch.bfloat16 and not CUDA:
+        pytest.skip("the interpreter's bf16 dots are off (see the decode attention's test)")
+    gen = torch.Generator().manual_seed(tokens)
+    hidden, inter, routed, top_k = 128, 64, 5, 2
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(DEVICE)
+    gate_up = (torch.randn(routed + 1, 2 * inter, hidden, generator=gen) / 11).to(dtype).to(DEVICE)
+    down = (torch.randn(routed + 1, hidden, inter, generator=gen) / 8).to(dtype).to(DEVICE)
+    chosen = torch.stack([torch.randperm(routed, generator=gen)[:top_k] for _ in range(tokens)])
+    ids = torch.cat([chosen, torch.full((tokens, 1), routed)], dim=1)
+    ids[0, 1] = -1
+    if tokens > 1:
+        ids[-1] = -1
+    ids = ids.to(DEVICE)
+    weights = torch.rand(tokens, top_k + 1, generator=gen).to(dtype).to(DEVICE)
+    present = ids >= 0
+    want = moe.experts_loop(x.float(), (weights * present).float(), ids.clamp(min=0), gate_up.float(), down.float())
+    tiles = moe.DecodeTiles(grouped=1, up_i=16, up_h=32, down_n=16, down_i=32)
+    for _ in range(2):  # the second launch finds the tickets the first left
+        got = moe._experts_triton(x, weights, ids, gate_up, down, tiles)
+        _close(got, want.to(dtype))
+    assert not quant.tickets(x.device).any()
+
+
+@in_this_process
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "dim", "rotary"), [(4, 16, 8), (2, 32, 32), (3, 24, 12)])
 def test_norm_rope_on_the_fused_projections_views(dtype, heads, dim, rotary):
     """q as the fused projection leaves it ([T, H, 2D] halves), positions not from 0."""

@@ -248,11 +248,90 @@ def _down_kernel(A, W, IDS, RW, PART, OUT, COUNT, H, INTER, SLOTS, TOPK: tl.cons
             tl.store(OUT + token * H + n, total.to(OUT.dtype.element_ty))
 
 
+@triton.jit
+def _routed_to(IDS, slot, TOKENS, TOPK: tl.constexpr, MT: tl.constexpr, KP: tl.constexpr):
+    """The expert of assignment `slot`, whether `slot` is its first assignment (its leader), and per
+    token t < MT the assignment that chose it (a token's experts are distinct) and whether one did."""
+    expert = tl.load(IDS + slot)
+    t, j = tl.arange(0, MT), tl.arange(0, KP)
+    flat = t[:, None] * TOPK + j[None, :]
+    valid = (t[:, None] < TOKENS) & (j[None, :] < TOPK)
+    match = (tl.load(IDS + flat, mask=valid, other=-1) == expert) & valid
+    leader = tl.min(tl.min(tl.where(match, flat, MT * KP), 1), 0) == slot
+    return expert, leader, tl.sum(tl.where(match, flat, 0), 1), tl.sum(match.to(tl.int32), 1) > 0
+
+
+@triton.jit
+def _up_grouped_kernel(X, W, IDS, A, H, INTER, TOKENS, TOPK: tl.constexpr, MT: tl.constexpr, KP: tl.constexpr,
+                       BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+    """Program (assignment slot, i-block): where the slot is its expert's first assignment, that
+    expert's gate and up rows of the block against every token that chose it, as one small matmul
+    ([MT tokens, BLOCK_H] x [BLOCK_H, BLOCK_I], the absent tokens' rows zero): each expert read once
+    whatever the number of tokens choosing it; SiLU(gate) * up into each of those assignments' rows
+    of A. The other programs (and those of absent experts, -1) do nothing."""
+    slot = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    expert, leader, rows, has = _routed_to(IDS, slot, TOKENS, TOPK, MT, KP)
+    if leader & (expert >= 0):
+        t = tl.arange(0, MT)
+        w = W + expert.to(tl.int64) * (2 * INTER * H)
+        gate = tl.zeros([MT, BLOCK_I], tl.float32)
+        up = tl.zeros([MT, BLOCK_I], tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            xv = tl.load(X + t[:, None] * H + h[None, :], mask=has[:, None], other=0.0)
+            gate = tl.dot(xv, tl.trans(tl.load(w + i[:, None] * H + h[None, :])), gate, input_precision="ieee")
+            up = tl.dot(xv, tl.trans(tl.load(w + (INTER + i)[:, None] * H + h[None, :])), up, input_precision="ieee")
+        act = gate * tl.sigmoid(gate) * up
+        tl.store(A + rows[:, None] * INTER + i[None, :], act.to(A.dtype.element_ty), mask=has[:, None])
+
+
+@triton.jit
+def _down_grouped_kernel(A, W, IDS, RW, PART, OUT, COUNT, H, INTER, TOKENS, TOPK: tl.constexpr, MT: tl.constexpr,
+                         KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr):  # fmt: skip
+    """Program (assignment slot, n-block): where the slot is its expert's first assignment, that
+    expert's down projection of every assignment that chose it (one small matmul, as in
+    `_up_grouped_kernel`), weighted, into PART; an absent expert's slot (-1) a zero row of its own.
+    Each token's TOPK rows are summed in order by the program that stores the last of them (a
+    ticket per (token, n-block) in COUNT, reset by it), as `_down_kernel` does."""
+    slot, block = tl.program_id(0), tl.program_id(1)
+    blocks = H // BLOCK_N
+    n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    t = tl.arange(0, MT)
+    expert, leader, rows, has = _routed_to(IDS, slot, TOKENS, TOPK, MT, KP)
+    if expert < 0:  # its own row, zeros, and its own ticket
+        has = t == slot // TOPK
+        rows = tl.where(has, slot, 0)
+    if leader | (expert < 0):
+        acc = tl.zeros([MT, BLOCK_N], tl.float32)
+        w = W + tl.maximum(expert, 0).to(tl.int64) * (H * INTER)
+        for i0 in range(0, tl.where(expert >= 0, INTER, 0), BLOCK_I):
+            i = i0 + tl.arange(0, BLOCK_I)
+            av = tl.load(A + rows[:, None] * INTER + i[None, :], mask=has[:, None], other=0.0)
+            acc = tl.dot(av, tl.trans(tl.load(w + n[:, None] * INTER + i[None, :])), acc, input_precision="ieee")
+        weight = tl.load(RW + rows, mask=has, other=0.0).to(tl.float32)
+        tl.store(PART + rows[:, None] * H + n[None, :], acc * weight[:, None], mask=has[:, None])
+        tickets = COUNT + t * blocks + block
+        tl.debug_barrier()  # every thread's PART rows stored before any ticket is taken
+        last = has & (tl.atomic_add(tickets, 1, mask=has, sem="acq_rel", scope="gpu") == TOPK - 1)
+        tl.debug_barrier()
+        if tl.sum(last.to(tl.int32), 0) > 0:
+            total = tl.zeros([MT, BLOCK_N], tl.float32)
+            for j in range(TOPK):
+                total += tl.load(PART + (t * TOPK + j)[:, None] * H + n[None, :], mask=last[:, None], other=0.0,
+                                 cache_modifier=".cg")  # fmt: skip
+            tl.atomic_xchg(tickets, 0, mask=last)  # for the next launch
+            tl.store(OUT + t[:, None] * H + n[None, :], total.to(OUT.dtype.element_ty), mask=last[:, None])
+
+
 @dataclass(frozen=True)
 class DecodeTiles:
     """Launch settings of the decode experts' two kernels: the up kernel's rows (of the gate's and
     of the up's) and columns a step, the down kernel's outputs and inner columns a step, their warps,
-    and `programs` per SM (0: one program per work item)."""
+    `programs` per SM (0: one program per work item), and `grouped`: the kernels that read each
+    chosen expert once for all the tokens that chose it (`_up_grouped_kernel`, `_down_grouped_kernel`:
+    their tiles at least 16 a side, tensor-core matmuls, loads pipelined `stages` deep; `programs`
+    does not apply)."""
 
     up_i: int = 8
     up_h: int = 256
@@ -261,6 +340,8 @@ class DecodeTiles:
     down_i: int = 128
     down_warps: int = 4
     programs: int = 0
+    grouped: int = 0
+    stages: int = 3
 
     @classmethod
     def parse(cls, text: str) -> DecodeTiles:
@@ -283,6 +364,8 @@ def _grid(items: int, device: torch.device, per_sm: int) -> tuple[int]:
 
 def _experts_triton(x, weights, ids, gate_up, down, tiles: DecodeTiles | None = None):
     t = tiles or DECODE_TILES
+    if t.grouped:
+        return _experts_grouped_decode(x, weights, ids, gate_up, down, t)
     num_tokens, top_k = ids.shape
     hidden, inter = x.shape[1], down.shape[2]
     slots = num_tokens * top_k
@@ -296,6 +379,26 @@ def _experts_triton(x, weights, ids, gate_up, down, tiles: DecodeTiles | None = 
     _down_kernel[_grid(slots * (hidden // t.down_n), x.device, t.programs)](
         act, down, ids, weights, part, out, quant.tickets(x.device), hidden, inter, slots, TOPK=top_k,
         BLOCK_N=t.down_n, BLOCK_I=t.down_i, num_warps=t.down_warps,
+    )  # fmt: skip
+    return out
+
+
+def _experts_grouped_decode(x, weights, ids, gate_up, down, t: DecodeTiles):
+    num_tokens, top_k = ids.shape
+    hidden, inter = x.shape[1], down.shape[2]
+    slots = num_tokens * top_k
+    assert min(t.up_i, t.up_h, t.down_n, t.down_i) >= 16, "tensor-core tiles: 16 a side at least"
+    assert inter % t.up_i == 0 and hidden % t.up_h == 0 and hidden % t.down_n == 0 and inter % t.down_i == 0
+    x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
+    shape = {"TOPK": top_k, "MT": max(16, triton.next_power_of_2(num_tokens)), "KP": triton.next_power_of_2(top_k)}
+    act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
+    _up_grouped_kernel[(slots, inter // t.up_i)](x, gate_up, ids, act, hidden, inter, num_tokens, **shape,
+                                                 BLOCK_I=t.up_i, BLOCK_H=t.up_h, num_warps=t.up_warps, num_stages=t.stages)  # fmt: skip
+    part = torch.empty(num_tokens, top_k, hidden, dtype=torch.float32, device=x.device)
+    out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
+    _down_grouped_kernel[(slots, hidden // t.down_n)](
+        act, down, ids, weights, part, out, quant.tickets(x.device), hidden, inter, num_tokens, **shape,
+        BLOCK_N=t.down_n, BLOCK_I=t.down_i, num_warps=t.down_warps, num_stages=t.stages,
     )  # fmt: skip
     return out
 
