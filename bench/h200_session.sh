@@ -129,7 +129,7 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
       step moe-tiles-tests python3 -m pytest -q -p no:cacheprovider -rfE tests/engine/test_fused_kernels.py \
         -k "moe or grouped_decode"
       step moe-tiles python3 bench/moe_decode_tiles.py --preset $P-e64 --best $O/moe-tiles-best.txt --json $O/moe-tiles.json
-      for run in default best default2; do  # the default on both sides of the best (separate processes)
+      for run in ${MOE_TILES_RUNS:-default best default2}; do  # the default on both sides of the best (own processes)
         FT_MOE_TILES=$([ $run = best ] && cat $O/moe-tiles-best.txt) step moe-tiles-$run python3 bench/gpu.py \
           --preset $P-e64 --only decode,batched --json $O/moe-tiles-$run.json
       done ;;

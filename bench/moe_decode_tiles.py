@@ -48,21 +48,20 @@ VARIANTS = {  # name: DecodeTiles fields changed from the default
     "up_i-4-down_n-16": {"up_i": 4, "down_n": 16},
     "up_i-4-down_n-16-programs-8": {"up_i": 4, "down_n": 16, "programs": 8},
 }
-GROUPED = {"grouped": 1, "up_i": 16, "up_h": 256, "down_n": 32, "down_i": 128}
+GROUPED = {"grouped": 1, "up_i": 32, "up_h": 256, "down_n": 32, "down_i": 128}  # session 27's first lease's best
 VARIANTS.update({
     "grouped": GROUPED,
-    "grouped-up_h-128": {**GROUPED, "up_h": 128},
-    "grouped-up_h-512": {**GROUPED, "up_h": 512},
-    "grouped-up_i-32": {**GROUPED, "up_i": 32},
-    "grouped-down_n-16": {**GROUPED, "down_n": 16},
-    "grouped-down_n-64": {**GROUPED, "down_n": 64},
-    "grouped-down_i-64": {**GROUPED, "down_i": 64},
-    "grouped-down_i-256": {**GROUPED, "down_i": 256},
-    "grouped-warps-8": {**GROUPED, "up_warps": 8, "down_warps": 8},
     "grouped-warps-2": {**GROUPED, "up_warps": 2, "down_warps": 2},
-    "grouped-stages-2": {**GROUPED, "stages": 2},
-    "grouped-stages-4": {**GROUPED, "stages": 4},
-    "grouped-up_h-128-stages-4": {**GROUPED, "up_h": 128, "stages": 4},
+    "grouped-up_warps-2": {**GROUPED, "up_warps": 2},
+    "grouped-up_i-64": {**GROUPED, "up_i": 64},
+    "grouped-up_i-64-warps-2": {**GROUPED, "up_i": 64, "up_warps": 2, "down_warps": 2},
+    "grouped-up_i-16": {**GROUPED, "up_i": 16},
+    "grouped-up_h-128-warps-2": {**GROUPED, "up_h": 128, "up_warps": 2, "down_warps": 2},
+    "grouped-down_n-64": {**GROUPED, "down_n": 64},
+    "grouped-down_n-64-warps-2": {**GROUPED, "down_n": 64, "up_warps": 2, "down_warps": 2},
+    "grouped-down_i-64-warps-2": {**GROUPED, "down_i": 64, "up_warps": 2, "down_warps": 2},
+    "grouped-stages-2-warps-2": {**GROUPED, "stages": 2, "up_warps": 2, "down_warps": 2},
+    "grouped-stages-4-warps-2": {**GROUPED, "stages": 4, "up_warps": 2, "down_warps": 2},
 })
 
 
@@ -98,7 +97,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3.6-35b-a3b-e64")
     parser.add_argument("--batches", default="1,2,4,8,16")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="names from VARIANTS")
+    parser.add_argument("--variants", default="default,up_i-4," + ",".join(v for v in VARIANTS if v.startswith("grouped")),
+                        help="names from VARIANTS (default: the default, up_i-4 and the grouped ones)")
     parser.add_argument("--score", default="1,4,8", help="batches whose summed time picks --best")
     parser.add_argument("--best", type=Path, help="write the best setting's FT_MOE_TILES value here")
     parser.add_argument("--json", type=Path)

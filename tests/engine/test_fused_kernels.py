@@ -315,7 +315,8 @@ def test_moe_decode_kernels_skip_absent_experts(dtype):
 def test_grouped_decode_experts_equal_the_loop(dtype, tokens):
     """The decode experts that read each chosen expert once for all its tokens (`DecodeTiles.grouped`):
     experts chosen by several tokens (the shared one, last, by every token), absent ones (-1) and a
-    token with none, more tokens than one tensor-core tile's 16 rows; the tickets left at zero."""
+    token with none; 17 tokens, past `GROUPED_TOKENS`, take the per-assignment kernels; the tickets
+    left at zero."""
     if dtype == torch.bfloat16 and not CUDA:
         pytest.skip("the interpreter's bf16 dots are off (see the decode attention's test)")
     gen = torch.Generator().manual_seed(tokens)

@@ -350,6 +350,9 @@ class DecodeTiles:
         return cls(**{name: int(value) for name, value in fields.items()})
 
 
+# tokens up to which `DecodeTiles.grouped` applies: one tensor-core tile's rows (an fp32 prefill of up to
+# GRAPH_TOKENS runs these kernels too: a tile of 512 tokens' rows is far past the registers)
+GROUPED_TOKENS = 16
 DECODE_TILES = DecodeTiles.parse(os.environ.get("FT_MOE_TILES", ""))  # bench/moe_decode_tiles.py --best
 
 
@@ -364,9 +367,9 @@ def _grid(items: int, device: torch.device, per_sm: int) -> tuple[int]:
 
 def _experts_triton(x, weights, ids, gate_up, down, tiles: DecodeTiles | None = None):
     t = tiles or DECODE_TILES
-    if t.grouped:
-        return _experts_grouped_decode(x, weights, ids, gate_up, down, t)
     num_tokens, top_k = ids.shape
+    if t.grouped and num_tokens <= GROUPED_TOKENS:
+        return _experts_grouped_decode(x, weights, ids, gate_up, down, t)
     hidden, inter = x.shape[1], down.shape[2]
     slots = num_tokens * top_k
     assert inter % t.up_i == 0 and hidden % t.up_h == 0 and hidden % t.down_n == 0 and inter % t.down_i == 0
