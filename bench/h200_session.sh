@@ -5,7 +5,8 @@
 #
 #   bash bench/h200_session.sh start [STEP...]   # default: all steps, in this order:
 #       moe-tiles  the bf16 decode experts' kernels per launch setting (bench/moe_decode_tiles.py), then the e64
-#                  decode per batch size with the default and with the best setting (FT_MOE_TILES)
+#                  decode per batch size with the per-assignment kernels, the default and the best setting
+#                  (FT_MOE_TILES; $MOE_TILES_RUNS picks of those three)
 #       gpu-e64    decode per batch size at the 64-expert shape issue 11's targets name (bench/gpu.py --preset ...-e64)
 #       rows       batched decode with the decode kernels up to 32 assignments and up to 128 (the default)
 #       gpu        decode per batch size and prefill against the machine's ceilings, kernels per decode token (bench/gpu.py)
@@ -129,9 +130,10 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
       step moe-tiles-tests python3 -m pytest -q -p no:cacheprovider -rfE tests/engine/test_fused_kernels.py \
         -k "moe or grouped_decode"
       step moe-tiles python3 bench/moe_decode_tiles.py --preset $P-e64 --best $O/moe-tiles-best.txt --json $O/moe-tiles.json
-      for run in ${MOE_TILES_RUNS:-default best default2}; do  # the default on both sides of the best (own processes)
-        FT_MOE_TILES=$([ $run = best ] && cat $O/moe-tiles-best.txt) step moe-tiles-$run python3 bench/gpu.py \
-          --preset $P-e64 --only decode,batched --json $O/moe-tiles-$run.json
+      for run in ${MOE_TILES_RUNS:-per-assignment default best}; do  # own processes
+        tiles=$(case $run in per-assignment) echo grouped=0 ;; best) cat $O/moe-tiles-best.txt ;; esac)
+        FT_MOE_TILES=$tiles step moe-tiles-$run python3 bench/gpu.py --preset $P-e64 --only decode,batched \
+          --json $O/moe-tiles-$run.json
       done ;;
     gpu-e64) step gpu-e64 python3 bench/gpu.py --preset $P-e64 --only decode,batched --json $O/gpu-e64.json ;;
     rows)

@@ -1,7 +1,12 @@
-"""The bf16 decode experts' two kernels (`engine.ops.gpu.moe._experts_triton`) per launch setting, at a
-preset's MoE shape, for batches of 1 to 16 tokens: is a batch-8 step's expert time (session 25: up 53 +
-down 30 us a layer, ~3.1 TB/s of the distinct experts' bytes) held by the grid's last wave, the tiles, or
-reading an expert once per token that chose it (the `grouped` settings read it once for all of them)?
+"""The bf16 decode experts' two kernels (`engine.ops.gpu.moe._experts_triton`) per launch setting
+(`DecodeTiles`), at a preset's MoE shape, for batches of 1 to 16 tokens, beside the per-assignment
+kernels they replaced (an expert read once per token that chose it, the repeats from L2 at best).
+
+Session 27 (H200, e64 shape, bench/results/moe-tiles-*-s27*.json): per layer at batch 1 / 4 / 8 / 16,
+the per-assignment kernels 25.2 / 54.9 / 89.7 / 144.3 us (2.2-3.2 TB/s of the distinct experts' bytes;
+a copy of those bytes 15.3 / 43.2 / 63.7 / 87.3 us), the grouped ones (the default) 24.2 / 54.2 / 75.6 /
+99.6. A grid of a few programs an SM looping over the work items (the last wave spread over every SM)
+and other per-assignment tiles gained nothing (within 5%) and were not kept.
 
 Each setting runs as a CUDA graph of one call per layer over LAYERS layers' own weights (every call's
 experts come from HBM, as in a decode step: no layer's stacks fit the L2 beside the next's), the best of
@@ -30,39 +35,18 @@ from engine.config import ModelConfig  # noqa: E402
 from engine.ops.gpu import moe  # noqa: E402
 
 LAYERS = 6
-VARIANTS = {  # name: DecodeTiles fields changed from the default
+VARIANTS = {  # name: DecodeTiles fields changed from the default (the grouped kernels)
     "default": {},
-    "programs-2": {"programs": 2},
-    "programs-4": {"programs": 4},
-    "programs-8": {"programs": 8},
-    "programs-16": {"programs": 16},
-    "up_i-4": {"up_i": 4},
+    "per-assignment": {"grouped": 0},  # the kernels before session 27: an expert read once per token choosing it
+    "warps-2": {"up_warps": 2, "down_warps": 2},
     "up_i-16": {"up_i": 16},
-    "up_h-512": {"up_h": 512},
-    "up_warps-8": {"up_warps": 8},
-    "down_n-16": {"down_n": 16},
-    "down_n-64": {"down_n": 64},
-    "down_i-256": {"down_i": 256},
-    "down_warps-8": {"down_warps": 8},
-    "up_i-16-programs-8": {"up_i": 16, "programs": 8},
-    "up_i-4-down_n-16": {"up_i": 4, "down_n": 16},
-    "up_i-4-down_n-16-programs-8": {"up_i": 4, "down_n": 16, "programs": 8},
+    "up_i-64": {"up_i": 64},
+    "up_h-128": {"up_h": 128},
+    "down_n-32": {"down_n": 32},
+    "down_i-64": {"down_i": 64},
+    "stages-2": {"stages": 2},
+    "stages-4": {"stages": 4},
 }
-GROUPED = {"grouped": 1, "up_i": 32, "up_h": 256, "down_n": 32, "down_i": 128}  # session 27's first lease's best
-VARIANTS.update({
-    "grouped": GROUPED,
-    "grouped-warps-2": {**GROUPED, "up_warps": 2, "down_warps": 2},
-    "grouped-up_warps-2": {**GROUPED, "up_warps": 2},
-    "grouped-up_i-64": {**GROUPED, "up_i": 64},
-    "grouped-up_i-64-warps-2": {**GROUPED, "up_i": 64, "up_warps": 2, "down_warps": 2},
-    "grouped-up_i-16": {**GROUPED, "up_i": 16},
-    "grouped-up_h-128-warps-2": {**GROUPED, "up_h": 128, "up_warps": 2, "down_warps": 2},
-    "grouped-down_n-64": {**GROUPED, "down_n": 64},
-    "grouped-down_n-64-warps-2": {**GROUPED, "down_n": 64, "up_warps": 2, "down_warps": 2},
-    "grouped-down_i-64-warps-2": {**GROUPED, "down_i": 64, "up_warps": 2, "down_warps": 2},
-    "grouped-stages-2-warps-2": {**GROUPED, "stages": 2, "up_warps": 2, "down_warps": 2},
-    "grouped-stages-4-warps-2": {**GROUPED, "stages": 4, "up_warps": 2, "down_warps": 2},
-})
 
 
 def timed_graph(fn, replays: int = 3) -> float:
@@ -97,8 +81,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3.6-35b-a3b-e64")
     parser.add_argument("--batches", default="1,2,4,8,16")
-    parser.add_argument("--variants", default="default,up_i-4," + ",".join(v for v in VARIANTS if v.startswith("grouped")),
-                        help="names from VARIANTS (default: the default, up_i-4 and the grouped ones)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="names from VARIANTS")
     parser.add_argument("--score", default="1,4,8", help="batches whose summed time picks --best")
     parser.add_argument("--best", type=Path, help="write the best setting's FT_MOE_TILES value here")
     parser.add_argument("--json", type=Path)

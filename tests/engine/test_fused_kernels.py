@@ -290,8 +290,8 @@ def test_the_route_check_is_blind_to_the_order_of_ties():
 def test_moe_decode_kernels_skip_absent_experts(dtype):
     """An expert id of -1 is no expert: its row adds nothing (offloaded decode runs the resident and
     the in-place experts as two calls, each with the other's ids at -1); the Triton pair twice
-    (the down kernel sums a token's experts in the last of their programs, behind a counter), and
-    with other tiles on fewer programs than work items."""
+    (the down kernel sums a token's experts in the last of their programs, behind a counter), the
+    per-assignment kernels and the grouped ones."""
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(3, 256, generator=gen).to(dtype).to(DEVICE)
     gate_up = (torch.randn(5, 256, 256, generator=gen) / 16).to(dtype).to(DEVICE)
@@ -300,8 +300,10 @@ def test_moe_decode_kernels_skip_absent_experts(dtype):
     weights = torch.rand(3, 3, generator=gen).to(dtype).to(DEVICE)
     present = ids >= 0
     want = moe.experts_loop(x.float(), (weights * present).float(), ids.clamp(min=0), gate_up.float(), down.float())
-    tiles = moe.DecodeTiles(up_i=16, up_h=128, down_n=64, down_i=64, programs=3)  # 3 programs looping over the items
-    triton_pair = (moe._experts_triton, moe._experts_triton, functools.partial(moe._experts_triton, tiles=tiles))
+    per_assignment = functools.partial(moe._experts_triton, tiles=moe.DecodeTiles(grouped=0))
+    triton_pair = (per_assignment, per_assignment)  # twice: the second launch finds the tickets the first left
+    if dtype == torch.float32 or CUDA:  # the interpreter's bf16 dots are off (see the decode attention's test)
+        triton_pair += (moe._experts_triton, moe._experts_triton)  # the grouped kernels, the default
     for fn in (*triton_pair, moe._experts_gathered, moe.experts_loop):
         got = fn(x, weights, ids, gate_up, down)
         _close(got, want.to(dtype))
@@ -320,7 +322,7 @@ def test_grouped_decode_experts_equal_the_loop(dtype, tokens):
     if dtype == torch.bfloat16 and not CUDA:
         pytest.skip("the interpreter's bf16 dots are off (see the decode attention's test)")
     gen = torch.Generator().manual_seed(tokens)
-    hidden, inter, routed, top_k = 128, 64, 5, 2
+    hidden, inter, routed, top_k = 256, 128, 5, 2  # the per-assignment kernels: 256 and 128 a step
     x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(DEVICE)
     gate_up = (torch.randn(routed + 1, 2 * inter, hidden, generator=gen) / 11).to(dtype).to(DEVICE)
     down = (torch.randn(routed + 1, hidden, inter, generator=gen) / 8).to(dtype).to(DEVICE)
@@ -333,10 +335,13 @@ def test_grouped_decode_experts_equal_the_loop(dtype, tokens):
     weights = torch.rand(tokens, top_k + 1, generator=gen).to(dtype).to(DEVICE)
     present = ids >= 0
     want = moe.experts_loop(x.float(), (weights * present).float(), ids.clamp(min=0), gate_up.float(), down.float())
-    tiles = moe.DecodeTiles(grouped=1, up_i=16, up_h=32, down_n=16, down_i=32)
+    tiles = moe.DecodeTiles(up_i=16, up_h=32, down_n=16, down_i=32)
     for _ in range(2):  # the second launch finds the tickets the first left
         got = moe._experts_triton(x, weights, ids, gate_up, down, tiles)
-        _close(got, want.to(dtype))
+        if dtype == torch.float32:  # sums in another order: to rounding of the largest output
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6 * want.abs().max().item())
+        else:
+            _close(got, want.to(dtype))
     assert not quant.tickets(x.device).any()
 
 

@@ -5,7 +5,7 @@ runs inside a CUDA graph): grouped GEMMs over expert-sorted rows for prefill, an
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -197,55 +197,49 @@ def experts_grouped(
 
 
 @triton.jit
-def _up_kernel(X, W, IDS, A, H, INTER, SLOTS, TOPK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Work item (assignment slot, i-block), slots varying fastest (an expert two tokens chose is read
-    for both in the same wave, the second time from L2): the slot's expert's gate and up rows of the
-    block against the slot's token, SiLU(gate) * up into A. A program takes items p, p + programs, ...
-    (`DecodeTiles.programs`: fewer programs than items spread the last wave's items over every SM)."""
-    for item in range(tl.program_id(0), SLOTS * (INTER // BLOCK_I), tl.num_programs(0)):
-        slot = item % SLOTS
-        i = (item // SLOTS) * BLOCK_I + tl.arange(0, BLOCK_I)
-        expert = tl.load(IDS + slot).to(tl.int64)
-        x = X + (slot // TOPK) * H
-        w = W + tl.maximum(expert, 0) * (2 * INTER * H)
-        gate = tl.zeros([BLOCK_I], tl.float32)
-        up = tl.zeros([BLOCK_I], tl.float32)
-        for h0 in range(0, tl.where(expert >= 0, H, 0), BLOCK_H):  # no expert (-1): nothing read, zeros
-            h = h0 + tl.arange(0, BLOCK_H)
-            xv = tl.load(x + h).to(tl.float32)[None, :]
-            gate += tl.sum(tl.load(w + i[:, None] * H + h[None, :]).to(tl.float32) * xv, 1)
-            up += tl.sum(tl.load(w + (INTER + i)[:, None] * H + h[None, :]).to(tl.float32) * xv, 1)
-        act = gate * tl.sigmoid(gate) * up
-        tl.store(A + slot * INTER + i, act.to(A.dtype.element_ty))
+def _up_kernel(X, W, IDS, A, H, INTER, TOPK: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+    slot = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    expert = tl.load(IDS + slot).to(tl.int64)
+    x = X + (slot // TOPK) * H
+    w = W + tl.maximum(expert, 0) * (2 * INTER * H)
+    gate = tl.zeros([BLOCK_I], tl.float32)
+    up = tl.zeros([BLOCK_I], tl.float32)
+    for h0 in range(0, tl.where(expert >= 0, H, 0), BLOCK_H):  # no expert (-1): nothing read, zeros
+        h = h0 + tl.arange(0, BLOCK_H)
+        xv = tl.load(x + h).to(tl.float32)[None, :]
+        gate += tl.sum(tl.load(w + i[:, None] * H + h[None, :]).to(tl.float32) * xv, 1)
+        up += tl.sum(tl.load(w + (INTER + i)[:, None] * H + h[None, :]).to(tl.float32) * xv, 1)
+    act = gate * tl.sigmoid(gate) * up
+    tl.store(A + slot * INTER + i, act.to(A.dtype.element_ty))
 
 
 @triton.jit
-def _down_kernel(A, W, IDS, RW, PART, OUT, COUNT, H, INTER, SLOTS, TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
+def _down_kernel(A, W, IDS, RW, PART, OUT, COUNT, H, INTER, TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_I: tl.constexpr):  # fmt: skip
-    """Work item (assignment slot a = token * TOPK + j, n-block), slots varying fastest as in
-    `_up_kernel`: the token's j-th expert's down projection, weighted; the last of the token's TOPK
-    items to finish sums them into OUT (a ticket per (token, n-block) in COUNT, reset by that
-    program: `quant.tickets`)."""
-    blocks = H // BLOCK_N
-    for item in range(tl.program_id(0), SLOTS * blocks, tl.num_programs(0)):
-        slot, block = item % SLOTS, item // SLOTS
-        token = slot // TOPK
-        n = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        expert = tl.load(IDS + slot).to(tl.int64)
-        w = W + tl.maximum(expert, 0) * (H * INTER)  # the expert's base: offsets within it fit 32 bits
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for i0 in range(0, tl.where(expert >= 0, INTER, 0), BLOCK_I):
-            i = i0 + tl.arange(0, BLOCK_I)
-            av = tl.load(A + slot * INTER + i).to(tl.float32)
-            acc += tl.sum(tl.load(w + (n[:, None] * INTER + i[None, :])).to(tl.float32) * av[None, :], 1)
-        tl.store(PART + slot * H + n, acc * tl.load(RW + slot).to(tl.float32))
-        ticket = COUNT + token * blocks + block
-        if quant.last_to_finish(ticket, TOPK):
-            total = tl.zeros([BLOCK_N], tl.float32)
-            for j in range(TOPK):
-                total += tl.load(PART + (token * TOPK + j) * H + n, cache_modifier=".cg")
-            tl.atomic_xchg(ticket, 0)  # for the next launch
-            tl.store(OUT + token * H + n, total.to(OUT.dtype.element_ty))
+    """Program (assignment a = token * TOPK + j, n-block): the token's j-th expert's down projection,
+    weighted; the last of the token's TOPK programs to finish sums them into OUT (a ticket per
+    (token, n-block) in COUNT, reset by that program: `quant.tickets`). The assignments vary
+    fastest, so an expert two tokens chose is read for both in the same wave of programs (once
+    from memory, then from L2), wherever it sits in each token's list."""
+    slot, block = tl.program_id(0), tl.program_id(1)
+    token = slot // TOPK
+    n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert = tl.load(IDS + slot).to(tl.int64)
+    w = W + tl.maximum(expert, 0) * (H * INTER)  # the expert's base: offsets within it fit 32 bits
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for i0 in range(0, tl.where(expert >= 0, INTER, 0), BLOCK_I):
+        i = i0 + tl.arange(0, BLOCK_I)
+        av = tl.load(A + slot * INTER + i).to(tl.float32)
+        acc += tl.sum(tl.load(w + (n[:, None] * INTER + i[None, :])).to(tl.float32) * av[None, :], 1)
+    tl.store(PART + slot * H + n, acc * tl.load(RW + slot).to(tl.float32))
+    ticket = COUNT + token * tl.num_programs(1) + block
+    if quant.last_to_finish(ticket, TOPK):
+        total = tl.zeros([BLOCK_N], tl.float32)
+        for j in range(TOPK):
+            total += tl.load(PART + (token * TOPK + j) * H + n, cache_modifier=".cg")
+        tl.atomic_xchg(ticket, 0)  # for the next launch
+        tl.store(OUT + token * H + n, total.to(OUT.dtype.element_ty))
 
 
 @triton.jit
@@ -326,63 +320,57 @@ def _down_grouped_kernel(A, W, IDS, RW, PART, OUT, COUNT, H, INTER, TOKENS, TOPK
 
 @dataclass(frozen=True)
 class DecodeTiles:
-    """Launch settings of the decode experts' two kernels: the up kernel's rows (of the gate's and
-    of the up's) and columns a step, the down kernel's outputs and inner columns a step, their warps,
-    `programs` per SM (0: one program per work item), and `grouped`: the kernels that read each
-    chosen expert once for all the tokens that chose it (`_up_grouped_kernel`, `_down_grouped_kernel`:
-    their tiles at least 16 a side, tensor-core matmuls, loads pipelined `stages` deep; `programs`
-    does not apply)."""
+    """Launch settings of the grouped decode experts (`_up_grouped_kernel`, `_down_grouped_kernel`):
+    the up kernel's rows (of the gate's and of the up's) and columns a step, the down kernel's
+    outputs and inner columns a step (tensor-core tiles: 16 a side at least), their warps and the
+    loads' pipeline depth. `grouped=0`: the per-assignment kernels (`_up_kernel`, `_down_kernel`,
+    their own tiles), the baseline. The defaults are the fastest of bench/moe_decode_tiles.py's
+    settings at batches 1, 4 and 8 on the H200 (session 27)."""
 
-    up_i: int = 8
+    grouped: int = 1
+    up_i: int = 32
     up_h: int = 256
     up_warps: int = 4
-    down_n: int = 32
+    down_n: int = 64
     down_i: int = 128
     down_warps: int = 4
-    programs: int = 0
-    grouped: int = 0
     stages: int = 3
+
+    def fitted(self, hidden: int, inter: int) -> DecodeTiles:
+        """The tiles cut to a model's sizes (the tiny presets'); not grouped where they do not divide them."""
+        t = replace(self, up_i=min(self.up_i, inter), up_h=min(self.up_h, hidden), down_n=min(self.down_n, hidden),
+                    down_i=min(self.down_i, inter))  # fmt: skip
+        fits = min(t.up_i, t.up_h, t.down_n, t.down_i) >= 16 and not (inter % t.up_i or hidden % t.up_h or hidden % t.down_n or inter % t.down_i)
+        return t if fits else replace(t, grouped=0)
 
     @classmethod
     def parse(cls, text: str) -> DecodeTiles:
-        """`up_i=8,programs=4`: the fields named set, the others left at their defaults."""
+        """`up_i=16,stages=2`: the fields named set, the others left at their defaults."""
         fields = dict(item.split("=") for item in text.split(",") if item)
         return cls(**{name: int(value) for name, value in fields.items()})
 
 
-# tokens up to which `DecodeTiles.grouped` applies: one tensor-core tile's rows (an fp32 prefill of up to
-# GRAPH_TOKENS runs these kernels too: a tile of 512 tokens' rows is far past the registers)
+# tokens up to which the grouped kernels run: one tensor-core tile's rows (an fp32 prefill of up to
+# GRAPH_TOKENS takes the per-assignment kernels: a tile of 512 tokens' rows is far past the registers)
 GROUPED_TOKENS = 16
-DECODE_TILES = DecodeTiles.parse(os.environ.get("FT_MOE_TILES", ""))  # bench/moe_decode_tiles.py --best
-
-
-def _grid(items: int, device: torch.device, per_sm: int) -> tuple[int]:
-    """`items` work items on one program each, or (per_sm) on that many programs per SM (one SM
-    off a GPU: Triton's interpreter runs the loop too)."""
-    if not per_sm:
-        return (items,)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    return (min(items, per_sm * sms),)
+DECODE_TILES = DecodeTiles.parse(os.environ.get("FT_MOE_TILES", ""))  # bench/moe_decode_tiles.py
 
 
 def _experts_triton(x, weights, ids, gate_up, down, tiles: DecodeTiles | None = None):
-    t = tiles or DECODE_TILES
-    num_tokens, top_k = ids.shape
-    if t.grouped and num_tokens <= GROUPED_TOKENS:
+    t = (tiles or DECODE_TILES).fitted(x.shape[1], down.shape[2])
+    if t.grouped and ids.shape[0] <= GROUPED_TOKENS:
         return _experts_grouped_decode(x, weights, ids, gate_up, down, t)
+    num_tokens, top_k = ids.shape
     hidden, inter = x.shape[1], down.shape[2]
-    slots = num_tokens * top_k
-    assert inter % t.up_i == 0 and hidden % t.up_h == 0 and hidden % t.down_n == 0 and inter % t.down_i == 0
+    block_i, block_h, block_n = 8, 256, 32
+    assert inter % block_i == 0 and hidden % block_h == 0 and hidden % block_n == 0 and inter % 128 == 0
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
-    act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
-    _up_kernel[_grid(slots * (inter // t.up_i), x.device, t.programs)](
-        x, gate_up, ids, act, hidden, inter, slots, TOPK=top_k, BLOCK_I=t.up_i, BLOCK_H=t.up_h, num_warps=t.up_warps)
+    act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
+    _up_kernel[(num_tokens * top_k, inter // block_i)](x, gate_up, ids, act, hidden, inter, TOPK=top_k, BLOCK_I=block_i, BLOCK_H=block_h)
     part = torch.empty(num_tokens, top_k, hidden, dtype=torch.float32, device=x.device)  # one row per chosen expert
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-    _down_kernel[_grid(slots * (hidden // t.down_n), x.device, t.programs)](
-        act, down, ids, weights, part, out, quant.tickets(x.device), hidden, inter, slots, TOPK=top_k,
-        BLOCK_N=t.down_n, BLOCK_I=t.down_i, num_warps=t.down_warps,
-    )  # fmt: skip
+    _down_kernel[(num_tokens * top_k, hidden // block_n)](act, down, ids, weights, part, out, quant.tickets(x.device),
+                                                         hidden, inter, TOPK=top_k, BLOCK_N=block_n, BLOCK_I=128)  # fmt: skip
     return out
 
 
@@ -390,8 +378,6 @@ def _experts_grouped_decode(x, weights, ids, gate_up, down, t: DecodeTiles):
     num_tokens, top_k = ids.shape
     hidden, inter = x.shape[1], down.shape[2]
     slots = num_tokens * top_k
-    assert min(t.up_i, t.up_h, t.down_n, t.down_i) >= 16, "tensor-core tiles: 16 a side at least"
-    assert inter % t.up_i == 0 and hidden % t.up_h == 0 and hidden % t.down_n == 0 and inter % t.down_i == 0
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
     shape = {"TOPK": top_k, "MT": max(16, triton.next_power_of_2(num_tokens)), "KP": triton.next_power_of_2(top_k)}
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
