@@ -4,6 +4,7 @@ runs inside a CUDA graph): grouped GEMMs over expert-sorted rows for prefill, an
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, replace
 
@@ -336,11 +337,13 @@ class DecodeTiles:
     down_warps: int = 4
     stages: int = 3
 
+    @functools.cache  # noqa: B019 (a few settings a process, each frozen)
     def fitted(self, hidden: int, inter: int) -> DecodeTiles:
         """The tiles cut to a model's sizes (the tiny presets'); not grouped where they do not divide them."""
         t = replace(self, up_i=min(self.up_i, inter), up_h=min(self.up_h, hidden), down_n=min(self.down_n, hidden),
                     down_i=min(self.down_i, inter))  # fmt: skip
-        fits = min(t.up_i, t.up_h, t.down_n, t.down_i) >= 16 and not (inter % t.up_i or hidden % t.up_h or hidden % t.down_n or inter % t.down_i)
+        fits = min(t.up_i, t.up_h, t.down_n, t.down_i) >= 16 and not (
+            inter % t.up_i or hidden % t.up_h or hidden % t.down_n or inter % t.down_i)
         return t if fits else replace(t, grouped=0)
 
     @classmethod
@@ -379,7 +382,7 @@ def _experts_grouped_decode(x, weights, ids, gate_up, down, t: DecodeTiles):
     hidden, inter = x.shape[1], down.shape[2]
     slots = num_tokens * top_k
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
-    shape = {"TOPK": top_k, "MT": max(16, triton.next_power_of_2(num_tokens)), "KP": triton.next_power_of_2(top_k)}
+    shape = {"TOPK": top_k, "MT": GROUPED_TOKENS, "KP": triton.next_power_of_2(top_k)}
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
     _up_grouped_kernel[(slots, inter // t.up_i)](x, gate_up, ids, act, hidden, inter, num_tokens, **shape,
                                                  BLOCK_I=t.up_i, BLOCK_H=t.up_h, num_warps=t.up_warps, num_stages=t.stages)  # fmt: skip
