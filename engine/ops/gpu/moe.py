@@ -1,6 +1,7 @@
 """Routed experts without a Python loop over experts and without a host sync (so the same code
 runs inside a CUDA graph): grouped GEMMs over expert-sorted rows for prefill, and for a few tokens
-(decode) two Triton kernels that read only the chosen experts' weights."""
+(decode) two Triton kernels that read only the chosen experts' weights, each chosen expert once for all
+the tokens that chose it (`DecodeTiles`)."""
 
 from __future__ import annotations
 
