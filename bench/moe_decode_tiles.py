@@ -16,6 +16,10 @@ largest). `--best` prints the `FT_MOE_TILES` value of the setting with the least
 named by `--score` (default 1, 4 and 8), for the decode benches to run it.
 
     python bench/moe_decode_tiles.py --preset qwen3.6-35b-a3b-e64 --json OUT.json   # on a GPU
+    python bench/moe_decode_tiles.py --preset qwen3.6-35b-a3b --router --router-dtype float32   # the router's
+
+`--router` times the fused router kernel per `RouterTiles` setting instead (session 12: 7 us a layer at
+batch 1, ~8% of a Q4_K_M decode token; `FT_ROUTER_TILES` runs a setting in the engine).
 """
 
 from __future__ import annotations
@@ -47,6 +51,16 @@ VARIANTS = {  # name: DecodeTiles fields changed from the default (the grouped k
     "stages-2": {"stages": 2},
     "stages-4": {"stages": 4},
 }
+ROUTER_VARIANTS = {  # `--router`: RouterTiles fields changed from the default
+    "default": {},
+    "warps-1": {"warps": 1},
+    "warps-2": {"warps": 2},
+    "block_h-2048": {"block_h": 2048},
+    "warps-1-block_h-2048": {"warps": 1, "block_h": 2048},
+    "block_e-1": {"block_e": 1},
+    "block_e-4": {"block_e": 4},
+}
+ROUTER_LAYERS = 40  # a decode token's routers, each its own weight (at 256 experts in f32: 84 MB, past the L2)
 
 
 def timed_graph(fn, replays: int = 3) -> float:
@@ -77,6 +91,34 @@ def routing(batch: int, experts: int, top_k: int, gen: torch.Generator) -> torch
     return torch.cat([routed, torch.full((batch, 1), experts)], dim=1)
 
 
+def bench_router(args, c: ModelConfig, dev: torch.device) -> list[dict]:
+    """`_router_kernel` (the router's GEMV, then softmax and top-k in the last program) per RouterTiles
+    setting: a CUDA graph of ROUTER_LAYERS calls over their own weights, per batch; the routing checked
+    against the default's."""
+    dtype = getattr(torch, args.router_dtype)
+    gen = torch.Generator().manual_seed(1)
+    weights = [(torch.randn(c.num_experts + 1, c.hidden_size, generator=gen) / 45).to(dev, dtype) for _ in range(ROUTER_LAYERS)]
+    rows = []
+    for batch in [int(b) for b in args.batches.split(",") if int(b) <= moe.ROUTER_ROWS]:
+        x = torch.randn(batch, c.hidden_size, generator=gen).to(dev, torch.bfloat16)
+        want = None
+        for name, fields in ROUTER_VARIANTS.items():
+            tiles = dataclasses.replace(moe.RouterTiles(), **fields)
+            outs = [None] * ROUTER_LAYERS
+
+            def call(tiles=tiles, outs=outs, x=x) -> None:
+                for layer, w in enumerate(weights):
+                    outs[layer] = moe._router_triton(x, w, c.num_experts, c.num_experts_per_tok, True, tiles)
+
+            seconds = timed_graph(call) / ROUTER_LAYERS
+            ids = torch.stack([o[1] for o in outs])
+            want = ids if want is None else want
+            same = bool(torch.equal(ids, want))
+            rows.append({"batch": batch, "variant": name, "tiles": dataclasses.asdict(tiles), "us": seconds * 1e6, "same_routing": same})
+            print(f"router B={batch:>2} {name:<22} {seconds * 1e6:6.2f} us{'' if same else '  OTHER ROUTING'}", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3.6-35b-a3b-e64")
@@ -84,10 +126,18 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="names from VARIANTS")
     parser.add_argument("--score", default="1,4,8", help="batches whose summed time picks --best")
     parser.add_argument("--best", type=Path, help="write the best setting's FT_MOE_TILES value here")
+    parser.add_argument("--router", action="store_true", help="time the fused router's settings instead")
+    parser.add_argument("--router-dtype", default="bfloat16", help="the router weight's dtype (a GGUF's: float32)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     dev = torch.device("cuda")
     c = ModelConfig.from_dict(presets.preset_config(args.preset))
+    if args.router:
+        rows = bench_router(args, c, dev)
+        if args.json:
+            args.json.write_text(json.dumps({"preset": args.preset, "router_dtype": args.router_dtype,
+                                             "gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))  # fmt: skip
+        return
     experts, hidden, inter, top_k = c.num_experts + 1, c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok
     gen = torch.Generator().manual_seed(0)
     layers = [((torch.randn(experts, 2 * inter, hidden, generator=gen) / 45).to(dev, torch.bfloat16),

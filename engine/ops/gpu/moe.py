@@ -514,12 +514,29 @@ def _router_kernel(X, R, LOGITS, W, IDS, COUNT, H, E, stride_r, TOPK: tl.constex
 
 
 ROUTER_ROWS = 16  # tokens up to which `router` runs as one launch (decode); beyond, a GEMM and `route`
-ROUTER_BLOCK_H = 1024  # hidden columns a step of `_router_kernel` (at most: a power of two dividing H)
-# router rows a program of `_router_kernel`: two, so that the 257 rows of a 256-expert router (1 MB in
-# bf16, 2 MB in a GGUF's f32) are read by ~130 programs, about one per SM of an H200, where 16 rows a
-# program left 17 programs reading it at a small fraction of the bandwidth (a GGUF's: 22 us a layer, 7 us
-# with two; H200, session 12)
-ROUTER_BLOCK_E = 2
+
+
+@dataclass(frozen=True)
+class RouterTiles:
+    """Launch settings of `_router_kernel`: router rows a program (two, so that the 257 rows of a
+    256-expert router, 1 MB in bf16 and 2 MB in a GGUF's f32, are read by ~130 programs, about one
+    per SM of an H200, where 16 rows a program left 17 programs reading it at a small fraction of
+    the bandwidth: a GGUF's 22 us a layer, 7 us with two; H200, session 12), hidden columns a step
+    (at most: a power of two dividing H) and warps (the last program's softmax and top-k reduce
+    across them)."""
+
+    block_e: int = 2
+    block_h: int = 1024
+    warps: int = 4
+
+    @classmethod
+    def parse(cls, text: str) -> RouterTiles:
+        """`warps=1,block_h=2048`: the fields named set, the others left at their defaults."""
+        fields = dict(item.split("=") for item in text.split(",") if item)
+        return cls(**{name: int(value) for name, value in fields.items()})
+
+
+ROUTER_TILES = RouterTiles.parse(os.environ.get("FT_ROUTER_TILES", ""))  # bench/moe_decode_tiles.py --router
 
 
 def router(x: torch.Tensor, w: torch.Tensor, experts: int, top_k: int, renormalise: bool):
@@ -531,10 +548,12 @@ def router(x: torch.Tensor, w: torch.Tensor, experts: int, top_k: int, renormali
     return router_fused(x, w, experts, top_k, renormalise)
 
 
-def _router_triton(x: torch.Tensor, w: torch.Tensor, experts: int, top_k: int, renormalise: bool):
+def _router_triton(x: torch.Tensor, w: torch.Tensor, experts: int, top_k: int, renormalise: bool,
+                   tiles: RouterTiles | None = None):  # fmt: skip
+    t = tiles or ROUTER_TILES
     rows, hidden = x.shape
     x = x.contiguous()
-    width, be, block_e = top_k + 1, triton.next_power_of_2(experts + 1), ROUTER_BLOCK_E
+    width, be, block_e = top_k + 1, triton.next_power_of_2(experts + 1), t.block_e
     logits = torch.empty(rows, be, dtype=torch.float32, device=x.device)
     weights = torch.empty(rows, width, dtype=x.dtype, device=x.device)
     ids = torch.empty(rows, width, dtype=torch.long, device=x.device)
@@ -542,7 +561,7 @@ def _router_triton(x: torch.Tensor, w: torch.Tensor, experts: int, top_k: int, r
         _router_kernel[(triton.cdiv(experts + 1, block_e), rows)](
             x, w, logits, weights, ids, quant.tickets(x.device), hidden, experts, w.stride(0), TOPK=top_k,
             RENORM=renormalise, BE=be, BK=triton.next_power_of_2(width), BLOCK_E=block_e,
-            BLOCK_H=min(ROUTER_BLOCK_H, hidden & -hidden),
+            BLOCK_H=min(t.block_h, hidden & -hidden), num_warps=t.warps,
         )  # fmt: skip
     return weights, ids
 
