@@ -7,7 +7,8 @@
 #       moe-tiles  the bf16 decode experts' kernels per launch setting (bench/moe_decode_tiles.py), then the e64
 #                  decode per batch size with the per-assignment kernels, the default and the best setting
 #                  (FT_MOE_TILES; $MOE_TILES_RUNS picks of those three)
-#       router-tiles  the fused router's launch settings (bench/moe_decode_tiles.py --router; FT_ROUTER_TILES)
+#       router-tiles  the fused router's launch settings (bench/moe_decode_tiles.py --router; FT_ROUTER_TILES),
+#                  then the small-batch projections against cuBLAS (--dense; FT_SMALL_GEMM)
 #       gpu-e64    decode per batch size at the 64-expert shape issue 11's targets name (bench/gpu.py --preset ...-e64)
 #       rows       batched decode with the decode kernels up to 32 assignments and up to 128 (the default)
 #       gpu        decode per batch size and prefill against the machine's ceilings, kernels per decode token (bench/gpu.py)
@@ -140,7 +141,9 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
       step router-tiles-e64 python3 bench/moe_decode_tiles.py --preset $P-e64 --router --batches 1,4,8 \
         --json $O/router-tiles-e64.json
       step router-tiles-256 python3 bench/moe_decode_tiles.py --preset $P --router --router-dtype float32 \
-        --batches 1,4 --json $O/router-tiles-256.json ;;
+        --batches 1,4 --json $O/router-tiles-256.json
+      step dense-small python3 bench/moe_decode_tiles.py --preset $P-e64 --dense --batches 2,4,8,16 \
+        --json $O/dense-small.json ;;
     gpu-e64) step gpu-e64 python3 bench/gpu.py --preset $P-e64 --only decode,batched --json $O/gpu-e64.json ;;
     rows)
       step rows-32 env FT_DECODE_ROWS=32 python3 bench/gpu.py --only batched --json $O/rows-32.json

@@ -19,7 +19,9 @@ named by `--score` (default 1, 4 and 8), for the decode benches to run it.
     python bench/moe_decode_tiles.py --preset qwen3.6-35b-a3b --router --router-dtype float32   # the router's
 
 `--router` times the fused router kernel per `RouterTiles` setting instead (session 12: 7 us a layer at
-batch 1, ~8% of a Q4_K_M decode token; `FT_ROUTER_TILES` runs a setting in the engine).
+batch 1, ~8% of a Q4_K_M decode token; `FT_ROUTER_TILES` runs a setting in the engine); `--dense` the
+decode step's plain projections at 2-16 rows, `engine.ops.gpu.dense` against cuBLAS (`FT_SMALL_GEMM=1`
+runs it in the engine).
 """
 
 from __future__ import annotations
@@ -119,6 +121,52 @@ def bench_router(args, c: ModelConfig, dev: torch.device) -> list[dict]:
     return rows
 
 
+def dense_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
+    """The decode step's plain projections (N, K): DeltaNet's fused in_proj and out_proj, attention's
+    fused q (with its gate), k, v and o_proj."""
+    keys, values = c.linear_num_key_heads * c.linear_key_head_dim, c.linear_num_value_heads * c.linear_value_head_dim
+    q = c.num_attention_heads * c.head_dim
+    return {"deltanet in_proj": (2 * keys + 2 * values + 2 * c.linear_num_value_heads, c.hidden_size),
+            "deltanet out_proj": (c.hidden_size, values),
+            "attention qkv": (2 * q + 2 * c.num_key_value_heads * c.head_dim, c.hidden_size),
+            "attention o_proj": (c.hidden_size, q)}  # fmt: skip
+
+
+def bench_dense(args, c: ModelConfig, dev: torch.device) -> list[dict]:
+    """`engine.ops.gpu.dense.small_linear` against `F.linear` (cuBLAS) per projection and batch: a CUDA
+    graph of ROUTER_LAYERS calls over their own bf16 weights, and the weight's bytes over the time."""
+    import torch.nn.functional as F  # noqa: PLC0415
+
+    from engine.ops.gpu import dense  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(2)
+    rows = []
+    for name, (n, k) in dense_shapes(c).items():
+        weights = [(torch.randn(n, k, generator=gen) / 45).to(dev, torch.bfloat16) for _ in range(ROUTER_LAYERS)]
+        for batch in [int(b) for b in args.batches.split(",") if 1 < int(b) <= dense.ROWS]:
+            x = torch.randn(batch, k, generator=gen).to(dev, torch.bfloat16)
+            times = {}
+            for kernel, fn in (("cublas", F.linear), ("small", dense.small_linear)):
+                outs = [None] * ROUTER_LAYERS
+
+                def call(fn=fn, outs=outs, x=x, weights=weights) -> None:
+                    for layer, w in enumerate(weights):
+                        outs[layer] = fn(x, w)
+
+                times[kernel] = timed_graph(call) / ROUTER_LAYERS
+                if kernel == "cublas":
+                    want = torch.stack(outs).float()
+            err = ((torch.stack(outs).float() - want).abs().max() / want.abs().max()).item()
+            row = {"projection": name, "n": n, "k": k, "batch": batch, "split": dense.split_for(n, k), "max_rel_err": err,
+                   **{f"{kernel}_us": t * 1e6 for kernel, t in times.items()},
+                   **{f"{kernel}_tb_s": n * k * 2 / t / 1e12 for kernel, t in times.items()}}  # fmt: skip
+            rows.append(row)
+            print(f"{name:<18} B={batch:>2} [{n}, {k}]: cuBLAS {row['cublas_us']:6.2f} us ({row['cublas_tb_s']:.2f} TB/s), "
+                  f"small {row['small_us']:6.2f} us ({row['small_tb_s']:.2f} TB/s, split {row['split']}), err {err:.1e}",
+                  flush=True)  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3.6-35b-a3b-e64")
@@ -128,14 +176,15 @@ def main() -> None:
     parser.add_argument("--best", type=Path, help="write the best setting's FT_MOE_TILES value here")
     parser.add_argument("--router", action="store_true", help="time the fused router's settings instead")
     parser.add_argument("--router-dtype", default="bfloat16", help="the router weight's dtype (a GGUF's: float32)")
+    parser.add_argument("--dense", action="store_true", help="time the small-batch projections against cuBLAS instead")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     dev = torch.device("cuda")
     c = ModelConfig.from_dict(presets.preset_config(args.preset))
-    if args.router:
-        rows = bench_router(args, c, dev)
+    if args.router or args.dense:
+        rows = bench_router(args, c, dev) if args.router else bench_dense(args, c, dev)
         if args.json:
-            args.json.write_text(json.dumps({"preset": args.preset, "router_dtype": args.router_dtype,
+            args.json.write_text(json.dumps({"preset": args.preset, "router_dtype": args.router_dtype, "dense": args.dense,
                                              "gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))  # fmt: skip
         return
     experts, hidden, inter, top_k = c.num_experts + 1, c.hidden_size, c.moe_intermediate_size, c.num_experts_per_tok

@@ -349,6 +349,26 @@ def test_grouped_decode_experts_equal_the_loop(dtype, tokens):
 
 
 @in_this_process
+@pytest.mark.parametrize("dtype", DTYPES if CUDA else [torch.float32])  # the interpreter's bf16 dots are off
+@pytest.mark.parametrize(("rows", "n", "split"), [(2, 64, 1), (5, 40, 2), (16, 96, 4), (3, 2048, None)])
+def test_small_gemm_equals_the_matmul(dtype, rows, n, split):
+    """A few rows against a plain weight in one launch (`dense.small_linear`): columns past a block's
+    end, K split and summed in order by the last program (tickets left at zero), the split it picks."""
+    from engine.ops.gpu import dense  # noqa: PLC0415
+
+    x = _randn(rows, 1024, dtype=dtype, seed=rows)
+    w = _randn(n, 1024, dtype=dtype, seed=n, scale=0.05)
+    assert dense.fits(x, w)
+    got = dense.small_linear(x, w, split)
+    want = (x.float() @ w.float().T).to(dtype)
+    if dtype == torch.float32:  # sums in another order: to rounding of the largest output
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6 * want.abs().max().item())
+    else:
+        _close(got, want)
+    assert not quant.tickets(x.device).any()
+
+
+@in_this_process
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "dim", "rotary"), [(4, 16, 8), (2, 32, 32), (3, 24, 12)])
 def test_norm_rope_on_the_fused_projections_views(dtype, heads, dim, rotary):
