@@ -320,8 +320,17 @@ def _down_grouped_kernel(A, W, IDS, RW, PART, OUT, COUNT, H, INTER, TOKENS, TOPK
             tl.store(OUT + t[:, None] * H + n[None, :], total.to(OUT.dtype.element_ty), mask=last[:, None])
 
 
+class _Settings:
+    @classmethod
+    def parse(cls, text: str):
+        """`up_i=16,stages=2` (an environment variable's value): the fields named set, the others at
+        their defaults."""
+        fields = dict(item.split("=") for item in text.split(",") if item)
+        return cls(**{name: int(value) for name, value in fields.items()})
+
+
 @dataclass(frozen=True)
-class DecodeTiles:
+class DecodeTiles(_Settings):
     """Launch settings of the grouped decode experts (`_up_grouped_kernel`, `_down_grouped_kernel`):
     the up kernel's rows (of the gate's and of the up's) and columns a step, the down kernel's
     outputs and inner columns a step (tensor-core tiles: 16 a side at least), their warps and the
@@ -346,12 +355,6 @@ class DecodeTiles:
         fits = min(t.up_i, t.up_h, t.down_n, t.down_i) >= 16 and not (
             inter % t.up_i or hidden % t.up_h or hidden % t.down_n or inter % t.down_i)
         return t if fits else replace(t, grouped=0)
-
-    @classmethod
-    def parse(cls, text: str) -> DecodeTiles:
-        """`up_i=16,stages=2`: the fields named set, the others left at their defaults."""
-        fields = dict(item.split("=") for item in text.split(",") if item)
-        return cls(**{name: int(value) for name, value in fields.items()})
 
 
 # tokens up to which the grouped kernels run: one tensor-core tile's rows (an fp32 prefill of up to
@@ -517,7 +520,7 @@ ROUTER_ROWS = 16  # tokens up to which `router` runs as one launch (decode); bey
 
 
 @dataclass(frozen=True)
-class RouterTiles:
+class RouterTiles(_Settings):
     """Launch settings of `_router_kernel`: router rows a program (two, so that the 257 rows of a
     256-expert router, 1 MB in bf16 and 2 MB in a GGUF's f32, are read by ~130 programs, about one
     per SM of an H200, where 16 rows a program left 17 programs reading it at a small fraction of
@@ -528,12 +531,6 @@ class RouterTiles:
     block_e: int = 2
     block_h: int = 1024
     warps: int = 4
-
-    @classmethod
-    def parse(cls, text: str) -> RouterTiles:
-        """`warps=1,block_h=2048`: the fields named set, the others left at their defaults."""
-        fields = dict(item.split("=") for item in text.split(",") if item)
-        return cls(**{name: int(value) for name, value in fields.items()})
 
 
 ROUTER_TILES = RouterTiles.parse(os.environ.get("FT_ROUTER_TILES", ""))  # bench/moe_decode_tiles.py --router
