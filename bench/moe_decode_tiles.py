@@ -30,6 +30,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/engine.py would shadow the `engine` package
@@ -86,6 +87,18 @@ def timed_graph(fn, replays: int = 3) -> float:
     return best
 
 
+def timed_calls(calls: list) -> tuple[float, list]:
+    """Seconds a call of `calls` (one per layer, each over its own weights) run as one graph, and
+    their outputs."""
+    outs = [None] * len(calls)
+
+    def run() -> None:
+        for i, call in enumerate(calls):
+            outs[i] = call()
+
+    return timed_graph(run) / len(calls), outs
+
+
 def routing(batch: int, experts: int, top_k: int, gen: torch.Generator) -> torch.Tensor:
     """[batch, top_k + 1]: each token's top_k distinct routed experts (uniform, as the random presets
     route), then the shared expert (folded in as expert `experts`)."""
@@ -106,13 +119,8 @@ def bench_router(args, c: ModelConfig, dev: torch.device) -> list[dict]:
         want = None
         for name, fields in ROUTER_VARIANTS.items():
             tiles = dataclasses.replace(moe.RouterTiles(), **fields)
-            outs = [None] * ROUTER_LAYERS
-
-            def call(tiles=tiles, outs=outs, x=x) -> None:
-                for layer, w in enumerate(weights):
-                    outs[layer] = moe._router_triton(x, w, c.num_experts, c.num_experts_per_tok, True, tiles)
-
-            seconds = timed_graph(call) / ROUTER_LAYERS
+            seconds, outs = timed_calls([partial(moe._router_triton, x, w, c.num_experts, c.num_experts_per_tok, True, tiles)
+                                         for w in weights])  # fmt: skip
             ids = torch.stack([o[1] for o in outs])
             want = ids if want is None else want
             same = bool(torch.equal(ids, want))
@@ -147,13 +155,7 @@ def bench_dense(args, c: ModelConfig, dev: torch.device) -> list[dict]:
             x = torch.randn(batch, k, generator=gen).to(dev, torch.bfloat16)
             times = {}
             for kernel, fn in (("cublas", F.linear), ("small", dense.small_linear)):
-                outs = [None] * ROUTER_LAYERS
-
-                def call(fn=fn, outs=outs, x=x, weights=weights) -> None:
-                    for layer, w in enumerate(weights):
-                        outs[layer] = fn(x, w)
-
-                times[kernel] = timed_graph(call) / ROUTER_LAYERS
+                times[kernel], outs = timed_calls([partial(fn, x, w) for w in weights])
                 if kernel == "cublas":
                     want = torch.stack(outs).float()
             err = ((torch.stack(outs).float() - want).abs().max() / want.abs().max()).item()
@@ -205,13 +207,8 @@ def main() -> None:
         want = None
         for name in args.variants.split(","):
             tiles = dataclasses.replace(moe.DecodeTiles(), **VARIANTS[name])
-            outs = [None] * LAYERS
-
-            def call(tiles=tiles, outs=outs, x=x, ids=ids, weights=weights) -> None:
-                for layer, ((gu, dn), ids_l) in enumerate(zip(layers, ids, strict=True)):
-                    outs[layer] = moe._experts_triton(x, weights, ids_l, gu, dn, tiles)
-
-            seconds = timed_graph(call) / LAYERS
+            seconds, outs = timed_calls([partial(moe._experts_triton, x, weights, ids_l, gu, dn, tiles)
+                                         for (gu, dn), ids_l in zip(layers, ids, strict=True)])  # fmt: skip
             got = torch.stack(outs).float()
             want = got if want is None else want
             err = ((got - want).abs().max() / want.abs().max()).item()

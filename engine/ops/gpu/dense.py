@@ -18,6 +18,7 @@ from engine.ops.gpu import quant
 ROWS = 16  # rows of x at most: one tensor-core tile's
 BLOCK_N, BLOCK_K = 32, 256
 PROGRAMS = 264  # at least, where K allows: two an SM of an H200
+MAX_N = 16384  # outputs at most (their column blocks within the GEMV's tickets, `quant.TICKETS`)
 
 
 @triton.jit
@@ -59,11 +60,11 @@ def split_for(n: int, k: int, programs: int = PROGRAMS) -> int:
 
 
 def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `small_linear` takes x @ w.T: 2 to ROWS rows, a contiguous weight of K whole BLOCK_K steps
-    and fewer column blocks than tickets (not a lm_head: read at the copy rate by cuBLAS already)."""
+    """Whether `small_linear` takes x @ w.T: 2 to ROWS rows, a contiguous weight of K whole BLOCK_K steps,
+    at most MAX_N outputs (a decode step's projections; not a lm_head, which cuBLAS reads at the copy
+    rate already)."""
     n, k = w.shape
-    return (1 < x.shape[0] <= ROWS and w.is_contiguous() and k % BLOCK_K == 0 and x.dtype == w.dtype
-            and triton.cdiv(n, BLOCK_N) <= quant.TICKETS // 8)  # fmt: skip
+    return 1 < x.shape[0] <= ROWS and w.is_contiguous() and k % BLOCK_K == 0 and x.dtype == w.dtype and n <= MAX_N
 
 
 def small_linear(x: torch.Tensor, w: torch.Tensor, split: int | None = None) -> torch.Tensor:
