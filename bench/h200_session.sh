@@ -10,6 +10,7 @@
 #       router-tiles  the fused router's launch settings (bench/moe_decode_tiles.py --router; FT_ROUTER_TILES),
 #                  then the small-batch projections against cuBLAS (--dense; FT_SMALL_GEMM)
 #       gpu-e64    decode per batch size at the 64-expert shape issue 11's targets name (bench/gpu.py --preset ...-e64)
+#       gpu-e64-s27  the same with session 27's router settings and cuBLAS for every projection: a same-lease baseline
 #       rows       batched decode with the decode kernels up to 32 assignments and up to 128 (the default)
 #       gpu        decode per batch size and prefill against the machine's ceilings, kernels per decode token (bench/gpu.py)
 #       fold       decode (bf16 per batch size; Q4_K_M) with the shared expert run apart (FT_FOLD_SHARED=0) and folded
@@ -145,6 +146,8 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
       step dense-small python3 bench/moe_decode_tiles.py --preset $P-e64 --dense --batches 2,4,8,16 \
         --json $O/dense-small.json ;;
     gpu-e64) step gpu-e64 python3 bench/gpu.py --preset $P-e64 --only decode,batched --json $O/gpu-e64.json ;;
+    gpu-e64-s27) step gpu-e64-s27 env FT_ROUTER_TILES=block_h=1024,warps=4 FT_SMALL_GEMM=0 python3 bench/gpu.py \
+      --preset $P-e64 --only decode,batched --json $O/gpu-e64-s27.json ;;
     rows)
       step rows-32 env FT_DECODE_ROWS=32 python3 bench/gpu.py --only batched --json $O/rows-32.json
       step rows-128 python3 bench/gpu.py --only batched --json $O/rows-128.json

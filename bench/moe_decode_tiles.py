@@ -20,8 +20,8 @@ named by `--score` (default 1, 4 and 8), for the decode benches to run it.
 
 `--router` times the fused router kernel per `RouterTiles` setting instead (session 12: 7 us a layer at
 batch 1, ~8% of a Q4_K_M decode token; `FT_ROUTER_TILES` runs a setting in the engine); `--dense` the
-decode step's plain projections at 2-16 rows, `engine.ops.gpu.dense` against cuBLAS (`FT_SMALL_GEMM=1`
-runs it in the engine).
+decode step's plain projections at 2-16 rows, `engine.ops.gpu.dense` against cuBLAS (the engine runs
+the former; `FT_SMALL_GEMM=0` the latter).
 """
 
 from __future__ import annotations
@@ -56,10 +56,9 @@ VARIANTS = {  # name: DecodeTiles fields changed from the default (the grouped k
 }
 ROUTER_VARIANTS = {  # `--router`: RouterTiles fields changed from the default
     "default": {},
-    "warps-1": {"warps": 1},
+    "before-s28": {"warps": 4, "block_h": 1024},
     "warps-2": {"warps": 2},
-    "block_h-2048": {"block_h": 2048},
-    "warps-1-block_h-2048": {"warps": 1, "block_h": 2048},
+    "block_h-1024": {"block_h": 1024},
     "block_e-1": {"block_e": 1},
     "block_e-4": {"block_e": 4},
 }

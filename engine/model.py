@@ -17,15 +17,15 @@ from engine.config import ModelConfig
 from engine.ops import Kernels, moe_experts_quantized
 from engine.ops.rope import rope_cos_sin
 
-SMALL_GEMM = os.environ.get("FT_SMALL_GEMM", "0") == "1"  # engine/ops/gpu/dense.py: off until measured
+SMALL_GEMM = os.environ.get("FT_SMALL_GEMM", "1") == "1"  # engine/ops/gpu/dense.py (0: cuBLAS for every plain weight)
 
 if TYPE_CHECKING:
     from engine.expert_cache import ExpertCache
 
 
 def matmul(x: torch.Tensor, w) -> torch.Tensor:
-    """x [T, K] @ w.T → [T, N] for a weight of any kind: a tensor (`F.linear`; a few rows on a GPU
-    with FT_SMALL_GEMM=1, `engine.ops.gpu.dense`), a `QuantWeight` (its Triton kernels,
+    """x [T, K] @ w.T → [T, N] for a weight of any kind: a tensor (`F.linear`; 2-16 rows on a GPU
+    `engine.ops.gpu.dense`, unless FT_SMALL_GEMM=0), a `QuantWeight` (its Triton kernels,
     engine/ops/gpu/quant.py) or a `Concat` of parts that could not be one."""
     if not isinstance(w, torch.Tensor):
         return w.linear(x)

@@ -526,11 +526,13 @@ class RouterTiles(_Settings):
     per SM of an H200, where 16 rows a program left 17 programs reading it at a small fraction of
     the bandwidth: a GGUF's 22 us a layer, 7 us with two; H200, session 12), hidden columns a step
     (at most: a power of two dividing H) and warps (the last program's softmax and top-k reduce
-    across them)."""
+    across them). One warp over a 2,048-column step is the fastest of bench/moe_decode_tiles.py
+    --router's settings (H200, session 28: 4.6-5.0 us a layer at the e64 shape in bf16 against
+    6.0-6.4 with 4 warps over 1,024; 6.5-6.8 against 7.4-8.0 at 256 experts in f32)."""
 
     block_e: int = 2
-    block_h: int = 1024
-    warps: int = 4
+    block_h: int = 2048
+    warps: int = 1
 
 
 ROUTER_TILES = RouterTiles.parse(os.environ.get("FT_ROUTER_TILES", ""))  # bench/moe_decode_tiles.py --router
