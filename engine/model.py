@@ -276,6 +276,12 @@ class GatedDeltaNet(nn.Module):
         """x [T, H] of all sequences -> out [T, H] and, per span, its captures [(conv, rec)]."""
         c, length = self.c, x.shape[0]
         mixed, z, b, a = self.project(x)
+        if isinstance(batch, SlotBatch):  # a decode step: one op from the projection to the output's
+            out = kernels.deltanet_decode(
+                mixed, z, a, b, self.neg_a, self.dt_bias, self.conv1d.weight[:, 0], self.norm.weight, c.rms_norm_eps,
+                batch.buffers.conv[layer], batch.buffers.rec[layer], batch.index,
+            )  # fmt: skip
+            return matmul(out.reshape(length, -1), self.out_proj.weight), []
         g, beta = kernels.deltanet_gates(a, b, self.neg_a, self.dt_bias)  # [T, Hv] fp32, b's dtype
         out, captures = self._mix(batch, layer, mixed, g, beta, kernels)
         out = kernels.gated_rms_norm(out, z.view(length, -1, c.linear_value_head_dim), self.norm.weight, c.rms_norm_eps)
@@ -289,7 +295,7 @@ class GatedDeltaNet(nn.Module):
             decoded, _ = self._mix(batch.decode, layer, mixed[:n], g[:n], beta[:n], kernels)
             out, captures = self._mix(batch.prefill, layer, mixed[n:], g[n:], beta[n:], kernels)
             return torch.cat([decoded, out]), captures
-        if isinstance(batch, SlotBatch):
+        if isinstance(batch, SlotBatch):  # a mixed step's decode rows
             return self._decode(batch, layer, mixed, g, beta, kernels), []
         if isinstance(batch, SlotPrefill):
             return self._slot_scan(batch, layer, mixed, g, beta, kernels), []

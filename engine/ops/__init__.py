@@ -24,6 +24,7 @@ class Kernels:
     chunk_gated_delta_rule_spans: Callable = deltanet.chunk_gated_delta_rule_spans  # the same
     decode_conv_slots: Callable = conv.decode_conv_slots  # one token of each of B slotted states, in place
     decode_gated_delta_rule_slots: Callable = deltanet.decode_gated_delta_rule_slots  # the same
+    deltanet_decode: Callable = deltanet.decode_step  # a decode step's conv, gates, recurrent step and gated norm
     moe_experts: Callable = moe.experts_loop
     route: Callable = moe.route  # router logits -> (weights, expert ids) of the top k
     router: Callable = moe.router  # x through the router and the shared expert's gate, then `route`

@@ -140,3 +140,25 @@ def decode_gated_delta_rule_slots(
     out, state = decode(q, k, v, g, beta, slots[index])
     slots.index_copy_(0, index, state)
     return out
+
+
+def decode_step(
+    mixed: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor, dt_bias: torch.Tensor,
+    conv_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float, conv_slots: torch.Tensor, rec_slots: torch.Tensor,
+    index: torch.Tensor, *, ops=None,
+) -> torch.Tensor:  # fmt: skip
+    """A Gated DeltaNet's decode step after its input projection, on slotted states (updated in
+    place): the conv of mixed [B, C] (q ‖ k ‖ v) on conv_slots [S, C, K-1], the gates of a, b [B, Hv],
+    the recurrent step on rec_slots [S, Hv, Dk, Dv], the output's RMSNorm gated by SiLU(z [B, Hv*Dv]).
+    Returns [B, Hv, Dv]. `ops`: a `Kernels` whose four ops it runs (default: the references)."""
+    from engine.ops import REFERENCE  # noqa: PLC0415 (engine.ops imports this module)
+
+    ops = ops or REFERENCE
+    rows, (hv, dk, dv) = mixed.shape[0], rec_slots.shape[1:]
+    key = (mixed.shape[1] - hv * dv) // 2
+    g, beta = ops.deltanet_gates(a, b, neg_a, dt_bias)
+    q, k, v = ops.decode_conv_slots(mixed, conv_slots, index, conv_weight).split([key, key, hv * dv], dim=-1)
+    out = ops.decode_gated_delta_rule_slots(
+        q.view(rows, -1, dk), k.view(rows, -1, dk), v.view(rows, hv, dv), g, beta, rec_slots, index
+    )
+    return ops.gated_rms_norm(out, z.view(rows, hv, dv), norm_weight, eps)

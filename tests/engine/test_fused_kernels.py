@@ -5,6 +5,7 @@ rounding, in bf16 to a rounding step; routing picks the same experts."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -517,3 +518,56 @@ def test_slotted_decode_steps_update_their_rows_slots_in_place(dtype):
     checked(q, k, v, g, beta, rec_slots, index)
     assert checked.verdict is True
     torch.testing.assert_close(rec_slots, once, rtol=1e-5, atol=1e-5)
+
+
+@in_this_process
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_deltanet_decode_step_equals_its_four_kernels(dtype):
+    """A decode step from the projection to the gated norm in one launch (`recurrent.decode_step`,
+    FT_FUSED_DELTANET=1) against `deltanet.decode_step` over the four Triton kernels it replaces
+    (bf16: the same roundings; fp32: the torch references too): the output, every row's conv and
+    recurrent slots after it (the key heads' q and k conv states stored once, by the last of their
+    programs), the other slots untouched, the tickets left at zero; twice in a row, and through
+    `Checked` (its trials on copies of the slots)."""
+    from engine.ops import REFERENCE
+    from engine.ops import deltanet as reference_deltanet
+    from engine.ops.gpu import recurrent
+
+    four = dataclasses.replace(
+        REFERENCE, decode_conv_slots=conv._triton_conv_slots, decode_gated_delta_rule_slots=recurrent._triton_recurrent_slots,
+        deltanet_gates=gates._deltanet_gates_triton, gated_rms_norm=norm._gated_triton,
+    )  # fmt: skip
+    unfused = functools.partial(reference_deltanet.decode_step, ops=four)
+
+    rows, slots, width, hk, hv, dk, dv = 3, 5, 3, 2, 4, 32, 64  # 2 value heads a key head, 2 blocks a head
+    index = torch.tensor([3, 0, 4], device=DEVICE)
+    channels = 2 * hk * dk + hv * dv
+    projection = _randn(rows, channels + hv * dv + 2 * hv + 8, dtype=dtype, seed=11)  # mixed ‖ z ‖ b ‖ a, padded
+    mixed, z, b, a = projection[:, : channels + hv * dv + 2 * hv].split([channels, hv * dv, hv, hv], dim=-1)
+    neg_a = -_randn(hv, dtype=torch.float32, seed=12).exp()
+    dt_bias = _randn(hv, dtype=dtype, seed=13)
+    conv_weight = _randn(channels, 1, width + 1, dtype=dtype, seed=14)[:, 0]
+    norm_weight = _randn(dv, dtype=dtype, seed=15, scale=0.1) + 1
+    conv_slots = _randn(slots, channels, width, dtype=dtype, seed=16)
+    rec_slots = _randn(slots, hv, dk, dv, dtype=torch.float32, seed=17)
+    args = (mixed, z, a, b, neg_a, dt_bias, conv_weight, norm_weight, 1e-6)
+    want_conv, want_rec = conv_slots.clone(), rec_slots.clone()
+    if dtype == torch.float32:
+        torch_conv, torch_rec = conv_slots.clone(), rec_slots.clone()
+    for _ in range(2):
+        want = unfused(*args, want_conv, want_rec, index)
+        got = recurrent._triton_decode_step(*args, conv_slots, rec_slots, index, unfused=None)
+        _close(got, want)
+        _close(conv_slots, want_conv)
+        torch.testing.assert_close(rec_slots, want_rec, rtol=1e-5, atol=1e-5)
+        assert not quant.tickets(mixed.device).any()
+        if dtype == torch.float32:
+            _close_sums(got, reference_deltanet.decode_step(*args, torch_conv, torch_rec, index))
+            torch.testing.assert_close(rec_slots, torch_rec, rtol=1e-5, atol=1e-5)
+    assert torch.equal(rec_slots[[1, 2]], want_rec[[1, 2]]) and torch.equal(conv_slots[[1, 2]], want_conv[[1, 2]])
+    fused = recurrent.decode_step(unfused, fused=True)
+    want = unfused(*args, want_conv, want_rec, index)
+    _close(fused(*args, conv_slots, rec_slots, index), want)
+    assert fused.verdict is True
+    _close(conv_slots, want_conv)
+    torch.testing.assert_close(rec_slots, want_rec, rtol=1e-5, atol=1e-5)

@@ -5,9 +5,11 @@ graph decode (`GpuKernels.runtime`)."""
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -56,3 +58,8 @@ KERNELS = GpuKernels(
     sigmoid_mul=gates.sigmoid_mul,
     add_sigmoid_mul=gates.add_sigmoid_mul,
 )
+# a decode step's conv, gates, recurrent step and gated norm: the four kernels, or one launch with
+# FT_FUSED_DELTANET=1 (engine/ops/gpu/recurrent.py; off until timed on a GPU: bench/gpu.py either way)
+KERNELS = replace(KERNELS, deltanet_decode=recurrent.decode_step(
+    functools.partial(reference_deltanet.decode_step, ops=KERNELS), os.environ.get("FT_FUSED_DELTANET", "0") == "1",
+))  # fmt: skip

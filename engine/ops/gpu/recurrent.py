@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from engine.ops import deltanet as reference
+from engine.ops.gpu import quant
 from engine.ops.gpu.checked import Checked
 
 BLOCK_V = 32  # value columns per program: a [Dk, 32] fp32 block of the state in registers
@@ -75,4 +76,118 @@ def checked(decode: Callable) -> Checked:
         "decode_gated_delta_rule_slots", _triton_recurrent_slots,
         functools.partial(reference.decode_gated_delta_rule_slots, decode=decode), canon=_slots_after,
         fresh=lambda args: (*args[:5], args[5].clone(), args[6]),
+    )  # fmt: skip
+
+
+@triton.jit
+def _conv_channels(X, S, W, c, K: tl.constexpr, KP: tl.constexpr):
+    """`conv._conv_slots_kernel` for channels c of one row (X its mixed row, S its slot's conv state
+    [C, K-1]): SiLU of the conv, rounded to x's dtype (in fp32), and the state shifted with x appended
+    (not stored)."""
+    j = tl.arange(0, KP)
+    held = (j < K - 1)[None, :]
+    s = tl.load(S + c[:, None] * (K - 1) + j[None, :], mask=held, other=0.0)  # [len(c), KP]
+    x = tl.load(X + c)
+    w = tl.load(W + c[:, None] * K + j[None, :], mask=held, other=0.0).to(tl.float32)
+    acc = tl.sum(s.to(tl.float32) * w, 1) + x.to(tl.float32) * tl.load(W + c * K + K - 1).to(tl.float32)
+    y = (acc * tl.sigmoid(acc)).to(X.dtype.element_ty).to(tl.float32)
+    after = (j[None, :, None] + 1) == j[None, None, :]  # column j takes column j + 1, the last x
+    shifted = tl.sum(tl.where(after, s[:, None, :], 0.0), 2)
+    return y, tl.where((j == K - 2)[None, :], x[:, None], shifted.to(s.dtype))
+
+
+@triton.jit
+def _decode_step_kernel(
+    MIXED, Z, A, B, NEG_A, DT, CW, CS, RS, IDX, NW, OUT, COUNT, stride_m, stride_z, stride_a, stride_b,
+    C, KEY, HK, HV, GROUP, scale, eps, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, K: tl.constexpr,
+    KP: tl.constexpr,
+):  # fmt: skip
+    """Program (row b, value head h, value block): `reference.decode_step` for the block, each value
+    rounded where the four kernels it replaces round it: the conv of the head's q and k channels (each
+    of the key head's programs computes them; the last to finish stores their conv state) and of its
+    value columns (their conv state stored here), the gates, the recurrent step of slot IDX[b]'s
+    state block, its output columns into OUT; the last of the head's programs to finish reads the
+    head's output back and stores it RMS-normed and gated by SiLU(z)."""
+    b, h, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows, blocks = tl.num_programs(0), tl.num_programs(2)
+    hk = h // GROUP
+    slot = tl.load(IDX + b).to(tl.int64)
+    x, conv = MIXED + b * stride_m, CS + slot * C * (K - 1)
+    dk = tl.arange(0, DK)
+    dv = block * BV + tl.arange(0, BV)
+    cq, ck, cv = hk * DK + dk, KEY + hk * DK + dk, 2 * KEY + h * DV + dv
+    q, q_state = _conv_channels(x, conv, CW, cq, K, KP)
+    k, k_state = _conv_channels(x, conv, CW, ck, K, KP)
+    v, v_state = _conv_channels(x, conv, CW, cv, K, KP)
+    a = tl.load(A + b * stride_a + h).to(tl.float32) + tl.load(DT + h).to(tl.float32)
+    g = tl.load(NEG_A + h) * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))  # softplus at torch's threshold
+    beta = tl.sigmoid(tl.load(B + b * stride_b + h).to(tl.float32)).to(B.dtype.element_ty).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
+    k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+    state = RS + ((slot * HV + h) * DK + dk[:, None]) * DV + dv[None, :]
+    s = tl.load(state) * tl.exp(g)  # [DK, BV]
+    delta = (v - tl.sum(s * k[:, None], 0)) * beta
+    s = s + k[:, None] * delta[None, :]
+    tl.store(state, s)
+    j = tl.arange(0, KP)
+    held = (j < K - 1)[None, :]
+    tl.store(conv + cv[:, None] * (K - 1) + j[None, :], v_state, mask=held)
+    out = OUT + (b * HV + h) * DV
+    tl.store(out + dv, tl.sum(s * q[:, None], 0).to(OUT.dtype.element_ty))
+    key_ticket = COUNT + b * HK + hk  # every program of the key head has read its q and k states
+    if quant.last_to_finish(key_ticket, GROUP * blocks):
+        tl.store(conv + cq[:, None] * (K - 1) + j[None, :], q_state, mask=held)
+        tl.store(conv + ck[:, None] * (K - 1) + j[None, :], k_state, mask=held)
+        tl.atomic_xchg(key_ticket, 0)
+    head_ticket = COUNT + rows * HK + b * HV + h  # every block of the head's output is stored
+    if quant.last_to_finish(head_ticket, blocks):
+        cols = tl.arange(0, DV)
+        o = tl.load(out + cols, cache_modifier=".cg").to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(o * o, 0) / DV + eps)
+        dtype = OUT.dtype.element_ty  # `norm._gated_rms_norm`'s roundings
+        normed = (tl.load(NW + cols).to(tl.float32) * (o * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        z = tl.load(Z + b * stride_z + h * DV + cols).to(tl.float32)
+        tl.store(out + cols, (normed * z * tl.sigmoid(z)).to(dtype))
+        tl.atomic_xchg(head_ticket, 0)
+
+
+def _triton_decode_step(mixed, z, a, b, neg_a, dt_bias, conv_weight, norm_weight, eps, conv_slots, rec_slots, index,
+                        unfused):  # fmt: skip
+    rows, channels = mixed.shape
+    hv, dk, dv = rec_slots.shape[1:]
+    key = (channels - hv * dv) // 2
+    width = conv_slots.shape[2]
+    if (
+        rec_slots.dtype != torch.float32 or not rec_slots.is_contiguous() or not conv_slots.is_contiguous()
+        or dv % BLOCK_V or dk & (dk - 1) or dv & (dv - 1) or key < dk or key % dk or hv % (key // dk)
+        or any(t.stride(-1) != 1 for t in (mixed, z, a, b)) or conv_weight.stride() != (width + 1, 1)
+        or rows * (key // dk + hv) > quant.TICKETS
+    ):  # fmt: skip
+        return unfused(mixed, z, a, b, neg_a, dt_bias, conv_weight, norm_weight, eps, conv_slots, rec_slots, index)
+    out = torch.empty(rows, hv, dv, dtype=mixed.dtype, device=mixed.device)
+    if rows:
+        _decode_step_kernel[(rows, hv, dv // BLOCK_V)](
+            mixed, z, a, b, neg_a, dt_bias, conv_weight, conv_slots, rec_slots, index, norm_weight, out,
+            quant.tickets(mixed.device), mixed.stride(0), z.stride(0), a.stride(0), b.stride(0), channels, key,
+            key // dk, hv, hv // (key // dk), dk**-0.5, eps, DK=dk, DV=dv, BV=BLOCK_V, K=width + 1,
+            KP=triton.next_power_of_2(width + 1),
+        )  # fmt: skip
+    return out
+
+
+def _step_after(out, args):
+    """The step's output and the conv and recurrent states of its rows' slots after it."""
+    index = args[11]
+    return out, args[9][index], args[10][index]
+
+
+def decode_step(unfused: Callable, fused: bool) -> Callable:
+    """`Kernels.deltanet_decode` on the GPU: `unfused` (`reference.decode_step` over the GPU's four
+    kernels), or with `fused` one launch (`_decode_step_kernel`) checked on first use against it,
+    each trial on its own copies of the slots."""
+    if not fused:
+        return unfused
+    return Checked(
+        "deltanet_decode", functools.partial(_triton_decode_step, unfused=unfused), unfused, canon=_step_after,
+        fresh=lambda args: (*args[:9], args[9].clone(), args[10].clone(), args[11]),
     )  # fmt: skip
