@@ -191,6 +191,16 @@ def test_slotted_decode_kernels_compile():
     assert ".entry _recurrent_slots_kernel" in compile_for_h200(
         recurrent._recurrent_slots_kernel, rec_sig, {"DK": 128, "DV": 128, "BV": recurrent.BLOCK_V}
     )
+    step_sig = {"MIXED": "*bf16", "Z": "*bf16", "A": "*bf16", "B": "*bf16", "NEG_A": "*fp32", "DT": "*bf16",
+                "CW": "*bf16", "CS": "*bf16", "RS": "*fp32", "IDX": "*i64", "NW": "*bf16", "OUT": "*bf16",
+                "COUNT": "*i32", "stride_m": "i32", "stride_z": "i32", "stride_a": "i32", "stride_b": "i32", "C": "i32",
+                "KEY": "i32", "HK": "i32", "HV": "i32", "GROUP": "i32", "scale": "fp32", "eps": "fp32",
+                "DK": "constexpr", "DV": "constexpr", "BV": "constexpr", "K": "constexpr", "KP": "constexpr"}  # fmt: skip
+    ptx = compile_for_h200(
+        recurrent._decode_step_kernel, step_sig, {"DK": 128, "DV": 128, "BV": recurrent.BLOCK_V, "K": 4, "KP": 4}
+    )  # the fused step (FT_FUSED_DELTANET=1): its two tickets acquire-release
+    assert ".entry _decode_step_kernel" in ptx
+    assert ptx.count("atom.global.gpu.acq_rel.add") + ptx.count("atom.acq_rel.gpu.global.add") == 2
 
 
 @pytest.mark.parametrize(("gather", "partial"), [(True, False), (False, True)])
