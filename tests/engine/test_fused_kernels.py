@@ -448,6 +448,7 @@ def test_the_model_with_the_fused_kernels_gives_the_reference_logits(preset_dirs
 
     from engine import Engine  # noqa: PLC0415
     from engine.ops import REFERENCE  # noqa: PLC0415
+    from engine.ops.gpu import recurrent  # noqa: PLC0415
 
     fast = {  # the GPU bundle's fast versions, unchecked (a `Checked` would fall back on a mismatch)
         "route": moe.route.fast,
@@ -460,6 +461,7 @@ def test_the_model_with_the_fused_kernels_gives_the_reference_logits(preset_dirs
             name: getattr(gates, name).fast
             for name in ("deltanet_gates", "silu_mul", "sigmoid_mul", "add_sigmoid_mul")
         },
+        "deltanet_decode": functools.partial(recurrent._triton_decode_step, unfused=None),  # FT_FUSED_DELTANET=1
     }
     fused = dataclasses.replace(REFERENCE, name="fused", **fast)
     plain, engine = Engine.load(preset_dirs[preset]), Engine.load(preset_dirs[preset])

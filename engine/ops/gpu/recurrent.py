@@ -159,17 +159,18 @@ def _triton_decode_step(mixed, z, a, b, neg_a, dt_bias, conv_weight, norm_weight
     width = conv_slots.shape[2]
     if (
         rec_slots.dtype != torch.float32 or not rec_slots.is_contiguous() or not conv_slots.is_contiguous()
-        or dv % BLOCK_V or dk & (dk - 1) or dv & (dv - 1) or key < dk or key % dk or hv % (key // dk)
+        or dk & (dk - 1) or dv & (dv - 1) or key < dk or key % dk or hv % (key // dk)
         or any(t.stride(-1) != 1 for t in (mixed, z, a, b)) or conv_weight.stride() != (width + 1, 1)
         or rows * (key // dk + hv) > quant.TICKETS
     ):  # fmt: skip
         return unfused(mixed, z, a, b, neg_a, dt_bias, conv_weight, norm_weight, eps, conv_slots, rec_slots, index)
     out = torch.empty(rows, hv, dv, dtype=mixed.dtype, device=mixed.device)
+    block = min(BLOCK_V, dv)  # a head of the tiny presets' 16 columns: one block
     if rows:
-        _decode_step_kernel[(rows, hv, dv // BLOCK_V)](
+        _decode_step_kernel[(rows, hv, dv // block)](
             mixed, z, a, b, neg_a, dt_bias, conv_weight, conv_slots, rec_slots, index, norm_weight, out,
             quant.tickets(mixed.device), mixed.stride(0), z.stride(0), a.stride(0), b.stride(0), channels, key,
-            key // dk, hv, hv // (key // dk), dk**-0.5, eps, DK=dk, DV=dv, BV=BLOCK_V, K=width + 1,
+            key // dk, hv, hv // (key // dk), dk**-0.5, eps, DK=dk, DV=dv, BV=block, K=width + 1,
             KP=triton.next_power_of_2(width + 1),
         )  # fmt: skip
     return out
