@@ -62,7 +62,7 @@ ROUTER_VARIANTS = {  # `--router`: RouterTiles fields changed from the default
     "block_e-1": {"block_e": 1},
     "block_e-4": {"block_e": 4},
 }
-ROUTER_LAYERS = 40  # a decode token's routers, each its own weight (at 256 experts in f32: 84 MB, past the L2)
+TOKEN_LAYERS = 40  # `--router`, `--dense`: a decode token's calls, each its own weight (past the L2: 84 MB of f32 routers)
 
 
 def timed_graph(fn, replays: int = 3) -> float:
@@ -107,11 +107,11 @@ def routing(batch: int, experts: int, top_k: int, gen: torch.Generator) -> torch
 
 def bench_router(args, c: ModelConfig, dev: torch.device) -> list[dict]:
     """`_router_kernel` (the router's GEMV, then softmax and top-k in the last program) per RouterTiles
-    setting: a CUDA graph of ROUTER_LAYERS calls over their own weights, per batch; the routing checked
+    setting: a CUDA graph of TOKEN_LAYERS calls over their own weights, per batch; the routing checked
     against the default's."""
     dtype = getattr(torch, args.router_dtype)
     gen = torch.Generator().manual_seed(1)
-    weights = [(torch.randn(c.num_experts + 1, c.hidden_size, generator=gen) / 45).to(dev, dtype) for _ in range(ROUTER_LAYERS)]
+    weights = [(torch.randn(c.num_experts + 1, c.hidden_size, generator=gen) / 45).to(dev, dtype) for _ in range(TOKEN_LAYERS)]
     rows = []
     for batch in [int(b) for b in args.batches.split(",") if int(b) <= moe.ROUTER_ROWS]:
         x = torch.randn(batch, c.hidden_size, generator=gen).to(dev, torch.bfloat16)
@@ -141,7 +141,7 @@ def dense_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def bench_dense(args, c: ModelConfig, dev: torch.device) -> list[dict]:
     """`engine.ops.gpu.dense.small_linear` against `F.linear` (cuBLAS) per projection and batch: a CUDA
-    graph of ROUTER_LAYERS calls over their own bf16 weights, and the weight's bytes over the time."""
+    graph of TOKEN_LAYERS calls over their own bf16 weights, and the weight's bytes over the time."""
     import torch.nn.functional as F  # noqa: PLC0415
 
     from engine.ops.gpu import dense  # noqa: PLC0415
@@ -149,7 +149,7 @@ def bench_dense(args, c: ModelConfig, dev: torch.device) -> list[dict]:
     gen = torch.Generator().manual_seed(2)
     rows = []
     for name, (n, k) in dense_shapes(c).items():
-        weights = [(torch.randn(n, k, generator=gen) / 45).to(dev, torch.bfloat16) for _ in range(ROUTER_LAYERS)]
+        weights = [(torch.randn(n, k, generator=gen) / 45).to(dev, torch.bfloat16) for _ in range(TOKEN_LAYERS)]
         for batch in [int(b) for b in args.batches.split(",") if 1 < int(b) <= dense.ROWS]:
             x = torch.randn(batch, k, generator=gen).to(dev, torch.bfloat16)
             times = {}

@@ -156,25 +156,41 @@ def causal_conv_spans(x, states, weight, bounds, capture_ats, splits):
 
 
 @triton.jit
+def conv_step(X, S, W, c, cols, K: tl.constexpr, KP: tl.constexpr):
+    """Channels c (where `cols`) of one row, X its input row and S its state [C, K-1]: SiLU of the conv
+    over the state and x, rounded to x's dtype (held in fp32), and the new state (shifted by one, x
+    appended; not stored). Shared by `_conv_slots_kernel` and the fused DeltaNet decode step."""
+    j = tl.arange(0, KP)
+    held = cols[:, None] & (j < K - 1)[None, :]
+    s = tl.load(S + c[:, None] * (K - 1) + j[None, :], mask=held, other=0.0)  # [len(c), KP]
+    x = tl.load(X + c, mask=cols, other=0.0)
+    w = tl.load(W + c[:, None] * K + j[None, :], mask=held, other=0.0).to(tl.float32)
+    acc = tl.sum(s.to(tl.float32) * w, 1) + x.to(tl.float32) * tl.load(W + c * K + K - 1, mask=cols, other=0.0).to(tl.float32)
+    y = (acc * tl.sigmoid(acc)).to(X.dtype.element_ty).to(tl.float32)
+    # column j takes column j + 1 (the last takes x): a one-hot sum over the loaded state, no re-read
+    after = (j[None, :, None] + 1) == j[None, None, :]  # [1, KP, KP]: picks column j + 1 for column j
+    shifted = tl.sum(tl.where(after, s[:, None, :], 0.0), 2)
+    return y, tl.where((j == K - 2)[None, :], x[:, None], shifted.to(s.dtype))
+
+
+@triton.jit
+def store_state(S, c, cols, new, K: tl.constexpr, KP: tl.constexpr):
+    """`conv_step`'s new state of channels c (where `cols`) into S [C, K-1]."""
+    j = tl.arange(0, KP)
+    tl.store(S + c[:, None] * (K - 1) + j[None, :], new, mask=cols[:, None] & (j < K - 1)[None, :])
+
+
+@triton.jit
 def _conv_slots_kernel(X, S, IDX, W, Y, C, stride_x, K: tl.constexpr, KP: tl.constexpr, BLOCK_C: tl.constexpr):
     """Row b, channels of one block: the conv over the state of slot IDX[b] ([C, K-1]) and x[b],
     SiLU'd into Y[b]; the state shifted by one and x appended, in place (loaded whole first)."""
     b = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    j = tl.arange(0, KP)
     cols = c < C
-    held = cols[:, None] & (j < K - 1)[None, :]
-    state = S + tl.load(IDX + b).to(tl.int64) * C * (K - 1) + c[:, None] * (K - 1) + j[None, :]
-    s = tl.load(state, mask=held, other=0.0)  # [BLOCK_C, KP]
-    x = tl.load(X + b * stride_x + c, mask=cols, other=0.0)
-    w = tl.load(W + c[:, None] * K + j[None, :], mask=held, other=0.0).to(tl.float32)
-    acc = tl.sum(s.to(tl.float32) * w, 1) + x.to(tl.float32) * tl.load(W + c * K + K - 1, mask=cols, other=0.0).to(tl.float32)
-    tl.store(Y + b * C + c, (acc * tl.sigmoid(acc)).to(Y.dtype.element_ty), mask=cols)
-    # column j takes column j + 1 (the last takes x): a one-hot sum over the loaded state, no re-read
-    after = (j[None, :, None] + 1) == j[None, None, :]  # [1, KP, KP]: picks column j + 1 for column j
-    shifted = tl.sum(tl.where(after, s[:, None, :], 0.0), 2)
-    new = tl.where((j == K - 2)[None, :], x[:, None], shifted.to(s.dtype))
-    tl.store(state, new, mask=held)
+    state = S + tl.load(IDX + b).to(tl.int64) * C * (K - 1)
+    y, new = conv_step(X + b * stride_x, state, W, c, cols, K, KP)
+    tl.store(Y + b * C + c, y.to(Y.dtype.element_ty), mask=cols)
+    store_state(state, c, cols, new, K, KP)
 
 
 def _triton_conv_slots(x, slots, index, weight):

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from engine.ops import deltanet as reference
-from engine.ops.gpu import quant
+from engine.ops.gpu import conv, quant
 from engine.ops.gpu.checked import Checked
 
 BLOCK_V = 32  # value columns per program: a [Dk, 32] fp32 block of the state in registers
@@ -80,23 +80,6 @@ def checked(decode: Callable) -> Checked:
 
 
 @triton.jit
-def _conv_channels(X, S, W, c, K: tl.constexpr, KP: tl.constexpr):
-    """`conv._conv_slots_kernel` for channels c of one row (X its mixed row, S its slot's conv state
-    [C, K-1]): SiLU of the conv, rounded to x's dtype (in fp32), and the state shifted with x appended
-    (not stored)."""
-    j = tl.arange(0, KP)
-    held = (j < K - 1)[None, :]
-    s = tl.load(S + c[:, None] * (K - 1) + j[None, :], mask=held, other=0.0)  # [len(c), KP]
-    x = tl.load(X + c)
-    w = tl.load(W + c[:, None] * K + j[None, :], mask=held, other=0.0).to(tl.float32)
-    acc = tl.sum(s.to(tl.float32) * w, 1) + x.to(tl.float32) * tl.load(W + c * K + K - 1).to(tl.float32)
-    y = (acc * tl.sigmoid(acc)).to(X.dtype.element_ty).to(tl.float32)
-    after = (j[None, :, None] + 1) == j[None, None, :]  # column j takes column j + 1, the last x
-    shifted = tl.sum(tl.where(after, s[:, None, :], 0.0), 2)
-    return y, tl.where((j == K - 2)[None, :], x[:, None], shifted.to(s.dtype))
-
-
-@triton.jit
 def _decode_step_kernel(
     MIXED, Z, A, B, NEG_A, DT, CW, CS, RS, IDX, NW, OUT, COUNT, stride_m, stride_z, stride_a, stride_b,
     C, KEY, HK, HV, GROUP, scale, eps, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, K: tl.constexpr,
@@ -112,13 +95,14 @@ def _decode_step_kernel(
     rows, blocks = tl.num_programs(0), tl.num_programs(2)
     hk = h // GROUP
     slot = tl.load(IDX + b).to(tl.int64)
-    x, conv = MIXED + b * stride_m, CS + slot * C * (K - 1)
+    x, state_c = MIXED + b * stride_m, CS + slot * C * (K - 1)
     dk = tl.arange(0, DK)
     dv = block * BV + tl.arange(0, BV)
     cq, ck, cv = hk * DK + dk, KEY + hk * DK + dk, 2 * KEY + h * DV + dv
-    q, q_state = _conv_channels(x, conv, CW, cq, K, KP)
-    k, k_state = _conv_channels(x, conv, CW, ck, K, KP)
-    v, v_state = _conv_channels(x, conv, CW, cv, K, KP)
+    every_k, every_v = dk < DK, dv < DV  # all true: a key head's channels, the block's value columns
+    q, q_state = conv.conv_step(x, state_c, CW, cq, every_k, K, KP)
+    k, k_state = conv.conv_step(x, state_c, CW, ck, every_k, K, KP)
+    v, v_state = conv.conv_step(x, state_c, CW, cv, every_v, K, KP)
     a = tl.load(A + b * stride_a + h).to(tl.float32) + tl.load(DT + h).to(tl.float32)
     g = tl.load(NEG_A + h) * tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))  # softplus at torch's threshold
     beta = tl.sigmoid(tl.load(B + b * stride_b + h).to(tl.float32)).to(B.dtype.element_ty).to(tl.float32)
@@ -129,15 +113,13 @@ def _decode_step_kernel(
     delta = (v - tl.sum(s * k[:, None], 0)) * beta
     s = s + k[:, None] * delta[None, :]
     tl.store(state, s)
-    j = tl.arange(0, KP)
-    held = (j < K - 1)[None, :]
-    tl.store(conv + cv[:, None] * (K - 1) + j[None, :], v_state, mask=held)
+    conv.store_state(state_c, cv, every_v, v_state, K, KP)
     out = OUT + (b * HV + h) * DV
     tl.store(out + dv, tl.sum(s * q[:, None], 0).to(OUT.dtype.element_ty))
     key_ticket = COUNT + b * HK + hk  # every program of the key head has read its q and k states
     if quant.last_to_finish(key_ticket, GROUP * blocks):
-        tl.store(conv + cq[:, None] * (K - 1) + j[None, :], q_state, mask=held)
-        tl.store(conv + ck[:, None] * (K - 1) + j[None, :], k_state, mask=held)
+        conv.store_state(state_c, cq, every_k, q_state, K, KP)
+        conv.store_state(state_c, ck, every_k, k_state, K, KP)
         tl.atomic_xchg(key_ticket, 0)
     head_ticket = COUNT + rows * HK + b * HV + h  # every block of the head's output is stored
     if quant.last_to_finish(head_ticket, blocks):
