@@ -11,8 +11,8 @@
 #                  then the small-batch projections against cuBLAS (--dense; FT_SMALL_GEMM)
 #       gpu-e64    decode per batch size at the 64-expert shape issue 11's targets name (bench/gpu.py --preset ...-e64)
 #       gpu-e64-s27  the same with session 27's router settings and cuBLAS for every projection: a same-lease baseline
-#       fused-deltanet  e64 decode per batch with a DeltaNet decode step in one launch (FT_FUSED_DELTANET=1) and
-#                  without, then the graph and batched decode tests with it; fused-deltanet-q4 our Q4_K_M both ways
+#       fused-deltanet  e64 decode per batch with a DeltaNet decode step in one launch (FT_FUSED_DELTANET=1, the default
+#                  up to 4 rows) and without (=0), then the graph and batched decode tests with it; fused-deltanet-q4 our Q4_K_M both ways
 #       rows       batched decode with the decode kernels up to 32 assignments and up to 128 (the default)
 #       gpu        decode per batch size and prefill against the machine's ceilings, kernels per decode token (bench/gpu.py)
 #       fold       decode (bf16 per batch size; Q4_K_M) with the shared expert run apart (FT_FOLD_SHARED=0) and folded
@@ -149,7 +149,7 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
         --json $O/dense-small.json ;;
     gpu-e64) step gpu-e64 python3 bench/gpu.py --preset $P-e64 --only decode,batched --json $O/gpu-e64.json ;;
     fused-deltanet)  # a DeltaNet decode step in one launch (FT_FUSED_DELTANET=1) against its four kernels, own processes
-      step fused-deltanet-off python3 bench/gpu.py --preset $P-e64 --only decode,batched --json $O/fused-deltanet-off.json
+      step fused-deltanet-off env FT_FUSED_DELTANET=0 python3 bench/gpu.py --preset $P-e64 --only decode,batched --json $O/fused-deltanet-off.json
       step fused-deltanet-on env FT_FUSED_DELTANET=1 python3 bench/gpu.py --preset $P-e64 --only decode,batched \
         --json $O/fused-deltanet-on.json
       step fused-deltanet-tests env FT_FUSED_DELTANET=1 python3 -m pytest -q -p no:cacheprovider -rfE \
@@ -157,7 +157,7 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
       ;;
     fused-deltanet-q4)  # the same for our Q4_K_M at the 256-expert shape (bench/quant.py)
       wait $gguf 2>/dev/null
-      step fused-deltanet-q4-off python3 bench/quant.py --preset $P --device cuda --parts q4_k_m --json $O/fused-q4-off.json
+      step fused-deltanet-q4-off env FT_FUSED_DELTANET=0 python3 bench/quant.py --preset $P --device cuda --parts q4_k_m --json $O/fused-q4-off.json
       step fused-deltanet-q4-on env FT_FUSED_DELTANET=1 python3 bench/quant.py --preset $P --device cuda --parts q4_k_m \
         --json $O/fused-q4-on.json
       ;;

@@ -43,3 +43,18 @@ def test_out_of_memory_is_raised_and_leaves_the_kernel_unchecked():
     assert checked.verdict is None
     fail[0] = False
     assert torch.equal(checked(torch.ones(2)), torch.full((2,), 2.0)) and checked.verdict is True
+
+
+def test_arguments_the_fast_kernel_does_not_apply_to_run_the_torch_version_unjudged():
+    """`applies` (the fused DeltaNet step: up to `recurrent.FUSED_ROWS` rows): a call outside it
+    runs the torch version and leaves the verdict open, so the fast kernel is still checked on
+    the first call it applies to, not trusted on the strength of a trial it never ran."""
+    calls = []
+
+    def fast(x):
+        calls.append(len(x))
+        return x * 3  # wrong: only a trial on arguments it applies to can find that out
+
+    checked = Checked("double", fast, lambda x: x + x, applies=lambda args: len(args[0]) <= 2)
+    assert torch.equal(checked(torch.ones(5)), torch.full((5,), 2.0)) and checked.verdict is None and calls == []
+    assert torch.equal(checked(torch.ones(2)), torch.full((2,), 2.0)) and checked.verdict is False and calls == [2]

@@ -573,3 +573,4 @@ def test_fused_deltanet_decode_step_equals_its_four_kernels(dtype):
     assert fused.verdict is True
     _close(conv_slots, want_conv)
     torch.testing.assert_close(rec_slots, want_rec, rtol=1e-5, atol=1e-5)
+    assert not fused.applies((mixed.repeat(recurrent.FUSED_ROWS, 1),))  # wider steps: the four kernels

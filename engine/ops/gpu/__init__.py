@@ -58,8 +58,8 @@ KERNELS = GpuKernels(
     sigmoid_mul=gates.sigmoid_mul,
     add_sigmoid_mul=gates.add_sigmoid_mul,
 )
-# a decode step's conv, gates, recurrent step and gated norm: the four kernels, or one launch with
-# FT_FUSED_DELTANET=1 (engine/ops/gpu/recurrent.py; off until timed on a GPU: bench/gpu.py either way)
+# a decode step's conv, gates, recurrent step and gated norm: one launch for steps of up to
+# `recurrent.FUSED_ROWS` rows, else the four kernels (FT_FUSED_DELTANET=0: the four kernels always)
 KERNELS = replace(KERNELS, deltanet_decode=recurrent.decode_step(
-    functools.partial(reference_deltanet.decode_step, ops=KERNELS), os.environ.get("FT_FUSED_DELTANET", "0") == "1",
+    functools.partial(reference_deltanet.decode_step, ops=KERNELS), os.environ.get("FT_FUSED_DELTANET", "1") == "1",
 ))  # fmt: skip

@@ -17,17 +17,22 @@ log = logging.getLogger(__name__)
 
 class Checked:
     def __init__(self, name: str, fast: Callable, slow: Callable, rtol: float = 2e-2, canon: Callable | None = None,
-                 fresh: Callable | None = None):  # fmt: skip
+                 fresh: Callable | None = None, applies: Callable | None = None):  # fmt: skip
         """`canon(out, args)`: what of an output is compared (default: every tensor of it), where
         two right answers may differ (e.g. the order of ties). `fresh(args)`: copies of the
         arguments an op updates in place, for each of the two trial runs (the real call then runs
-        once on the real arguments; `canon` sees the copies the run updated)."""
+        once on the real arguments; `canon` sees the copies the run updated). `applies(args)`:
+        whether the fast version is wanted for these arguments at all (default: always); where
+        not, the slow one runs and nothing is judged."""
         self.name, self.fast, self.slow, self.rtol = name, fast, slow, rtol
         self.canon = canon or (lambda out, args: out)
         self.fresh = fresh or (lambda args: args)
+        self.applies = applies or (lambda args: True)
         self.verdict: bool | None = None  # None: not checked yet
 
     def __call__(self, *args):
+        if not self.applies(args):
+            return self.slow(*args)
         if self.verdict is None:
             self.verdict = self._check(args)  # out of memory: raised, still unchecked
         return (self.fast if self.verdict else self.slow)(*args)

@@ -164,13 +164,17 @@ def _step_after(out, args):
     return out, args[9][index], args[10][index]
 
 
+FUSED_ROWS = 4  # the fused step is ahead up to batch 4, behind from 8 (bench/RESULTS.md, session 29)
+
+
 def decode_step(unfused: Callable, fused: bool) -> Callable:
     """`Kernels.deltanet_decode` on the GPU: `unfused` (`reference.decode_step` over the GPU's four
-    kernels), or with `fused` one launch (`_decode_step_kernel`) checked on first use against it,
-    each trial on its own copies of the slots."""
+    kernels), or with `fused`, for steps of up to `FUSED_ROWS` rows, one launch (`_decode_step_kernel`)
+    checked on first use against it, each trial on its own copies of the slots."""
     if not fused:
         return unfused
     return Checked(
         "deltanet_decode", functools.partial(_triton_decode_step, unfused=unfused), unfused, canon=_step_after,
         fresh=lambda args: (*args[:9], args[9].clone(), args[10].clone(), args[11]),
+        applies=lambda args: args[0].shape[0] <= FUSED_ROWS,
     )  # fmt: skip
