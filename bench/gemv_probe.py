@@ -36,7 +36,7 @@ MoE rows), 160 MB of them, so that no call finds its weight in L2. Cold, at 9216
 [12352, 2048] 17.6 and 12.1, and still a decode with Q8_1 in that GEMV alone ran 294.0 tok/s against
 303.2 without: the added launch per GEMV costs a decode token more than these figures show.
 
-    python bench/gemv_probe.py [--kinds engine,narrow,wide,w2,dp4a,wide-dp4a,dot] [--cold] [--json OUT.json]   # on a GPU
+    python bench/gemv_probe.py [--kinds engine,narrow,wide,w2,dp4a,wide-dp4a,wide-fma,dot] [--cold] [--json OUT.json]   # on a GPU
     TRITON_INTERPRET=1 python bench/gemv_probe.py --check   # the probe's kernels against quant.linear, CPU
 """
 
@@ -276,6 +276,109 @@ def _q4k_wide_dp4a(XC, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATO
     _store(OUT, n, N, acc, ATOMIC)
 
 
+@triton.jit
+def _unit(w, BIT: tl.constexpr):
+    """The nibble at bits BIT..BIT+3 of each uint32 word as the fp32 1 + q / 16: shifted into the
+    mantissa's top four bits under 1.0's exponent (a shift and an and-or, no integer conversion)."""
+    if BIT <= 19:
+        v = (w << (19 - BIT)) & 0x780000
+    else:
+        v = (w >> (BIT - 19)) & 0x780000
+    return (v | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot_q4_k_wide(XC, P0, P1, P2, P3, row, k0, K, G: tl.constexpr):
+    """Q4_K, G groups of 64 columns from k0 as one [BN, G, 8]-word tile (each row's G * 32 bytes
+    contiguous: whole lines a warp) against x's columns at XC as they are. A nibble q costs a shift,
+    an and-or and an FMA: sum_c (1 + q_c / 16) x_c, less sum_c x_c once a sub-block, is
+    (sum_c q_c x_c) / 16; the sub-blocks' scales apply to those sums, not to each weight."""
+    r = row[:, None, None]  # [BN, 1, 1]
+    g = tl.arange(0, G)[None, :, None]
+    words = tl.arange(0, 8)[None, None, :]
+    line = tl.multiple_of(r * (K // 8) + k0 // 8, [8, 1, 1])  # K is whole super-blocks: 16-byte loads
+    w = tl.load(P0.to(tl.pointer_type(tl.uint32)) + line + g * 8 + words)  # [BN, G, 8]
+    xc = XC + 64 * g + 4 * words  # byte b of a word: columns 4 * word + b (low nibble) and 32 more (high)
+    s_lo = tl.zeros(w.shape, tl.float32)
+    s_hi = tl.zeros(w.shape, tl.float32)
+    x_lo = tl.zeros(xc.shape, tl.float32)
+    x_hi = tl.zeros(xc.shape, tl.float32)
+    for b in tl.static_range(4):
+        xl = tl.load(xc + b).to(tl.float32)
+        xh = tl.load(xc + 32 + b).to(tl.float32)
+        s_lo += _unit(w, 8 * b) * xl
+        s_hi += _unit(w, 8 * b + 4) * xh
+        x_lo += xl
+        x_hi += xh
+    sum_lo, sum_hi = tl.sum(x_lo, 2), tl.sum(x_hi, 2)  # [1, G]
+    q_lo = tl.sum(s_lo, 2) - sum_lo  # [BN, G]: (sum q x) / 16 of each group's low sub-block
+    q_hi = tl.sum(s_hi, 2) - sum_hi
+    r2 = row[:, None]
+    g2 = tl.arange(0, G)[None, :]
+    sub = r2 * (K // 32) + k0 // 32 + 2 * g2  # [BN, G]: each group's low sub-block
+    dd = P3 + (r2 * (K // 256) + (k0 + 64 * g2) // 256) * 2
+    d, dmin = tl.load(dd).to(tl.float32) * 16.0, tl.load(dd + 1).to(tl.float32)
+    scaled = d * (tl.load(P1 + sub).to(tl.float32) * q_lo + tl.load(P1 + sub + 1).to(tl.float32) * q_hi)
+    mins = dmin * (tl.load(P2 + sub).to(tl.float32) * sum_lo + tl.load(P2 + sub + 1).to(tl.float32) * sum_hi)
+    return tl.sum(scaled - mins, 1)
+
+
+@triton.jit
+def _bf16_of(xw, B: tl.constexpr):
+    """bf16 number B of each 64-bit word of four as fp32 (its bits moved up 16)."""
+    return (((xw >> (16 * B)) & 0xFFFF).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _dot_q4_k_lines(XC, P0, P1, P2, P3, row, k0, K, G: tl.constexpr):
+    """`_dot_q4_k_wide` with a thread's four words (16 bytes: 32 nibbles of one sub-block pair) summed
+    in its registers before any shuffle, and x's bf16 columns read as 64-bit words of four."""
+    r = row[:, None, None, None]  # [BN, 1, 1, 1]
+    g = tl.arange(0, G)[None, :, None, None]
+    h = tl.arange(0, 2)[None, None, :, None]
+    j = tl.arange(0, 4)[None, None, None, :]
+    line = tl.multiple_of(r * (K // 8) + k0 // 8, [8, 1, 1, 1])
+    w = tl.load(P0.to(tl.pointer_type(tl.uint32)) + line + g * 8 + h * 4 + j)  # [BN, G, 2, 4]
+    xq = XC.to(tl.pointer_type(tl.uint64)) + 16 * g + 4 * h + j  # word 4h + j's four low-nibble columns
+    xl, xh = tl.load(xq), tl.load(xq + 8)  # and its four high-nibble ones, 32 columns on
+    s_lo = tl.zeros(w.shape, tl.float32)
+    s_hi = tl.zeros(w.shape, tl.float32)
+    x_lo = tl.zeros(xq.shape, tl.float32)
+    x_hi = tl.zeros(xq.shape, tl.float32)
+    for b in tl.static_range(4):
+        lo, hi = _bf16_of(xl, b), _bf16_of(xh, b)
+        s_lo += _unit(w, 8 * b) * lo
+        s_hi += _unit(w, 8 * b + 4) * hi
+        x_lo += lo
+        x_hi += hi
+    sum_lo, sum_hi = tl.sum(x_lo, 3), tl.sum(x_hi, 3)  # [1, G, 2]: in the thread's registers
+    q_lo = tl.sum(s_lo, 3) - sum_lo  # [BN, G, 2]
+    q_hi = tl.sum(s_hi, 3) - sum_hi
+    r3 = row[:, None, None]
+    g3 = tl.arange(0, G)[None, :, None]
+    sub = r3 * (K // 32) + k0 // 32 + 2 * g3  # [BN, G, 1]
+    dd = P3 + (r3 * (K // 256) + (k0 + 64 * g3) // 256) * 2
+    d, dmin = tl.load(dd).to(tl.float32) * 16.0, tl.load(dd + 1).to(tl.float32)
+    scaled = d * (tl.load(P1 + sub).to(tl.float32) * q_lo + tl.load(P1 + sub + 1).to(tl.float32) * q_hi)
+    mins = dmin * (tl.load(P2 + sub).to(tl.float32) * sum_lo + tl.load(P2 + sub + 1).to(tl.float32) * sum_hi)
+    return tl.sum(tl.sum(scaled - mins, 2), 1)
+
+
+@triton.jit
+def _q4k_wide_fma(X, QS, SC, MN, DD, OUT, N, K, K_SPLIT, BN: tl.constexpr, ATOMIC: tl.constexpr, G: tl.constexpr,
+                  LINES: tl.constexpr):  # fmt: skip
+    """`wide`'s tiles with x as it is, each nibble as 1 + q / 16 by the exponent trick and one FMA:
+    `_dot_q4_k_wide` (LINES: `_dot_q4_k_lines`), BN rows a program, K split."""
+    s, n, row = _rows(N, BN)
+    acc = tl.zeros([BN], tl.float32)
+    for k0 in range(s * K_SPLIT, (s + 1) * K_SPLIT, 64 * G):
+        if LINES:
+            acc += _dot_q4_k_lines(X + k0, QS, SC, MN, DD, row, k0, K, G)
+        else:
+            acc += _dot_q4_k_wide(X + k0, QS, SC, MN, DD, row, k0, K, G)
+    _store(OUT, n, N, acc, ATOMIC)
+
+
 q8_1 = quant.q8_1_reference  # x [K] as Q8_1: what `quant.quantize_x` writes, in torch
 
 
@@ -362,11 +465,14 @@ def check() -> None:
           for k in (_q4k_wide, _q4k_w2) for loads in (False, True)),
         (_q4k_dp4a, tuple((bn, sp, {"NATIVE": False}) for bn, sp in ((32, 1), (64, 2), (16, 4))), q8_1_product(x[0], w)),
         (_q4k_wide_dp4a, tuple((bn, sp, {**c, "NATIVE": False}) for bn, sp, c in wide), q8_1_product(x[0], w)),
+        (_q4k_wide_fma, tuple((bn, sp, {**c, "LINES": False}) for bn, sp, c in wide), want),
         (_q4k_dot, tuple((bn, sp, {"G": g, "LOADS": False}) for bn, sp, g in ((16, 1, 4), (32, 2, 2), (64, 1, 1))), want),
     ]  # fmt: skip
+    x16 = x.bfloat16()  # `lines` reads x's bf16 columns four to a word
+    cases.append((_q4k_wide_fma, tuple((bn, sp, {**c, "LINES": True}) for bn, sp, c in wide), quant.linear(x16.float(), w)[0]))
     for kernel, configs, reference in cases:
         for bn, split, constexprs in configs:
-            got = launcher(kernel, x, w, bn, split, **constexprs)()
+            got = launcher(kernel, x16 if constexprs.get("LINES") else x, w, bn, split, **constexprs)()
             if reference is None:
                 continue
             err = ((got - reference).abs().max() / reference.abs().max()).item()
@@ -378,6 +484,7 @@ def check() -> None:
 # the (groups a step, rows a program, warps) each probe of G-group tiles sweeps
 WIDE_GRID = ((16, 4, 4), (16, 8, 4), (16, 16, 4), (16, 8, 8), (8, 8, 4), (8, 16, 4), (4, 16, 4), (4, 32, 4))
 WIDE_DP4A_GRID = ((16, 8, 4), (16, 16, 4), (8, 16, 4), (8, 32, 4), (4, 32, 4), (4, 64, 4))
+WIDE_FMA_GRID = ((16, 4, 4), (16, 4, 2), (16, 4, 1), (16, 8, 2), (16, 8, 4), (8, 8, 2), (32, 4, 2), (16, 2, 1), (8, 4, 1), (16, 16, 4))
 DOT_GRID = ((4, 64, 4), (4, 32, 4), (8, 32, 4), (8, 64, 4), (2, 64, 4), (4, 128, 4), (4, 64, 8))
 
 
@@ -440,6 +547,13 @@ def probe(n: int, k: int, kinds: set[str]) -> list[dict]:
                 if k % (64 * g * split) == 0:
                     fn = launchers(_q4k_wide_dp4a, bn, split, warps, G=g, NATIVE=True)
                     timed("wide-dp4a", fn, want8, bn=bn, warps=warps, split=split, g=g)
+    if "wide-fma" in kinds:
+        for g, bn, warps in WIDE_FMA_GRID:
+            for split in (1, 2, 4):
+                if k % (64 * g * split) == 0:
+                    for kind, lines in (("wide-fma", False), ("lines", True)):
+                        timed(kind, launchers(_q4k_wide_fma, bn, split, warps, G=g, LINES=lines),
+                              bn=bn, warps=warps, split=split, g=g)  # fmt: skip
     if "dot" in kinds:
         for g, bn, warps in DOT_GRID:
             for split in (1, 2, 4):
@@ -509,7 +623,7 @@ def main() -> None:
         "--kinds",
         default="engine",
         help="engine: the engine's GEMVs at the Q4_K_M decode shapes, 32 and 64 rows a program; probes of one "
-        "Q4_K weight: narrow (64 columns a step), wide, w2 (G groups of 64), dp4a, wide-dp4a, dot",
+        "Q4_K weight: narrow (64 columns a step), wide, w2 (G groups of 64), dp4a, wide-dp4a, wide-fma, dot",
     )
     p.add_argument("--shapes", default="9216x2048,12352x2048,65536x2048")
     p.add_argument("--engine-only", default="", metavar="TEXT", help="engine: the shapes whose name holds TEXT")

@@ -25,6 +25,8 @@
 #       gpu-tests  pytest: offload (peak reserved memory within the budget), the engine's GPU tests, the fused kernels
 #       kernel-tests  pytest: the fused and quantized Triton kernels against torch
 #       capture-tests  pytest: restores, captures and graph decode on the GPU (tests/engine/test_gpu.py)
+#       autotune-bits  bf16 bits from process to process, fla's autotuned settings cached on disk and not
+#                  (bench/autotune_bits.py)
 #       quant-tests  pytest: quantized models against their dequantized fp32 selves (tests/engine/test_quant_model.py)
 #       offload-tests  pytest: offload on the GPU (tests/engine/test_offload_gpu.py)
 #       offload-peak  pytest: the peak reserved memory tests alone
@@ -64,7 +66,7 @@
 #       slot-seed  the graphed slot prefill's bf16 test at one seed ($FT_TEST_SEED), shared expert folded and apart
 #       router-tests  pytest: the routing kernels alone
 #       gemv-probe  the quantized decode GEMVs at the Q4_K_M shapes, 32 and 64 rows a program, or the probes
-#                  $PROBE_KINDS names (bench/gemv_probe.py --kinds, e.g. wide-dp4a,dp4a)
+#                  $PROBE_KINDS names (bench/gemv_probe.py --kinds, e.g. wide-dp4a,dp4a; $PROBE_ARGS added, e.g. --cold)
 #       q8x        our Q4_K_M decode per FT_Q8X in $Q8X_VALUES (default 0 1): the Q4_K GEMVs taking x as Q8_1, in dp4a
 #       memory-tests  pytest: the memory report's allocator holding on the GPU
 #       gpu-quant-tests  pytest: the Q4_K_M model on the GPU against its dequantized selves (tests/engine/test_gpu_quant.py)
@@ -191,7 +193,8 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
       tests/engine/test_quant_kernels.py \
       tests/engine/test_gpu.py::test_grouped_experts_of_a_streamed_piece_skip_the_absent_assignments ;;
     capture-tests) step capture-tests python3 -m pytest -q -p no:cacheprovider -o log_cli=true --log-cli-level=WARNING tests/engine/test_gpu.py \
-      -k "restore_then_suffix or same_bits or prefill_matches_cpu or slot_prefill_matches or graph_decode or batched_decode or padded_batch or rewound" ;;
+      -k "restore_then_suffix or same_bits or two_processes or prefill_matches_cpu or slot_prefill_matches or graph_decode or batched_decode or padded_batch or rewound" ;;
+    autotune-bits) step autotune-bits python3 bench/autotune_bits.py --processes 3 --json $O/autotune-bits.json ;;
     quant-tests) step quant-tests python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/engine/test_quant_model.py ;;
     offload-tests) step offload-tests python3 -m pytest -q -p no:cacheprovider -s -rfE --tb=short tests/engine/test_offload_gpu.py ;;
     offload-peak) step offload-peak python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_offload_gpu.py -k peak ;;
@@ -280,7 +283,7 @@ batched_decode or padded_batch or rewound or spans or several or rounds or slabs
       step wide-off env FT_GEMV_WIDE_N=1000000000 python3 bench/quant.py --preset $P --device cuda --parts q4_k_m \
         --json $O/wide-off.json
       ;;
-    gemv-probe) step gemv-probe python3 bench/gemv_probe.py --kinds "${PROBE_KINDS:-engine}" --json $O/gemv-probe.json ;;
+    gemv-probe) step gemv-probe python3 bench/gemv_probe.py --kinds "${PROBE_KINDS:-engine}" ${PROBE_ARGS:-} --json $O/gemv-probe.json ;;
     batch-profile) step batch-profile python3 bench/profile_batch.py --preset $P-e64 --batch 8 --context 8192 ;;
     router-tests) step router-tests python3 -m pytest -q -p no:cacheprovider tests/engine/test_fused_kernels.py -k "route" ;;
     q4-decode)

@@ -351,6 +351,44 @@ def test_the_same_prefill_and_restore_run_twice_give_the_same_bits(weights, dtyp
     assert not unequal, (unequal, [rel(first[i], second[i]) for i in unequal], SEED)
 
 
+TWO_PROCESSES = """
+import sys, torch
+from engine.presets import materialise
+from engine import Engine
+from engine.loader import build_model, fingerprint
+from triton import knobs
+config, _, state_dict = materialise("small", "cuda", torch.bfloat16)
+eng = Engine(build_model(config, state_dict), fingerprint(config, state_dict))
+g = torch.Generator().manual_seed(int(sys.argv[2]))
+ids = torch.randint(0, 248_000, (1500,), generator=g).tolist()
+result = eng.prefill(eng.new_state(), ids, capture_at=[700])
+torch.save({"autotune_cached": bool(knobs.autotuning.cache), "tensors": [result.logits, *result.snapshots[0].tensors.values()]},
+           sys.argv[1])
+"""
+
+
+def bf16_run_in_a_process(out, seed: int, env: dict) -> dict:
+    """TWO_PROCESSES in a new Python process: {"autotune_cached": ..., "tensors": [logits, a capture's tensors]}."""
+    import subprocess
+    import sys
+
+    subprocess.run([sys.executable, "-c", TWO_PROCESSES, str(out), str(seed)], env=env, check=True, timeout=600)
+    return torch.load(out)
+
+
+def test_two_processes_give_the_same_bf16_bits(tmp_path):
+    """The same bf16 prefill and capture in two processes, one after the other on a fresh Triton
+    cache, give bitwise the same logits and states: fla's autotuned launch settings, timed in the
+    first process, are read from the cache by the second (`engine/__init__.py`), not timed again."""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    env.pop("TRITON_CACHE_AUTOTUNING", None)  # the engine's default
+    results = [bf16_run_in_a_process(tmp_path / f"run{i}.pt", SEED, env) for i in range(2)]
+    assert all(r["autotune_cached"] for r in results)
+    runs = [r["tensors"] for r in results]
+    unequal = [i for i, (a, b) in enumerate(zip(*runs, strict=True)) if not torch.equal(a, b)]
+    assert not unequal, (unequal, [rel(runs[0][i], runs[1][i]) for i in unequal], SEED)
+
+
 def test_a_rewound_sequence_continues_as_a_restore_and_copies_only_its_states(gpu32, rng):
     """A sequence that decoded on its slot past a capture, rewound there (`Engine.rewind`: its KV
     cut in place, the capture's DeltaNet states copied in), continues as a restore of the chain up
