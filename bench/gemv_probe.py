@@ -36,6 +36,15 @@ MoE rows), 160 MB of them, so that no call finds its weight in L2. Cold, at 9216
 [12352, 2048] 17.6 and 12.1, and still a decode with Q8_1 in that GEMV alone ran 294.0 tok/s against
 303.2 without: the added launch per GEMV costs a decode token more than these figures show.
 
+Session 30 (`gemv-probe-h200-cold-{fma-s30a,lines-s30b}.json`, cold): `wide-fma` (`wide`'s tiles, x as it
+is, each nibble 1 + q / 16 by the exponent trick: a shift, an and-or and an FMA, the sub-blocks' scales
+applied to the sums) and `lines` (the same with a thread's 16 bytes summed in its registers and x read
+four bf16 to a 64-bit word), best over rows, groups, warps and splits: 13.8 us against the engine's 13.6 at
+9216 x 2048, 16.0 against 16.7 at 12352 x 2048, 8.2 against 10.3 at 2048 x 4096 (`wide` 8.2 too).
+`wide-fma` at 32 rows and 4 groups is ~8 SASS instructions a weight in all (the engine's 12.8) and no
+faster where the weight is cold: these GEMVs wait on memory latency, not on arithmetic; only the K = 4096
+shape gains, from whole rows a program (~2% of a Q4_K_M token: not taken into the engine).
+
     python bench/gemv_probe.py [--kinds engine,narrow,wide,w2,dp4a,wide-dp4a,wide-fma,dot] [--cold] [--json OUT.json]   # on a GPU
     TRITON_INTERPRET=1 python bench/gemv_probe.py --check   # the probe's kernels against quant.linear, CPU
 """

@@ -65,9 +65,11 @@ def engines(q4_k_m) -> dict[str, Engine]:
     }
 
 
-@pytest.fixture(scope="module")
-def rng() -> random.Random:
-    return random.Random(SEED)
+@pytest.fixture
+def rng(request) -> random.Random:
+    """The test's own draws: from SEED and its name alone (with its parameters), not from which tests ran
+    before it, so `FT_TEST_SEED=S pytest -k <that test>` draws a failure's inputs again."""
+    return random.Random(f"{SEED}/{request.node.name}")
 
 
 def test_weights_stay_quantized_at_the_files_size(engines, q4_k_m):
