@@ -194,7 +194,7 @@ print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=
       tests/engine/test_gpu.py::test_grouped_experts_of_a_streamed_piece_skip_the_absent_assignments ;;
     capture-tests) step capture-tests python3 -m pytest -q -p no:cacheprovider -o log_cli=true --log-cli-level=WARNING tests/engine/test_gpu.py \
       -k "restore_then_suffix or same_bits or two_processes or prefill_matches_cpu or slot_prefill_matches or graph_decode or batched_decode or padded_batch or rewound" ;;
-    autotune-bits) step autotune-bits python3 bench/autotune_bits.py --processes 3 --json $O/autotune-bits.json ;;
+    autotune-bits) step autotune-bits python3 bench/autotune_bits.py --processes ${AUTOTUNE_PROCESSES:-3} --json $O/autotune-bits.json ;;
     quant-tests) step quant-tests python3 -m pytest -q -p no:cacheprovider -m "not slow" tests/engine/test_quant_model.py ;;
     offload-tests) step offload-tests python3 -m pytest -q -p no:cacheprovider -s -rfE --tb=short tests/engine/test_offload_gpu.py ;;
     offload-peak) step offload-peak python3 -m pytest -q -p no:cacheprovider -s tests/engine/test_offload_gpu.py -k peak ;;

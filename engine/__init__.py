@@ -2,11 +2,12 @@
 
 import os
 
-# fla's kernels choose their launch settings by timing each (triton.autotune), so the choice, and with it
-# the last bits of bf16 results, can change from one process to the next (the H200, session 30: one
-# test's bf16 error 0.013 in one process and 0.071 in the next, same inputs). Kept in Triton's cache on
-# disk, the first process's choice is every later one's on this machine: the same bits run after run,
-# and no re-timing at start. Set before fla is imported (its autotuners read it when they are made).
+# fla's kernels choose their launch settings by timing each (triton.autotune) in every new process: time
+# at each start, and a choice that timing noise may change from one process to the next, and with it
+# the last bits of bf16 results. Kept in Triton's cache on disk, the first process's choice is every later
+# one's on this machine (tests/engine/test_gpu.py::test_two_processes_give_the_same_bf16_bits; uncached, three
+# processes on the H200 gave the same bits too, bench/autotune_bits.py). Set before fla is imported: its
+# autotuners read it when they are made. TRITON_CACHE_AUTOTUNING=0 times them afresh.
 os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
 
 from engine.config import ConfigError, ModelConfig
