@@ -1,13 +1,16 @@
-"""Restore exactness: restore(snapshots up to p) + prefill(rest) == one full prefill (fp32, 1e-4)."""
+"""Restore exactness: restore(snapshots up to p) + prefill(rest) == one full prefill (fp32, 1e-4); in bf16,
+within the one-pass bf16 run's worst position (`bf16_bounds`)."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import SamplingParams, concat_chain
+from engine import Engine, SamplingParams, concat_chain
 from engine.feed import Feed
 
 TOL = 1e-4
@@ -115,3 +118,39 @@ def test_concat_chain_rejects_mismatched_parts(tiny):
         concat_chain([snaps[0], missing])
     with pytest.raises(ValueError, match="hole"):
         concat_chain([snaps[1], snaps[1]])
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    """The small preset (its routing flips under bf16) in fp32 and bf16 on the CPU: one set of weights."""
+    from engine.loader import build_model, fingerprint
+    from engine.presets import materialise
+
+    config, _, state_dict = materialise("small", "cpu", torch.float32)
+    engines = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        moved = {n: t.to(dtype) for n, t in state_dict.items()}
+        engines[dtype] = Engine(build_model(config, moved), fingerprint(config, moved))
+    return engines[torch.float32], engines[torch.bfloat16]
+
+
+@pytest.mark.parametrize("draw", range(3))
+def test_a_bf16_restore_stays_within_the_one_pass_runs_worst_position_and_a_shift_does_not(small_pair, draw):
+    """bf16 on the CPU: restore at a random capture then the suffix, every position within the one-pass bf16
+    run's worst position error against fp32 (`bf16_bounds`); the same restore fed the suffix one token late
+    (the context shifted by one) is beyond that bound somewhere: the bound has teeth, unlike one at the last
+    position only, where such a shift often looks like noise."""
+    from tests.engine.bf16_bounds import position_errors, worst_position_bound
+
+    e32, e16 = small_pair
+    rng = random.Random(draw)
+    n = rng.randrange(200, 700)
+    ids = [rng.randrange(248_000) for _ in range(n)]
+    split = rng.randrange(1, n - 1)
+    exact = e32.prefill(e32.new_state(), ids, all_logits=True).logits
+    bound = worst_position_bound(e16.prefill(e16.new_state(), ids, all_logits=True).logits, exact)
+    snaps = e16.prefill(e16.new_state(), ids, capture_at=[split]).snapshots
+    rest = e16.prefill(e16.restore(snaps), ids[split:], all_logits=True).logits
+    assert position_errors(rest, exact[split:]).max().item() <= bound
+    shifted = e16.prefill(e16.restore(snaps), ids[split + 1 :], all_logits=True).logits
+    assert position_errors(shifted, exact[split + 1 :]).max().item() > bound
