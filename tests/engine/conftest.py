@@ -1,11 +1,16 @@
 from __future__ import annotations
 
+import os
+import random
+
 import pytest
 import torch
 
 from engine import Engine
 from engine.presets import write_preset
 
+# the random draws of the tests that take `rng` (printed with their metrics; set it to draw a failure's again)
+SEED = int(os.environ.get("FT_TEST_SEED", random.SystemRandom().randrange(1 << 30)))
 SMALL_HF_SHAPE = dict(
     vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
@@ -43,3 +48,10 @@ def hf_dirs(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tiny(preset_dirs) -> Engine:
     return Engine.load(preset_dirs["tiny"])
+
+
+@pytest.fixture
+def rng(request) -> random.Random:
+    """The test's own draws: from SEED and its name alone (with its parameters), not from which tests ran
+    before it, so `FT_TEST_SEED=S pytest -k <that test>` draws a failure's inputs again."""
+    return random.Random(f"{SEED}/{request.node.name}")

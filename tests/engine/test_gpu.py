@@ -8,18 +8,18 @@ Errors are relative Frobenius norms, ‖gpu − ref‖ / ‖ref‖; each test pr
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from tests.engine.conftest import SEED  # each test's draws: conftest's `rng` fixture
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-SEED = int(os.environ.get("FT_TEST_SEED", random.SystemRandom().randrange(1 << 30)))
 # Kernels: one op, so bf16 rounding stays near 2^-8. Whole model in fp32: tight. Whole model in
 # bf16: these random-weight presets amplify rounding (a top-k routing flip changes a token's MoE
 # output outright), so the CPU reference itself lands 0.15 (relative) from fp32 in bf16, and a
@@ -39,13 +39,6 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def metric(name: str, value: float) -> None:
     print(f"METRIC {name} {value:.3e} seed={SEED}")
-
-
-@pytest.fixture
-def rng(request) -> random.Random:
-    """The test's own draws: from SEED and its name alone (with its parameters), not from which tests ran
-    before it, so `FT_TEST_SEED=S pytest -k <that test>` draws a failure's inputs again."""
-    return random.Random(f"{SEED}/{request.node.name}")
 
 
 def gen(seed: int) -> torch.Generator:
@@ -332,7 +325,7 @@ def test_restore_then_suffix_matches_full_prefill(gpu_engine, gpu32, rng, trial)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_the_same_prefill_and_restore_run_twice_give_the_same_bits(weights, dtype, rng):
     """A fresh engine, the same work twice in a row (a prefill, a captured prefill, a restore and its
-    suffix, drawn as the restore test draws; the first time captures the slot prefill's graphs, the
+    suffix, drawn the way the restore test draws them; the first time captures the slot prefill's graphs, the
     second replays them) gives bitwise the same logits and captures."""
     eng = _engine(weights, "cuda", dtype)
     length = rng.randrange(200, 1500)

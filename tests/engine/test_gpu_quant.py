@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 from pathlib import Path
 
 import pytest
@@ -28,7 +27,8 @@ pytest.importorskip("gguf")
 
 from engine import Engine  # noqa: E402
 from engine.gguf_file import read_gguf  # noqa: E402
-from tests.engine.test_gpu import SEED, _within_bf16_noise, rel  # noqa: E402
+from tests.engine.conftest import SEED  # noqa: E402
+from tests.engine.test_gpu import _within_bf16_noise, rel  # noqa: E402
 
 METRICS: dict[str, float | str] = {}
 
@@ -63,13 +63,6 @@ def engines(q4_k_m) -> dict[str, Engine]:
         "bf16": Engine.load(q4_k_m, "cuda", keep_quantized=False),
         "fp32": Engine.load(q4_k_m, "cuda", dtype=torch.float32, keep_quantized=False),
     }
-
-
-@pytest.fixture
-def rng(request) -> random.Random:
-    """The test's own draws: from SEED and its name alone (with its parameters), not from which tests ran
-    before it, so `FT_TEST_SEED=S pytest -k <that test>` draws a failure's inputs again."""
-    return random.Random(f"{SEED}/{request.node.name}")
 
 
 def test_weights_stay_quantized_at_the_files_size(engines, q4_k_m):

@@ -3,14 +3,12 @@ within the one-pass bf16 run's worst position (`bf16_bounds`)."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import Engine, SamplingParams, concat_chain
+from engine import SamplingParams, concat_chain
 from engine.feed import Feed
 
 TOL = 1e-4
@@ -122,16 +120,9 @@ def test_concat_chain_rejects_mismatched_parts(tiny):
 
 @pytest.fixture(scope="module")
 def small_pair():
-    """The small preset (its routing flips under bf16) in fp32 and bf16 on the CPU: one set of weights."""
-    from engine.loader import build_model, fingerprint
-    from engine.presets import materialise
+    from tests.engine.bf16_bounds import small_pair
 
-    config, _, state_dict = materialise("small", "cpu", torch.float32)
-    engines = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        moved = {n: t.to(dtype) for n, t in state_dict.items()}
-        engines[dtype] = Engine(build_model(config, moved), fingerprint(config, moved))
-    return engines[torch.float32], engines[torch.bfloat16]
+    return small_pair()
 
 
 @pytest.mark.parametrize("draw", range(3))
@@ -140,17 +131,9 @@ def test_a_bf16_restore_stays_within_the_one_pass_runs_worst_position_and_a_shif
     run's worst position error against fp32 (`bf16_bounds`); the same restore fed the suffix one token late
     (the context shifted by one) is beyond that bound somewhere: the bound has teeth, unlike one at the last
     position only, where such a shift often looks like noise."""
-    from tests.engine.bf16_bounds import position_errors, worst_position_bound
+    from tests.engine.bf16_bounds import restore_and_shift, worst_position_bound
 
-    e32, e16 = small_pair
-    rng = random.Random(draw)
-    n = rng.randrange(200, 700)
-    ids = [rng.randrange(248_000) for _ in range(n)]
-    split = rng.randrange(1, n - 1)
-    exact = e32.prefill(e32.new_state(), ids, all_logits=True).logits
-    bound = worst_position_bound(e16.prefill(e16.new_state(), ids, all_logits=True).logits, exact)
-    snaps = e16.prefill(e16.new_state(), ids, capture_at=[split]).snapshots
-    rest = e16.prefill(e16.restore(snaps), ids[split:], all_logits=True).logits
-    assert position_errors(rest, exact[split:]).max().item() <= bound
-    shifted = e16.prefill(e16.restore(snaps), ids[split + 1 :], all_logits=True).logits
-    assert position_errors(shifted, exact[split + 1 :]).max().item() > bound
+    case = restore_and_shift(*small_pair, draw)
+    bound = worst_position_bound(case["one_pass"])
+    assert case["right"].max().item() <= bound
+    assert case["shifted"].max().item() > bound
