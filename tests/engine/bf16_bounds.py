@@ -14,9 +14,10 @@ import torch
 
 
 def position_errors(got: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
-    """Each position's ‖got − exact‖ / ‖exact‖ over the vocabulary ([P, V] → [P], float64 on the CPU)."""
-    got, exact = got.double().cpu(), exact.double().cpu()
-    return (got - exact).norm(dim=-1) / exact.norm(dim=-1)
+    """Each position's ‖got − exact‖ / ‖exact‖ over the vocabulary ([P, V] → [P]: float64, computed on
+    `got`'s device, returned on the CPU)."""
+    got, exact = got.double(), exact.to(got.device).double()
+    return ((got - exact).norm(dim=-1) / exact.norm(dim=-1)).cpu()
 
 
 def worst_position_bound(one_pass: torch.Tensor, slack: float = 0.01) -> float:
