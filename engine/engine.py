@@ -75,6 +75,7 @@ class Engine:
             before_overwrite=self.runtime.wait_copies if self.runtime is not None else None,
             before_allocate=self._make_room if offload is not None else None,
             capacity=GRAPH_CAPACITY if graphs and offload is None else None,
+            graph_rows=offload.graph_rows if offload is not None else None,
         )
         # short prefills on the sequence's slot (a graph per bucket)
         self.slot_prefill = self.runner.use_graph and (offload is None or offload.holds_all)
@@ -182,6 +183,7 @@ class Engine:
         hold a step (experts are fetched)."""
         assert self.offload is not None
         self.slot_prefill = False
+        self.runner.graph_rows = self.offload.graph_rows
         if self.offload.mapped:
             self.runner.drop_graphs()
         else:

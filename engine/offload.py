@@ -429,6 +429,12 @@ class ExpertOffload:
         """Whether every expert has a slot: nothing is fetched, so decode may be graph-captured."""
         return self.plan.slots >= self.config.num_experts
 
+    @property
+    def graph_rows(self) -> int | None:
+        """The most decode rows a CUDA graph may hold: any number with every expert resident, else as
+        many as read their experts in place (`IN_PLACE_ROWS` assignments: wider steps fetch them)."""
+        return None if self.holds_all else IN_PLACE_ROWS // self.config.num_experts_per_tok
+
     def stage_reads(self, on: bool) -> None:
         """Whether decode gathers the experts it reads from host memory into the staging rows
         first (where there are any) or reads them where they lie: the bench's same-run baseline.

@@ -61,18 +61,22 @@ def starting_capacity(device: torch.device) -> int:
 class Runner:
     def __init__(self, model: HybridForCausalLM, kernels: Kernels, use_graph: bool = False,
                  before_overwrite: Callable[[], None] | None = None,
-                 before_allocate: Callable[[int, int], None] | None = None, capacity: int | None = None):
+                 before_allocate: Callable[[int, int], None] | None = None, capacity: int | None = None,
+                 graph_rows: int | None = None):
         """`before_overwrite` runs before a slot's contents are replaced (on a GPU: wait for the
         host copies that may still read the previous owner's KV); `before_allocate(slots,
         capacity)` before buffers of that size replace the old ones (an expert cache shrinks there
         to keep a memory budget; the old buffers are freed before the new ones are made).
         `capacity`: tokens per slot at first (default `initial_capacity`); growing later
-        recaptures every graph, ~0.1-0.3 s each, inside the request that grew them."""
+        recaptures every graph, ~0.1-0.3 s each, inside the request that grew them. `graph_rows`: the
+        most decode rows a graph may hold (an offloaded model reads its experts in place, which a graph
+        can hold, only up to so many assignments); wider decode steps run eagerly."""
         self.model, self.kernels = model, kernels
         self.c = model.config
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
         self.use_graph = use_graph
+        self.graph_rows = graph_rows
         self.min_capacity = capacity or initial_capacity(self.device)
         self.before_overwrite = before_overwrite or (lambda: None)
         self.before_allocate = before_allocate or (lambda slots, capacity: None)
@@ -93,10 +97,11 @@ class Runner:
         count = len(states)
         self._reserve(count, max(s.length for s in states) + 1)
         slots = self._assign(states)
-        rows = bucket(count) if self.use_graph else count
+        graphed = self._graphed(bucket(count))
+        rows = bucket(count) if graphed else count
         pad = rows - count  # padding rows: token 0 at position 0 of the scratch slot
         host = torch.tensor([[*tokens, *[0] * pad], [s.length for s in states] + [0] * pad, slots + [self.slots] * pad])
-        logits = self._run("decode", rows, host, self.inputs[:, :rows])[:count].clone()
+        logits = self._run("decode", rows, host, self.inputs[:, :rows], graphed)[:count].clone()
         self.commit(states)
         return logits
 
@@ -125,7 +130,7 @@ class Runner:
         self._reserve(1, state.length + rows)  # padding rows are written too: room for the whole bucket
         slot = self._assign([state])[0]
         host = torch.tensor([slot, state.length, count, *tokens, *[0] * (rows - count)])
-        logits = self._run("prefill", rows, host, self.prefill_inputs[: 3 + rows])[0].clone()
+        logits = self._run("prefill", rows, host, self.prefill_inputs[: 3 + rows], self.use_graph)[0].clone()
         self._advance(state, count)
         return logits
 
@@ -135,7 +140,8 @@ class Runner:
         self._reserve(max_batch, PREFILL_BUCKETS[-1])
         if self.use_graph:
             for rows in sorted({bucket(n) for n in range(1, max_batch + 1)}):
-                self._graph("decode", rows)
+                if self._graphed(rows):
+                    self._graph("decode", rows)
             for rows in PREFILL_BUCKETS if prefill else ():
                 self._graph("prefill", rows)
 
@@ -165,11 +171,15 @@ class Runner:
 
     # -- the step
 
-    def _run(self, kind: str, rows: int, host: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    def _graphed(self, rows: int) -> bool:
+        """Whether a decode step of `rows` (bucketed) rows runs as a graph."""
+        return self.use_graph and (self.graph_rows is None or rows <= self.graph_rows)
+
+    def _run(self, kind: str, rows: int, host: torch.Tensor, inputs: torch.Tensor, graphed: bool) -> torch.Tensor:
         """Copy a step's host inputs into the static inputs and run it: a graph replay (captured at
         first use) or the eager forward. A graph's logits are overwritten by its next replay: the
         caller copies the rows it keeps."""
-        if not self.use_graph:
+        if not graphed:
             inputs.copy_(host.view_as(inputs))
             return self._forward(kind, rows)
         graph, out = self._graph(kind, rows)

@@ -70,6 +70,11 @@ class Checkpoints:
             count = self.store.longest_restorable(list(chain))
         return self.engine.new_state(), 0
 
+    def ready(self, chain: Sequence[bytes], ends: Sequence[int]) -> bool:
+        """Whether `restore(chain, ends)` runs without waiting for the store queue: nothing of `chain`
+        is on its way into the store, or a live sequence of it is continued in place (taken first)."""
+        return self.policy == "none" or not self.store_queue.holds(chain) or self.live.holds(chain, ends)
+
     def prefill(
         self, state: SequenceState, segments: Sequence[Segment], chain: Sequence[bytes], ends: Sequence[int],
         start: int,

@@ -146,7 +146,8 @@ class _Run:
             forced_decode=rt.config.forced_decode, emit=emit, cancel=self.cancel, received_at=received,
             planned_at=planned, call_id=call_ids(protocol))
         drain.check()
-        future = rt.scheduler.start(self.generation.steps(), self.cancel, lambda: self.generation.answered)
+        future = rt.scheduler.start(self.generation.steps(), self.cancel, lambda: self.generation.answered,
+                                    ready=self.generation.ready)
         future.add_done_callback(lambda f: emit(_Done(None if (e := f.exception()) is None else typed(e))))
         drain.add(self)
         self._watch = asyncio.create_task(self._watch_disconnect(request))

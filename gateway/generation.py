@@ -75,6 +75,11 @@ class Generation:
         self.answered = False  # the answer is sent; what remains checkpoints its end
         self.memo_written: Future | None = None  # the memo's disk write of this answer's ids
 
+    def ready(self) -> bool:
+        """Whether `steps()` starts without waiting for the store (`Checkpoints.ready`): the scheduler
+        admits it only then, so the wait blocks no other request's steps."""
+        return self.checkpoints.ready(self.plan.chain[:-1], self.plan.ends)
+
     def steps(self) -> Generator[Feed, None, list[Event]]:
         """Returns every event emitted (for the recorder)."""
         plan, checkpoints = self.plan, self.checkpoints

@@ -42,6 +42,11 @@ class LiveSequences:
                 return kept[0]
         return None
 
+    def holds(self, chain: Sequence[bytes], ends: Sequence[int]) -> bool:
+        """Whether `take` would hand over a sequence of `chain` (at any depth)."""
+        return any((kept := self._by_anchor.get(a)) is not None and kept[0].length == end
+                   for a, end in zip(chain, ends, strict=False))  # fmt: skip
+
     def take_rewind(self, anchor: bytes) -> SequenceState | None:
         """The newest kept sequence that may be rewound to `anchor` (its tokens run through it),
         handed over: the caller puts it back there (`Engine.rewind`). E.g. Qwen's template drops

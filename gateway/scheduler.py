@@ -5,7 +5,8 @@ and is resumed once that feed holds its result. Every step runs one batched forw
 token of every running task, then prefill chunks of the others, oldest first, within the engine's
 token budget, so a new request's prefill starts at the next step instead of after the other
 sessions' answers. Requests beyond `max_running` wait in a queue (`Overloaded` past `max_queue`);
-one whose client left before it started is dropped. Background tasks (precompute) run only in
+one whose client left before it started is dropped; one that is not `ready` (what it restores is still
+on its way into the store) lets those behind it go first, so no wait of its blocks the worker. Background tasks (precompute) run only in
 steps with no live work. Plain jobs (`submit`) run alone between steps.
 
 Only this thread touches the engine; the event loop never blocks on model work.
@@ -28,15 +29,17 @@ from gateway.metrics import Histogram
 
 log = logging.getLogger("gateway.scheduler")
 BACKGROUND_STEP_TOKENS = 1024  # tokens per step of background work (precompute): bounds the wait of a new request
-QUEUE_STEP_BUCKETS = (0, 1, 2, 4, 8, 16, 64)  # engine steps a live request waited before it started (a histogram)
+QUEUE_STEP_BUCKETS = (0, 1, 2, 4, 8, 16, 64)
+READY_POLL = 0.002  # seconds between asks of a waiting task's `ready` while the worker has nothing else  # engine steps a live request waited before it started (a histogram)
 
 Steps = Generator[Feed, None, Any]
 
 
 class Task:
     def __init__(self, steps: Steps, cancel: threading.Event | None = None,
-                 finishing: Callable[[], bool] = lambda: False, queued_at: int = 0):
-        self.steps, self.cancel, self.finishing = steps, cancel, finishing
+                 finishing: Callable[[], bool] = lambda: False, queued_at: int = 0,
+                 ready: Callable[[], bool] = lambda: True):
+        self.steps, self.cancel, self.finishing, self.ready = steps, cancel, finishing, ready
         self.future: Future = Future()
         self.feed: Feed | None = None
         self.queued_at = queued_at  # the scheduler's step count when it was queued
@@ -87,14 +90,15 @@ class Scheduler:
     # -- what the gateway asks of it (any thread)
 
     def start(self, steps: Steps, cancel: threading.Event | None = None,
-              finishing: Callable[[], bool] = lambda: False) -> Future:
+              finishing: Callable[[], bool] = lambda: False, ready: Callable[[], bool] = lambda: True) -> Future:
         """Queue a live task; its future resolves with the generator's return value. While a
         running task is `finishing` (its answer sent, its end being checkpointed: one step), no
-        task is admitted, so a request that extends that answer finds it checkpointed."""
+        task is admitted, so a request that extends that answer finds it checkpointed. A task is
+        admitted only once `ready` (asked on the worker thread) says its first step will not wait."""
         with self._wake:
             if len(self._waiting) >= self.max_queue:
                 raise Overloaded(f"{len(self._waiting)} requests already wait; retry shortly")
-            task = Task(steps, cancel, finishing, queued_at=self.steps_total)
+            task = Task(steps, cancel, finishing, queued_at=self.steps_total, ready=ready)
             self._waiting.append(task)
             self._wake.notify()
         return task.future
@@ -171,6 +175,9 @@ class Scheduler:
                 self._step()
             finally:
                 self._busy = False
+            if self._waiting and not (self._running or self._background or self._jobs or self._closing):
+                with self._wake:  # none of the waiting tasks is ready: ask again shortly, not in a spin
+                    self._wake.wait(READY_POLL)
 
     def _run_jobs(self) -> None:
         while self._jobs:
@@ -184,9 +191,13 @@ class Scheduler:
     def _admit(self) -> None:
         if any(t.finishing() for t in self._running):
             return
-        while self._waiting and len(self._running) < self.max_running:
+        for task in list(self._waiting):
+            if len(self._running) >= self.max_running:
+                break
+            if not (task.cancelled or task.ready()):
+                continue  # what it restores is still being stored: the tasks behind it go first
             with self._wake:
-                task = self._waiting.popleft()
+                self._waiting.remove(task)
             self.queue_steps.observe(self.steps_total - task.queued_at)
             if task.cancelled:
                 task.drop()  # its client left while it waited

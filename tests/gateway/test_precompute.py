@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from engine import Feed
-from gateway.anchors import anchor_chain
+from gateway.anchors import anchor_chain, boundaries
 from gateway.checkpoints import PRECOMPUTE_STEP
 from gateway.protocols import chat
 from gateway.runtime import ServeConfig, build_runtime
@@ -112,3 +112,33 @@ def test_a_request_arriving_while_precompute_computes_starts_within_one_step(run
     assert not precompute.done()  # answered while the precompute was still under way
     assert precompute.result(timeout=300) > 2 * PRECOMPUTE_STEP  # several passes (earlier tests' prefix aside)
     assert run(rt, segments) == 0  # all of it checkpointed
+
+
+def test_a_request_whose_prefix_is_being_stored_waits_in_the_queue_not_on_the_worker(runtime):
+    """A request that restores a prefix still on its way into the store (the store thread held) is not
+    admitted until it is stored (`Checkpoints.ready`): a request behind it runs to its end meanwhile
+    (before: the first one's restore waited on the worker, and every other request with it); once the
+    prefix is stored, the first one restores it."""
+    rt = runtime
+    segments = long_history(rt, "fourth log")
+    chain, ends = anchor_chain(segments, rt.checkpoints.root), boundaries(segments)
+    first = segments[0].token_ids
+    captured = rt.scheduler.submit(lambda: rt.engine.prefill(rt.engine.new_state(), first, capture_at=[len(first)]))
+    snapshot = captured.result(timeout=60).snapshots[-1]
+    stored = threading.Event()
+    rt.store_queue.put(chain[:1], None, [snapshot], ready=stored.wait)  # held until `stored` is set
+
+    def restoring():
+        state, cached = rt.checkpoints.restore(chain[:1], ends)
+        feed = Feed(state, [1, 2, 3])
+        yield feed
+        return cached
+
+    try:
+        assert not rt.checkpoints.ready(chain[:1], ends)
+        waiting = rt.scheduler.start(restoring(), ready=lambda: rt.checkpoints.ready(chain[:1], ends))
+        assert_admitted_within_one_step(rt)  # the request behind it: runs to its end
+        assert not waiting.done() and rt.scheduler.queue_depth == 1
+    finally:
+        stored.set()
+    assert waiting.result(timeout=60) == ends[0]  # restored from the store once stored
