@@ -25,8 +25,8 @@ in_this_process = pytest.mark.skipif(not RUNNABLE, reason="run in a fresh TRITON
 
 
 GROUPS = {  # each run in its own interpreter process (the K-quants' ~100 s, with the restore; the random Q4_K_M ~60 s)
-    "kquants": "kmix or fusion or moved or restore",
-    "presets": "(q8_0 or fp8) and not next",
+    "kquants": "kmix or fusion or moved",
+    "presets": "q8_0 or fp8",
     "random": "random",
 }
 
@@ -75,8 +75,8 @@ IDS = [1000 + 7 * i for i in range(20)]  # 40 expert rows: the grouped kernels (
 
 
 class Models(dict):
-    """The test models, each written on first use: tiny's Q8_0 GGUF (both architectures), tiny's
-    FP8 folder, and the K-quant mix of the `KMIX` shape."""
+    """The test models, each written on first use: tiny's Q8_0 GGUF and FP8 folder (both
+    architectures), and the K-quant mix of the `KMIX` shape."""
 
     def __init__(self, root: Path, preset_dirs: dict[str, str]):
         super().__init__()
@@ -89,8 +89,9 @@ class Models(dict):
             with mock.patch.dict(PRESETS, {"kmix": KMIX}), no_vocab[0], no_vocab[1]:
                 config, raw, state_dict = materialise("kmix")
                 path = write_kquant_gguf(config, raw, state_dict, root / "kmix.gguf")
-        elif name == "fp8":
-            path = write_preset("tiny", root / "tiny-fp8", fmt="fp8")
+        elif name in ("fp8", "next-fp8"):
+            preset = "tiny-next" if name.startswith("next") else "tiny"
+            path = write_preset(preset, root / f"{preset}-fp8", fmt="fp8")
         elif name == "random-q4_k_m":  # llama-quantize's types at the `small` shape (peer.gguf_random)
             from peer.gguf_random import write_random_gguf  # noqa: PLC0415
 
@@ -135,7 +136,7 @@ def quantized_weights(engine: Engine) -> dict[int, int]:
 
 @in_this_process
 @pytest.mark.parametrize("name", [
-    "q8_0", pytest.param("next-q8_0", marks=pytest.mark.slow), "fp8", "kmix", "random-q4_k_m",
+    "q8_0", "next-q8_0", "fp8", "next-fp8", "kmix", "random-q4_k_m",
     pytest.param("llama-q4_k_m", marks=[pytest.mark.slow, pytest.mark.skipif("not llama_quantize_built()")]),
 ])  # fmt: skip
 def test_quantized_logits_equal_the_dequantized_models(models, name):
@@ -146,12 +147,12 @@ def test_quantized_logits_equal_the_dequantized_models(models, name):
     each in decode) and the DeltaNet out_proj's reordered value heads (read through its column map)."""
     q, d = pair(models[name])
     formats = quantized_weights(q)
-    expected = {"fp8": {quant.FP8}, "kmix": {quant.Q4_K, quant.Q5_K, quant.Q6_K, quant.Q8_0},
+    expected = {"fp8": {quant.FP8}, "next-fp8": {quant.FP8}, "kmix": {quant.Q4_K, quant.Q5_K, quant.Q6_K, quant.Q8_0},
                 "random-q4_k_m": {quant.Q4_K, quant.Q6_K}}.get(name, {quant.Q8_0})  # fmt: skip
     assert set(formats) == expected, formats
     # the shared expert folded into the packed stacks (`SparseMoe.fold_shared`), but in tiny's FP8
     # (its 32-row gate and up are off a 128-row scale block: they cannot be one weight)
-    assert all(layer.mlp.folded == (name != "fp8") for layer in q.model.model.layers)
+    assert all(layer.mlp.folded == (not name.endswith("fp8")) for layer in q.model.model.layers)
     if name == "random-q4_k_m":
         pairs = [m for m in q.model.modules() if isinstance(m, Concat) and m.count == 2
                  and not any(isinstance(w, torch.Tensor) for w in m.weights())]  # fmt: skip
@@ -166,14 +167,19 @@ def test_quantized_logits_equal_the_dequantized_models(models, name):
 
 
 @in_this_process
-def test_restore_is_exact_on_the_quantized_model(models):
-    engine = Engine.load(models["kmix"], keep_quantized=True)
+@pytest.mark.parametrize("name", ["kmix", "next-q8_0", "next-fp8"])
+def test_restore_is_exact_on_the_quantized_model(models, name):
+    """A restore at a capture, the rest prefilled, then two decode steps (the GEMV path): the logits of
+    the whole prefill and the same steps."""
+    engine = Engine.load(models[name], keep_quantized=True)
     ids = [int(x) for x in torch.randint(0, 2048, (10,), generator=torch.Generator().manual_seed(5))]
-    full = engine.prefill(engine.new_state(), ids)
+    state = engine.new_state()
+    full = [engine.prefill(state, ids).logits, *(engine.decode(state, t) for t in (11, 12))]
     at = int(torch.randint(1, len(ids) - 1, (1,), generator=torch.Generator().manual_seed(6)))
     snapshots = engine.prefill(engine.new_state(), ids, capture_at=[at]).snapshots
-    rest = engine.prefill(engine.restore(concat_chain(snapshots)), ids[at:])
-    assert (rest.logits - full.logits).abs().max().item() <= 1e-4
+    state = engine.restore(concat_chain(snapshots))
+    rest = [engine.prefill(state, ids[at:]).logits, *(engine.decode(state, t) for t in (11, 12))]
+    assert max((r - f).abs().max().item() for r, f in zip(rest, full, strict=True)) <= 1e-4
 
 
 @in_this_process

@@ -25,9 +25,12 @@ def server():
 
 
 def _request(i: int) -> tuple[str, dict]:
-    """Session i's request: a distinct prompt, greedy, on one of the three protocols."""
+    """Session i's request: a distinct prompt, on one of the three protocols, greedy but for sessions 4
+    and 7 (Chat Completions, sampled with a seed of their own)."""
     text = f"Session {i}: list the files under src/module_{i} and explain " + "why " * (5 + 7 * i)
     common = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0}
+    if i in (4, 7):
+        common.update(temperature=0.9, top_p=0.95, seed=100 + i)
     match i % 3:
         case 0:
             return "/v1/messages", {**common, "messages": [{"role": "user", "content": text}]}
@@ -72,24 +75,29 @@ def _metric(server, name: str) -> float:
 
 
 def test_concurrent_sessions_get_their_solo_answers(server):
+    """Eight sessions' first requests at once (their prompts prefilled together, nothing cached yet), then
+    each alone again: the same answers (two of them sampled with their own seeds), truthful usage."""
     sessions = range(8)
-    alone = {i: _post(server, i)[0] for i in sessions}
-    server.wait_idle()
     steps, seqs = _metric(server, "ft_scheduler_steps_total"), _metric(server, "ft_scheduler_step_sequences_total")
     with ThreadPoolExecutor(len(sessions)) as pool:
         together = dict(zip(sessions, pool.map(lambda i: _post(server, i), sessions), strict=True))
-    for i in sessions:
-        answer, headers = together[i]
-        assert answer == alone[i], f"session {i}"
-        assert int(headers["x-cached-tokens"]) + int(headers["x-prefill-tokens"]) == answer["prompt"]
     batched = (_metric(server, "ft_scheduler_step_sequences_total") - seqs) / (_metric(server, "ft_scheduler_steps_total") - steps)
     assert batched > 1.5  # the sessions really shared forwards
+    server.wait_idle()
+    alone = {i: _post(server, i) for i in sessions}
+    for i in sessions:
+        (answer, headers), (again, again_headers) = together[i], alone[i]
+        assert answer == again, f"session {i}"
+        assert answer["output"] > 0
+        assert (int(headers["x-cached-tokens"]), int(headers["x-prefill-tokens"])) == (0, answer["prompt"])
+        assert int(again_headers["x-cached-tokens"]) + int(again_headers["x-prefill-tokens"]) == answer["prompt"]
 
 
 def test_a_client_that_leaves_mid_stream_does_not_disturb_the_others(server):
     others = [1, 2, 3]
     alone = {i: _post(server, i)[0] for i in others}
     server.wait_idle()
+    generated = _metric(server, 'ft_tokens_total{kind="generated"}')
     left = threading.Event()
 
     def leave() -> None:
@@ -106,7 +114,10 @@ def test_a_client_that_leaves_mid_stream_does_not_disturb_the_others(server):
         together = dict(zip(others, pool.map(lambda i: _post(server, i)[0], others), strict=True))
         gone.result()
     assert left.is_set() and together == alone
-    server.wait_idle(timeout=60)  # the departed generation was cancelled, not run to 400 tokens
+    server.wait_idle(timeout=60)
+    # the departed generation was cancelled where its client left, not run to its 400 tokens
+    departed = _metric(server, 'ft_tokens_total{kind="generated"}') - generated - sum(a["output"] for a in together.values())
+    assert 0 < departed < 200, departed
 
 
 def _chat(server, i: int, stop: str | None = None, stream: bool = False) -> tuple[str, str]:
