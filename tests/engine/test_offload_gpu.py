@@ -283,11 +283,17 @@ def test_35b_shape_offload_within_the_bf16_bound():
 PEAK_SCRIPT = """
 import json, sys, torch
 from engine import Engine
-budget = float(sys.argv[1])
+budget, running = float(sys.argv[1]), int(sys.argv[2])
 torch.cuda.reset_peak_memory_stats()
-engine = Engine.from_preset("qwen3.6-35b-a3b-e64", device="cuda", gpu_memory_gib=budget, max_running=1)
-engine.warmup(max_batch=1)
+engine = Engine.from_preset("qwen3.6-35b-a3b-e64", device="cuda", gpu_memory_gib=budget, max_running=running)
+engine.warmup(max_batch=running)  # `ft serve`'s: decode graphs up to what reads experts in place (4 rows)
 slots = engine.offload.plan.slots
+states = [engine.new_state() for _ in range(running)]
+for i, s in enumerate(states):
+    engine.prefill(s, [3000 + 17 * i + j for j in range(50 + i)])
+for step in range(3):  # every sequence in one decode step: 8 rows (64 assignments) run eagerly
+    engine.runner.decode(states, [5 + step] * running)
+del states
 state = engine.new_state()
 logits = engine.prefill(state, [1000 + i % 40000 for i in range(8192)]).logits  # 8K: a full chunk
 state = engine.new_state()
@@ -298,15 +304,16 @@ print(json.dumps({"peak": engine.offload.peak_reserved(), "slots": [slots, engin
 """
 
 
-@pytest.mark.parametrize("budget", [9.0, 10.0])
-def test_peak_reserved_memory_within_the_budget_as_decode_slots_grow(budget):
+@pytest.mark.parametrize(("budget", "running"), [(9.0, 1), (10.0, 1), (12.0, 8)])
+def test_peak_reserved_memory_within_the_budget_as_decode_slots_grow(budget, running):
     """A fresh process (peak reserved memory is per process): the e64 35B shape offloaded within
     `budget` GiB (bf16 experts: 9 GiB holds top_k of them per layer only with 4096-token chunks;
-    8 GiB, with the decode graphs and staging rows, none: a `BudgetError`),
-    an 8K prefill, then a sequence decoded past the slots' first capacity."""
+    8 GiB, with the decode graphs and staging rows, none: a `BudgetError`), warmed up and decoding
+    `running` sequences in one step (8: wider than a graph holds), an 8K prefill, then a sequence
+    decoded past the slots' first capacity."""
     env = {**os.environ, "FT_MATERIALISE": "1", "FT_PREFILL_CHUNK": "4096" if budget < 10 else ""}
     proc = subprocess.run(
-        [sys.executable, "-c", PEAK_SCRIPT, str(budget)],
+        [sys.executable, "-c", PEAK_SCRIPT, str(budget), str(running)],
         capture_output=True,
         text=True,
         env=env,
