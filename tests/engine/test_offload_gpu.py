@@ -229,28 +229,30 @@ def test_decode_batches_wider_than_a_graph_holds_run_eagerly():
     """`--max-running 16` on the small preset (top-4 of 32 experts, 8 resident): the decode graphs hold
     up to 8 rows (32 assignments read in place), so warm-up captures those and a step of 12 sequences
     runs eagerly (its experts fetched), each sequence's logits its own as without offload (fp32)."""
+    from engine import Feed
+
+    prompts = [prompt(20 + 9 * i)[i:] for i in range(12)]
+    forced = [[700 + 13 * i + j for j in range(3)] for i in range(12)]
+    # first, as the other tests: an engine built beside the offloaded one would count against its budget
+    want = plain_runs("small", torch.float32, list(zip(prompts, forced, strict=True)))
     config, _, state_dict = materialise("small", "cpu", torch.float32)
     model = build_model(config, state_dict)
     p = plan(config, dense_bytes(model), 1 << 50, torch.float32, 16, starting_capacity(CUDA), chunk_tokens(CUDA))
     budget = (budget_for(config, p, 8) + SPARE * p.expert_bytes * p.layers + p.expert_bytes // 2) / GiB
     engine = Engine.offloaded(model, fingerprint(config, state_dict), CUDA, budget, 16)
-    assert not engine.offload.holds_all and engine.runner.graph_rows == 8
+    assert not engine.offload.holds_all and engine.runner.graph_rows == 8, engine.runner.graph_rows
     engine.runner.warmup(16, prefill=False)  # warm-up's graphs (its 8K-token chunk does not fit this budget)
-    assert {rows for kind, rows in engine.runner.graphs if kind == "decode"} == {1, 2, 4, 8}
-    prompts = [prompt(20 + 9 * i)[i:] for i in range(12)]
-    forced = [[700 + 13 * i + j for j in range(3)] for i in range(12)]
+    assert {rows for kind, rows in engine.runner.graphs if kind == "decode"} == {1, 2, 4, 8}, engine.runner.graphs
     states = [engine.new_state() for _ in prompts]
     for state, ids in zip(states, prompts, strict=True):
         engine.prefill(state, ids)
-    got = [[] for _ in prompts]
-    for step in range(3):  # 12 rows (eager), then 3 of them (the 4-row graph)
-        members = range(12) if step < 2 else range(3)
-        rows = engine.runner.decode([states[i] for i in members], [forced[i][step] for i in members])
-        for i, row in zip(members, rows, strict=True):
-            got[i].append(row.cpu())
-    del engine, model
-    want = plain_runs("small", torch.float32, [(p_, f[: len(g)]) for p_, f, g in zip(prompts, forced, got, strict=True)])
-    errors = [rel(torch.stack(g), w[1:]) for g, w in zip(got, want, strict=True)]
+    got: list[list[torch.Tensor]] = [[] for _ in prompts]
+    for step in range(3):  # 12 rows (eager), then 3 of them (the 4-row graph), as the scheduler steps them
+        feeds = {i: Feed(states[i], [forced[i][step]]) for i in (range(12) if step < 2 else range(3))}
+        engine.step([(feed, 1) for feed in feeds.values()])
+        for i, feed in feeds.items():
+            got[i].append(feed.result.logits.view(-1).cpu())
+    errors = [rel(torch.stack(g), w[1 : 1 + len(g)]) for g, w in zip(got, want, strict=True)]
     metric("offload_wide_batch_rel", max(errors))
     assert max(errors) <= FP32_TOL, errors
 
