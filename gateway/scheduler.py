@@ -6,8 +6,9 @@ token of every running task, then prefill chunks of the others, oldest first, wi
 token budget, so a new request's prefill starts at the next step instead of after the other
 sessions' answers. Requests beyond `max_running` wait in a queue (`Overloaded` past `max_queue`);
 one whose client left before it started is dropped; one that is not `ready` (what it restores is still
-on its way into the store) lets those behind it go first, so no wait of its blocks the worker. Background tasks (precompute) run only in
-steps with no live work. Plain jobs (`submit`) run alone between steps.
+on its way into the store) lets those behind it go first, so no wait of its blocks the worker.
+Background tasks (precompute) run only in steps with no live work. Plain jobs (`submit`) run alone
+between steps.
 
 Only this thread touches the engine; the event loop never blocks on model work.
 """
@@ -29,8 +30,8 @@ from gateway.metrics import Histogram
 
 log = logging.getLogger("gateway.scheduler")
 BACKGROUND_STEP_TOKENS = 1024  # tokens per step of background work (precompute): bounds the wait of a new request
-QUEUE_STEP_BUCKETS = (0, 1, 2, 4, 8, 16, 64)
-READY_POLL = 0.002  # seconds between asks of a waiting task's `ready` while the worker has nothing else  # engine steps a live request waited before it started (a histogram)
+QUEUE_STEP_BUCKETS = (0, 1, 2, 4, 8, 16, 64)  # engine steps a live request waited before it started (a histogram)
+READY_POLL = 0.002  # seconds between asks of a waiting task's `ready` while the worker has nothing else
 
 Steps = Generator[Feed, None, Any]
 
@@ -191,7 +192,9 @@ class Scheduler:
     def _admit(self) -> None:
         if any(t.finishing() for t in self._running):
             return
-        for task in list(self._waiting):
+        with self._wake:
+            waiting = list(self._waiting)
+        for task in waiting:
             if len(self._running) >= self.max_running:
                 break
             if not (task.cancelled or task.ready()):
