@@ -35,17 +35,21 @@ class LiveSequences:
     def take(self, chain: Sequence[bytes], ends: Sequence[int], deeper_than: int) -> SequenceState | None:
         """The deepest kept sequence at an anchor of `chain` past its first `deeper_than - 1`
         (as deep as what the store can restore, or deeper), handed over: the request moves it on."""
-        for i in range(len(chain) - 1, max(deeper_than - 1, 0) - 1, -1):
-            kept = self._by_anchor.get(chain[i])
-            if kept is not None and kept[0].length == ends[i]:
-                del self._by_anchor[chain[i]]
-                return kept[0]
-        return None
+        anchor = self._deepest(chain, ends, deeper_than)
+        return None if anchor is None else self._by_anchor.pop(anchor)[0]
 
     def holds(self, chain: Sequence[bytes], ends: Sequence[int]) -> bool:
         """Whether `take` would hand over a sequence of `chain` (at any depth)."""
-        return any((kept := self._by_anchor.get(a)) is not None and kept[0].length == end
-                   for a, end in zip(chain, ends, strict=False))  # fmt: skip
+        return self._deepest(chain, ends, 0) is not None
+
+    def _deepest(self, chain: Sequence[bytes], ends: Sequence[int], deeper_than: int) -> bytes | None:
+        """The anchor of the deepest kept sequence at an anchor of `chain` past its first
+        `deeper_than - 1`, at that anchor's end."""
+        for i in range(len(chain) - 1, max(deeper_than - 1, 0) - 1, -1):
+            kept = self._by_anchor.get(chain[i])
+            if kept is not None and kept[0].length == ends[i]:
+                return chain[i]
+        return None
 
     def take_rewind(self, anchor: bytes) -> SequenceState | None:
         """The newest kept sequence that may be rewound to `anchor` (its tokens run through it),

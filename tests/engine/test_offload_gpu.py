@@ -284,7 +284,7 @@ def test_35b_shape_offload_within_the_bf16_bound():
 
 PEAK_SCRIPT = """
 import json, sys, torch
-from engine import Engine
+from engine import Engine, Feed
 budget, running = float(sys.argv[1]), int(sys.argv[2])
 torch.cuda.reset_peak_memory_stats()
 engine = Engine.from_preset("qwen3.6-35b-a3b-e64", device="cuda", gpu_memory_gib=budget, max_running=running)
@@ -293,8 +293,8 @@ slots = engine.offload.plan.slots
 states = [engine.new_state() for _ in range(running)]
 for i, s in enumerate(states):
     engine.prefill(s, [3000 + 17 * i + j for j in range(50 + i)])
-for step in range(3):  # every sequence in one decode step: 8 rows (64 assignments) run eagerly
-    engine.runner.decode(states, [5 + step] * running)
+for step in range(3):  # every sequence in one decode step (as the scheduler steps them): 8 rows run eagerly
+    engine.step([(Feed(s, [5 + step]), 1) for s in states])
 del states
 state = engine.new_state()
 logits = engine.prefill(state, [1000 + i % 40000 for i in range(8192)]).logits  # 8K: a full chunk

@@ -36,6 +36,16 @@ def run(rt, segments) -> int:
     return rt.checkpoints.schedule_precompute(segments).result(timeout=300)
 
 
+def hold_first_segment_in_store(rt, segments, chain) -> threading.Event:
+    """The first segment's checkpoint captured and put in the store queue, its store held until the
+    returned event is set (as the previous answer's checkpoints on their way into a slow store)."""
+    first = segments[0].token_ids
+    captured = rt.scheduler.submit(lambda: rt.engine.prefill(rt.engine.new_state(), first, capture_at=[len(first)]))
+    stored = threading.Event()
+    rt.store_queue.put(chain[:1], None, [captured.result(timeout=60).snapshots[-1]], ready=stored.wait)
+    return stored
+
+
 def assert_admitted_within_one_step(rt) -> None:
     """A live request of three tokens, run to its logits, admitted at the engine step after its
     arrival (the scheduler's queue_steps histogram)."""
@@ -72,11 +82,7 @@ def test_precompute_waiting_for_its_prefix_to_be_stored_never_holds_up_a_request
     rt = runtime
     segments = long_history(rt, "other log")
     chain = anchor_chain(segments, rt.checkpoints.root)
-    first = segments[0].token_ids
-    captured = rt.scheduler.submit(lambda: rt.engine.prefill(rt.engine.new_state(), first, capture_at=[len(first)]))
-    snapshot = captured.result(timeout=60).snapshots[-1]
-    stored = threading.Event()
-    rt.store_queue.put(chain[:1], None, [snapshot], ready=stored.wait)  # held until `stored` is set
+    stored = hold_first_segment_in_store(rt, segments, chain)
     try:
         asked, live_waiting = threading.Event(), rt.scheduler.live_waiting
         monkeypatch.setattr(rt.scheduler, "live_waiting", lambda: asked.set() or live_waiting())  # a spy
@@ -122,11 +128,7 @@ def test_a_request_whose_prefix_is_being_stored_waits_in_the_queue_not_on_the_wo
     rt = runtime
     segments = long_history(rt, "fourth log")
     chain, ends = anchor_chain(segments, rt.checkpoints.root), boundaries(segments)
-    first = segments[0].token_ids
-    captured = rt.scheduler.submit(lambda: rt.engine.prefill(rt.engine.new_state(), first, capture_at=[len(first)]))
-    snapshot = captured.result(timeout=60).snapshots[-1]
-    stored = threading.Event()
-    rt.store_queue.put(chain[:1], None, [snapshot], ready=stored.wait)  # held until `stored` is set
+    stored = hold_first_segment_in_store(rt, segments, chain)
 
     def restoring():
         state, cached = rt.checkpoints.restore(chain[:1], ends)
