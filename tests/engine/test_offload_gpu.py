@@ -58,9 +58,11 @@ def held(engine: Engine, when: str) -> None:
 
 def release() -> None:
     """Engines gone (their offload's finalizer lifts the allocator cap, `ExpertOffload.cap`), their
-    cached blocks back to the device."""
+    cached blocks back to the device, and the cap lifted here too: a failed test's traceback keeps its
+    offloaded engine alive, and its cap would fail every later test's reference engine."""
     gc.collect()
     torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(1.0)
 
 
 def on_plain(preset: str, dtype: torch.dtype, work: Callable[[Engine], T]) -> T:
@@ -89,15 +91,15 @@ def one_pass(engine: Engine, ids: list[int]) -> torch.Tensor:
 SPARE = 6
 
 
-def offloaded(preset: str, dtype: torch.dtype, slots: int, spare: int = SPARE) -> Engine:
+def offloaded(preset: str, dtype: torch.dtype, slots: int, spare: int = SPARE, running: int = 1) -> Engine:
     """The preset on the GPU with about `slots` experts per layer resident (a budget for `spare` more; what
-    warm-up leaves is asserted by the caller)."""
+    warm-up leaves is asserted by the caller), decode slots for `running` sequences."""
     config, _, state_dict = materialise(preset, "cpu", dtype)
     model = build_model(config, state_dict)
-    p = plan(config, dense_bytes(model), 1 << 50, dtype, 1, starting_capacity(CUDA), chunk_tokens(CUDA))
+    p = plan(config, dense_bytes(model), 1 << 50, dtype, running, starting_capacity(CUDA), chunk_tokens(CUDA))
     # budget_for: with the stream buffers `plan` reserves below half the experts
     budget = (budget_for(config, p, slots) + spare * p.expert_bytes * p.layers + p.expert_bytes // 2) / GiB
-    engine = Engine.offloaded(model, fingerprint(config, state_dict), CUDA, budget, 1)
+    engine = Engine.offloaded(model, fingerprint(config, state_dict), CUDA, budget, running)
     # of `ft serve`'s warm-up, what fits these small budgets (its full 8K-token chunk does not): what a short
     # chunk allocates (`Plan.small`, each forward's workspace from it); the policy stays the link's estimate,
     # so that each test's chunk lengths choose its path (measured, chunks of ~9 tokens streamed on the H200)
@@ -235,11 +237,9 @@ def test_decode_batches_wider_than_a_graph_holds_run_eagerly():
     forced = [[700 + 13 * i + j for j in range(3)] for i in range(12)]
     # first, as the other tests: an engine built beside the offloaded one would count against its budget
     want = plain_runs("small", torch.float32, list(zip(prompts, forced, strict=True)))
-    config, _, state_dict = materialise("small", "cpu", torch.float32)
-    model = build_model(config, state_dict)
-    p = plan(config, dense_bytes(model), 1 << 50, torch.float32, 16, starting_capacity(CUDA), chunk_tokens(CUDA))
-    budget = (budget_for(config, p, 8) + SPARE * p.expert_bytes * p.layers + p.expert_bytes // 2) / GiB
-    engine = Engine.offloaded(model, fingerprint(config, state_dict), CUDA, budget, 16)
+    # what a short chunk allocates measured first (`offloaded`), while the budget still has a full chunk's
+    # room: uncalibrated, each prefill would keep that room free beside the graphs' pools (0.2 GiB over)
+    engine = offloaded("small", torch.float32, slots=8, running=16)
     assert not engine.offload.holds_all and engine.runner.graph_rows == 8, engine.runner.graph_rows
     engine.runner.warmup(16, prefill=False)  # warm-up's graphs (its 8K-token chunk does not fit this budget)
     assert {rows for kind, rows in engine.runner.graphs if kind == "decode"} == {1, 2, 4, 8}, engine.runner.graphs
@@ -265,7 +265,7 @@ def test_35b_shape_offload_within_the_bf16_bound():
     config, _, sd32 = materialise("qwen3.6-35b-a3b-e64", "cpu", torch.float32)
     fp = fingerprint(config, sd32)
     ids, forced = prompt(1024), list(range(900, 916))
-
+    release()  # an earlier test's offloaded engine, with its cap, may still await collection
     exact = one_pass(Engine(place(build_model(config, sd32), CUDA), fp), ids + forced)
     release()
     sd16 = {name: t.to(torch.bfloat16) for name, t in sd32.items()}
