@@ -61,6 +61,8 @@
 #       offload-8  the random Q4_K_M at 8 GiB with the replay (24 requests, anchor and prefix), no profiles;
 #                  $OFFLOAD_STEP_LOG=MS logs its slow prefill forwards (bench/offload.py --step-log), $OFFLOAD_POLICIES
 #                  its policies (default anchor,prefix; with FT_ROUTED_PIECES=1, anchor:streamed is its baseline)
+#       offload-12-24  the random Q4_K_M at 12 and 24 GiB, no replay, no profiles
+#       offload-long  one $LONG_CONTEXT-token (default 32768) prefill at 8 GiB, no replay
 #       offload-llama  llama-server --n-cpu-moe on the same file and requests
 #       q4-variants  our Q4_K_M's decode per GEMV launch setting ($GEMV_VARIANTS, bench/quant.py --gemv-variants)
 #       slot-seed  the graphed slot prefill's bf16 test at one seed ($FT_TEST_SEED), shared expert folded and apart
@@ -119,7 +121,7 @@ steps)
   }
   builder=
   gguf=
-  if [[ " $2 " =~ \ (offload|offload-8|offload-profile|q4|q4-decode|q4-variants|q4-llama|wide-off|q8x|fold|base|fused-deltanet-q4)\  ]]; then # the random Q4_K_M (~21 GB, CPU-bound) meanwhile
+  if [[ " $2 " =~ \ (offload|offload-8|offload-12-24|offload-long|offload-profile|q4|q4-decode|q4-variants|q4-llama|wide-off|q8x|fold|base|fused-deltanet-q4)\  ]]; then # the random Q4_K_M (~21 GB, CPU-bound) meanwhile
     (python3 -c "from peer.gguf_random import random_gguf; from peer.llama_server import PEER_HOME; \
 print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=$?") &
     gguf=$!
@@ -253,6 +255,16 @@ batched_decode or padded_batch or rewound or spans or several or rounds or slabs
       wait $gguf 2>/dev/null
       step offload-8 python3 bench/offload.py --preset $P --q4-k-m --budgets 8 --limit 24 --policies ${OFFLOAD_POLICIES:-anchor,prefix} \
         ${OFFLOAD_STEP_LOG:+--step-log $OFFLOAD_STEP_LOG} --json $O/offload-8.json
+      ;;
+    offload-12-24)  # the 12 and 24 GiB budgets alone: speed, cache and link, no replay, no profiles
+      wait $gguf 2>/dev/null
+      step offload-12-24 python3 bench/offload.py --preset $P --q4-k-m --budgets 12,24 --no-replay \
+        --json $O/offload-12-24.json
+      ;;
+    offload-long)  # one ${LONG_CONTEXT:-32768}-token prefill at 8 GiB: what a long re-prefill costs under offload
+      wait $gguf 2>/dev/null
+      step offload-long python3 bench/offload.py --preset $P --q4-k-m --budgets 8 --no-replay \
+        --context ${LONG_CONTEXT:-32768} --decode-steps 8 --json $O/offload-long.json
       ;;
     offload-llama)
       wait $builder 2>/dev/null
