@@ -63,6 +63,8 @@
 #                  its policies (default anchor,prefix; with FT_ROUTED_PIECES=1, anchor:streamed is its baseline)
 #       offload-12-24  the random Q4_K_M at 12 and 24 GiB, no replay, no profiles
 #       offload-long  one $LONG_CONTEXT-token (default 32768) prefill at 8 GiB, no replay
+#       offload-captures  what capture points cost a prefill at 8 GiB, snapshots freed at once and held
+#                  (bench/offload_captures.py --hold 0, 4)
 #       offload-llama  llama-server --n-cpu-moe on the same file and requests
 #       q4-variants  our Q4_K_M's decode per GEMV launch setting ($GEMV_VARIANTS, bench/quant.py --gemv-variants)
 #       slot-seed  the graphed slot prefill's bf16 test at one seed ($FT_TEST_SEED), shared expert folded and apart
@@ -121,7 +123,7 @@ steps)
   }
   builder=
   gguf=
-  if [[ " $2 " =~ \ (offload|offload-8|offload-12-24|offload-long|offload-profile|q4|q4-decode|q4-variants|q4-llama|wide-off|q8x|fold|base|fused-deltanet-q4)\  ]]; then # the random Q4_K_M (~21 GB, CPU-bound) meanwhile
+  if [[ " $2 " =~ \ (offload|offload-8|offload-12-24|offload-long|offload-captures|offload-profile|q4|q4-decode|q4-variants|q4-llama|wide-off|q8x|fold|base|fused-deltanet-q4)\  ]]; then # the random Q4_K_M (~21 GB, CPU-bound) meanwhile
     (python3 -c "from peer.gguf_random import random_gguf; from peer.llama_server import PEER_HOME; \
 print(random_gguf('$P', PEER_HOME / 'models'))" >$O/gguf.log 2>&1; log "gguf rc=$?") &
     gguf=$!
@@ -266,6 +268,12 @@ batched_decode or padded_batch or rewound or spans or several or rounds or slabs
       step offload-long python3 bench/offload.py --preset $P --q4-k-m --budgets 8 --no-replay \
         --context ${LONG_CONTEXT:-32768} --decode-steps 8 --json $O/offload-long.json
       ;;
+    offload-captures)  # a prefill at 8 GiB with no, KV-only and state captures; snapshots freed at once, then held
+      wait $gguf 2>/dev/null
+      for hold in 0 4; do
+        step offload-captures-hold$hold python3 bench/offload_captures.py --q4-k-m --budget 8 --tokens 2800 \
+          --captures 4 --hold $hold --json $O/offload-captures-hold$hold.json
+      done ;;
     offload-llama)
       wait $builder 2>/dev/null
       step offload-llama python3 bench/offload.py --preset $P --q4-k-m --budgets '' --limit 24 --llama-server \

@@ -4,9 +4,11 @@ replays the anchor policy's 3,838-token suffix took 513-643 ms against prefix's 
 same tokens and link bytes. This times one prefill of `--tokens` tokens three ways, alternating, on
 fresh sequences: no captures, `--captures` KV-only captures, the same positions with their states.
 Per run: wall time, the CUDA allocator's retries (a capped allocator freeing its cache mid-forward
-synchronises the device) and the expert slots before and after.
+synchronises the device) and the expert slots before and after. `--hold N` keeps the last N runs'
+snapshots alive, as the server's store queue holds a request's until it has packed them: their
+pinned slabs cannot be cut again, so later captures pin new ones (engine/ops/gpu/transfer.py).
 
-    FT_MATERIALISE=1 python bench/offload_captures.py --q4-k-m --budget 8 --tokens 2800 --captures 4
+    FT_MATERIALISE=1 python bench/offload_captures.py --q4-k-m --budget 8 --tokens 2800 --captures 4 [--hold 2]
     python bench/offload_captures.py --preset tiny --device cpu --budget 0.148 --tokens 200   # CPU smoke
 """
 
@@ -38,6 +40,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=2800)
     p.add_argument("--captures", type=int, default=4)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--hold", type=int, default=0, help="runs whose snapshots stay alive (0: each freed at once)")
     p.add_argument("--json", default="bench/offload_captures.json")
     args = p.parse_args()
 
@@ -51,21 +54,22 @@ def main() -> None:
     ids = ids_for(args.tokens)
     positions = [args.tokens * (i + 1) // (args.captures + 1) for i in range(args.captures)]
     kinds = {"none": ([], None), "kv-only": (positions, set()), "states": (positions, None)}
-    rows = []
+    rows, held = [], []
     for rep in range(args.reps + 1):  # the first round untimed in the summary (first calls)
         for kind, (capture_at, state_at) in kinds.items():
             state = engine.new_state()
             slots, before = engine.offload.plan.slots, retries(args.device)
             sync(args.device)
             start = time.perf_counter()
-            engine.prefill(state, ids, capture_at=capture_at, state_at=state_at)
+            result = engine.prefill(state, ids, capture_at=capture_at, state_at=state_at)
             sync(args.device)
             ms = (time.perf_counter() - start) * 1e3
             row = {"rep": rep, "kind": kind, "ms": round(ms, 1), "alloc_retries": retries(args.device) - before,
                    "slots": [slots, engine.offload.plan.slots]}  # fmt: skip
             print(json.dumps(row), flush=True)
             rows.append(row)
-            del state
+            held = [*held, result.snapshots][-args.hold :] if args.hold else []
+            del state, result
     timed = [r for r in rows if r["rep"] > 0]
     summary = {kind: sorted(r["ms"] for r in timed if r["kind"] == kind) for kind in kinds}
     print("median ms:", {kind: ms[len(ms) // 2] for kind, ms in summary.items()})
