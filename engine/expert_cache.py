@@ -388,9 +388,7 @@ class ExpertCache:
         resident = [e for e in needed if self.slot_of[e] >= 0]
         misses = [e for e in needed if self.slot_of[e] < 0]
         on_host = self.split(misses, counts)
-        self.stats.hits += len(resident)
-        self.stats.fetched += len(misses) - len(on_host)
-        self.stats.on_host += len(on_host)
+        self.stats.count(len(resident), fetched=len(misses) - len(on_host), on_host=len(on_host))
         ordered = resident + [e for e in misses if e not in on_host]
         size = self.slots if len(ordered) <= self.slots else max(1, self.slots // 2)
         return [ordered[i : i + size] for i in range(0, len(ordered), size)], on_host

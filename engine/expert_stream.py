@@ -126,8 +126,7 @@ class ExpertStream:
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         resident = sum(e >= 0 for e in cache.expert_in)
         # counted as needed: a long chunk routes to nearly every expert (its routing is not read back)
-        self.stats.hits += resident
-        self.stats.fetched += cache.num_experts - resident
+        self.stats.count(resident, fetched=cache.num_experts - resident)
         if resident:
             out += moe_experts(x, weights, slot, *cache.weights, partial=True).float()
         for start, _ in self.ranges:

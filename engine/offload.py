@@ -239,7 +239,9 @@ class OffloadStats:
     assignment); experts copied into slots or stream buffers for any reason (misses: prefetches,
     refreshes and whole stream pieces included), experts evicted, and bytes moved host -> device
     (copied or read in place) with the tokens and forwards of each phase. A hit ratio is hits over
-    hits + fetched + on_host + mapped (`hit_ratio`)."""
+    hits + fetched + on_host + mapped (`hit_ratio`), overall or of one phase (`count` keeps the
+    hits and the experts needed per phase: a streamed prefill counts every resident expert as a
+    hit, so decode's ratio, the cache's measure, is apart)."""
 
     hits: int = 0
     fetched: int = 0
@@ -250,7 +252,19 @@ class OffloadStats:
     bytes_in: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
     tokens: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
     forwards: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+    phase_hits: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+    phase_needed: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
     phase: str = "prefill"
+
+    def count(self, hits: int, fetched: int = 0, on_host: int = 0, mapped: int = 0, phase: str | None = None) -> None:
+        """Experts a layer needed: `hits` found resident, the others fetched for it, computed on the
+        host or read in place; counted for `phase` (default: the current one) too."""
+        self.hits, self.fetched, self.on_host, self.mapped = (
+            self.hits + hits, self.fetched + fetched, self.on_host + on_host, self.mapped + mapped
+        )
+        phase = phase or self.phase
+        self.phase_hits[phase] += hits
+        self.phase_needed[phase] += hits + fetched + on_host + mapped
 
     def as_dict(self) -> dict[str, int]:
         out = {
@@ -261,16 +275,20 @@ class OffloadStats:
             "mapped": self.mapped,
             "evictions": self.evictions,
         }
-        for name in ("bytes_in", "tokens", "forwards"):
+        for name in ("bytes_in", "tokens", "forwards", "phase_hits", "phase_needed"):
             out.update({f"{name}_{phase}": n for phase, n in getattr(self, name).items()})
         return out
 
 
-def hit_ratio(counts: dict[str, int]) -> float | None:
+def hit_ratio(counts: dict[str, int], phase: str | None = None) -> float | None:
     """Of every expert a forward needed (`OffloadStats.as_dict`'s counts, or differences of them),
-    the share found resident; None when none was needed."""
-    needed = sum(counts[k] for k in ("hits", "fetched", "on_host", "mapped"))
-    return counts["hits"] / needed if needed else None
+    in every phase or in `phase` ("prefill", "decode"), the share found resident; None when none
+    was needed."""
+    if phase is not None:
+        hits, needed = counts[f"phase_hits_{phase}"], counts[f"phase_needed_{phase}"]
+    else:
+        hits, needed = counts["hits"], sum(counts[k] for k in ("hits", "fetched", "on_host", "mapped"))
+    return hits / needed if needed else None
 
 
 @dataclass(frozen=True)
@@ -546,8 +564,7 @@ class ExpertOffload:
         delta, self.seen = counts - self.seen, counts.copy()
         uses, hits = delta[:, 0].sum(), delta[:, 1].sum()
         s = self.stats
-        s.hits += int(hits)
-        s.mapped += int(uses - hits)
+        s.count(int(hits), mapped=int(uses - hits), phase=phase)
         s.bytes_in[phase] += int(uses - hits) * self.plan.expert_bytes
         if refresh:
             for cache, uses_of in zip(self.order, delta[:, 0], strict=True):

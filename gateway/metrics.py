@@ -70,7 +70,10 @@ class Metrics:
             # place from host memory (mapped) or computed there (on_host); misses count every copy into a slot
             # or stream buffer (prefetches and refreshes too)
             lines += ["# TYPE ft_expert_cache_hit_ratio gauge",
-                      f"ft_expert_cache_hit_ratio {hit_ratio(expert_cache) or 0.0:.6f}"]
+                      f"ft_expert_cache_hit_ratio {hit_ratio(expert_cache) or 0.0:.6f}",
+                      "# TYPE ft_expert_cache_phase_hit_ratio gauge"]  # decode's apart: a streamed prefill hits every resident expert
+            lines += [f'ft_expert_cache_phase_hit_ratio{{phase="{p}"}} {hit_ratio(expert_cache, p) or 0.0:.6f}'
+                      for p in ("prefill", "decode")]  # fmt: skip
             lines += ["# TYPE ft_expert_cache_hits_total counter", f"ft_expert_cache_hits_total {expert_cache['hits']}",
                       "# TYPE ft_expert_cache_fetched_total counter", f"ft_expert_cache_fetched_total {expert_cache['fetched']}",
                       "# TYPE ft_expert_cache_misses_total counter", f"ft_expert_cache_misses_total {expert_cache['misses']}",

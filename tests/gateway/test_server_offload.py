@@ -61,6 +61,12 @@ def test_offloaded_server_answers_as_without(live_server, offloaded):
     assert 0 < fetched <= misses  # what the forwards fetched; the refreshes' swaps are copies too
     assert _metric(offloaded, "ft_expert_cache_on_host_total") == 0  # the CPU simulation copies every miss
     assert _metric(offloaded, "ft_expert_cache_hit_ratio") == pytest.approx(hits / (hits + fetched + mapped), abs=1e-6)
+    stats = engine.offload_stats()  # per phase: decode read its misses in place, prefill copied them
+    for phase in ("prefill", "decode"):
+        ratio = stats[f"phase_hits_{phase}"] / stats[f"phase_needed_{phase}"]
+        assert _metric(offloaded, f'ft_expert_cache_phase_hit_ratio{{phase="{phase}"}}') == pytest.approx(ratio, abs=1e-6)
+    assert stats["phase_needed_prefill"] + stats["phase_needed_decode"] == hits + fetched + mapped
+    assert stats["phase_hits_prefill"] + stats["phase_hits_decode"] == hits
     expert = engine.offload.plan.expert_bytes
     assert _moved(offloaded) == (misses + mapped) * expert
     assert _metric(offloaded, 'ft_memory_bytes{part="expert_cache"}') == engine.offload.nbytes
