@@ -259,9 +259,10 @@ class OffloadStats:
     def count(self, hits: int, fetched: int = 0, on_host: int = 0, mapped: int = 0, phase: str | None = None) -> None:
         """Experts a layer needed: `hits` found resident, the others fetched for it, computed on the
         host or read in place; counted for `phase` (default: the current one) too."""
-        self.hits, self.fetched, self.on_host, self.mapped = (
-            self.hits + hits, self.fetched + fetched, self.on_host + on_host, self.mapped + mapped
-        )
+        self.hits += hits
+        self.fetched += fetched
+        self.on_host += on_host
+        self.mapped += mapped
         phase = phase or self.phase
         self.phase_hits[phase] += hits
         self.phase_needed[phase] += hits + fetched + on_host + mapped
