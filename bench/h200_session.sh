@@ -60,7 +60,9 @@
 #       offload    the random Q4_K_M at 8 GiB with the replay (24 requests), at 12 and 24 GiB without; profiles
 #       offload-8  the random Q4_K_M at 8 GiB with the replay (24 requests, anchor and prefix), no profiles;
 #                  $OFFLOAD_STEP_LOG=MS logs its slow prefill forwards (bench/offload.py --step-log), $OFFLOAD_POLICIES
-#                  its policies (default anchor,prefix; with FT_ROUTED_PIECES=1, anchor:streamed is its baseline)
+#                  its policies (default anchor,prefix; with FT_ROUTED_PIECES=1, anchor:streamed is its baseline),
+#                  $OFFLOAD_TRACES its traces (default the committed recording), $OFFLOAD_LIMIT requests a trace (24;
+#                  e.g. OFFLOAD_TRACES=traces/sessions/feature-medium.codex.jsonl OFFLOAD_LIMIT=72: user turns at 28-66K)
 #       offload-12-24  the random Q4_K_M at 12 and 24 GiB, no replay, no profiles
 #       offload-long  one $LONG_CONTEXT-token (default 32768) prefill at 8 GiB, no replay
 #       offload-captures  what capture points cost a prefill at 8 GiB, snapshots freed at once and held
@@ -255,7 +257,8 @@ batched_decode or padded_batch or rewound or spans or several or rounds or slabs
       ;;
     offload-8)
       wait $gguf 2>/dev/null
-      step offload-8 python3 bench/offload.py --preset $P --q4-k-m --budgets 8 --limit 24 --policies ${OFFLOAD_POLICIES:-anchor,prefix} \
+      step offload-8 python3 bench/offload.py --preset $P --q4-k-m --budgets 8 --limit ${OFFLOAD_LIMIT:-24} \
+        --policies ${OFFLOAD_POLICIES:-anchor,prefix} ${OFFLOAD_TRACES:+--traces $OFFLOAD_TRACES} \
         ${OFFLOAD_STEP_LOG:+--step-log $OFFLOAD_STEP_LOG} --json $O/offload-8.json
       ;;
     offload-12-24)  # the 12 and 24 GiB budgets alone: speed, cache and link, no replay, no profiles
