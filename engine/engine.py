@@ -563,6 +563,7 @@ class _StepTimer:
         self.parts: dict[str, float] = {}
         self.slots = engine.offload.plan.slots if engine.offload is not None else None
         self.link = engine.link_bytes(counted=False) or 0
+        self.stalls = self._stalls()
 
     def mark(self, name: str) -> None:
         now = time.perf_counter()
@@ -580,8 +581,21 @@ class _StepTimer:
         extra = f"; link {((self.engine.link_bytes(counted=False) or 0) - self.link) / 2**20:,.1f} MiB"
         if self.engine.offload is not None:
             extra += f", expert slots {self.slots} -> {self.engine.offload.plan.slots}"
+        if self.engine.runtime is not None:
+            (retries, slabs), (retries_after, slabs_after) = self.stalls, self._stalls()
+            extra += f", allocator retries {retries_after - retries}, capture slabs {slabs} -> {slabs_after}"
         log.info("prefill forward of %d tokens (%d sequences, %d captures): %.1f ms (%s)%s",
                  tokens, sequences, captures, total, parts, extra)  # fmt: skip
+
+
+    def _stalls(self) -> tuple[int, int]:
+        """On a GPU, two host waits a forward can hide: the CUDA allocator's retries (each frees its
+        cached blocks, synchronising the device) and the pinned slabs captures are cut from (each new
+        one pinned at ~2 GB/s, engine/ops/gpu/transfer.py)."""
+        runtime = self.engine.runtime
+        if runtime is None:
+            return 0, 0
+        return torch.cuda.memory_stats(self.engine.device).get("num_alloc_retries", 0), len(runtime.transfers.slabs.slabs)
 
 
 def chunk_tokens(device: torch.device) -> int:
