@@ -113,7 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-log", type=count, metavar="MS",
                         help="log every engine step slower than MS (engine, resuming its requests, the worker's time "
                              "before it) and every prefill forward slower than MS (host time by part, then the "
-                             "device's rest: a sync per forward, so a diagnostic, not for serving)")
+                             "device's rest; on a GPU also its allocator retries and capture slabs pinned: a sync "
+                             "per forward, so a diagnostic, not for serving)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
