@@ -71,10 +71,11 @@ def main() -> None:
             held = [*held, result.snapshots][-args.hold :] if args.hold else []
             del state, result
     timed = [r for r in rows if r["rep"] > 0]
-    summary = {kind: sorted(r["ms"] for r in timed if r["kind"] == kind) for kind in kinds}
-    print("median ms:", {kind: ms[len(ms) // 2] for kind, ms in summary.items()})
-    Path(args.json).write_text(json.dumps({"args": vars(args), "positions": positions, "rows": rows,
-                                           "median_ms": {k: v[len(v) // 2] for k, v in summary.items()}}, indent=1))  # fmt: skip
+    medians = {kind: sorted(r["ms"] for r in timed if r["kind"] == kind) for kind in kinds}
+    medians = {kind: ms[len(ms) // 2] for kind, ms in medians.items()}
+    print("median ms:", medians)
+    Path(args.json).write_text(json.dumps({"args": vars(args), "positions": positions, "rows": rows, "median_ms": medians},
+                                          indent=1))  # fmt: skip
 
 
 if __name__ == "__main__":
