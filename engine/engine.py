@@ -587,15 +587,13 @@ class _StepTimer:
         log.info("prefill forward of %d tokens (%d sequences, %d captures): %.1f ms (%s)%s",
                  tokens, sequences, captures, total, parts, extra)  # fmt: skip
 
-
     def _stalls(self) -> tuple[int, int]:
         """On a GPU, two host waits a forward can hide: the CUDA allocator's retries (each frees its
-        cached blocks, synchronising the device) and the pinned slabs captures are cut from (each new
-        one pinned at ~2 GB/s, engine/ops/gpu/transfer.py)."""
+        cached blocks, synchronising the device) and the pinned slabs captures are cut from."""
         runtime = self.engine.runtime
         if runtime is None:
             return 0, 0
-        return torch.cuda.memory_stats(self.engine.device).get("num_alloc_retries", 0), len(runtime.transfers.slabs.slabs)
+        return torch.cuda.memory_stats(self.engine.device).get("num_alloc_retries", 0), runtime.capture_slabs
 
 
 def chunk_tokens(device: torch.device) -> int:

@@ -243,7 +243,6 @@ class OffloadStats:
     hits and the experts needed per phase: a streamed prefill counts every resident expert as a
     hit, so decode's ratio, the cache's measure, is apart)."""
 
-    hits: int = 0
     fetched: int = 0
     misses: int = 0
     on_host: int = 0
@@ -256,10 +255,13 @@ class OffloadStats:
     phase_needed: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
     phase: str = "prefill"
 
+    @property
+    def hits(self) -> int:
+        return sum(self.phase_hits.values())
+
     def count(self, hits: int, fetched: int = 0, on_host: int = 0, mapped: int = 0, phase: str | None = None) -> None:
         """Experts a layer needed: `hits` found resident, the others fetched for it, computed on the
         host or read in place; counted for `phase` (default: the current one) too."""
-        self.hits += hits
         self.fetched += fetched
         self.on_host += on_host
         self.mapped += mapped

@@ -66,7 +66,6 @@ def test_offloaded_server_answers_as_without(live_server, offloaded):
         ratio = stats[f"phase_hits_{phase}"] / stats[f"phase_needed_{phase}"]
         assert _metric(offloaded, f'ft_expert_cache_phase_hit_ratio{{phase="{phase}"}}') == pytest.approx(ratio, abs=1e-6)
     assert stats["phase_needed_prefill"] + stats["phase_needed_decode"] == hits + fetched + mapped
-    assert stats["phase_hits_prefill"] + stats["phase_hits_decode"] == hits
     expert = engine.offload.plan.expert_bytes
     assert _moved(offloaded) == (misses + mapped) * expert
     assert _metric(offloaded, 'ft_memory_bytes{part="expert_cache"}') == engine.offload.nbytes
