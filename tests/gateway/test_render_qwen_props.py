@@ -17,10 +17,13 @@ TOK = QwenTokenizer()
 RENDERER = QwenRenderer(TOK)
 ROOT = root_anchor("fp", RENDERER.template_id)
 
+MARKUP = ["<think>", "</think>", "<tool_call>"]
 words = st.sampled_from(
-    ["hello", " world", "\n", "\n\n", "  ", ".", "...", ">", "<", "</", "\t", "é", "漢字", "🦜", "123", "'s", "\r\n",
-     "<think>", "</think>", "<tool_call>", "x=1;", "`code`", " \n ", "—"]
-)  # fmt: skip
+    [
+        *["hello", " world", "\n", "\n\n", "  ", ".", "...", ">", "<", "</", "\t", "é", "漢字", "🦜", "123", "'s"],
+        *["\r\n", *MARKUP, "<|im_start|>", "<|im_end|>", "x=1;", "`code`", " \n ", "—", "\ufdd0"],
+    ]
+)
 texts = st.lists(words, max_size=8).map("".join)
 values = st.recursive(
     st.none() | st.booleans() | st.integers(-5, 500) | st.floats(-10, 10, allow_nan=False) | texts,
@@ -66,9 +69,50 @@ def conversations(draw) -> Conversation:
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(conversations())
 def test_generated_conversations(conv):
+    """The model sees the template's text; its special-token ids are the template's markup only
+    (and the model's own markup in assistant messages); content without special-token text
+    tokenizes as the whole text does."""
     text = RENDERER.render_text(conv)
     assert text == jinja_text(conv)
-    assert segment_ids(RENDERER.render(conv)) == TOK.encode(text)
+    ids = segment_ids(RENDERER.render(conv))
+    assert TOK.decode(ids) == text
+    markup = TOK.encode(jinja_text(neutral(conv)))
+    specials = set(TOK.special_ids.values())
+    assert [i for i in ids if i in specials] == [i for i in markup if i in specials]
+    if neutral(conv) == conv:
+        assert ids == TOK.encode(text)
+
+
+def neutral(conv: Conversation) -> Conversation:
+    """`conv` with special-token text in its content replaced by plain text, except the model's
+    markup in assistant content and reasoning."""
+
+    def plain(text: str, answer: bool = False) -> str:
+        for s in ("<|im_start|>", "<|im_end|>") if answer else ("<|im_start|>", "<|im_end|>", *MARKUP):
+            text = text.replace(s, "x")
+        return text
+
+    def value(v):
+        if isinstance(v, str):
+            return plain(v)
+        if isinstance(v, dict):
+            return {k: value(x) for k, x in v.items()}
+        return [value(x) for x in v] if isinstance(v, list) else v
+
+    def message(m: Message) -> Message:
+        answer = m.role == "assistant"
+        calls = tuple(ToolCall(id=c.id, name=c.name, arguments=value(c.arguments)) for c in m.tool_calls)
+        return Message(
+            role=m.role, content=plain(m.content, answer), reasoning=plain(m.reasoning, answer),
+            tool_calls=calls, tool_call_id=m.tool_call_id,
+        )
+
+    return Conversation(
+        system=tuple(map(plain, conv.system)),
+        tools=tuple(Tool(name=t.name, description=plain(t.description)) for t in conv.tools),
+        messages=tuple(map(message, conv.messages)),
+        params=conv.params,
+    )
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
