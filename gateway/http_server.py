@@ -8,6 +8,11 @@
   accept loop never meets EMFILE in normal operation;
 - if it does (other files use the descriptors), asyncio's per-failure traceback becomes one
   warning a minute;
+- a request whose framing is ambiguous (both `Content-Length` and `Transfer-Encoding`, or
+  `Transfer-Encoding` on HTTP/1.0) is answered 400 and its connection closed before anything
+  after it is read (RFC 9112 section 6.1: behind a proxy, the bytes after it could be a smuggled
+  request); h11 itself refuses the other invalid framings (bad or conflicting lengths, codings
+  other than chunked) the same way;
 - on SIGTERM or Ctrl-C the app's `Drain` (gateway/drain.py) begins before connections close,
   and answers still running get `shutdown_grace_s` seconds.
 
@@ -96,8 +101,32 @@ def connection_cap(wanted: int) -> int:
     return max(1, min(wanted, soft - open_files() - FD_RESERVE))
 
 
+def framing_error(request: h11.Request) -> str | None:
+    """Why the request's body length is ambiguous (RFC 9112 section 6.1), or None."""
+    names = {name.lower() for name, _ in request.headers}
+    if b"transfer-encoding" not in names:
+        return None
+    if b"content-length" in names:
+        return "both Content-Length and Transfer-Encoding"
+    if request.http_version == b"1.0":
+        return "Transfer-Encoding in an HTTP/1.0 request"
+    return None
+
+
+class StrictFraming(h11.Connection):
+    """h11's server connection that refuses a request with ambiguous framing as a protocol error
+    (uvicorn then answers 400 and closes the connection, reading nothing after it)."""
+
+    def next_event(self):  # type: ignore[override]
+        event = super().next_event()
+        if isinstance(event, h11.Request) and (why := framing_error(event)) is not None:
+            raise h11.RemoteProtocolError(f"invalid request framing: {why}")
+        return event
+
+
 class GuardedH11(H11Protocol):
-    """uvicorn's h11 protocol with read deadlines and a connection cap (set by `guarded_protocol`)."""
+    """uvicorn's h11 protocol with read deadlines, a connection cap (set by `guarded_protocol`) and
+    strict request framing."""
 
     limits: ServerLimits = ServerLimits()
     max_connections: int = ServerLimits.max_connections
@@ -106,6 +135,10 @@ class GuardedH11(H11Protocol):
     rejected = False
     _deadline: asyncio.TimerHandle | None = None
     _reading: str | None = None  # "head" | "body" while a deadline runs
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.conn = StrictFraming(h11.SERVER, self.conn._max_incomplete_event_size)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         if len(self.connections) >= self.max_connections:
