@@ -88,6 +88,20 @@ def too_deep(value: object, limit: int) -> bool:
     return False
 
 
+MAX_TOKENS_FIELDS = ("max_completion_tokens", "max_output_tokens", "max_tokens")  # as the protocols read them
+
+
+def check_max_tokens(body: dict, max_tokens: int | None, max_context: int) -> None:
+    """A limit above the most output the context allows (one prompt token) is a 400 naming its field, as
+    OpenAI and Anthropic answer a `max_tokens` above a model's output limit; a smaller one that the
+    prompt leaves no room for is clamped to what remains (the plan's limits)."""
+    most = max_context - 1
+    if max_tokens is None or max_tokens <= most:
+        return
+    field = next((f for f in MAX_TOKENS_FIELDS if f in body), "max_tokens")
+    raise BadRequest(field, f"is too large: this model's context allows at most {most} output tokens")
+
+
 async def generate(request: Request, protocol: Protocol) -> Response:
     """A raised error becomes the protocol's error JSON (gateway/errors.py `handle_error`)."""
     rt: Runtime = request.app.state.runtime
@@ -97,6 +111,7 @@ async def generate(request: Request, protocol: Protocol) -> Response:
     drain.check()
     body = await read_json(request, body_limit(rt))
     conv = protocol.parse(body)
+    check_max_tokens(body, conv.params.max_tokens, rt.engine.max_context)
     plan = await anyio.to_thread.run_sync(rt.planner.plan, conv)
     run = _Run(rt, plan, protocol, received, drain, request)
     first = await run.first()
@@ -108,7 +123,7 @@ async def generate(request: Request, protocol: Protocol) -> Response:
     }
     if first.link_bytes is not None:
         headers["x-link-bytes"] = str(first.link_bytes)
-    model = conv.model or rt.model_id
+    model = rt.model_id  # the served name, never the client's text (any name the client sends is served)
     if conv.params.stream:
         run.stop_watching()  # the streaming response listens for the disconnect itself
         rt.metrics.request(protocol.name, 200)

@@ -70,6 +70,14 @@ class NotFound(GatewayError):
         self.what = what
 
 
+class MethodNotAllowed(GatewayError):
+    """A known path asked with a method it does not take; `allow` lists those it does."""
+
+    def __init__(self, method: str, path: str, allow: str):
+        super().__init__(f"method {method} not allowed for {path}; allowed: {allow}")
+        self.allow = allow
+
+
 class Overloaded(GatewayError):
     def __init__(self, message: str = "the server is busy; retry shortly"):
         super().__init__(message)
@@ -149,6 +157,9 @@ SPECS: dict[type[Exception], Spec] = {
         401, "authentication_error", "invalid_request_error", "invalid_api_key", "invalid_request"
     ),
     NotFound: Spec(404, "not_found_error", "invalid_request_error", "not_found", "invalid_request"),
+    MethodNotAllowed: Spec(
+        405, "invalid_request_error", "invalid_request_error", "method_not_allowed", "invalid_request"
+    ),
     Overloaded: Spec(429, "overloaded_error", "server_error", "server_is_overloaded", "overloaded", 529),
     ShuttingDown: Spec(503, "overloaded_error", "server_error", "server_shutting_down", "overloaded"),
     OutOfDeviceMemory: Spec(503, "overloaded_error", "server_error", "out_of_device_memory", "overloaded"),
@@ -198,10 +209,24 @@ def error_body(protocol: Protocol, exc: BaseException) -> dict:
     return {"error": {"message": message, "type": spec.openai_type, "param": param, "code": spec.openai_code}}
 
 
+RETRY_AFTER_S = 1  # an overloaded or stopping server: seconds a client waits before it retries
+
+
+def error_headers(exc: BaseException) -> dict[str, str]:
+    """`Retry-After` on the answers a client should retry; `Allow` on a 405."""
+    if spec_of(exc).kind == "overloaded":
+        return {"retry-after": str(RETRY_AFTER_S)}
+    if isinstance(exc, MethodNotAllowed):
+        return {"allow": exc.allow}
+    return {}
+
+
 def error_response(protocol: Protocol, exc: BaseException) -> Response:
-    """A complete JSON error response with the right status code."""
+    """A complete JSON error response with the right status code and headers."""
     body = msgspec.json.encode(error_body(protocol, exc))
-    return Response(body, status_code=status_of(protocol, exc), media_type="application/json")
+    return Response(
+        body, status_code=status_of(protocol, exc), media_type="application/json", headers=error_headers(exc)
+    )
 
 
 def error_event(protocol: Protocol, exc: BaseException) -> ErrorEvent:
@@ -220,6 +245,8 @@ async def handle_error(request: Request, exc: Exception) -> Response:
     request's protocol. An endpoint that counts its answers leaves `request.state.count_status`."""
     if isinstance(exc, ClientDisconnect):
         exc = ClientGone()
+    elif isinstance(exc, HTTPException) and exc.status_code == 405:
+        exc = MethodNotAllowed(request.method, request.url.path, (exc.headers or {}).get("Allow", ""))
     elif isinstance(exc, HTTPException):
         exc = NotFound(f"{request.method} {request.url.path}")
     response = error_response(error_style(request.url.path), exc)

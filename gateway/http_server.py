@@ -3,6 +3,11 @@
 - a request head must arrive within `head_timeout_s` of the connection (or of its first byte
   on a kept-alive one) and its body within `body_timeout_s` after the head: a client that sends
   a byte at a time (slowloris) is cut, as is one that connects and says nothing;
+- a response the client stops reading for `write_timeout_s` is cut: the connection is aborted,
+  the app sees a disconnect and the generation behind it stops at its next step, freeing its
+  slot. "Stops reading" is seen as writes blocked: the socket's send buffer, fixed at
+  `send_buffer_bytes` (the kernel's autotuning would let a non-reading client absorb megabytes,
+  minutes of tokens, first), and asyncio's buffer above it, both full;
 - at most `max_connections` open connections, kept below the open-file limit (whose soft value
   is raised to the hard one at start): one more is answered 503 and closed at once, so the
   accept loop never meets EMFILE in normal operation;
@@ -22,9 +27,11 @@ of log lines."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import resource
+import socket
 import time
 from dataclasses import dataclass
 
@@ -50,6 +57,8 @@ class ServerLimits:
     head_timeout_s: float = 10.0
     body_timeout_s: float = 60.0
     keep_alive_s: int = 5
+    write_timeout_s: float = 30.0
+    send_buffer_bytes: int = 64 << 10
     max_connections: int = 1024
     shutdown_grace_s: float = 5.0
 
@@ -135,6 +144,7 @@ class GuardedH11(H11Protocol):
     rejected = False
     _deadline: asyncio.TimerHandle | None = None
     _reading: str | None = None  # "head" | "body" while a deadline runs
+    _write_deadline: asyncio.TimerHandle | None = None  # while the transport's writing is paused
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -148,6 +158,7 @@ class GuardedH11(H11Protocol):
             self.logs["cap"].note()
             return
         super().connection_made(transport)
+        self._limit_send_buffer(transport)
         self._watch("head", self.limits.head_timeout_s)
 
     def data_received(self, data: bytes) -> None:
@@ -160,8 +171,37 @@ class GuardedH11(H11Protocol):
         super().on_response_complete()
         self._follow()
 
+    def _limit_send_buffer(self, transport: asyncio.Transport) -> None:
+        size = self.limits.send_buffer_bytes
+        transport.set_write_buffer_limits(high=size)
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_deadline is None:
+            self._write_deadline = self.loop.call_later(self.limits.write_timeout_s, self._write_expired)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._unwatch_write()
+
+    def _unwatch_write(self) -> None:
+        if self._write_deadline is not None:
+            self._write_deadline.cancel()
+        self._write_deadline = None
+
+    def _write_expired(self) -> None:
+        self._write_deadline = None
+        if not self.transport.is_closing():
+            self.logs["write"].note()
+        self.transport.abort()  # connection_lost: the app's next receive is a disconnect
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._unwatch()
+        self._unwatch_write()
         if not self.rejected:
             super().connection_lost(exc)
 
@@ -205,6 +245,9 @@ def guarded_protocol(limits: ServerLimits) -> type[GuardedH11]:
         ),
         "body": RateLimitedLog(
             f"connection closed: request body not complete within {limits.body_timeout_s:g} s"
+        ),
+        "write": RateLimitedLog(
+            f"connection closed: the client read nothing of its answer for {limits.write_timeout_s:g} s"
         ),
     }
     cap = connection_cap(limits.max_connections)

@@ -1,7 +1,8 @@
 """`--record DIR`: every generation request and its answer as one JSONL line
 (`gateway.record.RecordLine`), the format `ft replay` reads.
 
-Recordings hold whole prompts, so the file is created private (0600) and new: never through a
+Recordings hold whole prompts, so the folder is made private (0700, an existing one tightened) and
+the file is created private (0600) and new: never through a
 link someone planted at its predictable name (O_NOFOLLOW | O_EXCL), never appended to another's."""
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def create_private(folder: Path, stem: str) -> tuple[Path, int]:
 class Recorder:
     def __init__(self, folder: Path):
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(folder, 0o700)  # an existing folder too: the recordings' names and count are private as well
         self.path, fd = create_private(folder, f"session-{time.strftime('%Y%m%d-%H%M%S')}")
         self._file = os.fdopen(fd, "ab")
         self._lock = threading.Lock()

@@ -109,6 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"connection's opening), else the connection is closed (default {ServerLimits.head_timeout_s:g})")
     parser.add_argument("--body-timeout", type=float, default=ServerLimits.body_timeout_s, metavar="SECONDS",
                         help=f"a request's body must arrive within this long (default {ServerLimits.body_timeout_s:g})")
+    parser.add_argument("--write-timeout", type=float, default=ServerLimits.write_timeout_s, metavar="SECONDS",
+                        help="an answer its client reads nothing of for this long is cut and its generation stopped "
+                             f"(default {ServerLimits.write_timeout_s:g})")
     parser.add_argument("--served-model-name", help="model id to report (default: folder or preset name)")
     parser.add_argument("--step-log", type=count, metavar="MS",
                         help="log every engine step slower than MS (engine, resuming its requests, the worker's time "
@@ -138,11 +141,14 @@ def api_key(args: argparse.Namespace) -> str | None:
 def limits_from_args(args: argparse.Namespace) -> ServerLimits:
     if not args.shutdown_grace >= 0:
         raise ValueError(f"--shutdown-grace: expected seconds >= 0, got {args.shutdown_grace}")
-    for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout)):
+    timeouts = {"--header-timeout": args.header_timeout, "--body-timeout": args.body_timeout,
+                "--write-timeout": args.write_timeout}
+    for flag, value in timeouts.items():
         if not value > 0:
             raise ValueError(f"{flag}: expected seconds > 0, got {value}")
     return ServerLimits(head_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-                        max_connections=args.max_connections, shutdown_grace_s=args.shutdown_grace)
+                        write_timeout_s=args.write_timeout, max_connections=args.max_connections,
+                        shutdown_grace_s=args.shutdown_grace)
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:

@@ -110,6 +110,25 @@ def probability(value: Any, path: str) -> float:
     return p
 
 
+TOP_K_MAX = (1 << 31) - 1  # above any vocabulary: keeps every token
+
+
+def top_k(value: Any, path: str) -> int:
+    """`top_k`: 0 (off) or how many of the most likely tokens to sample from."""
+    n = integer(value, path)
+    if not 0 <= n <= TOP_K_MAX:
+        raise BadRequest(path, f"must be between 0 (off) and {TOP_K_MAX}")
+    return n
+
+
+def penalty(value: Any, path: str) -> float:
+    """`presence_penalty`, `frequency_penalty`: a number in [-2, 2] (OpenAI's range)."""
+    x = number(value, path)
+    if not -2 <= x <= 2:
+        raise BadRequest(path, f"must be between -2 and 2, got {x!r}")
+    return x
+
+
 def seed(value: Any, path: str) -> int:
     """`seed`: an integer a 64-bit generator can take."""
     n = integer(value, path)

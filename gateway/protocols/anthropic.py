@@ -25,7 +25,6 @@ from gateway.protocols import (
     boolean,
     check_tool_results,
     conversation,
-    integer,
     join,
     nonempty,
     obj,
@@ -36,6 +35,7 @@ from gateway.protocols import (
     stop_list,
     string,
     temperature,
+    top_k,
 )
 
 ROLES = ("user", "assistant", "system")
@@ -204,7 +204,7 @@ def _params(body: dict) -> GenerationParams:
         max_tokens=opt(body, "max_tokens", positive_int),
         temperature=opt(body, "temperature", temperature),
         top_p=opt(body, "top_p", probability),
-        top_k=opt(body, "top_k", integer),
+        top_k=opt(body, "top_k", top_k),
         stop=opt(body, "stop_sequences", stop_list, default=()),
         stream=opt(body, "stream", boolean, default=False),
         tool_choice=_tool_choice(body),

@@ -28,6 +28,7 @@ from gateway.protocols import (
     nonempty,
     obj,
     opt,
+    penalty,
     positive_int,
     probability,
     req,
@@ -36,6 +37,7 @@ from gateway.protocols import (
     string,
     temperature,
     tool_choice_mode,
+    top_k,
 )
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -162,6 +164,8 @@ def _tool_choice(body: dict) -> str:
 
 
 def _params(body: dict) -> GenerationParams:
+    for name in ("presence_penalty", "frequency_penalty"):  # range-checked; the engine applies none
+        opt(body, name, penalty)
     stream_options = opt(body, "stream_options", obj, default={})
     kwargs = opt(body, "chat_template_kwargs", obj, default={})
     max_tokens = opt(body, "max_completion_tokens", positive_int) or opt(body, "max_tokens", positive_int)
@@ -169,7 +173,7 @@ def _params(body: dict) -> GenerationParams:
         max_tokens=max_tokens,
         temperature=opt(body, "temperature", temperature),
         top_p=opt(body, "top_p", probability),
-        top_k=opt(body, "top_k", integer),
+        top_k=opt(body, "top_k", top_k),
         stop=opt(body, "stop", stop_list, default=()),
         seed=opt(body, "seed", seed),
         stream=opt(body, "stream", boolean, default=False),
