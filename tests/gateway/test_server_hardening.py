@@ -393,9 +393,10 @@ def test_the_key_comes_from_the_flag_a_file_or_the_environment(tmp_path, monkeyp
 
 
 def test_timeouts_are_flags():
-    limits = limits_from_args(serve_args("--header-timeout", "2.5", "--body-timeout", "7"))
-    assert (limits.head_timeout_s, limits.body_timeout_s) == (2.5, 7.0)
-    for flag in ("--header-timeout", "--body-timeout"):
+    limits = limits_from_args(serve_args("--header-timeout", "2.5", "--body-timeout", "7", "--write-timeout", "9"))
+    assert (limits.head_timeout_s, limits.body_timeout_s, limits.write_timeout_s) == (2.5, 7.0, 9.0)
+    assert limits_from_args(serve_args()).write_timeout_s == ServerLimits.write_timeout_s
+    for flag in ("--header-timeout", "--body-timeout", "--write-timeout"):
         with pytest.raises(ValueError, match=flag):
             limits_from_args(serve_args(flag, "0"))
 
