@@ -104,8 +104,15 @@ async def health(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     rt: Runtime = request.app.state.runtime
-    text = rt.metrics.render(rt.store.stats(), rt.scheduler.stats(), rt.memory(), rt.engine.offload_stats())
+    text = rt.metrics.render(rt.store.stats(), rt.scheduler.stats(), rt.memory(), rt.engine.offload_stats(),
+                             live_sequences=len(rt.live))
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+
+async def recent(request: Request) -> Response:
+    """The last requests' starts (TTFT, tokens restored and prefilled, phases), for `ft top`."""
+    rt: Runtime = request.app.state.runtime
+    return JSONResponse({"requests": rt.metrics.recent(), "started_at": rt.started_at})
 
 
 def create_app(rt: Runtime) -> Starlette:
@@ -124,6 +131,7 @@ def create_app(rt: Runtime) -> Starlette:
         Route("/v1/ft/suffix_floor", suffix_floor, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/ft/recent", recent, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(ApiKey, key=rt.config.api_key)],
                     exception_handlers=EXCEPTION_HANDLERS)

@@ -93,7 +93,7 @@ class Generation:
                   "restore": t_restored - t_start, "prefill": t_first - t_restored}
         moved = None if linked is None else cast(int, checkpoints.engine.link_bytes()) - linked
         started = Started(cached, plan.prompt_len - cached, t_first - self.received_at, phases, moved)
-        self.metrics.observe_ttft(started.ttft_s)
+        self.metrics.observe_ttft(started.ttft_s, started.phases, cached, started.prefill_tokens)
         self.metrics.add_tokens(prefilled=started.prefill_tokens, reused=cached)
         self.emit(started)
         self._send([Usage(plan.prompt_len, cached, started.prefill_tokens)])

@@ -1,19 +1,41 @@
-"""Server counters and the TTFT histogram, rendered as Prometheus text for `/metrics`."""
+"""The server's metrics, exposed by prometheus-client for `/metrics`; the last requests' figures for
+`ft top` (`recent`).
+
+Counted as requests come: requests by endpoint and status, tokens by kind (prefilled, restored
+from checkpoints as `reused`, `continued` in place from a live sequence, generated, precomputed),
+and histograms of the time to first token and its phases (queue, restore, prefill). Read at each
+scrape from their owners: the scheduler's queue and steps, memory by part, the checkpoint store's
+counters, the expert cache's (with offload) and the live sequences held. Each `Metrics` has its own
+registry: two servers in one process (tests) count apart.
+"""
 
 from __future__ import annotations
 
 import threading
-from collections import Counter
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
 
 import msgspec
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import Histogram as PromHistogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from engine.offload import hit_ratio
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+PHASES = ("queue", "restore", "prefill")
+TOKEN_KINDS = ("prefilled", "reused", "continued", "generated", "precomputed")
+RECENT = 32  # requests kept for `ft top`
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class Histogram:
-    """Counts per upper bound (the last past every bound) and their sum; not locked: its owner's lock or thread."""
+    """Counts per upper bound (the last past every bound), kept by one thread (the scheduler's
+    engine steps a request waited); exposed through `Metrics.render`'s scheduler stats."""
 
     def __init__(self, bounds: tuple[float, ...]):
         self.bounds, self.counts, self.sum = bounds, [0] * (len(bounds) + 1), 0.0
@@ -31,63 +53,151 @@ class Histogram:
         return out
 
 
+@dataclass(frozen=True)
+class RecentRequest:
+    """One request's start, as `ft top` lists it."""
+
+    at: float  # unix time of its first token
+    endpoint: str
+    ttft_s: float
+    restored: int  # prompt tokens from checkpoints or a live sequence
+    prefilled: int
+    phases: dict[str, float]
+
+
+@dataclass
+class Gauges:
+    """What the server reads from its parts at each scrape (`Metrics.render`'s arguments)."""
+
+    store: msgspec.Struct | None = None
+    scheduler: dict[str, int] | None = None
+    memory: dict[str, int] | None = None
+    expert_cache: dict[str, int] | None = None
+    live_sequences: int | None = None
+
+
 class Metrics:
     def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("ft_requests", "Requests answered, by endpoint and status", ["endpoint", "status"],
+                                registry=self.registry)  # fmt: skip
+        self.tokens = Counter("ft_tokens", "Tokens by kind", ["kind"], registry=self.registry)
+        for kind in TOKEN_KINDS:
+            self.tokens.labels(kind)
+        self.ttft = PromHistogram("ft_ttft_seconds", "Time from request to first token", buckets=TTFT_BUCKETS,
+                              registry=self.registry)  # fmt: skip
+        self.phases = {
+            p: PromHistogram(f"ft_{p}_seconds", f"Time of a request's {p} phase before its first token",
+                         buckets=PHASE_BUCKETS, registry=self.registry)
+            for p in PHASES
+        }  # fmt: skip
         self._lock = threading.Lock()
-        self.requests: Counter[tuple[str, str]] = Counter()  # (endpoint, status)
-        self.tokens = Counter({"prefilled": 0, "reused": 0, "continued": 0, "generated": 0, "precomputed": 0})
-        self._ttft = Histogram(TTFT_BUCKETS)
+        self._recent: deque[RecentRequest] = deque(maxlen=RECENT)
+        self._gauges = Gauges()
+        self.registry.register(_ScrapeCollector(self))
 
     def request(self, endpoint: str, status: int) -> None:
-        with self._lock:
-            self.requests[(endpoint, str(status))] += 1
+        self.requests.labels(endpoint, str(status)).inc()
 
     def add_tokens(self, **counts: int) -> None:
-        with self._lock:
-            self.tokens.update(counts)
+        for kind, n in counts.items():
+            self.tokens.labels(kind).inc(n)
 
-    def observe_ttft(self, seconds: float) -> None:
+    def observe_ttft(self, seconds: float, phases: dict[str, float] | None = None, restored: int = 0,
+                     prefilled: int = 0, endpoint: str = "") -> None:  # fmt: skip
+        """A request's first token: its TTFT, the seconds of its phases, its tokens restored and prefilled."""
+        self.ttft.observe(seconds)
+        for name, value in (phases or {}).items():
+            if name in self.phases:
+                self.phases[name].observe(value)
         with self._lock:
-            self._ttft.observe(seconds)
+            self._recent.append(RecentRequest(time.time(), endpoint, seconds, restored, prefilled, dict(phases or {})))
+
+    def recent(self) -> list[dict]:
+        """The last requests' starts, oldest first."""
+        with self._lock:
+            return [asdict(r) for r in self._recent]
 
     def render(self, store_stats: msgspec.Struct, scheduler_stats: dict[str, int], memory: dict[str, int],
-               expert_cache: dict[str, int] | None = None) -> str:
-        """`expert_cache`: the engine's offload counters (`Engine.offload_stats`), None without offload."""
+               expert_cache: dict[str, int] | None = None, live_sequences: int | None = None) -> str:
+        """The exposition text. `expert_cache`: the engine's offload counters (`Engine.offload_stats`),
+        None without offload."""
         with self._lock:
-            lines = ["# TYPE ft_requests_total counter"]
-            lines += [f'ft_requests_total{{endpoint="{e}",status="{s}"}} {n}' for (e, s), n in sorted(self.requests.items())]
-            lines.append("# TYPE ft_tokens_total counter")
-            lines += [f'ft_tokens_total{{kind="{k}"}} {n}' for k, n in sorted(self.tokens.items())]
-            lines.append("# TYPE ft_ttft_seconds histogram")
-            buckets = self._ttft.cumulative()
-            lines += [f'ft_ttft_seconds_bucket{{le="{le}"}} {n}' for le, n in buckets]
-            lines += [f"ft_ttft_seconds_sum {self._ttft.sum:.6f}", f"ft_ttft_seconds_count {buckets[-1][1]}"]
-        lines += [f"ft_scheduler_{name} {value}" for name, value in scheduler_stats.items()]
-        lines.append("# TYPE ft_memory_bytes gauge")
-        lines += [f'ft_memory_bytes{{part="{part}"}} {n}' for part, n in memory.items()]
-        if expert_cache is not None:
-            # every expert a layer needed is counted once: a hit, fetched for it (copied or streamed), read in
-            # place from host memory (mapped) or computed there (on_host); misses count every copy into a slot
-            # or stream buffer (prefetches and refreshes too)
-            lines += ["# TYPE ft_expert_cache_hit_ratio gauge",
-                      f"ft_expert_cache_hit_ratio {hit_ratio(expert_cache) or 0.0:.6f}",
-                      "# TYPE ft_expert_cache_phase_hit_ratio gauge"]  # decode's apart: a streamed prefill hits every resident expert
-            lines += [f'ft_expert_cache_phase_hit_ratio{{phase="{p}"}} {hit_ratio(expert_cache, p) or 0.0:.6f}'
-                      for p in ("prefill", "decode")]  # fmt: skip
-            lines += ["# TYPE ft_expert_cache_hits_total counter", f"ft_expert_cache_hits_total {expert_cache['hits']}",
-                      "# TYPE ft_expert_cache_fetched_total counter", f"ft_expert_cache_fetched_total {expert_cache['fetched']}",
-                      "# TYPE ft_expert_cache_misses_total counter", f"ft_expert_cache_misses_total {expert_cache['misses']}",
-                      "# TYPE ft_expert_cache_evictions_total counter",
-                      f"ft_expert_cache_evictions_total {expert_cache['evictions']}",
-                      "# TYPE ft_expert_cache_on_host_total counter",  # misses computed on the host instead
-                      f"ft_expert_cache_on_host_total {expert_cache['on_host']}",
-                      "# TYPE ft_expert_cache_mapped_total counter",  # misses read in place from host memory
-                      f"ft_expert_cache_mapped_total {expert_cache['mapped']}",
-                      "# TYPE ft_expert_cache_bytes_in_total counter"]
-            lines += [f'ft_expert_cache_bytes_in_total{{phase="{p}"}} {expert_cache[f"bytes_in_{p}"]}' for p in ("prefill", "decode")]
-        for name, value in msgspec.structs.asdict(store_stats).items():
-            if isinstance(value, int | float):
-                lines.append(f"ft_store_{name} {value}")
-            elif isinstance(value, dict):
-                lines += [f'ft_store_{name}{{tier="{k}"}} {v}' for k, v in value.items() if isinstance(v, int | float)]
-        return "\n".join(lines) + "\n"
+            self._gauges = Gauges(store_stats, scheduler_stats, memory, expert_cache, live_sequences)
+            return generate_latest(self.registry).decode()
+
+
+class _ScrapeCollector(Collector):
+    """The families read from the server's parts at scrape time (`Metrics.render` hands them over)."""
+
+    def __init__(self, metrics: Metrics):
+        self.metrics = metrics
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        g = self.metrics._gauges
+        if g.scheduler is not None:
+            yield from scheduler_families(g.scheduler)
+        if g.memory is not None:
+            memory = GaugeMetricFamily("ft_memory_bytes", "Resident bytes by part", labels=["part"])
+            for part, n in g.memory.items():
+                memory.add_metric([part], n)
+            yield memory
+        if g.live_sequences is not None:
+            yield GaugeMetricFamily("ft_live_sequences", "Sequences kept on the device between requests",
+                                    value=g.live_sequences)  # fmt: skip
+        if g.expert_cache is not None:
+            yield from expert_cache_families(g.expert_cache)
+        if g.store is not None:
+            yield from store_families(g.store)
+
+
+def scheduler_families(stats: dict[str, int]) -> Iterator[Metric]:
+    """`ft_scheduler_*`: queue depth and running as gauges, step counts as counters, and the engine
+    steps live requests waited (`queue_steps_bucket{le}`, cumulative)."""
+    buckets = GaugeMetricFamily("ft_scheduler_queue_steps_bucket", "Live requests that waited at most le engine steps",
+                                labels=["le"])  # fmt: skip
+    for name, value in stats.items():
+        if name.startswith("queue_steps_bucket"):
+            buckets.add_metric([name.split('"')[1]], value)
+        elif name.endswith("_total"):
+            yield CounterMetricFamily(f"ft_scheduler_{name.removesuffix('_total')}", f"Scheduler {name}", value=value)
+        else:
+            yield GaugeMetricFamily(f"ft_scheduler_{name}", f"Scheduler {name}", value=value)
+    yield buckets
+
+
+def expert_cache_families(counts: dict[str, int]) -> Iterator[Metric]:
+    """Every expert a layer needed is counted once: a hit, fetched for it (copied or streamed), read
+    in place from host memory (mapped) or computed there (on_host); misses count every copy into a
+    slot or stream buffer (prefetches and refreshes too). Decode's hit ratio is apart: a streamed
+    prefill hits every resident expert."""
+    yield GaugeMetricFamily("ft_expert_cache_hit_ratio", "Share of needed experts found resident",
+                            value=hit_ratio(counts) or 0.0)  # fmt: skip
+    phase = GaugeMetricFamily("ft_expert_cache_phase_hit_ratio", "Hit ratio by phase", labels=["phase"])
+    for p in ("prefill", "decode"):
+        phase.add_metric([p], hit_ratio(counts, p) or 0.0)
+    yield phase
+    for name in ("hits", "fetched", "misses", "evictions", "on_host", "mapped"):
+        yield CounterMetricFamily(f"ft_expert_cache_{name}", f"Expert cache {name}", value=counts[name])
+    moved = CounterMetricFamily("ft_expert_cache_bytes_in", "Bytes moved host -> device", labels=["phase"])
+    for p in ("prefill", "decode"):
+        moved.add_metric([p], counts[f"bytes_in_{p}"])
+    yield moved
+
+
+def store_families(stats: msgspec.Struct) -> Iterator[Metric]:
+    """`ft_store_*`: the checkpoint store's counters and gauges as it reports them, a dict by tier."""
+    for name, value in msgspec.structs.asdict(stats).items():
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int | float):
+            yield GaugeMetricFamily(f"ft_store_{name}", f"Checkpoint store {name}", value=value)
+        elif isinstance(value, dict):
+            family = GaugeMetricFamily(f"ft_store_{name}", f"Checkpoint store {name}", labels=["tier"])
+            for key, v in value.items():
+                if isinstance(v, int | float):
+                    family.add_metric([str(key)], v)
+            yield family
