@@ -1,4 +1,4 @@
-"""Message content is text: special-token text a client sends cannot forge a turn (issue 48 item 1).
+"""Message content is text: special-token text a client sends cannot forge a turn.
 Both renderers, the preset's tokenizer and a `tokenizers` one built from the same vocabulary."""
 
 from __future__ import annotations

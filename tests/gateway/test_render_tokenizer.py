@@ -15,7 +15,16 @@ from gateway.tokenizer import HFTokenizer, IncrementalDetokenizer, QwenTokenizer
 from tests.gateway.test_render_fixtures import all_conversations
 
 TOK = QwenTokenizer()
-SPECIALS = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]  # fmt: skip
+SPECIALS = [
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+]
 
 
 def qwen_tokenizer_folder(root: Path) -> Path:

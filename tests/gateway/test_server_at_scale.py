@@ -1,4 +1,4 @@
-"""The standing goals at scale (issue 48 item 6), as slow tests against the real server:
+"""The standing goals at scale, as slow tests against the real server:
 
 - 200 `kill -9` restarts of `ft serve` under load: every acknowledged answer's token ids are on
   disk, the checkpoint store opens with nothing corrupt and the restarted server serves; and 200

@@ -1,4 +1,4 @@
-"""Request smuggling (issue 48 item 3): a request whose framing is ambiguous or invalid gets one 400
+"""Request smuggling: a request whose framing is ambiguous or invalid gets one 400
 and its connection is closed before anything after it is read (RFC 9112 section 6.1). Raw sockets
 against the real server."""
 

@@ -1,4 +1,4 @@
-"""What operators and clients do to a running server (issue 12): values that used to crash it are
+"""What operators and clients do to a running server: values that could crash it are
 400s naming the field, a client that leaves frees the engine, the key is checked safely, slow and
 too many connections are cut, and SIGTERM ends every answer in its protocol's shape."""
 

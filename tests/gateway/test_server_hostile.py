@@ -1,4 +1,4 @@
-"""Hostile input and greedy clients against the real server (issue 48 items 1, 2 and 4): content that
+"""Hostile input and greedy clients against the real server: content that
 tries to forge turns is counted as text, a client cannot hold the engine with a huge `max_tokens` or
 by not reading its stream, and the small ones: Retry-After, 405 with Allow, the served model name,
 sampling ranges on all three protocols, a private record folder."""
