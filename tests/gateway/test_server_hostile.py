@@ -18,6 +18,7 @@ from gateway.embedded import serve_in_thread
 from gateway.endpoint import check_max_tokens
 from gateway.errors import BadRequest
 from gateway.http_server import ServerLimits
+from gateway.protocol import ANTHROPIC
 from gateway.recorder import Recorder
 from gateway.runtime import ServeConfig
 from gateway.tokenizer import QwenTokenizer
@@ -102,6 +103,13 @@ def test_max_tokens_the_context_allows_is_kept_for_the_plan_to_clamp():
     with pytest.raises(BadRequest) as info:
         check_max_tokens({"max_output_tokens": 65536}, 65536, 65536)
     assert info.value.field == "max_output_tokens"
+
+
+def test_a_limit_the_context_allows_is_clamped_to_what_the_prompt_leaves(live_server):
+    """No decode beyond the context: the plan's limit is what remains after the prompt."""
+    conv = ANTHROPIC.parse(body_for("/v1/messages", max_tokens=65535))
+    plan = live_server.runtime.planner.plan(conv)
+    assert plan.sampling.max_tokens == live_server.runtime.engine.max_context - len(plan.prompt_ids) < 65535
 
 
 STALL_LIMITS = ServerLimits(write_timeout_s=2.0, send_buffer_bytes=4096)
