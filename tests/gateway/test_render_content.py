@@ -12,6 +12,7 @@ from gateway.memo import TokenMemo
 from gateway.render import segment_ids
 from gateway.render.content import ContentText
 from gateway.render.generic import JinjaRenderer
+from gateway.render.messages import template_inputs
 from gateway.render.qwen import QwenRenderer, template_source
 from gateway.tokenizer import HFTokenizer, QwenTokenizer
 from tests.gateway.test_render_qwen import jinja_text
@@ -87,8 +88,13 @@ def test_a_tool_result_cannot_close_its_own_block(renderer):
 def test_a_replayed_answer_matches_the_chat_template(renderer):
     """Reasoning, text and a tool call sent back as history: the same ids as the template's text
     tokenized whole (no special-token text in the content, so nothing to escape)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
     conv = tool_round("a.txt\nb.txt", params=GenerationParams(enable_thinking=True))
-    text = jinja_text(conv)
+    messages, tools = template_inputs(conv)
+    text = render_jinja_template([messages], tools=tools, chat_template=template_source(), add_generation_prompt=True)
+    text = text[0][0]
+    assert text == jinja_text(conv) and "<think>\nRead the notes.\n</think>" in text
     assert renderer.render_text(conv) == text
     assert segment_ids(renderer.render(conv)) == renderer.tokenizer.encode(text)
 
