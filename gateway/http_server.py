@@ -50,6 +50,7 @@ REJECT_503 = (
     b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nretry-after: 1\r\nconnection: close\r\n\r\n"
 )
 TIMEOUT_408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+INVALID_REQUEST = "Invalid HTTP request received."  # uvicorn's warning, once per request it answers 400
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,23 @@ class StrictFraming(h11.Connection):
         return event
 
 
+class ConnectionLogger:
+    """uvicorn's logger as one connection uses it, with its per-request invalid-request warning
+    counted in a `RateLimitedLog` instead (a flood of bad requests is not a flood of lines)."""
+
+    def __init__(self, logger: logging.Logger, invalid: RateLimitedLog):
+        self._logger, self._invalid = logger, invalid
+
+    def warning(self, msg: object, *args, **kwargs) -> None:
+        if msg == INVALID_REQUEST:
+            self._invalid.note()
+        else:
+            self._logger.warning(msg, *args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._logger, name)
+
+
 class GuardedH11(H11Protocol):
     """uvicorn's h11 protocol with read deadlines, a connection cap (set by `guarded_protocol`) and
     strict request framing."""
@@ -149,6 +167,7 @@ class GuardedH11(H11Protocol):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.conn = StrictFraming(h11.SERVER, self.conn._max_incomplete_event_size)
+        self.logger = ConnectionLogger(self.logger, self.logs["invalid"])  # type: ignore[assignment]
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         if len(self.connections) >= self.max_connections:
@@ -246,6 +265,7 @@ def guarded_protocol(limits: ServerLimits) -> type[GuardedH11]:
         "body": RateLimitedLog(
             f"connection closed: request body not complete within {limits.body_timeout_s:g} s"
         ),
+        "invalid": RateLimitedLog("connection closed: invalid request (bad framing or syntax), answered 400"),
         "write": RateLimitedLog(
             f"connection closed: the client read nothing of its answer for {limits.write_timeout_s:g} s"
         ),

@@ -4,6 +4,8 @@ against the real server."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from tests.gateway.test_server_hardening import connect, guarded_server, read_until_closed
@@ -60,3 +62,29 @@ def test_well_framed_requests_on_one_connection_are_all_answered(guarded_server)
         )
         answer = read_until_closed(sock)
     assert answer.count(b"HTTP/1.1 200 ") == 2, answer[:500]
+
+
+class Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_a_flood_of_bad_requests_is_not_a_flood_of_log_lines(guarded_server):
+    records = Records()
+    loggers = [logging.getLogger("uvicorn.error"), logging.getLogger("gateway.http")]
+    for logger in loggers:
+        logger.addHandler(records)
+    try:
+        for _ in range(20):
+            with connect(guarded_server) as sock:
+                sock.sendall(SMUGGLED["length-and-chunked"])
+                assert read_until_closed(sock).startswith(b"HTTP/1.1 400 ")
+    finally:
+        for logger in loggers:
+            logger.removeHandler(records)
+    invalid = [m for m in records.messages if "invalid" in m.lower()]
+    assert len(invalid) <= 1, invalid
