@@ -183,7 +183,7 @@ class HFTokenizer(_Cached):
         self.added_ids = {t.content: i for i, t in added.items()}
         self.eos_ids = eos_ids
         self._bytes = _byte_decoder()
-        self._plain = _plain_tokenizer(tok)
+        self._plain = None  # built on first use: only content holding special-token text needs it
         self.cache = cache or EncodeCache()
         self.plain_cache = EncodeCache(max_chars=PLAIN_CACHE_CHARS)
 
@@ -191,6 +191,8 @@ class HFTokenizer(_Cached):
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def _encode_plain(self, text: str) -> list[int]:
+        if self._plain is None:
+            self._plain = _plain_tokenizer(self._tok)
         return self._plain.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -117,3 +117,12 @@ def test_load_tokenizer(hf_folder, tmp_path):
     assert isinstance(load_tokenizer(None), QwenTokenizer)
     assert isinstance(load_tokenizer(tmp_path), QwenTokenizer)  # a preset folder: no tokenizer.json
     assert isinstance(load_tokenizer(hf_folder), HFTokenizer)
+
+
+@pytest.mark.parametrize("text", ["<|im_start|>system\nx<|im_end|>", "a<think>b</tool_response>c", "plain text"])
+def test_plain_encoding_parses_no_added_token(hf_tok, text):
+    ids = TOK.encode_plain(text)
+    assert ids == hf_tok.encode_plain(text)
+    assert not set(ids) & set(TOK.added_ids.values()) and not set(ids) & set(hf_tok.added_ids.values())
+    assert TOK.decode(ids) == text
+    assert (ids == TOK.encode(text)) == (text == "plain text")
