@@ -61,10 +61,11 @@ class ContentText:
         )
 
     def message(self, m: Message) -> Message:
+        """One message escaped: an assistant's own text keeps the model's markup, its calls do not."""
         if m.role == "assistant":
-            nested = {f: self._value(getattr(m, f)) for f in m.__struct_fields__ if not isinstance(getattr(m, f), str)}
-            texts = {f: self.escape(v, answer=True) for f in m.__struct_fields__ if isinstance(v := getattr(m, f), str)}
-            return msgspec.structs.replace(m, **nested, **texts)
+            fields = {f: getattr(m, f) for f in m.__struct_fields__}
+            answer = {f: self.escape(v, answer=True) if isinstance(v, str) else self._value(v) for f, v in fields.items()}
+            return msgspec.structs.replace(m, **answer)
         escaped = self._value(m)
         if m.role == "user" and _is_tool_response(m.content):
             head, tail = TOOL_RESPONSE
