@@ -65,6 +65,7 @@ def test_bf16_and_fp8_parts(tmp_path):
     assert "| fp8 (ours) |" in out and "| FP8 decode B=1 vs bf16 (tok/s) |" in out
 
 
+@pytest.mark.slow  # `bash .ci/run --slow` builds llama.cpp first
 @pytest.mark.skipif(not server_binary().is_file(), reason="llama-server not built (.peer/build)")
 def test_q4_k_m_llama_and_replays_merge_into_the_same_json(tmp_path):
     bench(tmp_path, "bf16")

@@ -16,6 +16,7 @@ from tests.engine.triton_interpreter import CUDA, RUNNABLE, in_this_process, run
 pytest.importorskip("triton")
 
 
+@pytest.mark.slow  # minutes in the interpreter
 @pytest.mark.skipif(RUNNABLE, reason="this process runs the kernels itself")
 def test_fused_kernels_in_triton_interpreter_process():
     run_interpreted(__file__)

@@ -15,6 +15,7 @@ pytest.importorskip("triton")
 gguf = pytest.importorskip("gguf")
 
 
+@pytest.mark.slow  # minutes in the interpreter
 @pytest.mark.skipif(RUNNABLE, reason="this process runs the kernels itself")
 def test_kernels_in_triton_interpreter_process():
     run_interpreted(__file__)

@@ -32,7 +32,7 @@ GROUPS = {  # each run in its own interpreter process (the K-quants' ~100 s, wit
 
 
 @pytest.mark.skipif(RUNNABLE or CUDA, reason="this process runs the kernels itself")
-@pytest.mark.parametrize("group", [*GROUPS, pytest.param("slow", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("group", [pytest.param(g, marks=pytest.mark.slow) for g in [*GROUPS, "slow"]])  # minutes each
 def test_quantized_model_in_triton_interpreter_process(group):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     select = ["-k", GROUPS[group], "-m", "not slow"] if group in GROUPS else ["-m", "slow"]

@@ -111,6 +111,7 @@ def test_engine_loads_and_runs_it(tiny_file):
     assert engine.config.num_experts == 8 and engine.config.vocab_size == 248320
 
 
+@pytest.mark.slow  # `bash .ci/run --slow` builds llama.cpp first
 @pytest.mark.skipif(not quantize_binary().is_file(), reason="llama-quantize not built (.peer/build)")
 @pytest.mark.parametrize("preset", ["tiny", "small"])
 def test_same_layout_as_llama_quantizes_own_file(preset, tmp_path):
@@ -124,6 +125,7 @@ def test_same_layout_as_llama_quantizes_own_file(preset, tmp_path):
     assert ours.meta["general.file_type"] == theirs.meta["general.file_type"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not server_binary().is_file(), reason="llama-server not built (.peer/build)")
 @pytest.mark.parametrize("preset", ["tiny", "small"])
 def test_same_greedy_tokens_as_llama_cpp_on_it(preset):

@@ -18,6 +18,7 @@ pytest.importorskip("gguf")
 from peer.llama_server import quantize_binary, server_binary  # noqa: E402
 
 pytestmark = [
+    pytest.mark.slow,  # `bash .ci/run --slow` builds llama.cpp first
     pytest.mark.skipif(
         not (server_binary().is_file() and quantize_binary().is_file()),
         reason="llama-server / llama-quantize not built (.peer/build)",

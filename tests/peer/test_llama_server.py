@@ -10,6 +10,7 @@ pytest.importorskip("gguf")
 from peer.llama_server import LlamaServer, server_binary  # noqa: E402
 
 pytestmark = [
+    pytest.mark.slow,  # `bash .ci/run --slow` builds llama.cpp first
     pytest.mark.skipif(not server_binary().is_file(), reason="llama-server not built (.peer/build)"),
 ]
 
