@@ -80,17 +80,17 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("ft_requests", "Requests answered, by endpoint and status", ["endpoint", "status"],
-                                registry=self.registry)  # fmt: skip
+                                registry=self.registry)
         self.tokens = Counter("ft_tokens", "Tokens by kind", ["kind"], registry=self.registry)
         for kind in TOKEN_KINDS:
             self.tokens.labels(kind)
         self.ttft = PromHistogram("ft_ttft_seconds", "Time from request to first token", buckets=TTFT_BUCKETS,
-                              registry=self.registry)  # fmt: skip
+                              registry=self.registry)
         self.phases = {
             p: PromHistogram(f"ft_{p}_seconds", f"Time of a request's {p} phase before its first token",
                          buckets=PHASE_BUCKETS, registry=self.registry)
             for p in PHASES
-        }  # fmt: skip
+        }
         self._lock = threading.Lock()
         self._recent: deque[RecentRequest] = deque(maxlen=RECENT)
         self._gauges = Gauges()
@@ -104,7 +104,7 @@ class Metrics:
             self.tokens.labels(kind).inc(n)
 
     def observe_ttft(self, seconds: float, phases: dict[str, float] | None = None, restored: int = 0,
-                     prefilled: int = 0, endpoint: str = "") -> None:  # fmt: skip
+                     prefilled: int = 0, endpoint: str = "") -> None:
         """A request's first token: its TTFT, the seconds of its phases, its tokens restored and prefilled."""
         self.ttft.observe(seconds)
         for name, value in (phases or {}).items():
@@ -147,7 +147,7 @@ class _ScrapeCollector(Collector):
             yield memory
         if g.live_sequences is not None:
             yield GaugeMetricFamily("ft_live_sequences", "Sequences kept on the device between requests",
-                                    value=g.live_sequences)  # fmt: skip
+                                    value=g.live_sequences)
         if g.expert_cache is not None:
             yield from expert_cache_families(g.expert_cache)
         if g.store is not None:
@@ -158,7 +158,7 @@ def scheduler_families(stats: dict[str, int]) -> Iterator[Metric]:
     """`ft_scheduler_*`: queue depth and running as gauges, step counts as counters, and the engine
     steps live requests waited (`queue_steps_bucket{le}`, cumulative)."""
     buckets = GaugeMetricFamily("ft_scheduler_queue_steps_bucket", "Live requests that waited at most le engine steps",
-                                labels=["le"])  # fmt: skip
+                                labels=["le"])
     for name, value in stats.items():
         if name.startswith("queue_steps_bucket"):
             buckets.add_metric([name.split('"')[1]], value)
@@ -175,7 +175,7 @@ def expert_cache_families(counts: dict[str, int]) -> Iterator[Metric]:
     slot or stream buffer (prefetches and refreshes too). Decode's hit ratio is apart: a streamed
     prefill hits every resident expert."""
     yield GaugeMetricFamily("ft_expert_cache_hit_ratio", "Share of needed experts found resident",
-                            value=hit_ratio(counts) or 0.0)  # fmt: skip
+                            value=hit_ratio(counts) or 0.0)
     phase = GaugeMetricFamily("ft_expert_cache_phase_hit_ratio", "Hit ratio by phase", labels=["phase"])
     for p in ("prefill", "decode"):
         phase.add_metric([p], hit_ratio(counts, p) or 0.0)

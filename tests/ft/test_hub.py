@@ -69,7 +69,7 @@ except hub.HubError as exc:
 def resolve(spec: str, env: dict[str, str]) -> Path:
     """`ft.hub.resolve` in a fresh process (the hub client reads HF_* when it is imported)."""
     done = subprocess.run([sys.executable, "-c", RESOLVE, spec], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=120)  # fmt: skip
+                          timeout=120)
     if done.returncode:
         raise hub.HubError(done.stderr.strip().splitlines()[-1].removeprefix("error: "))
     return Path(done.stdout.strip())
@@ -129,7 +129,7 @@ def test_an_interrupted_download_resumes_where_it_stopped(loopback_hub, hub_env)
 
 def ft(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "ft", *argv], capture_output=True, text=True, env=env, cwd=ROOT,
-                          timeout=120)  # fmt: skip
+                          timeout=120)
 
 
 def test_ft_pull_honours_hf_endpoint_and_offline_mode_uses_the_cache(loopback_hub, hub_env):

@@ -35,7 +35,7 @@ def test_exposition_parses_and_counts_every_request(server):
                 history = [{"role": "user", "content": f"question {i}"} for i in range(turn + 1)]
                 if path == CHAT:
                     r = c.post(path, json={"messages": [{"role": "system", "content": system}, *history],
-                                           "max_tokens": 4, "temperature": 0})  # fmt: skip
+                                           "max_tokens": 4, "temperature": 0})
                     usage = r.json()["usage"]
                     cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
                     total = usage["prompt_tokens"]
