@@ -31,18 +31,30 @@ class Tool(msgspec.Struct, frozen=True, kw_only=True):
     namespace: str | None = None
 
 
-class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
-    """One call the assistant made: `arguments` for function tools, `input` (raw text)
-    for custom tools; exactly one of the two is set."""
+class ToolCall(msgspec.Struct, frozen=True, omit_defaults=True):
+    """One tool call, wherever it travels: in a request's history, in a generation's events,
+    in a forced output and in a recording.
 
-    id: str
+    `arguments` for function tools, `input` (raw text) for custom tools; exactly one of the
+    two is set. `id` is the call's id on the wire; recorded and forced calls have none ("").
+    Encoded as ``{"name", "arguments"}`` (the record format), with `input` and `id` only
+    where set."""
+
     name: str
     arguments: dict | None = None
     input: str | None = None
+    id: str = ""
 
     @property
     def is_custom(self) -> bool:
         return self.input is not None
+
+    @property
+    def wire_arguments(self) -> str:
+        """The arguments as OpenAI's wire carries them: compact JSON text, or the raw input."""
+        if self.input is not None:
+            return self.input
+        return msgspec.json.encode(self.arguments or {}).decode()
 
 
 class Message(msgspec.Struct, frozen=True, kw_only=True):
@@ -65,29 +77,18 @@ class Message(msgspec.Struct, frozen=True, kw_only=True):
     is_error: bool = False
 
 
-class ForcedToolCall(msgspec.Struct, frozen=True, kw_only=True):
-    """A tool call of a forced output (`ft_forced_output.tool_calls[i]`)."""
-
-    name: str
-    arguments: dict | None = None
-    input: str | None = None
-
-
 class ForcedOutput(msgspec.Struct, frozen=True, kw_only=True):
     """`ft_forced_output`: the engine teacher-forces exactly this assistant message."""
 
     reasoning: str | None = None
     content: str | None = None
-    tool_calls: tuple[ForcedToolCall, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()
 
     def to_message(self, call_id_prefix: str = "call_forced_") -> Message:
-        """The assistant message to render (see `Renderer.render_generation`)."""
+        """The assistant message to render (see `Renderer.render_generation`); calls get ids."""
         calls = tuple(
-            ToolCall(
-                id=f"{call_id_prefix}{i}",
-                name=c.name,
-                arguments=None if c.input is not None else (c.arguments or {}),
-                input=c.input,
+            msgspec.structs.replace(
+                c, id=f"{call_id_prefix}{i}", arguments=None if c.is_custom else (c.arguments or {})
             )
             for i, c in enumerate(self.tool_calls)
         )

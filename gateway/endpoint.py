@@ -21,13 +21,13 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from gateway.conversation import ToolCall
 from gateway.drain import Drain
 from gateway.errors import BadRequest, ClientGone, PayloadTooLarge, error_event, typed
 from gateway.events import Event, collect
 from gateway.generation import Answered, Generation, Started
 from gateway.protocol import Protocol, call_ids
 from gateway.record import AssistantOutput, RecordLine, Timings
-from gateway.record import ToolCall as RecordedCall
 from gateway.runtime import Runtime
 from gateway.sse import SSE_HEADERS, SSE_MEDIA_TYPE, encode_stream
 
@@ -237,7 +237,7 @@ class _Run:
         collected = collect(events)
         output = AssistantOutput(
             reasoning=collected.reasoning or None, content=collected.text or None,
-            tool_calls=[RecordedCall(c.name, c.arguments if isinstance(c.arguments, dict) else {"input": c.arguments})
+            tool_calls=[ToolCall(c.name, c.arguments if c.input is None else {"input": c.input})
                         for c in collected.tool_calls],
         )
         timings = Timings(

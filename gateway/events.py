@@ -16,6 +16,8 @@ from typing import Literal
 
 import msgspec
 
+from gateway.conversation import ToolCall
+
 FinishReason = Literal["stop", "length", "tool_calls", "cancelled"]
 
 
@@ -89,21 +91,6 @@ Event = (
 )
 
 
-class ToolCall(msgspec.Struct):
-    call_id: str
-    name: str
-    custom: bool
-    arguments: dict | str
-    arguments_text: str = ""
-
-    @property
-    def wire_arguments(self) -> str:
-        """Arguments as the wire carries them: the streamed text, else encoded now."""
-        if self.arguments_text or isinstance(self.arguments, str):
-            return self.arguments_text or str(self.arguments)
-        return msgspec.json.encode(self.arguments).decode()
-
-
 class Block(msgspec.Struct):
     """One output block in order: reasoning text, answer text, or a tool call."""
 
@@ -151,7 +138,7 @@ def new_id(prefix: str) -> str:
 def collect(events: Iterable[Event]) -> Collected:
     """Fold an event stream into blocks; adjacent deltas of one kind merge."""
     out = Collected()
-    calls: dict[int, ToolCall] = {}
+    calls: dict[int, Block] = {}
     for ev in events:
         match ev:
             case ReasoningDelta(text) | TextDelta(text):
@@ -161,12 +148,11 @@ def collect(events: Iterable[Event]) -> Collected:
                 elif text:
                     out.blocks.append(Block(kind, text))
             case ToolCallStart(index, call_id, name, custom):
-                calls[index] = ToolCall(call_id, name, custom, "" if custom else {})
-                out.blocks.append(Block("tool_call", tool_call=calls[index]))
-            case ToolCallArgsDelta(index, text):
-                calls[index].arguments_text += text
+                calls[index] = Block("tool_call", tool_call=started_call(call_id, name, custom))
+                out.blocks.append(calls[index])
             case ToolCallEnd(index, arguments):
-                calls[index].arguments = arguments
+                block = calls[index]
+                block.tool_call = ended_call(block.tool_call, arguments)
             case Finish(reason, stop_sequence):
                 out.finish, out.stop_sequence = reason, stop_sequence
             case Usage():
@@ -174,3 +160,16 @@ def collect(events: Iterable[Event]) -> Collected:
             case ErrorEvent():
                 out.error = ev
     return out
+
+
+def started_call(call_id: str, name: str, custom: bool) -> ToolCall:
+    """A call as its `ToolCallStart` announces it: no arguments yet."""
+    return ToolCall(name, None if custom else {}, "" if custom else None, call_id)
+
+
+def ended_call(call: ToolCall | None, arguments: dict | str) -> ToolCall:
+    """The started `call` completed by its `ToolCallEnd` arguments."""
+    assert call is not None
+    if isinstance(arguments, str):
+        return msgspec.structs.replace(call, arguments=None, input=arguments)
+    return msgspec.structs.replace(call, arguments=arguments, input=None)

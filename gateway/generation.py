@@ -17,7 +17,7 @@ import msgspec
 
 from engine import Decoding, Feed, PrefillResult, SequenceState
 from gateway.checkpoints import Checkpoints
-from gateway.conversation import Message, ToolCall
+from gateway.conversation import Message
 from gateway.events import Event, Finish, FinishReason, Usage, collect
 from gateway.memo import TokenMemo
 from gateway.metrics import Metrics
@@ -183,9 +183,5 @@ class Generation:
 def assistant_message(events: list[Event]) -> Message:
     """The assistant message a client will send back for these events."""
     collected = collect(events)
-    calls = []
-    for call in collected.tool_calls:
-        args = call.arguments
-        calls.append(ToolCall(id=call.call_id, name=call.name, arguments=args if isinstance(args, dict) else None,
-                              input=args if isinstance(args, str) else None))
-    return Message(role="assistant", reasoning=collected.reasoning, content=collected.text, tool_calls=tuple(calls))
+    return Message(role="assistant", reasoning=collected.reasoning, content=collected.text,
+                   tool_calls=tuple(collected.tool_calls))

@@ -9,7 +9,7 @@ import msgspec
 
 from engine import SamplingParams
 from gateway.anchors import anchor_chain, boundaries
-from gateway.conversation import Conversation, Message, ToolCall
+from gateway.conversation import Conversation, Message
 from gateway.errors import ContextLengthExceeded
 from gateway.memo import TokenMemo
 from gateway.render import Renderer, Segment, segment_ids
@@ -34,14 +34,7 @@ class Plan:
 
 
 def forced_message(conv: Conversation) -> Message | None:
-    forced = conv.forced_output
-    if forced is None:
-        return None
-    calls = tuple(
-        ToolCall(id=f"forced_{i}", name=c.name, arguments=c.arguments if c.input is None else None, input=c.input)
-        for i, c in enumerate(forced.tool_calls)
-    )
-    return Message(role="assistant", reasoning=forced.reasoning or "", content=forced.content or "", tool_calls=calls)
+    return None if conv.forced_output is None else conv.forced_output.to_message("forced_")
 
 
 class Planner:

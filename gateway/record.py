@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from gateway.conversation import ToolCall
+
 Protocol = Literal["anthropic", "responses", "chat"]
 
 # HTTP path of each protocol's generation endpoint on the gateway.
@@ -19,13 +21,6 @@ PROTOCOL_PATHS: dict[str, str] = {
     "responses": "/v1/responses",
     "chat": "/v1/chat/completions",
 }
-
-
-class ToolCall(msgspec.Struct, frozen=True):
-    """One tool call the model made: the tool's name and its parsed JSON arguments."""
-
-    name: str
-    arguments: dict[str, Any] = {}
 
 
 class AssistantOutput(msgspec.Struct, frozen=True):

@@ -46,7 +46,7 @@ DEFAULT_PARAMS = {
 }
 
 
-class _Call:
+class _ModelCall:
     """One model call being assembled: its input snapshot, the turn it belongs to and the
     output items it produced."""
 
@@ -139,8 +139,8 @@ class _Rollout:
     def __init__(self) -> None:
         self.meta: dict[str, Any] = {}
         self.items: list[dict[str, Any]] = []
-        self.calls: list[_Call] = []
-        self.current: _Call | None = None  # the call still collecting output items
+        self.calls: list[_ModelCall] = []
+        self.current: _ModelCall | None = None  # the call still collecting output items
         self.last_ts: float | None = None
         self.turn: dict[str, Any] = {}  # ids of the current turn (from turn_context)
 
@@ -182,7 +182,7 @@ class _Rollout:
         sampled = (line.get("metadata") or {}).get("sampled_through_sequence")
         if self.current is None or (sampled is not None and sampled != self.current.sampled):
             # the request left when its last input was logged
-            self.current = _Call(self.items, sampled, self.last_ts or ts, self.turn)
+            self.current = _ModelCall(self.items, sampled, self.last_ts or ts, self.turn)
             self.calls.append(self.current)
         self.current.outputs.append(item)
         self.current.output_ts = ts or self.current.output_ts

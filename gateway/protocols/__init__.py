@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gateway.conversation import Conversation, ForcedOutput, ForcedToolCall, GenerationParams, Message
+from gateway.conversation import Conversation, ForcedOutput, GenerationParams, Message, ToolCall
 from gateway.errors import BadRequest
 
 
@@ -200,7 +200,7 @@ def forced_output(body: dict) -> ForcedOutput | None:
         p = join(join(path, "tool_calls"), i)
         c = obj(c, p)
         calls.append(
-            ForcedToolCall(
+            ToolCall(
                 name=req(c, "name", string, p),
                 arguments=opt(c, "arguments", obj, p) if "input" not in c else None,
                 input=opt(c, "input", string, p),

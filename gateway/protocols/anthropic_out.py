@@ -86,9 +86,9 @@ def message_body(
             content.append(
                 {
                     "type": "tool_use",
-                    "id": call.call_id,
+                    "id": call.id,
                     "name": call.name,
-                    "input": tool_input(call.arguments),
+                    "input": tool_input(call.input if call.is_custom else call.arguments or {}),
                 }
             )
     return {

@@ -60,7 +60,7 @@ def error_json(ev: ErrorEvent) -> dict:
 def completion_body(collected: Collected, model: str, *, completion_id: str | None = None) -> dict:
     """The non-streaming ``chat.completion`` object for a finished generation."""
     calls = [
-        {"id": c.call_id, "type": "function", "function": {"name": c.name, "arguments": c.wire_arguments}}
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.wire_arguments}}
         for c in collected.tool_calls
     ]
     message: dict[str, Any] = {"role": "assistant", "content": collected.text or None}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
+from gateway.conversation import ToolCall
 from gateway.events import (
     Collected,
     ErrorEvent,
@@ -19,13 +20,14 @@ from gateway.events import (
     Finish,
     ReasoningDelta,
     TextDelta,
-    ToolCall,
     ToolCallArgsDelta,
     ToolCallEnd,
     ToolCallStart,
     Usage,
     effective_finish,
+    ended_call,
     new_id,
+    started_call,
 )
 from gateway.sse import sse_event
 
@@ -64,15 +66,15 @@ def message_item(item_id: str, text: str, status: str = "completed") -> dict:
 
 
 def tool_item(item_id: str, call: ToolCall, status: str = "completed") -> dict:
-    if call.custom:
-        body = {"input": call.arguments if status == "completed" else ""}
-        return {"id": item_id, "type": "custom_tool_call", "call_id": call.call_id, "name": call.name, **body}
+    if call.is_custom:
+        body = {"input": call.input if status == "completed" else ""}
+        return {"id": item_id, "type": "custom_tool_call", "call_id": call.id, "name": call.name, **body}
     args = call.wire_arguments if status == "completed" else ""
     return {
         "id": item_id,
         "type": "function_call",
         "status": status,
-        "call_id": call.call_id,
+        "call_id": call.id,
         "name": call.name,
         "arguments": args,
     }
@@ -134,7 +136,7 @@ def response_body(
         elif block.kind == "text":
             output.append(message_item(new_id("msg_"), block.text))
         elif block.tool_call is not None:
-            prefix = "ctc_" if block.tool_call.custom else "fc_"
+            prefix = "ctc_" if block.tool_call.is_custom else "fc_"
             output.append(tool_item(new_id(prefix), block.tool_call))
     shell = ResponseShell(model, response_id)
     if collected.error is not None:
@@ -192,8 +194,7 @@ class ResponsesStream:
             case ToolCallArgsDelta(index, text):
                 return self._tool_delta(index, text)
             case ToolCallEnd(index, arguments):
-                self.calls[index].arguments = arguments
-                return self._close()
+                return self._tool_end(index, arguments)
             case Finish():
                 self.finish = ev
             case Usage():
@@ -266,7 +267,7 @@ class ResponsesStream:
 
     def _tool_start(self, ev: ToolCallStart) -> list[bytes]:
         frames = self._close()
-        call = ToolCall(ev.call_id, ev.name, ev.custom, "" if ev.custom else {})
+        call = started_call(ev.call_id, ev.name, ev.custom)
         self.calls[ev.index] = call
         item_id = new_id("ctc_" if ev.custom else "fc_")
         self.open = ("tool", item_id, call)
@@ -275,15 +276,20 @@ class ResponsesStream:
 
     def _tool_delta(self, index: int, text: str) -> list[bytes]:
         call = self.calls[index]
-        call.arguments_text += text
         assert self.open is not None
         where = {"item_id": self.open[1], "output_index": self.index, "delta": text}
         kind = (
             "response.custom_tool_call_input.delta"
-            if call.custom
+            if call.is_custom
             else "response.function_call_arguments.delta"
         )
         return [self.event(kind, **where)]
+
+    def _tool_end(self, index: int, arguments: dict | str) -> list[bytes]:
+        call = self.calls[index] = ended_call(self.calls[index], arguments)
+        if self.open is not None and self.open[0] == "tool":
+            self.open = ("tool", self.open[1], call)
+        return self._close()
 
     def _close(self) -> list[bytes]:
         if self.open is None:
@@ -303,7 +309,7 @@ class ResponsesStream:
 
     def _close_tool(self, where: dict, item_id: str, call: ToolCall) -> tuple[list[bytes], dict]:
         item = tool_item(item_id, call)
-        if call.custom:
+        if call.is_custom:
             return [self.event("response.custom_tool_call_input.done", **where, input=item["input"])], item
         done = self.event(
             "response.function_call_arguments.done", **where, name=call.name, arguments=item["arguments"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from gateway.conversation import Conversation, ForcedOutput, ForcedToolCall, Message, Tool, ToolCall
+from gateway.conversation import Conversation, ForcedOutput, Message, Tool, ToolCall
 
 
 def test_msgspec_round_trip():
@@ -25,7 +25,7 @@ def test_msgspec_round_trip():
 
 
 def test_forced_output_to_message():
-    forced = ForcedOutput(tool_calls=(ForcedToolCall(name="f"), ForcedToolCall(name="patch", input="raw")))
+    forced = ForcedOutput(tool_calls=(ToolCall(name="f"), ToolCall(name="patch", input="raw")))
     m = forced.to_message()
     assert m.role == "assistant" and m.reasoning == "" and m.content == ""
     assert m.tool_calls[0].arguments == {} and m.tool_calls[1].is_custom

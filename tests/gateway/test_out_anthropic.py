@@ -34,7 +34,7 @@ def assert_message(message, events) -> None:
     assert (thinking.type, thinking.thinking, thinking.signature) == ("thinking", expected.reasoning, HANDLE)
     assert (text.type, text.text) == ("text", "Running it now.")
     assert (tool.type, tool.name, tool.input) == ("tool_use", "Bash", ARGS)
-    assert tool.id == expected.tool_calls[0].call_id and tool.id.startswith("toolu_")
+    assert tool.id == expected.tool_calls[0].id and tool.id.startswith("toolu_")
     assert message.stop_reason == "tool_use"
     assert message.usage.input_tokens == 40 and message.usage.cache_read_input_tokens == 60
     assert message.usage.output_tokens == 25
@@ -69,7 +69,7 @@ def test_raw_stream_order_and_start_usage(client):
         for e in events
         if e.type == "content_block_delta" and e.delta.type == "input_json_delta"
     )
-    assert partial == collect(Script.events).tool_calls[0].arguments_text
+    assert partial == collect(Script.events).tool_calls[0].wire_arguments
 
 
 def test_length_and_plain_end_turn(client):

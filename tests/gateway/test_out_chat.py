@@ -34,7 +34,7 @@ def assert_message(message, finish_reason) -> None:
     assert message.content == "Running it now."
     assert message.model_extra["reasoning_content"] == expected.reasoning
     (call,) = message.tool_calls
-    assert (call.id, call.function.name) == (expected.tool_calls[0].call_id, "Bash")
+    assert (call.id, call.function.name) == (expected.tool_calls[0].id, "Bash")
     assert json.loads(call.function.arguments) == ARGS
     assert finish_reason == "tool_calls"
 
@@ -61,7 +61,7 @@ def test_stream_reassembles_with_usage_chunk(client):
             call["arguments"] += tc.function.arguments or ""
     expected = collect(Script.events)
     assert (reasoning, content) == (expected.reasoning, expected.text)
-    assert calls[0]["id"] == expected.tool_calls[0].call_id and json.loads(calls[0]["arguments"]) == ARGS
+    assert calls[0]["id"] == expected.tool_calls[0].id and json.loads(calls[0]["arguments"]) == ARGS
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
     assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens_details.cached_tokens == 60
 

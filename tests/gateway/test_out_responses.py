@@ -39,7 +39,7 @@ def assert_output(output, events, mode="summary") -> None:
     else:
         assert [c.text for c in reasoning.content] == [expected.reasoning]
     assert message.type == "message" and message.content[0].text == "Running it now."
-    assert (call.type, call.name, call.call_id) == ("function_call", "Bash", expected.tool_calls[0].call_id)
+    assert (call.type, call.name, call.call_id) == ("function_call", "Bash", expected.tool_calls[0].id)
     assert json.loads(call.arguments) == ARGS
 
 
@@ -76,7 +76,7 @@ def test_raw_stream_is_well_formed_and_reassembles(client, mode):
     kind = "response.reasoning_summary_text.delta" if mode == "summary" else "response.reasoning_text.delta"
     assert text[kind] == expected.reasoning
     assert text["response.output_text.delta"] == expected.text
-    assert text["response.function_call_arguments.delta"] == expected.tool_calls[0].arguments_text
+    assert text["response.function_call_arguments.delta"] == expected.tool_calls[0].wire_arguments
 
 
 def test_stream_helper_final_response(client):

@@ -112,11 +112,15 @@ def test_roundtrip_any_split(reasoning, text, calls, cuts):
     got = collect(events)
     assert got.reasoning == (reasoning or "")
     assert got.text == text
-    assert [(c.name, c.arguments) for c in got.tool_calls] == calls
-    for c in got.tool_calls:
-        expected = c.arguments if c.custom else msgspec.json.encode(c.arguments).decode()
-        assert c.arguments_text == expected
+    assert [(c.name, c.input if c.is_custom else c.arguments) for c in got.tool_calls] == calls
+    for i, c in enumerate(got.tool_calls):
+        assert streamed_arguments(events, i) == c.wire_arguments
     assert _merged(events) == _merged(parse([rendered], reasoning=reasoning is not None))
+
+
+def streamed_arguments(events, index: int) -> str:
+    """The concatenated argument deltas of tool call `index`: what a streaming client holds."""
+    return "".join(e.text for e in events if isinstance(e, ToolCallArgsDelta) and e.index == index)
 
 
 def _merged(events):
@@ -215,7 +219,7 @@ def test_truncated_generation_closes_open_call():
     out = parse(["r</think>\n\n<tool_call>\n<function=Bash>\n<parameter=command>\nls -l"])
     call = collect(out).tool_calls[0]
     assert (
-        call.arguments == {"command": "ls -l"} and msgspec.json.decode(call.arguments_text) == call.arguments
+        call.arguments == {"command": "ls -l"} and msgspec.json.decode(streamed_arguments(out, 0)) == call.arguments
     )
 
 
