@@ -1,7 +1,7 @@
 """Engine benchmark on the CPU (or any device): prefill tokens/s at several contexts, decode
 tokens/s, and capture overhead (prefill with 0 vs 32 capture positions).
 
-    python bench/engine.py --preset small [--contexts 1024,4096,16384] [--json bench/engine.json]
+    python bench/engine_bench.py --preset small [--contexts 1024,4096,16384] [--json bench/engine.json]
 """
 
 from __future__ import annotations
@@ -10,17 +10,14 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # this file's name would shadow the `engine` package
+import torch
+from rich.console import Console
+from rich.table import Table
 
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from engine import Engine, SamplingParams  # noqa: E402
+from engine import Engine, SamplingParams
 
 
 def timed(fn, repeat: int = 1) -> float:
@@ -56,7 +53,7 @@ def main() -> None:
     parser.add_argument("--captures", type=int, default=32)
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=3, help="interleaved runs per context (median)")
-    parser.add_argument("--json", type=Path, default=Path("bench/engine.json"))
+    parser.add_argument("--json", type=Path, default=Path("bench/engine_bench.json"))
     args = parser.parse_args()
 
     engine = Engine.from_preset(args.preset, device=args.device)

@@ -19,14 +19,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/engine.py would shadow the `engine` package
+import torch
+from rich.console import Console
+from rich.table import Table
 
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
-
-from engine.expert_cache import ExpertCache, Lane  # noqa: E402
-from engine.offload import OffloadStats  # noqa: E402
+from engine.expert_cache import ExpertCache, Lane
+from engine.offload import OffloadStats
 
 EXPERTS, TOP_K = 256, 8
 

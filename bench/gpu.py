@@ -22,13 +22,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/engine.py would shadow the `engine` package
+import torch
 
-import torch  # noqa: E402
-
-import engine.engine as engine_module  # noqa: E402
-from engine import Engine, Feed, SamplingParams  # noqa: E402
-from engine.config import ModelConfig  # noqa: E402
+import engine.engine as engine_module
+from engine import Engine, Feed, SamplingParams
+from engine.config import ModelConfig
 
 GIB = 1 << 30
 
@@ -418,7 +416,7 @@ def main() -> None:
         result["restore"] = [bench_restore(eng, ctx, ceil) for ctx in ints(args.restore)]
     if "decode" in parts:
         result["decode"] = [bench_decode(eng, ctx, args.decode_steps, ceil) for ctx in ints(args.decode)]
-        from bench.timeline import decode_timeline, show  # noqa: PLC0415
+        from timeline import decode_timeline, show  # noqa: PLC0415
 
         result["decode_timeline"] = decode_timeline(eng, ids_for(8192, 3))  # host, launch, device per token
         show("decode at 8192", result["decode_timeline"])

@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine import Engine  # noqa: E402
-from engine.loader import build_model, fingerprint  # noqa: E402
-from engine.presets import materialise  # noqa: E402
-from gateway.tokenizer import QwenTokenizer  # noqa: E402
-from peer.identity import PROMPT  # noqa: E402
+from engine import Engine
+from engine.loader import build_model, fingerprint
+from engine.presets import materialise
+from gateway.tokenizer import QwenTokenizer
+from peer.identity import PROMPT
 
 
 def main(argv: list[str] | None = None) -> None:

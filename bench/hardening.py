@@ -27,12 +27,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+from load import rss_mib
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/engine.py would shadow the engine package
-
-from adapters.client import http_wait_idle  # noqa: E402
-from bench.load import rss_mib  # noqa: E402
-from gateway.embedded import serve_process  # noqa: E402
+from adapters.client import http_wait_idle
+from gateway.embedded import serve_process
 
 MiB = 1 << 20
 LONG = {

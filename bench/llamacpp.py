@@ -27,11 +27,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from adapters.client import http_wait_idle  # noqa: E402
-from adapters.readers import read_trace  # noqa: E402
-from peer.compare import (  # noqa: E402
+from adapters.client import http_wait_idle
+from adapters.readers import read_trace
+from peer.compare import (
     Sample,
     gateway_forced_sample,
     gateway_sample,
@@ -39,10 +37,10 @@ from peer.compare import (  # noqa: E402
     replay,
     summarise,
 )
-from peer.ft_server import FtServer  # noqa: E402
-from peer.gguf_export import preset_gguf  # noqa: E402
-from peer.llama_server import PEER_HOME, VERSION, LlamaServer, build  # noqa: E402
-from peer.sessions import Turn, ft_send, llama_send, plan_sessions, run_sessions, summarise_run  # noqa: E402
+from peer.ft_server import FtServer
+from peer.gguf_export import preset_gguf
+from peer.llama_server import PEER_HOME, VERSION, LlamaServer, build
+from peer.sessions import Turn, ft_send, llama_send, plan_sessions, run_sessions, summarise_run
 
 
 def per_request_table(name: str, sides: dict[str, list[Sample]]) -> Table:

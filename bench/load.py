@@ -25,10 +25,8 @@ from pathlib import Path
 
 import httpx
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/engine.py would shadow the engine package
-
-from adapters.replay_report import percentile  # noqa: E402
-from gateway.embedded import serve_process  # noqa: E402
+from adapters.replay_report import percentile
+from gateway.embedded import serve_process
 
 MiB = 1 << 20
 WARMUP_S = 60.0

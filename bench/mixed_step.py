@@ -12,16 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+import torch
 
-import torch  # noqa: E402
-
-import engine.engine as engine_module  # noqa: E402
-from engine import Engine, Feed  # noqa: E402
+import engine.engine as engine_module
+from engine import Engine, Feed
 
 
 def main() -> None:

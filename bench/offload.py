@@ -38,12 +38,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/engine.py would shadow the `engine` package
-
-import msgspec  # noqa: E402
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import msgspec
+import torch
+from rich.console import Console
+from rich.table import Table
 
 PCIE4_X16 = 25e9  # bytes/s a consumer PCIe 4.0 x16 link sustains host -> device
 DEFAULT_TRACE = "traces/sessions/small-bugfix.recording.jsonl"
@@ -342,7 +340,7 @@ def run_budget(args) -> dict:
         per_token = out["decode_s"] / max(out["decode_steps"], 1)
         out["decode_tok_s_pcie4"] = 1 / project(per_token, out["decode_bytes_per_token"], link_bw, args.pcie)
     if args.device == "cuda":  # where a decode token's wall time goes, without the profiler
-        from bench.timeline import decode_timeline, show  # noqa: PLC0415
+        from timeline import decode_timeline, show  # noqa: PLC0415
 
         started = time.perf_counter()
         done("decode timeline", started, timeline=decode_timeline(engine, ids_for(512)))

@@ -3,7 +3,6 @@ side in our engine, and llama-server on the same Q4_K_M file.
 
     FT_MATERIALISE=1 python bench/quant.py [--llama] [--parts bf16,fp8,q4_k_m,replay-ft,llama,replay-llama] \
         [--replay traces/sessions/small-bugfix.recording.jsonl] [--json bench/quant.json]
-    python bench/quant.py --kernels [--json …]    # the kernels alone: bench/quant_kernels.py
 
 Weights without downloads. `bf16`: the preset's random weights (FT_MATERIALISE=1 builds them in GPU
 memory; on the CPU the preset's own dtype). `fp8`: the same weights block-quantized as Qwen's -FP8
@@ -34,14 +33,11 @@ import gc
 import json
 import os
 import random
-import runpy
 import sys
 import time
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/engine.py would shadow the `engine` package
-
-import torch  # noqa: E402
+import torch
 
 PARTS = ("bf16", "fp8", "q4_k_m", "replay-ft", "llama", "replay-llama")  # the order they run in
 FORMATS = ("bf16", "fp8", "q4_k_m")
@@ -198,7 +194,7 @@ def bench_format(fmt: str, args, keep: dict) -> dict:
         else:
             row["prefill_bf16_activations"] = fp8_prefill_variants(eng, args.prefill, logits, keep.get("bf16_logits"))
         if args.profile:  # the kernels of the prefill, by device time
-            from bench.gpu import profile_prefill  # noqa: PLC0415
+            from gpu import profile_prefill  # noqa: PLC0415
 
             row["profile_prefill"] = profile_prefill(eng, args.prefill, host_top=15)
     row["decode"] = [bench_decode(eng, args.context, b, args.steps) for b in args.batches]
@@ -209,7 +205,7 @@ def bench_format(fmt: str, args, keep: dict) -> dict:
     if args.gemv_variants and eng.device.type == "cuda":  # the same decode under other GEMV launch settings
         row["decode_gemv_variants"] = decode_variants(eng, args)
     if eng.device.type == "cuda" and args.batches:  # where a generated token's wall time goes (host, launch, device)
-        from bench.timeline import decode_timeline, show  # noqa: PLC0415
+        from timeline import decode_timeline, show  # noqa: PLC0415
 
         row["timeline"] = decode_timeline(eng, ids_for(args.context, 3))
         show(f"{fmt}: generate", row["timeline"])
@@ -323,8 +319,9 @@ def decode_variants(eng, args) -> list[dict]:
 
 def profile_generate(eng, prompt: list[int], name: str, steps: int = 8) -> dict:
     """`steps` greedy decode steps under torch's profiler (bench/offload.py's `profiled`)."""
-    from bench.offload import profiled, show_profile  # noqa: PLC0415
-    from bench.timeline import decoding  # noqa: PLC0415
+    from offload import profiled, show_profile  # noqa: PLC0415
+    from timeline import decoding  # noqa: PLC0415
+
     from engine import SamplingParams  # noqa: PLC0415
 
     state, logits = decoding(eng, prompt)
@@ -526,11 +523,6 @@ def table(result: dict) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--kernels",
-        action="store_true",
-        help="run bench/quant_kernels.py instead (the other options are its own)",
-    )
     p.add_argument("--preset", default="qwen3.6-35b-a3b")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument(
@@ -575,11 +567,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--kernels" in argv:
-        sys.argv = [str(Path(__file__).with_name("quant_kernels.py")), *(a for a in argv if a != "--kernels")]
-        runpy.run_path(sys.argv[0], run_name="__main__")
-        return 0
     args = parse_args(argv)
     os.environ.setdefault("FT_MATERIALISE", "1" if args.device != "cpu" else "0")
     result = json.loads(args.json.read_text()) if args.json.is_file() else {}

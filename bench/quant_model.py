@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path[0] = str(Path(__file__).resolve().parents[1])  # bench/engine.py would shadow the `engine` package
+import torch
+from gpu import wall
 
-import torch  # noqa: E402
-
-from bench.gpu import wall  # noqa: E402
-from engine import Engine  # noqa: E402
-from engine.gguf_file import read_gguf  # noqa: E402
+from engine import Engine
+from engine.gguf_file import read_gguf
 
 
 def preset_file(preset: str, out: Path) -> Path:

@@ -28,7 +28,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -37,11 +36,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-# Run as a script, bench/ comes first on sys.path, and bench/engine.py would shadow the engine package.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
-
-from checkpoint_store import CheckpointStore, StoreConfig  # noqa: E402
-from engine.snapshot import Snapshot  # noqa: E402
+from checkpoint_store import CheckpointStore, StoreConfig
+from checkpoint_store.snapshot import Snapshot
 
 KV_LAYERS, KV_HEADS, HEAD_DIM = 10, 2, 256
 DN_LAYERS, CONV_SHAPE, REC_SHAPE = 30, (8192, 3), (32, 128, 128)
