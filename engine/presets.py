@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from engine.config import ModelConfig
 from engine.quant import fp8
+from ft import env
 
 QWEN36_VOCAB = 248320
 QWEN36_EOS = [248046, 248044]  # <|im_end|>, <|endoftext|>
@@ -236,5 +237,4 @@ def _save_sharded(tensors: dict[str, torch.Tensor], folder: Path) -> None:
 def default_model_dir(name: str, fmt: str = "hf") -> Path:
     """Where a preset is written on first use; the revision in the name keeps folders written
     by an older initialisation from being mistaken for the current one."""
-    root = Path(os.environ.get("FT_HOME", Path.home() / ".cache" / "ft"))
-    return root / "models" / (f"{name}-r{PRESET_REVISION}" + ("" if fmt == "hf" else f"-{fmt}"))
+    return env.home() / "models" / (f"{name}-r{PRESET_REVISION}" + ("" if fmt == "hf" else f"-{fmt}"))

@@ -14,8 +14,8 @@ capacity doubling) and the graphs are captured again.
 
 A short prefill of one sequence (up to PREFILL_BUCKETS[-1] tokens: a tool result or a user turn
 after a restore) runs the same way on its slot: a `SlotPrefill` padded to a token bucket, one graph
-per bucket, its slot, position and token count on the device. Eager, such a prefill costs ~100 ms
-of kernel launches on the H200 for ~10 ms of GPU work.
+per bucket, its slot, position and token count on the device. Eager, such a prefill's kernel
+launches take several times its GPU work.
 
 A step that also prefills a longer chunk runs eagerly: `slot_batch` binds the decode rows to their
 slots and the engine's one forward takes them before the prefill's spans (`Mixed`), so the step
@@ -68,7 +68,7 @@ class Runner:
         capacity)` before buffers of that size replace the old ones (an expert cache shrinks there
         to keep a memory budget; the old buffers are freed before the new ones are made).
         `capacity`: tokens per slot at first (default `initial_capacity`); growing later
-        recaptures every graph, ~0.1-0.3 s each, inside the request that grew them. `graph_rows`: the
+        recaptures every graph inside the request that grew them. `graph_rows`: the
         most decode rows a graph may hold (an offloaded model reads its experts in place, which a graph
         can hold, only up to so many assignments); wider decode steps run eagerly."""
         self.model, self.kernels = model, kernels
@@ -134,12 +134,12 @@ class Runner:
         self._advance(state, count)
         return logits
 
-    def warmup(self, max_batch: int, prefill: bool = True) -> None:
-        """Slots for `max_batch` sequences and the graphs of every batch bucket up to it and (with
+    def warmup(self, max_running: int, prefill: bool = True) -> None:
+        """Slots for `max_running` sequences and the graphs of every batch bucket up to it and (with
         `prefill`) of every prefill bucket, now (each capture is a few forwards) rather than at first use."""
-        self._reserve(max_batch, PREFILL_BUCKETS[-1])
+        self._reserve(max_running, PREFILL_BUCKETS[-1])
         if self.use_graph:
-            for rows in sorted({bucket(n) for n in range(1, max_batch + 1)}):
+            for rows in sorted({bucket(n) for n in range(1, max_running + 1)}):
                 if self._graphed(rows):
                     self._graph("decode", rows)
             for rows in PREFILL_BUCKETS if prefill else ():

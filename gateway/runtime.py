@@ -14,6 +14,7 @@ from pathlib import Path
 
 from checkpoint_store import CheckpointStore, StoreConfig
 from engine import Engine
+from engine.engine_config import EngineConfig
 from gateway.anchors import root_anchor
 from gateway.checkpoints import Checkpoints
 from gateway.live import LiveSequences
@@ -36,7 +37,7 @@ DEVICE_PARTS = ("weights", "decode_slots", "expert_cache", "expert_staging", "ex
 class ServeConfig:
     model_dir: Path | None = None
     preset: str = "tiny"
-    device: str = "cpu"
+    engine: EngineConfig = EngineConfig()  # how the engine runs the model: device, max_running, budgets
     host: str = "127.0.0.1"
     port: int = 1919
     ram_cache_gib: float = 4.0
@@ -52,12 +53,8 @@ class ServeConfig:
     max_tokens_cap: int | None = None
     forced_decode: str = "prefill"  # "prefill" | "steps" (see gateway/generation.py)
     live_sequences: int = 4  # sequences kept after their answer, continued in place (0: always restore)
-    max_running: int = 4  # requests decoded together, one batched forward per step
-    max_queue: int = 64  # requests waiting beyond max_running; more are answered `overloaded`
-    decode_step_prefill: int | None = None  # prefill tokens a step carries beside decode rows (None: its budget)
-    gpu_memory_gib: float | None = None  # device budget: routed experts offloaded to host memory (engine/offload.py)
+    max_queue: int = 64  # requests waiting beyond the engine's max_running; more are answered `overloaded`
     model_name: str | None = None
-    step_log_ms: float | None = None  # log engine steps and prefill forwards slower than this (a diagnostic)
 
 
 @dataclass
@@ -80,9 +77,7 @@ class Runtime:
     live: LiveSequences = field(init=False)  # sequences kept on the device between requests (worker only)
 
     def __post_init__(self) -> None:
-        self.scheduler = Scheduler(self.engine, self.config.max_running, self.config.max_queue,
-                                   self.config.decode_step_prefill, self.config.step_log_ms)  # fmt: skip
-        self.engine.step_log_ms = self.config.step_log_ms
+        self.scheduler = Scheduler(self.engine, self.config.max_queue)
         self.store_queue = StoreQueue(self.store)
         self.planner = Planner(self.renderer, self.memo, self.root, self.volatile_rules, self.replay,
                                self.engine.max_context, self.config.default_max_tokens, self.config.max_tokens_cap)
@@ -102,7 +97,7 @@ class Runtime:
         torch's allocator holds there (`device_reserved`) and the rest of it beyond those parts
         (`workspace`: forwards' activations, CUDA graphs' pools, captures in flight, free blocks)."""
         memory = {**self.engine.memory(), "live_sequences": self.engine.held_bytes(self.live.states()),
-                  "ram_cache_budget": int(self.config.ram_cache_gib * GiB)}  # fmt: skip
+                  "ram_cache_budget": int(self.config.ram_cache_gib * GiB)}
         if (reserved := memory.get("device_reserved")) is not None:
             on_device = sum(memory.get(part, 0) for part in DEVICE_PARTS)
             memory["workspace"] = max(0, reserved - on_device)
@@ -123,13 +118,13 @@ class Runtime:
 
 
 def load_engine(config: ServeConfig) -> Engine:
-    """The model, warmed up (the first request must not pay for kernel compilation)."""
-    budget = {"gpu_memory_gib": config.gpu_memory_gib, "max_running": config.max_running}
+    """The model, run as `config.engine` says, warmed up (the first request must not pay for
+    kernel compilation)."""
     if config.model_dir is not None:
-        engine = Engine.load(config.model_dir, device=config.device, **budget)
+        engine = Engine.load(config.model_dir, config.engine)
     else:
-        engine = Engine.from_preset(config.preset, device=config.device, **budget)
-    engine.warmup(max_batch=config.max_running)
+        engine = Engine.from_preset(config.preset, config.engine)
+    engine.warmup()
     return engine
 
 
@@ -143,7 +138,8 @@ def ignore_file_size_signal() -> None:
 
 def build_runtime(config: ServeConfig, engine: Engine | None = None) -> Runtime:
     """A runtime with a fresh store; `engine` reuses an already loaded model (replays that
-    compare policies on one set of weights)."""
+    compare policies on one set of weights), which brings its own `EngineConfig` (`config.engine`
+    is then not used)."""
     engine = engine or load_engine(config)
     model_id = config.model_name or (config.model_dir.name if config.model_dir else config.preset)
     renderer = load_renderer(engine.model_dir)
@@ -154,7 +150,7 @@ def build_runtime(config: ServeConfig, engine: Engine | None = None) -> Runtime:
         disk_dir=config.disk_cache,
         disk_bytes=int(config.disk_cache_gib * GiB),
         fingerprint=engine.fingerprint,
-    ), host_memory=engine.host_memory)
+    ))
     root = root_anchor(engine.fingerprint, renderer.template_id)
     # the memo's ids belong to this model and template, as the checkpoints do
     # failed memo writes count and log with the store's (one disk, one line in the log); a cache

@@ -2,9 +2,9 @@
 
 A task is a generator that yields each `Feed` it needs run (a prompt's prefill, one decode token)
 and is resumed once that feed holds its result. Every step runs one batched forward: the decode
-token of every running task, then prefill chunks of the others, oldest first, within the engine's
-token budget, so a new request's prefill starts at the next step instead of after the other
-sessions' answers. Requests beyond `max_running` wait in a queue (`Overloaded` past `max_queue`);
+token of every running task, then prefill chunks of the others, as the engine's scheduler plans
+them (`engine.scheduler`: the token budget, the fewest remaining tokens first), so a new request's
+prefill starts at the next step instead of after the other sessions' answers. Requests beyond `max_running` wait in a queue (`Overloaded` past `max_queue`);
 one whose client left before it started is dropped; one that is not `ready` (what it restores is still
 on its way into the store) lets those behind it go first, so no wait of its blocks the worker.
 Background tasks (precompute) run only in steps with no live work. Plain jobs (`submit`) run alone
@@ -25,11 +25,11 @@ from concurrent.futures import Future
 from typing import Any
 
 from engine import Engine, Feed
+from engine.scheduler import StepPlan
 from gateway.errors import ClientGone, Overloaded, is_typed
 from gateway.metrics import Histogram
 
 log = logging.getLogger("gateway.scheduler")
-BACKGROUND_STEP_TOKENS = 1024  # tokens per step of background work (precompute): bounds the wait of a new request
 QUEUE_STEP_BUCKETS = (0, 1, 2, 4, 8, 16, 64)  # engine steps a live request waited before it started (a histogram)
 READY_POLL = 0.002  # seconds between asks of a waiting task's `ready` while the worker has nothing else
 
@@ -70,11 +70,12 @@ class Task:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, max_running: int = 4, max_queue: int = 64,
-                 decode_step_prefill: int | None = None, step_log_ms: float | None = None):  # fmt: skip
-        self.engine, self.max_running, self.max_queue = engine, max_running, max_queue
-        self.decode_step_prefill = decode_step_prefill  # prefill tokens a step carries beside decode rows
-        self.step_log_ms = step_log_ms  # `ft serve --step-log`: log each step slower than this
+    def __init__(self, engine: Engine, max_queue: int = 64):
+        """Runs up to the engine's `max_running` tasks at once; `max_queue` more may wait. Steps
+        slower than the engine's `step_log_ms` are logged."""
+        self.engine, self.max_queue = engine, max_queue
+        self.max_running = engine.engine_config.max_running
+        self.step_log_ms = engine.engine_config.step_log_ms
         self._waiting: deque[Task] = deque()
         self._running: list[Task] = []
         self._background: list[Task] = []
@@ -216,12 +217,13 @@ class Scheduler:
         for task in tasks:
             if task.feed is None and not task.advance():  # a background task not started yet
                 self._background.remove(task)
-        parts = self._parts(tasks)
-        if not parts:
+        feeds = [t.feed for t in tasks if t.feed is not None]
+        plan = self.engine.scheduler.schedule(feeds, background=not self._running)
+        if plan.empty:
             return
         start = time.perf_counter()
         try:
-            self.engine.step(parts)
+            self.engine.run(plan)
         except Exception as exc:  # noqa: BLE001 (the step's requests fail; the worker goes on)
             log.exception("engine step failed")
             for task in tasks:
@@ -230,15 +232,15 @@ class Scheduler:
                 task.future.set_exception(exc)
             return
         self.steps_total += 1
-        self.step_sequences_total += len(parts)
-        self.step_tokens_total += sum(count for _, count in parts)
+        self.step_sequences_total += len(plan.parts)
+        self.step_tokens_total += plan.tokens
         stepped = time.perf_counter()
         for task in tasks:
             if task.feed is not None and task.feed.result is not None and not task.advance():
                 self._discard(task)
-        self._log_step(parts, start, stepped)
+        self._log_step(plan, start, stepped)
 
-    def _log_step(self, parts: list[tuple[Feed, int]], start: float, stepped: float) -> None:
+    def _log_step(self, plan: StepPlan, start: float, stepped: float) -> None:
         """`step_log_ms`: a step slower than that, split into the engine's step, resuming its tasks
         (sampling, checkpoint hand-offs, the next feed) and the worker's time before it since the
         last step (jobs, admissions: restores)."""
@@ -246,32 +248,10 @@ class Scheduler:
         self._step_end = end
         if self.step_log_ms is None or (end - start) * 1e3 < self.step_log_ms:
             return
-        prefills = [count for feed, count in parts if feed.is_prefill]
+        prefills = [count for feed, count in plan.parts if feed.is_prefill]
         log.info("step %d: %d prefill tokens in %d parts, %d decode rows: engine %.1f ms, tasks %.1f ms; "
                  "%.1f ms since the last step", self.steps_total, sum(prefills), len(prefills),
-                 len(parts) - len(prefills), (stepped - start) * 1e3, (end - stepped) * 1e3, before * 1e3)  # fmt: skip
+                 len(plan.parts) - len(prefills), (stepped - start) * 1e3, (end - stepped) * 1e3, before * 1e3)
 
     def _discard(self, task: Task) -> None:
         (self._running if task in self._running else self._background).remove(task)
-
-    def _parts(self, tasks: list[Task]) -> list[tuple[Feed, int]]:
-        """Every decode token, then prefill chunks within the token budget, the fewest remaining
-        tokens first (admission order among equals): a tool result's few hundred tokens join the
-        next step beside another session's long prompt rather than wait for all of it, which still
-        gets the rest of every step's budget. A step with decode rows carries at most
-        `decode_step_prefill` prefill tokens, so the decoding sequences' tokens come at a short
-        step's pace while long prompts prefill."""
-        parts = [(t.feed, 1) for t in tasks if t.feed is not None and not t.feed.is_prefill]
-        budget = self.engine.step_tokens - len(parts)
-        if parts and self.decode_step_prefill:
-            budget = min(budget, self.decode_step_prefill)
-        if not self._running:  # background work: short steps, so a request that arrives waits little
-            budget = min(budget, BACKGROUND_STEP_TOKENS)
-        prefills = [t.feed for t in tasks if t.feed is not None and t.feed.is_prefill]
-        for feed in sorted(prefills, key=lambda f: f.remaining):
-            if budget <= 0:
-                break
-            count = min(budget, feed.remaining)
-            parts.append((feed, count))
-            budget -= count
-        return parts

@@ -86,11 +86,10 @@ def batched(engine, seqs, budget: int) -> list[list[torch.Tensor]]:
 def test_decode_tokens_ride_in_a_prefill_forward(tiny, monkeypatch):
     """A step of three decode tokens and another sequence's prefill chunk (capturing states) is
     one forward (`Mixed`); its logits, captured states and the sequences' next steps are those of
-    the decode step and the prefill run apart (FT_MIXED_STEPS=0)."""
-    import engine.engine
+    the decode step and the prefill run apart (the layout of an engine that does not mix)."""
 
     def run(mixed: bool) -> tuple[list, list[torch.Tensor], list[type]]:
-        monkeypatch.setattr(engine.engine, "MIXED_STEPS", mixed)
+        monkeypatch.setattr(tiny.scheduler, "mixes", mixed)
         states = [tiny.new_state() for _ in range(3)]
         for i, state in enumerate(states):
             tiny.prefill(state, list(range(300 + i, 340 + 9 * i)))
@@ -203,7 +202,7 @@ def test_short_prefills_on_slots_give_each_sequence_its_solo_logits(preset_dirs,
     slot, padded to a token bucket (the path a GPU replays as a graph), against solo runs of the
     span forward: padding changes no state, and captures at a prefill's end are the same."""
     slotted = Engine.load(preset_dirs["tiny"], dtype=torch.float32)
-    slotted.slot_prefill = True
+    slotted.scheduler.slot_prefill = True
     together = batched(slotted, seqs, budget)
     for seq, got in zip(seqs, together, strict=True):
         want = solo(tiny, seq)
@@ -220,7 +219,7 @@ def test_a_slot_prefill_after_a_restore_equals_the_span_forward(preset_dirs, dat
     states), and the same next decode steps; the suffix crosses the slot capacity (buffers grow) and
     may run in several pieces of the largest bucket."""
     engines = [Engine.load(preset_dirs["tiny"], dtype=torch.float32) for _ in range(2)]
-    engines[1].slot_prefill = True
+    engines[1].scheduler.slot_prefill = True
     rng = data.draw(st.randoms(use_true_random=False))
     prefix = [rng.randrange(248_000) for _ in range(data.draw(st.integers(1, 300)))]
     suffix = [rng.randrange(248_000) for _ in range(data.draw(st.integers(1, 1500)))]  # pieces of 512 above 512

@@ -5,6 +5,7 @@ writes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -12,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from engine.engine_config import EngineConfig
 from tests.conftest import start_server
 
 MAX_TOKENS = 24
@@ -19,7 +21,7 @@ MAX_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def server():
-    s = start_server(preset="tiny", policy="anchor", max_running=8)
+    s = start_server(preset="tiny", policy="anchor", engine=EngineConfig(max_running=8))
     yield s
     s.stop()
 
@@ -195,7 +197,7 @@ def test_metrics_report_resident_memory(server):
     params = sum(p.nbytes for p in engine.model.parameters())
     assert _metric(server, 'ft_memory_bytes{part="weights"}') == pytest.approx(params, rel=0.01)
     assert _metric(server, 'ft_memory_bytes{part="decode_slots"}') == engine.runner.nbytes > 0
-    assert engine.runner.slots >= server.runtime.config.max_running
+    assert engine.runner.slots >= engine.engine_config.max_running == 8
     assert _metric(server, 'ft_memory_bytes{part="ram_cache_budget"}') == int(server.runtime.config.ram_cache_gib * (1 << 30))
     with server.client() as c:  # a CPU has no allocator holding to report
         assert "device_reserved" not in c.get("/metrics").text
@@ -232,22 +234,13 @@ def test_metrics_report_the_live_sequences_memory(server):
 
 
 def _parts_of(server, tokens: list[int]):
-    """The worker's parts of a step over tasks with feeds of `tokens` each (a 1 is a decode row),
-    standing in for its running tasks -> their feeds and the parts."""
+    """The parts the served engine's scheduler gives a step over running tasks whose feeds have
+    `tokens` each (a 1 is a decode row)."""
     from engine import Feed
-    from gateway.scheduler import Task
 
-    scheduler, engine = server.runtime.scheduler, server.runtime.engine
-    tasks = [Task(iter(())) for _ in tokens]
-    for t, n in zip(tasks, tokens, strict=True):
-        t.feed = Feed(engine.new_state(), list(range(n)))
-    server.wait_idle()
-    with scheduler._wake:  # the worker stays in its wait while these stand in for its running tasks
-        running, scheduler._running = scheduler._running, tasks
-        try:
-            return [t.feed for t in tasks], scheduler._parts(scheduler._running)
-        finally:
-            scheduler._running = running
+    engine = server.runtime.engine
+    feeds = [Feed(engine.new_state(), list(range(n))) for n in tokens]
+    return feeds, engine.scheduler.parts(feeds)
 
 
 def test_a_short_prefill_joins_the_next_step_beside_a_long_one(server):
@@ -263,7 +256,8 @@ def test_a_step_with_decode_rows_carries_at_most_decode_step_prefill_tokens(serv
     """`ft serve --decode-step-prefill N`: beside decode rows a step's prefill is at most N tokens
     (the shortest first as ever); with no decode row it takes the whole budget."""
     budget = server.runtime.engine.step_tokens
-    monkeypatch.setattr(server.runtime.scheduler, "decode_step_prefill", 512)
+    scheduler = server.runtime.engine.scheduler
+    monkeypatch.setattr(scheduler, "limits", dataclasses.replace(scheduler.limits, decode_step_prefill=512))
     (long, decoding, short), parts = _parts_of(server, [3 * budget, 1, 300])
     assert parts == [(decoding, 1), (short, 300), (long, 212)]
     (long, short), parts = _parts_of(server, [3 * budget, 300])
@@ -274,8 +268,8 @@ def test_decode_step_prefill_flag_reaches_the_config_and_refuses_tiny_chunks(cap
     from gateway.serve import config_from_args
     from tests.conftest import serve_args
 
-    assert config_from_args(serve_args("--decode-step-prefill", "2048")).decode_step_prefill == 2048
-    assert config_from_args(serve_args()).decode_step_prefill is None
+    assert config_from_args(serve_args("--decode-step-prefill", "2048")).engine.decode_step_prefill == 2048
+    assert config_from_args(serve_args()).engine.decode_step_prefill is None
     with pytest.raises(SystemExit):
         serve_args("--decode-step-prefill", "100")
     assert "expected a whole number >= 256, got '100'" in capsys.readouterr().err
