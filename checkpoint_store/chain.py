@@ -6,9 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.snapshot import Snapshot, concat_chain, is_kv
-
 from .record import Packed, RecordMeta, allocate, copy_bytes
+from .snapshot import Snapshot, concat_chain, is_kv
 
 
 @dataclass(frozen=True)

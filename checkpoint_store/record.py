@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import xxhash
 
-from engine.snapshot import is_kv
+from .snapshot import is_kv
 
 # nbytes -> a uint8 CPU tensor of that many bytes (uninitialised): where a store's RAM tier keeps records
 HostMemory = Callable[[int], torch.Tensor]

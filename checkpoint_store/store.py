@@ -31,14 +31,13 @@ import threading
 import lmdb
 import torch
 
-from engine.snapshot import Snapshot
-
 from .chain import Located, first_mismatch, follows, fresh_copy, join
 from .config import StoreConfig
 from .disk import MAX_ANCHOR_BYTES, DiskTier, MissingRecord
 from .error_log import ErrorLog
 from .ram import RamTier
 from .record import KV_PART, STATE_PART, CorruptRecord, HostMemory, Packed, RecordMeta, pack, split_parts
+from .snapshot import Snapshot
 from .stats import Counters, StoreStats
 from .writer import DeleteOp, Op, PutOp, Writer
 

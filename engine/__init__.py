@@ -1,34 +1,45 @@
-"""The model runtime: hybrid MoE models with exact state capture and restore."""
+"""The model runtime: hybrid MoE models with exact state capture and restore.
 
+The package's exports load on first use (``__getattr__``), so that importing one engine module, or a
+package below the engine, does not load the model, the kernels and torch's GPU stack.
+"""
+
+import importlib
 import os
 
-# fla's kernels choose their launch settings by timing each (triton.autotune) in every new process: time
-# at each start, and a choice that timing noise may change from one process to the next, and with it
-# the last bits of bf16 results. Kept in Triton's cache on disk, the first process's choice is every later
-# one's on this machine (tests/engine/test_gpu.py::test_two_processes_give_the_same_bf16_bits; uncached, three
-# processes on the H200 gave the same bits too, bench/autotune_bits.py). Set before fla is imported: its
-# autotuners read it when they are made. TRITON_CACHE_AUTOTUNING=0 times them afresh.
+# fla's kernels choose their launch settings by timing each (triton.autotune) in every new process, and
+# timing noise may change that choice, and with it the last bits of bf16 results, from one process to the
+# next. Kept in Triton's cache on disk, the first process's choice is every later one's on this machine
+# (tests/engine/test_gpu.py::test_two_processes_give_the_same_bf16_bits). fla is imported only under this
+# package (engine.ops.gpu.deltanet), so this runs before it: its autotuners read the variable when they
+# are made. TRITON_CACHE_AUTOTUNING=0 times them afresh.
 os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
 
-from engine.config import ConfigError, ModelConfig
-from engine.engine import Engine
-from engine.feed import Feed, PrefillResult
-from engine.loader import CheckpointError
-from engine.sampling import Decoding, SamplingParams, TokenEvent
-from engine.snapshot import Snapshot, concat_chain
-from engine.state import SequenceState
+_EXPORTS = {
+    "CheckpointError": "engine.loader",
+    "ConfigError": "engine.config",
+    "Decoding": "engine.sampling",
+    "Engine": "engine.engine",
+    "Feed": "engine.feed",
+    "ModelConfig": "engine.config",
+    "PrefillResult": "engine.feed",
+    "SamplingParams": "engine.sampling",
+    "SequenceState": "engine.state",
+    "TokenEvent": "engine.sampling",
+}
 
-__all__ = [
-    "CheckpointError",
-    "ConfigError",
-    "Decoding",
-    "Engine",
-    "Feed",
-    "ModelConfig",
-    "PrefillResult",
-    "SamplingParams",
-    "SequenceState",
-    "Snapshot",
-    "TokenEvent",
-    "concat_chain",
-]
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    """An export, imported from its module on first access and kept in the package's namespace."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

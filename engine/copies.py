@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
+from checkpoint_store.snapshot import Snapshot
 from engine.config import ModelConfig
 from engine.runner import Runner
-from checkpoint_store.snapshot import Snapshot
 from engine.state import KVCache, SequenceState
 
 

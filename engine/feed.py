@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from checkpoint_store.snapshot import Snapshot
 from engine.batch import Span
-from engine.snapshot import Snapshot
 from engine.state import SequenceState
 
 

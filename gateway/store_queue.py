@@ -11,8 +11,7 @@ import threading
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
-from checkpoint_store import CheckpointStore
-from engine import Snapshot
+from checkpoint_store import CheckpointStore, Snapshot
 
 STOP_POLL = 0.002  # seconds between a waiter's `stop` checks (background work waiting while a request arrives)
 

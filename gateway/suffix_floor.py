@@ -18,8 +18,8 @@ from pathlib import Path
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from checkpoint_store.snapshot import Snapshot
 from engine import Engine
-from engine.snapshot import Snapshot
 from gateway.endpoint import read_json
 from gateway.errors import BadRequest
 from gateway.runtime import Runtime

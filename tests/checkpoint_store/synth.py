@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from checkpoint_store import CheckpointStore
-from engine.snapshot import Snapshot, concat_chain
+from checkpoint_store.snapshot import Snapshot, concat_chain
 
 
 def make_snapshot(

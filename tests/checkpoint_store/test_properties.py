@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from checkpoint_store import CheckpointStore, StoreConfig
-from engine.snapshot import Snapshot
+from checkpoint_store.snapshot import Snapshot
 
 from .synth import assert_same, expected_chain, make_snapshot
 

@@ -4,12 +4,15 @@ cache smaller than the experts, and the same logits as without offload."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 
 import pytest
 import torch
 
+from checkpoint_store.snapshot import concat_chain
 from engine import Engine, SamplingParams
+from engine import offload as expert_offload
 from engine.expert_cache import ExpertCache, Lane
 from engine.expert_stream import STREAM_BUFFERS, ExpertStream
 from engine.feed import Feed
@@ -25,7 +28,6 @@ from engine.offload import (
 )
 from engine.ops.moe import experts_loop
 from engine.runner import starting_capacity
-from engine.snapshot import concat_chain
 
 TOL = 1e-5
 
@@ -48,11 +50,13 @@ def budget_gib(engine: Engine, slots: int, max_running: int = 4) -> float:
 @pytest.fixture(scope="module", params=["staged", "in-place", "fetch"])
 def offloaded(request, preset_dirs, tiny) -> Engine:
     """The tiny preset with 3 of its 8 experts per layer resident; decode reads the others from
-    host memory, gathered into staging rows first (staged) or where they lie (in-place,
-    FT_OFFLOAD_STAGE=0), or copies them into slots first (fetch, FT_OFFLOAD_MAPPED=0)."""
+    host memory, gathered into staging rows first (staged) or where they lie (in-place), or copies
+    them into slots first (fetch)."""
+    install = functools.partial(
+        expert_offload.install, mapped=request.param != "fetch", staged=request.param == "staged"
+    )
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("FT_OFFLOAD_MAPPED", "0" if request.param == "fetch" else "1")
-        env.setenv("FT_OFFLOAD_STAGE", "1" if request.param == "staged" else "0")
+        env.setattr(expert_offload, "install", install)
         engine = Engine.load(preset_dirs["tiny"], gpu_memory_gib=budget_gib(tiny, 3))
     offload = engine.offload
     assert offload is not None and offload.plan.slots == 3 and offload.stream is not None
@@ -118,58 +122,19 @@ def test_two_prefills_in_one_streamed_forward_match_no_offload(tiny, offloaded):
     assert (out["plain"] - out["offload"]).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("tokens", [2, 40])
-def test_a_routed_chunk_gathers_only_its_missing_experts_and_matches_no_offload(tiny, offloaded, tokens, monkeypatch):
-    """A streamed chunk below `routed_tokens` gathers the experts it routes to that are not resident
-    (ranked on the device, in pieces): the same logits as without offload, a decode step after it
-    too, and the link bytes of exactly those experts, counted on the device."""
-    offload = offloaded.offload
-    if not offload.mapped:
-        pytest.skip("the routed pieces gather from host memory the device reads in place")
-    stream = offload.stream
-    expected = []  # per MoE layer: the experts routed to that were not resident
-    run_routed = stream.run_routed
-
-    def seen(cache, x, weights, ids, moe_experts):
-        expected.append({e for e in ids.flatten().tolist() if cache.slot_of[e] < 0})
-        return run_routed(cache, x, weights, ids, moe_experts)
-
-    monkeypatch.setattr(stream, "run_routed", seen)
-    monkeypatch.setattr(offload, "policy", dataclasses.replace(offload.policy, stream_tokens=1))
-    monkeypatch.setattr(offload, "routed_tokens", 1000)
-    state = offloaded.new_state()
-    offload.flush()
-    before = sum(offload.stats.bytes_in.values())
-    logits = offloaded.prefill(state, list(range(700, 700 + tokens)), capture_at=[tokens]).logits
-    offload.settle()  # the routed forward's counters reach the host
-    offload.flush()
-    moved = sum(offload.stats.bytes_in.values()) - before
-    monkeypatch.undo()  # decode as it runs by default
-    decoded = offloaded.decode(state, 11)
-    assert len(expected) == len(offload.order)
-    assert moved == sum(len(e) for e in expected) * offload.plan.expert_bytes
-    if tokens == 2:  # 2 tokens reach at most 4 of a layer's 8 experts, 5 of them not resident
-        assert all(len(e) <= 4 for e in expected)
-    state = tiny.new_state()
-    plain = (tiny.prefill(state, list(range(700, 700 + tokens))).logits, tiny.decode(state, 11))
-    assert all((a - b).abs().max().item() <= TOL for a, b in zip(plain, (logits, decoded), strict=True))
-
-
 def test_the_step_log_names_a_slow_streamed_forward_its_parts_and_link_bytes(offloaded, caplog):
-    """`Engine.step_log_ms`: a forward past the threshold is logged with its parts, the bytes its
+    """`EngineConfig.step_log_ms`: a forward past the threshold is logged with its parts, the bytes its
     streamed experts moved and the slots; one under it, or with the log off, is not."""
     state = offloaded.new_state()
+    config = offloaded.engine_config
     try:
-        with caplog.at_level("INFO", logger="engine.engine"):
-            offloaded.step_log_ms = 0.0
-            offloaded.prefill(state, list(range(300, 340)), capture_at=[20, 40])
-            offloaded.step_log_ms = 1e9
-            offloaded.prefill(state, list(range(400, 440)))
-            offloaded.step_log_ms = None
-            offloaded.prefill(state, list(range(500, 540)))
+        with caplog.at_level("INFO", logger="engine.step_log"):
+            for threshold, start, capture_at in ((0.0, 300, [20, 40]), (1e9, 400, []), (None, 500, [])):
+                offloaded.engine_config = dataclasses.replace(config, step_log_ms=threshold)
+                offloaded.prefill(state, list(range(start, start + 40)), capture_at=capture_at)
     finally:
-        offloaded.step_log_ms = None
-    lines = [r.getMessage() for r in caplog.records if r.name == "engine.engine"]
+        offloaded.engine_config = config
+    lines = [r.getMessage() for r in caplog.records if r.name == "engine.step_log"]
     assert len(lines) == 1, lines
     line = lines[0]
     assert line.startswith("prefill forward of 40 tokens (1 sequences, 2 captures): ")
@@ -183,7 +148,7 @@ def test_counters_under_the_smallest_cache(preset_dirs, tiny, monkeypatch, mappe
     empty slots from the stream, nothing more over the link); in a short one and a decode step
     every expert needed is counted once, as a hit, a copy or (mapped) a read in place; the bytes
     moved are those copies and reads."""
-    monkeypatch.setenv("FT_OFFLOAD_MAPPED", "1" if mapped else "0")
+    monkeypatch.setattr(expert_offload, "install", functools.partial(expert_offload.install, mapped=mapped))
     engine = Engine.load(preset_dirs["tiny"], gpu_memory_gib=budget_gib(tiny, 2))
     offload = engine.offload
     assert offload is not None and offload.plan.slots == tiny.config.num_experts_per_tok

@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import Engine, concat_chain
+from checkpoint_store import concat_chain
+from engine import Engine
 from engine.loader import CheckpointError
 from engine.presets import materialise, unstack_experts, write_preset
 from engine.quant import fp8

@@ -12,7 +12,8 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from engine import Engine, concat_chain  # noqa: E402
+from checkpoint_store import concat_chain  # noqa: E402
+from engine import Engine  # noqa: E402
 from engine.gguf_file import read_gguf  # noqa: E402
 from engine.gguf_layout import to_gguf  # noqa: E402
 from engine.gguf_loader import GGUFError, open_gguf  # noqa: E402

@@ -54,13 +54,13 @@ def test_quantized_model_in_triton_interpreter_process(group):
     ]
 
 
+from checkpoint_store.snapshot import concat_chain  # noqa: E402
 from engine import Engine  # noqa: E402
 from engine.gguf_file import read_gguf  # noqa: E402
 from engine.model import Concat, fuse, matmul  # noqa: E402
 from engine.ops.gpu import quant  # noqa: E402
 from engine.presets import PRESETS, _config, materialise, write_preset  # noqa: E402
 from engine.quant import fp8  # noqa: E402
-from engine.snapshot import concat_chain  # noqa: E402
 from peer.gguf_export import export_gguf  # noqa: E402
 from tests.engine.kquants import T, quantize, write_kquant_gguf  # noqa: E402
 

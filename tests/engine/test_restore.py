@@ -8,7 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine import SamplingParams, concat_chain
+from checkpoint_store import concat_chain
+from engine import SamplingParams
 from engine.feed import Feed
 
 TOL = 1e-4
@@ -105,7 +106,7 @@ def test_recurrent_state_is_fp32_and_kv_delta_is_tokens_first(tiny):
 def test_concat_chain_rejects_mismatched_parts(tiny):
     import pytest
 
-    from engine.snapshot import Snapshot
+    from checkpoint_store.snapshot import Snapshot
 
     snaps = tiny.prefill(tiny.new_state(), list(range(40)), capture_at=[20, 40]).snapshots
     bad = Snapshot(20, 40, {**snaps[1].tensors, "kv.3.k": snaps[1].tensors["kv.3.k"].double()})

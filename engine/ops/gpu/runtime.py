@@ -7,10 +7,10 @@ from collections.abc import Sequence
 
 import torch
 
+from checkpoint_store.snapshot import Snapshot
 from engine.config import ModelConfig
 from engine.ops.gpu import attention
 from engine.ops.gpu.transfer import Transfers, registered
-from engine.snapshot import Snapshot
 from engine.state import SequenceState
 
 

@@ -32,8 +32,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
+from checkpoint_store.snapshot import Snapshot
 from engine.config import ModelConfig
-from engine.snapshot import Snapshot
 from engine.state import SequenceState
 
 ALIGN = 64  # bytes between the buffers cut from one slab
