@@ -126,13 +126,13 @@ def load_format(fmt: str, args) -> tuple[object, int]:
     from peer.llama_server import PEER_HOME  # noqa: PLC0415
 
     if fmt == "bf16":
-        eng = Engine.from_preset(args.preset, args.device)
+        eng = Engine.from_preset(args.preset, device=args.device)
         source = eng.model_dir
         return eng, folder_bytes(source) if source else checkpoint_bytes(args.preset)
     if fmt == "fp8":
         return fp8_engine(args.preset, args.device)
     path = random_gguf(args.preset, PEER_HOME / "models")
-    return Engine.load(path, args.device), folder_bytes(path)
+    return Engine.load(path, device=args.device), folder_bytes(path)
 
 
 # -- our engine

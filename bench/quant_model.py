@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     prompt = [1000 + (7 * i) % 50_000 for i in range(args.prefill)]
     rows = {}
     for name, keep in (("quantized", True), ("bf16", False)):
-        engine = Engine.load(path, "cuda", keep_quantized=keep)
+        engine = Engine.load(path, device="cuda", keep_quantized=keep)
         rows[name] = measure(engine, prompt, args.decode)
         del engine
         torch.cuda.empty_cache()

@@ -109,9 +109,9 @@ def run(
     engine_dtype = engine_dtype or (None if cuda else "float32")
     torch_dtype = getattr(torch, engine_dtype) if engine_dtype else None
     if dtype in QUANTIZED:  # the same quantized file on both sides
-        engine = Engine.load(gguf_path, device, dtype=torch_dtype)
+        engine = Engine.load(gguf_path, device=device, dtype=torch_dtype)
     else:
-        engine = Engine.from_preset(preset, device, dtype=torch_dtype)
+        engine = Engine.from_preset(preset, device=device, dtype=torch_dtype)
 
     def llama(path: Path) -> list[dict]:
         server = LlamaServer(

@@ -625,12 +625,12 @@ def test_a_graphed_slot_prefill_matches_the_span_forward(gpu_engine, gpu32, rng,
     base = eng.prefill(eng.new_state(), prefix, capture_at=[len(prefix)]).snapshots
     outs = []
     for slotted in (True, False):
-        eng.slot_prefill = slotted
+        eng.scheduler.slot_prefill = slotted
         state = eng.restore(base)
         result = eng.prefill(state, suffix, capture_at=[end])
         result.ready()
         outs.append((result.logits, result.snapshots[0].tensors, eng.decode(state, 7)))
-    eng.slot_prefill = True
+    eng.scheduler.slot_prefill = True
     from engine.runner import prefill_bucket
 
     assert ("prefill", prefill_bucket(new)) in eng.runner.graphs

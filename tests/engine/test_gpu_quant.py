@@ -60,9 +60,9 @@ def q4_k_m(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def engines(q4_k_m) -> dict[str, Engine]:
     return {
-        "quantized": Engine.load(q4_k_m, "cuda"),
-        "bf16": Engine.load(q4_k_m, "cuda", keep_quantized=False),
-        "fp32": Engine.load(q4_k_m, "cuda", dtype=torch.float32, keep_quantized=False),
+        "quantized": Engine.load(q4_k_m, device="cuda"),
+        "bf16": Engine.load(q4_k_m, device="cuda", keep_quantized=False),
+        "fp32": Engine.load(q4_k_m, device="cuda", dtype=torch.float32, keep_quantized=False),
     }
 
 

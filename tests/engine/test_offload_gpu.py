@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from engine import Engine
-from engine.engine import chunk_tokens
+from engine.engine_config import EngineConfig
 from engine.loader import build_model, fingerprint, place
 from engine.offload import GiB, Policy, budget_for, dense_bytes, hit_ratio, plan
 from engine.presets import materialise
@@ -96,10 +96,12 @@ def offloaded(preset: str, dtype: torch.dtype, slots: int, spare: int = SPARE, r
     warm-up leaves is asserted by the caller), decode slots for `running` sequences."""
     config, _, state_dict = materialise(preset, "cpu", dtype)
     model = build_model(config, state_dict)
-    p = plan(config, dense_bytes(model), 1 << 50, dtype, running, starting_capacity(CUDA), chunk_tokens(CUDA))
+    p = plan(config, dense_bytes(model), 1 << 50, dtype, running, starting_capacity(CUDA), EngineConfig("cuda").chunk_tokens)
     # budget_for: with the stream buffers `plan` reserves below half the experts
     budget = (budget_for(config, p, slots) + spare * p.expert_bytes * p.layers + p.expert_bytes // 2) / GiB
-    engine = Engine.offloaded(model, fingerprint(config, state_dict), CUDA, budget, running)
+    engine = Engine.offloaded(
+        model, fingerprint(config, state_dict), EngineConfig("cuda", gpu_memory_gib=budget, max_running=running)
+    )
     # of `ft serve`'s warm-up, what fits these small budgets (its full 8K-token chunk does not): what a short
     # chunk allocates (`Plan.small`, each forward's workspace from it); the policy stays the link's estimate,
     # so that each test's chunk lengths choose its path (measured, chunks of ~9 tokens streamed on the H200)
@@ -274,9 +276,10 @@ def test_35b_shape_offload_within_the_bf16_bound():
     release()
     model = build_model(config, sd16)
     p = plan(
-        config, dense_bytes(model), 1 << 50, torch.bfloat16, 1, starting_capacity(CUDA), chunk_tokens(CUDA)
+        config, dense_bytes(model), 1 << 50, torch.bfloat16, 1, starting_capacity(CUDA), EngineConfig("cuda").chunk_tokens
     )
-    offloaded = Engine.offloaded(model, fp, CUDA, (budget_for(config, p, 16) + p.expert_bytes // 2) / GiB, 1)
+    budget = (budget_for(config, p, 16) + p.expert_bytes // 2) / GiB
+    offloaded = Engine.offloaded(model, fp, EngineConfig("cuda", gpu_memory_gib=budget, max_running=1))
     got = run(offloaded, ids, forced)
     metric("e64_offload_hit_rate", hit_ratio(offloaded.offload_stats()) or 0.0)
     _within_bf16_noise(got, exact[len(ids) - 1 :], plain, exact, "e64_bf16_offload")
@@ -285,10 +288,12 @@ def test_35b_shape_offload_within_the_bf16_bound():
 PEAK_SCRIPT = """
 import json, sys, torch
 from engine import Engine, Feed
-budget, running = float(sys.argv[1]), int(sys.argv[2])
+budget, running, chunk = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]) or None
 torch.cuda.reset_peak_memory_stats()
-engine = Engine.from_preset("qwen3.6-35b-a3b-e64", device="cuda", gpu_memory_gib=budget, max_running=running)
-engine.warmup(max_batch=running)  # `ft serve`'s: decode graphs up to what reads experts in place (4 rows)
+engine = Engine.from_preset(
+    "qwen3.6-35b-a3b-e64", device="cuda", gpu_memory_gib=budget, max_running=running, prefill_chunk=chunk
+)
+engine.warmup()  # `ft serve`'s: decode graphs up to what reads experts in place (4 rows)
 slots = engine.offload.plan.slots
 states = [engine.new_state() for _ in range(running)]
 for i, s in enumerate(states):
@@ -313,9 +318,10 @@ def test_peak_reserved_memory_within_the_budget_as_decode_slots_grow(budget, run
     8 GiB, with the decode graphs and staging rows, none: a `BudgetError`), warmed up and decoding
     `running` sequences in one step (8: wider than a graph holds), an 8K prefill, then a sequence
     decoded past the slots' first capacity."""
-    env = {**os.environ, "FT_MATERIALISE": "1", "FT_PREFILL_CHUNK": "4096" if budget < 10 else ""}
+    env = {**os.environ, "FT_MATERIALISE": "1"}
+    chunk = 4096 if budget < 10 else 0  # 0: the device's default
     proc = subprocess.run(
-        [sys.executable, "-c", PEAK_SCRIPT, str(budget), str(running)],
+        [sys.executable, "-c", PEAK_SCRIPT, str(budget), str(running), str(chunk)],
         capture_output=True,
         text=True,
         env=env,

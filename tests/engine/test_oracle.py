@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -34,7 +36,7 @@ def test_matches_transformers_on_preset_checkpoints(preset_dirs, preset):
 def test_prefill_in_several_chunks_matches_one(tiny, monkeypatch):
     ids = torch.randint(0, 248_000, (300,)).tolist()
     whole = tiny.prefill(tiny.new_state(), ids, all_logits=True).logits
-    monkeypatch.setattr("engine.engine.PREFILL_CHUNK", 64)
+    monkeypatch.setattr(tiny.scheduler, "limits", dataclasses.replace(tiny.scheduler.limits, step_tokens=64))
     chunked = tiny.prefill(tiny.new_state(), ids, all_logits=True).logits
     assert (whole - chunked).abs().max().item() <= 1e-4
 

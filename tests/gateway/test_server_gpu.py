@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.engine_config import EngineConfig
 from tests.conftest import start_server
 from tests.gateway.test_server_anchors import assert_continuation_is_exact, continuation_answers
 
@@ -17,7 +18,7 @@ pytestmark = [
 
 
 def test_live_continuation_on_the_gpu_is_exact():
-    server = start_server(preset="tiny", device="cuda", policy="anchor")
+    server = start_server(preset="tiny", engine=EngineConfig(device="cuda"), policy="anchor")
     try:
         assert_continuation_is_exact(continuation_answers(server))
     finally:

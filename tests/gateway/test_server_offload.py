@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from engine.engine_config import EngineConfig
 from gateway.serve import config_from_args
 from tests.conftest import serve_args, start_server
 from tests.engine.test_offload import budget_gib
@@ -21,7 +22,7 @@ def offloaded(live_server):
         preset="tiny",
         policy="anchor",
         default_max_tokens=16,
-        gpu_memory_gib=budget_gib(live_server.runtime.engine, 3),
+        engine=EngineConfig(gpu_memory_gib=budget_gib(live_server.runtime.engine, 3)),
     )
     yield server
     server.stop()
@@ -99,8 +100,8 @@ def _moved(server) -> float:
 
 
 def test_gpu_memory_flag_reaches_the_config():
-    assert config_from_args(serve_args("--gpu-memory", "6.5")).gpu_memory_gib == 6.5
-    assert config_from_args(serve_args()).gpu_memory_gib is None
+    assert config_from_args(serve_args("--gpu-memory", "6.5")).engine.gpu_memory_gib == 6.5
+    assert config_from_args(serve_args()).engine.gpu_memory_gib is None
     with pytest.raises(SystemExit):
         serve_args("--gpu-memory", "0")
 

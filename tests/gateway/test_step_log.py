@@ -1,4 +1,4 @@
-"""`ft serve --step-log MS` (ServeConfig.step_log_ms): the worker logs each step slower than MS with
+"""`ft serve --step-log MS` (EngineConfig.step_log_ms): the worker logs each step slower than MS with
 what it ran and where its time went, and the engine each slow prefill forward; without it, nothing."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from engine.engine_config import EngineConfig
 from gateway.protocols import chat
 from gateway.runtime import ServeConfig, build_runtime
 from gateway.serve import config_from_args
@@ -20,7 +21,7 @@ FORWARD = re.compile(r"prefill forward of (\d+) tokens \(1 sequences, (\d+) capt
 
 @pytest.mark.parametrize("step_log_ms", [0, None])
 def test_slow_steps_are_logged_only_when_asked(step_log_ms, caplog):
-    rt = build_runtime(ServeConfig(preset="tiny", step_log_ms=step_log_ms))
+    rt = build_runtime(ServeConfig(preset="tiny", engine=EngineConfig(step_log_ms=step_log_ms)))
     try:
         body = {"model": "tiny", "messages": [{"role": "system", "content": "You read logs."},
                                               {"role": "user", "content": "line of the log\n" * 300}]}
@@ -44,7 +45,7 @@ def test_slow_steps_are_logged_only_when_asked(step_log_ms, caplog):
 
 
 def test_step_log_flag():
-    assert config_from_args(serve_args("--step-log", "25")).step_log_ms == 25
-    assert config_from_args(serve_args()).step_log_ms is None
+    assert config_from_args(serve_args("--step-log", "25")).engine.step_log_ms == 25
+    assert config_from_args(serve_args()).engine.step_log_ms is None
     with pytest.raises(SystemExit):
         serve_args("--step-log", "-1")

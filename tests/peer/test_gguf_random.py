@@ -104,7 +104,7 @@ def test_values_spread_as_the_presets_and_unquantized_ones_are_the_presets(tiny_
 def test_engine_loads_and_runs_it(tiny_file):
     from engine import Engine
 
-    engine = Engine.load(tiny_file, "cpu")
+    engine = Engine.load(tiny_file, device="cpu")
     logits = engine.prefill(engine.new_state(), list(range(100, 140))).logits
     assert torch.isfinite(logits).all()
     assert 0.3 < logits.std().item() < 3  # sane: neither collapsed nor blown up

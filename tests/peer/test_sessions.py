@@ -15,6 +15,7 @@ import pytest
 
 from adapters.readers import read_trace
 from adapters.replay_report import percentile
+from engine.engine_config import EngineConfig
 from gateway.render import load_renderer
 from peer.sessions import ft_send, plan_sessions, run_sessions, summarise_run, with_nonce
 from tests.conftest import start_server
@@ -32,7 +33,7 @@ def trace():
 
 @pytest.fixture(scope="module")
 def server():
-    server = start_server(preset="tiny", forced_decode="steps", max_running=2)
+    server = start_server(preset="tiny", forced_decode="steps", engine=EngineConfig(max_running=2))
     yield server
     server.stop()
 
