@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import msgspec
 
 from adapters.client import (
     FLOOR_PATH,
@@ -33,44 +32,10 @@ from adapters.client import (
     prefilled_counter,
     send,
 )
+from adapters.replay_rows import PolicyRun, Row
 from adapters.trace import Trace
 
 POLICY_ORDER = ("anchor", "prefix", "user", "none")
-
-
-
-class Row(msgspec.Struct):
-    """What one request measured. Times in milliseconds; `context_tokens` is the previous
-    request's prompt + output, `new_tokens` this prompt minus that (the suffix an ideal cache
-    prefills; negative where the prompt rewrote history, e.g. Qwen dropping earlier reasoning at
-    a new user turn)."""
-
-    session: str
-    index: int
-    protocol: str
-    after_tool_result: bool
-    prompt_tokens: int
-    output_tokens: int
-    context_tokens: int
-    new_tokens: int
-    prefilled_tokens: int
-    cached_tokens: int
-    client_ttft_ms: float
-    server_ttft_ms: float
-    total_ms: float
-    floor_ms: float | None = None
-    server_timing: dict[str, float] | None = None  # the server's time to first token by phase (ms)
-    fidelity: str = "identical"  # of the rebuilt request body (adapters/trace.py)
-    link_bytes: int | None = None  # host -> device until the first token (the server's `x-link-bytes`)
-
-
-class PolicyRun(msgspec.Struct):
-    """One pass over every trace against one server."""
-
-    policy: str
-    rows: list[Row]
-    server_prefilled: int | None = None  # the server's own ft_tokens_total{kind="prefilled"} delta
-    seconds: float = 0.0
 
 
 # -- in-process server ---------------------------------------------------------------------------
@@ -325,8 +290,10 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _serve_config(args: argparse.Namespace, policy: str) -> Any:
+    from engine.engine_config import EngineConfig  # noqa: PLC0415
     from gateway.runtime import ServeConfig  # noqa: PLC0415
 
     return ServeConfig(
-        preset=args.preset or "tiny", device=args.device, policy=policy, ram_cache_gib=args.ram_cache
+        preset=args.preset or "tiny", engine=EngineConfig(device=args.device), policy=policy,
+        ram_cache_gib=args.ram_cache,
     )

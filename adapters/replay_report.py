@@ -11,7 +11,7 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-from adapters.replay import PolicyRun
+from adapters.replay_rows import PolicyRun
 from adapters.trace import Trace
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import json
 import lzma
 
-from adapters.replay import PolicyRun, Row
 from adapters.replay_report import summarize
+from adapters.replay_rows import PolicyRun, Row
 from ft.cli import main
 from tests.adapters.clients import DATA, ids, sent, session_file, transcript_lines, write_lines
 
