@@ -21,12 +21,12 @@ from typing import Any, Literal
 
 import msgspec
 
-from gateway.record import PROTOCOL_PATHS, AssistantOutput, Protocol, RecordLine, Timings, ToolCall
+from gateway.record import PROTOCOL_PATHS, AssistantOutput, ProtocolName, RecordLine, Timings, ToolCall
 
 __all__ = [
     "PROTOCOL_PATHS",
     "AssistantOutput",
-    "Protocol",
+    "ProtocolName",
     "RecordLine",
     "Timings",
     "Fidelity",
@@ -51,7 +51,7 @@ class TraceRequest(msgspec.Struct):
     docstring; `why` says what differs where the body is approximate.
     """
 
-    protocol: Protocol
+    protocol: ProtocolName
     body: dict[str, Any]
     output: AssistantOutput
     after_tool_result: bool = False
@@ -85,7 +85,7 @@ class Trace(msgspec.Struct):
     meta: dict[str, Any] = {}
 
     @property
-    def protocol(self) -> Protocol | None:
+    def protocol(self) -> ProtocolName | None:
         """The protocol of the session's requests (None when it has none)."""
         return self.requests[0].protocol if self.requests else None
 

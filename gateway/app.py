@@ -15,10 +15,10 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway.dialect import ANTHROPIC, CHAT, RESPONSES
 from gateway.drain import Drain
 from gateway.endpoint import body_limit, generate, read_json
 from gateway.errors import EXCEPTION_HANDLERS, BadRequest, Unauthorized, error_response, error_style
-from gateway.protocol import ANTHROPIC, CHAT, RESPONSES
 from gateway.render import segment_ids
 from gateway.runtime import Runtime
 from gateway.suffix_floor import suffix_floor

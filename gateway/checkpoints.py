@@ -13,9 +13,9 @@ from typing import cast
 from checkpoint_store import CheckpointStore
 from engine import Engine, Feed, PrefillResult, SequenceState
 from gateway.anchors import anchor_chain, boundaries
+from gateway.capture_policy import state_positions
 from gateway.live import LiveSequences
 from gateway.metrics import Metrics
-from gateway.policy import state_positions
 from gateway.render import Segment
 from gateway.scheduler import Scheduler
 from gateway.store_queue import StoreQueue

@@ -22,11 +22,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from gateway.conversation import ToolCall
+from gateway.dialect import ApiDialect, call_ids
 from gateway.drain import Drain
 from gateway.errors import BadRequest, ClientGone, PayloadTooLarge, error_event, typed
 from gateway.events import Event, collect
 from gateway.generation import Answered, Generation, Started
-from gateway.protocol import Protocol, call_ids
 from gateway.record import AssistantOutput, RecordLine, Timings
 from gateway.runtime import Runtime
 from gateway.sse import SSE_HEADERS, SSE_MEDIA_TYPE, encode_stream
@@ -102,7 +102,7 @@ def check_max_tokens(body: dict, max_tokens: int | None, max_context: int) -> No
     raise BadRequest(field, f"is too large: this model's context allows at most {most} output tokens")
 
 
-async def generate(request: Request, protocol: Protocol) -> Response:
+async def generate(request: Request, protocol: ApiDialect) -> Response:
     """A raised error becomes the protocol's error JSON (gateway/errors.py `handle_error`)."""
     rt: Runtime = request.app.state.runtime
     drain: Drain = request.app.state.drain
@@ -144,7 +144,7 @@ class _Run:
     is streamed, a task watches for the client leaving (the cancel flag then stops the generation
     at its next step); `interrupt` ends it early (gateway/drain.py)."""
 
-    def __init__(self, rt: Runtime, plan, protocol: Protocol, received: float, drain: Drain, request: Request):
+    def __init__(self, rt: Runtime, plan, protocol: ApiDialect, received: float, drain: Drain, request: Request):
         self.rt, self.plan, self.protocol, self.received, self.drain = rt, plan, protocol, received, drain
         planned = time.perf_counter()
         self.queue: asyncio.Queue = asyncio.Queue()

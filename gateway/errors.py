@@ -19,17 +19,29 @@ from starlette.responses import Response
 
 from gateway.events import ErrorEvent, ErrorKind
 
-Protocol = Literal["anthropic", "openai"]
+ErrorStyle = Literal["anthropic", "openai"]  # whose error JSON a path answers with
 CLIENT_CLOSED = 499  # nginx's status for "the client left first": counted, never seen by anyone
 
 
-class BadRequest(Exception):
+class GatewayError(Exception):
+    """Base of every error the gateway answers by type; `message` is what the client sees.
+    Each subclass has its status and error types per protocol in `SPECS` (its nearest base's
+    where it has none)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class BadRequest(GatewayError):
     """The request body is invalid; `field` is a JSON path into the body (a 400)."""
 
     def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
+        super().__init__(message)
         self.field = field
-        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
 
 
 class RenderError(BadRequest):
@@ -37,14 +49,6 @@ class RenderError(BadRequest):
 
     def __init__(self, message: str):
         super().__init__("messages", message)
-
-
-class GatewayError(Exception):
-    """Base of the gateway's typed errors; `message` is what the client sees."""
-
-    def __init__(self, message: str):
-        super().__init__(message)
-        self.message = message
 
 
 class ContextLengthExceeded(GatewayError):
@@ -97,14 +101,17 @@ class ClientGone(GatewayError):
         super().__init__(message)
 
 
+OUT_OF_DEVICE_MEMORY = (
+    "the GPU ran out of memory for this request; retry, or start the server with fewer running "
+    "sequences (--max-running) or, under --gpu-memory, a larger budget"
+)
+
+
 class OutOfDeviceMemory(GatewayError):
     """The GPU ran out of memory in this request's engine step (its requests fail; the server
     goes on serving): answered as a busy server, retryable, with what to change."""
 
-    def __init__(self, message: str = (
-        "the GPU ran out of memory for this request; retry, or start the server with fewer running "
-        "sequences (--max-running) or, under --gpu-memory, a larger budget"
-    )):  # fmt: skip
+    def __init__(self, message: str = OUT_OF_DEVICE_MEMORY):
         super().__init__(message)
 
 
@@ -118,7 +125,7 @@ class InternalError(GatewayError):
 
 def is_typed(exc: BaseException) -> bool:
     """Whether `exc` is one of the errors the handlers answer by type (anything else is a bug)."""
-    return isinstance(exc, GatewayError | BadRequest)
+    return isinstance(exc, GatewayError)
 
 
 def typed(exc: BaseException) -> BaseException:
@@ -177,7 +184,7 @@ def spec_of(exc: BaseException) -> Spec:
     return INTERNAL
 
 
-def message_of(protocol: Protocol, exc: BaseException) -> str:
+def message_of(protocol: ErrorStyle, exc: BaseException) -> str:
     """The client-facing message, in the wording each client family recognises."""
     if isinstance(exc, ContextLengthExceeded):
         if protocol == "anthropic":  # Claude Code compacts on this wording
@@ -193,14 +200,14 @@ def message_of(protocol: Protocol, exc: BaseException) -> str:
     return f"internal error ({type(exc).__name__})"
 
 
-def status_of(protocol: Protocol, exc: BaseException) -> int:
+def status_of(protocol: ErrorStyle, exc: BaseException) -> int:
     spec = spec_of(exc)
     if protocol == "anthropic" and spec.anthropic_status is not None:
         return spec.anthropic_status
     return spec.status
 
 
-def error_body(protocol: Protocol, exc: BaseException) -> dict:
+def error_body(protocol: ErrorStyle, exc: BaseException) -> dict:
     """The protocol's error JSON for `exc`."""
     spec, message = spec_of(exc), message_of(protocol, exc)
     if protocol == "anthropic":
@@ -221,7 +228,7 @@ def error_headers(exc: BaseException) -> dict[str, str]:
     return {}
 
 
-def error_response(protocol: Protocol, exc: BaseException) -> Response:
+def error_response(protocol: ErrorStyle, exc: BaseException) -> Response:
     """A complete JSON error response with the right status code and headers."""
     body = msgspec.json.encode(error_body(protocol, exc))
     return Response(
@@ -229,12 +236,12 @@ def error_response(protocol: Protocol, exc: BaseException) -> Response:
     )
 
 
-def error_event(protocol: Protocol, exc: BaseException) -> ErrorEvent:
+def error_event(protocol: ErrorStyle, exc: BaseException) -> ErrorEvent:
     """An in-stream failure, to feed to the protocol's stream encoder."""
     return ErrorEvent(spec_of(exc).kind, message_of(protocol, exc))
 
 
-def error_style(path: str) -> Protocol:
+def error_style(path: str) -> ErrorStyle:
     """Errors in the protocol the path belongs to (OpenAI's shape for everything but Anthropic's)."""
     return "anthropic" if path.startswith("/v1/messages") else "openai"
 
@@ -257,7 +264,6 @@ async def handle_error(request: Request, exc: Exception) -> Response:
 
 EXCEPTION_HANDLERS = {
     GatewayError: handle_error,
-    BadRequest: handle_error,
     ClientDisconnect: handle_error,
     404: handle_error,
     405: handle_error,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, cast
 import msgspec
 
 from engine import Decoding, Feed, PrefillResult, SequenceState
+from gateway.capture_policy import keeps_generation_end, precomputes
 from gateway.checkpoints import Checkpoints
 from gateway.conversation import Message
 from gateway.events import Event, Finish, FinishReason, Usage, collect
@@ -23,8 +24,7 @@ from gateway.memo import TokenMemo
 from gateway.metrics import Metrics
 from gateway.parsers import QwenParser
 from gateway.parsers.stop import StopMatcher
-from gateway.plan import Plan
-from gateway.policy import keeps_generation_end, precomputes
+from gateway.plan import RestorePlan
 from gateway.render import Renderer, Segment
 from gateway.tokenizer import IncrementalDetokenizer
 
@@ -64,7 +64,7 @@ class Generation:
     steps that touch the store), the `renderer` and `memo` (parsing the output, rendering the next
     turn), the `metrics`, the engine's `device` (sampling) and `forced_decode` (see `_decode`)."""
 
-    def __init__(self, plan: Plan, checkpoints: Checkpoints, renderer: Renderer, memo: TokenMemo, metrics: Metrics,
+    def __init__(self, plan: RestorePlan, checkpoints: Checkpoints, renderer: Renderer, memo: TokenMemo, metrics: Metrics,
                  *, device: torch.device, forced_decode: str, emit: Callable[[Started | Event | Answered], None],
                  cancel: threading.Event, received_at: float, planned_at: float, call_id: Callable[[], str]):
         self.plan, self.checkpoints, self.renderer, self.memo, self.metrics = plan, checkpoints, renderer, memo, metrics

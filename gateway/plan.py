@@ -18,7 +18,7 @@ from gateway.volatile import VolatileRules, normalize
 
 
 @dataclass
-class Plan:
+class RestorePlan:
     conv: Conversation
     segments: list[Segment]
     chain: list[bytes]
@@ -37,8 +37,8 @@ def forced_message(conv: Conversation) -> Message | None:
     return None if conv.forced_output is None else conv.forced_output.to_message("forced_")
 
 
-class Planner:
-    """Turns a parsed request into its `Plan`. Built once per server from exactly what planning
+class RestorePlanner:
+    """Turns a parsed request into its `RestorePlan`. Built once per server from exactly what planning
     reads: the renderer and token memo (the segments), the root anchor (the chain), the rules for
     volatile fields, the recorded outputs a replay forces, the model's context and the
     `max_tokens` default and cap. Any thread (it runs off the event loop, before the worker)."""
@@ -49,7 +49,7 @@ class Planner:
         self.replay, self.max_context = replay, max_context
         self.default_max_tokens, self.max_tokens_cap = default_max_tokens, max_tokens_cap
 
-    def plan(self, conv: Conversation) -> Plan:
+    def plan(self, conv: Conversation) -> RestorePlan:
         conv = normalize(conv, self.volatile_rules)
         if conv.forced_output is None and self.replay is not None and conv.tools:
             forced = self.replay.take()
@@ -73,5 +73,5 @@ class Planner:
             stop_token_ids=frozenset(self.renderer.tokenizer.eos_ids),
             vocab_limit=self.renderer.tokenizer.vocab_size,
         )
-        return Plan(conv, segments, anchor_chain(segments, self.root), boundaries(segments), prompt_ids, sampling,
+        return RestorePlan(conv, segments, anchor_chain(segments, self.root), boundaries(segments), prompt_ids, sampling,
                     forced_ids, self.memo.issue_handle())

@@ -13,7 +13,7 @@ import msgspec
 
 from gateway.conversation import ToolCall
 
-Protocol = Literal["anthropic", "responses", "chat"]
+ProtocolName = Literal["anthropic", "responses", "chat"]  # a recording's name of its API
 
 # HTTP path of each protocol's generation endpoint on the gateway.
 PROTOCOL_PATHS: dict[str, str] = {
@@ -58,7 +58,7 @@ class RecordLine(msgspec.Struct, omit_defaults=True):
     told apart. Lines without `session` form one session per file.
     """
 
-    protocol: Protocol
+    protocol: ProtocolName
     path: str
     body: dict[str, Any]
     output: AssistantOutput

@@ -1,5 +1,5 @@
 """Everything a running server holds: settings, engine, store, renderer, memo, scheduler,
-metrics and recorder, and what each request is given from them: the `Planner` (its plan) and
+metrics and recorder, and what each request is given from them: the `RestorePlanner` (its plan) and
 the `Checkpoints` (its checkpoint steps on the worker). Built once by `build_runtime`; only the
 app's wiring reads it (a request's work is given the parts it uses), nothing is global."""
 
@@ -20,7 +20,7 @@ from gateway.checkpoints import Checkpoints
 from gateway.live import LiveSequences
 from gateway.memo import MemoFile, TokenMemo
 from gateway.metrics import Metrics
-from gateway.plan import Planner
+from gateway.plan import RestorePlanner
 from gateway.recorder import Recorder
 from gateway.render import Renderer, load_renderer
 from gateway.replay_outputs import ReplayOutputs
@@ -72,14 +72,14 @@ class Runtime:
     recorder: Recorder | None = None
     replay: ReplayOutputs | None = None
     started_at: float = field(default_factory=time.time)
-    planner: Planner = field(init=False)  # a request's plan, off the event loop
+    planner: RestorePlanner = field(init=False)  # a request's plan, off the event loop
     checkpoints: Checkpoints = field(init=False)  # every request's checkpoint steps (worker only)
     live: LiveSequences = field(init=False)  # sequences kept on the device between requests (worker only)
 
     def __post_init__(self) -> None:
         self.scheduler = Scheduler(self.engine, self.config.max_queue)
         self.store_queue = StoreQueue(self.store)
-        self.planner = Planner(self.renderer, self.memo, self.root, self.volatile_rules, self.replay,
+        self.planner = RestorePlanner(self.renderer, self.memo, self.root, self.volatile_rules, self.replay,
                                self.engine.max_context, self.config.default_max_tokens, self.config.max_tokens_cap)
         self.live = LiveSequences(self.config.live_sequences)  # sequences left at a state checkpoint
         self.checkpoints = Checkpoints(self.engine, self.store, self.store_queue, self.live, self.metrics,

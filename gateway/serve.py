@@ -11,8 +11,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from gateway.capture_policy import CAPTURE_POLICIES
 from gateway.http_server import ServerLimits
-from gateway.policy import POLICIES
 from gateway.runtime import GiB, ServeConfig, build_runtime
 
 KEY_ENV = "FT_API_KEY"
@@ -65,8 +65,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ram-cache", type=float, default=4.0, metavar="GiB", help="RAM checkpoint budget (default 4)")
     parser.add_argument("--disk-cache", type=Path, metavar="DIR", help="LMDB checkpoint folder (survives restarts)")
     parser.add_argument("--disk-cache-size", type=float, default=64.0, metavar="GiB", help="disk cap (default 64)")
-    parser.add_argument("--policy", choices=POLICIES, default="anchor",
-                        help="where recurrent states are checkpointed (default anchor; see gateway/policy.py)")
+    parser.add_argument("--policy", choices=CAPTURE_POLICIES, default="anchor",
+                        help="where recurrent states are checkpointed (default anchor; see gateway/capture_policy.py)")
     key = parser.add_mutually_exclusive_group()
     key.add_argument("--api-key", help="require this key (Authorization: Bearer or x-api-key); visible in ps: "
                                        f"prefer --api-key-file or ${KEY_ENV}")

@@ -20,7 +20,7 @@ from adapters.readers.claude import message_hash
 from adapters.readers.codex import build_body
 from adapters.trace import (
     AssistantOutput,
-    Protocol,
+    ProtocolName,
     RecordLine,
     Timings,
     ToolCall,
@@ -225,7 +225,7 @@ def chat_body(session: Session, messages: list[dict[str, Any]]) -> dict[str, Any
     }
 
 
-def to_trace(session: Session, protocol: Protocol) -> Trace:
+def to_trace(session: Session, protocol: ProtocolName) -> Trace:
     """The session as the requests an agent speaking `protocol` would send."""
     if protocol == "anthropic":
         pairs = [(s, anthropic_body(session, m)) for s, m, _, _ in _anthropic_steps(session)]
@@ -249,7 +249,7 @@ def _turn_of(session: Session, step: Step) -> int:
 # -- writers -------------------------------------------------------------------------------------
 
 
-def write_recording(session: Session, path: Path, protocol: Protocol = "chat") -> None:
+def write_recording(session: Session, path: Path, protocol: ProtocolName = "chat") -> None:
     trace = to_trace(session, protocol)
     lines = [
         RecordLine(

@@ -13,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from adapters.trace import Protocol
+from adapters.trace import ProtocolName
 from traces.formats import write_claude, write_codex, write_recording
 from traces.session import Session, simulate
 
@@ -42,7 +42,7 @@ EXAMPLES = (
 
 
 def write(
-    session: Session, out: Path, name: str, formats: tuple[str, ...], protocol: Protocol = "chat"
+    session: Session, out: Path, name: str, formats: tuple[str, ...], protocol: ProtocolName = "chat"
 ) -> list[Path]:
     """Write `session` in each of `formats` under `out` as `<name>.<format>.jsonl`."""
     out.mkdir(parents=True, exist_ok=True)

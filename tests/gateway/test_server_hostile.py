@@ -14,11 +14,11 @@ import time
 import httpx
 import pytest
 
+from gateway.dialect import ANTHROPIC
 from gateway.embedded import serve_in_thread
 from gateway.endpoint import check_max_tokens
 from gateway.errors import BadRequest
 from gateway.http_server import ServerLimits
-from gateway.protocol import ANTHROPIC
 from gateway.recorder import Recorder
 from gateway.runtime import ServeConfig
 from gateway.tokenizer import QwenTokenizer

@@ -16,14 +16,16 @@ DeltaNet state is saved, which is what decides where a hybrid model can resume:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal, get_args
 
 from gateway.render import Segment
 
-POLICIES = ("anchor", "prefix", "user", "none")
+CapturePolicy = Literal["anchor", "prefix", "user", "none"]
+CAPTURE_POLICIES: tuple[CapturePolicy, ...] = get_args(CapturePolicy)
 CLIENT_MESSAGE_KINDS = ("user", "tool_result")
 
 
-def state_positions(policy: str, segments: Sequence[Segment], ends: Sequence[int]) -> set[int]:
+def state_positions(policy: CapturePolicy, segments: Sequence[Segment], ends: Sequence[int]) -> set[int]:
     """Absolute positions (segment ends) that get a state snapshot."""
     if policy == "anchor":
         return set(ends)
@@ -34,9 +36,9 @@ def state_positions(policy: str, segments: Sequence[Segment], ends: Sequence[int
     return set()
 
 
-def keeps_generation_end(policy: str) -> bool:
+def keeps_generation_end(policy: CapturePolicy) -> bool:
     return policy != "none"
 
 
-def precomputes(policy: str) -> bool:
+def precomputes(policy: CapturePolicy) -> bool:
     return policy == "anchor"

@@ -1,5 +1,10 @@
-"""The three generation protocols as one table: how to parse a body, how to encode the
-answer (streamed or not), and how its errors are spelled."""
+"""The three generation APIs as one table: how to parse a body, how to encode the
+answer (streamed or not), and how its errors are spelled.
+
+Each row is an `ApiDialect`: Anthropic Messages, OpenAI Responses and Chat Completions carry
+the same conversation in different shapes, so they are dialects of one API (the name keeps
+clear of `typing.Protocol`, of the `gateway.protocols` package of parsers and encoders a row
+points into, and of `record.ProtocolName`, the name a row is recorded under)."""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from gateway.conversation import Conversation
-from gateway.errors import Protocol as ErrorStyle
+from gateway.errors import ErrorStyle
 from gateway.events import Collected
 from gateway.parsers.qwen import new_call_id
 from gateway.protocols import anthropic, anthropic_out, chat, chat_out, responses, responses_out
@@ -16,7 +21,7 @@ from gateway.sse import StreamEncoder
 
 
 @dataclass(frozen=True)
-class Protocol:
+class ApiDialect:
     name: Literal["anthropic", "responses", "chat"]  # the trace/record name
     error_style: ErrorStyle
     parse: Callable[[Any], Conversation]
@@ -30,19 +35,19 @@ def _omit_thinking(body: dict) -> bool:
     return isinstance(thinking, dict) and thinking.get("display") == "omitted"
 
 
-ANTHROPIC = Protocol(
+ANTHROPIC = ApiDialect(
     "anthropic", "anthropic", anthropic.parse_request,
     lambda model, handle, body, conv: anthropic_out.AnthropicStream(model, handle, omit_thinking=_omit_thinking(body)),
     lambda c, model, handle, body: anthropic_out.message_body(c, model, handle, omit_thinking=_omit_thinking(body)),
     "toolu_",
 )
-RESPONSES = Protocol(
+RESPONSES = ApiDialect(
     "responses", "openai", responses.parse_request,
     lambda model, handle, body, conv: responses_out.ResponsesStream(model, handle),
     lambda c, model, handle, body: responses_out.response_body(c, model, handle),
     "call_",
 )
-CHAT = Protocol(
+CHAT = ApiDialect(
     "chat", "openai", chat.parse_request,
     lambda model, handle, body, conv: chat_out.ChatStream(model, include_usage=conv.params.include_usage),
     lambda c, model, handle, body: chat_out.completion_body(c, model),
@@ -50,5 +55,5 @@ CHAT = Protocol(
 )
 
 
-def call_ids(protocol: Protocol) -> Callable[[], str]:
+def call_ids(protocol: ApiDialect) -> Callable[[], str]:
     return lambda: new_call_id(protocol.call_id_prefix)
