@@ -18,15 +18,9 @@ all are): the slots save link bytes here too. What decode keeps resident survive
 only a layer's empty slots are filled, from the pieces as they pass (device to device, nothing
 more over the link): after the first long prefill, decode finds its slots full.
 
-A shorter chunk (`begin(routed=True)`, with FT_ROUTED_PIECES=1: tens of tokens, which reach only
-part of a layer's experts) gathers only the experts it routes to that are not resident, where the
-device reads host memory in place: after each layer's routing, on the device, the missing experts
-are ranked, and the same pieces and buffers take them in rank order (a gather kernel on the copy
-stream, each piece's experts run as it lands; pieces past the last missing expert gather and run
-nothing). No host sync, but no prefetch either: a layer's copies wait for its routing (on the H200
-that lost more than the bytes saved: engine/offload.py's ROUTED_PIECES). Their count reaches the
-host through the device counters (`ExpertOffload.settle`): per expert, the routed ones and the
-resident among them.
+A streamed chunk copies every missing expert whatever its routing: gathering only the routed ones
+would make each layer's copies wait for its routing, where the stream's copies run ahead of the
+compute (bench/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -36,8 +30,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from engine.expert_cache import gather_rows
 
 if TYPE_CHECKING:
     from engine.expert_cache import ExpertCache, Lane, Parts
@@ -82,24 +74,16 @@ class ExpertStream:
         self.spans: list[tuple[int, int] | None] = [None] * STREAM_BUFFERS
         self.cursor = 0  # the next piece to run, counted over the forward's layers
         self.active = False
-        self.routed = False  # this forward gathers the routed experts alone (`begin`)
-        self.gather: Callable = gather_rows
-        if caches[0].device.type == "cuda":
-            from engine.ops.gpu.gather import gather_experts  # noqa: PLC0415 (Triton)
-
-            self.gather = gather_experts
 
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buffers)
 
-    def begin(self, routed: bool = False) -> None:
-        """A forward starts: its first pieces are copied in, one per buffer; with `routed`, each
-        layer's pieces are gathered once its routing is known (`run_routed`)."""
-        self.cursor, self.active, self.routed = 0, True, routed
-        if not routed:
-            for piece in range(STREAM_BUFFERS):
-                self._fill(piece)
+    def begin(self) -> None:
+        """A forward starts: its first pieces are copied in, one per buffer."""
+        self.cursor, self.active = 0, True
+        for piece in range(STREAM_BUFFERS):
+            self._fill(piece)
 
     def end(self) -> None:
         self.active = False
@@ -119,8 +103,6 @@ class ExpertStream:
             raise RuntimeError("streamed experts cannot run inside a CUDA graph")
         if self.caches[self.cursor // self.pieces] is not cache:
             raise RuntimeError("a streamed forward ran its MoE layers out of order")
-        if self.routed:
-            return self.run_routed(cache, x, weights, ids, moe_experts)
         cache.wait_for_table()  # a refresh's or resize's table lands first (the pieces skip what it lists)
         slot = cache.slot_table[ids]  # resident as the pieces were filled (before this layer adopts)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -141,42 +123,6 @@ class ExpertStream:
                 self.read[buffer] = self.lane.record()
             self.cursor += 1
             self._fill(self.cursor + STREAM_BUFFERS - 1)  # into the buffer just read, once that read is done
-        return out.to(x.dtype)
-
-    def run_routed(self, cache: ExpertCache, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                   moe_experts: Callable) -> torch.Tensor:  # fmt: skip
-        """This layer's experts, the resident ones from their slots, the missing ones the chunk
-        routes to gathered from host memory in rank order, a piece at a time (see the module
-        docstring); summed in fp32."""
-        assert cache.mapped is not None
-        cache.wait_for_table()
-        slot = cache.slot_table[ids]
-        routed = torch.zeros(cache.num_experts, dtype=torch.bool, device=x.device)
-        routed[ids.flatten()] = True
-        missing = routed & (cache.slot_table < 0)
-        cache.counters[0] += routed  # per expert, as the stream counts: routed, and resident among them
-        cache.counters[1] += routed & ~missing
-        experts = cache.num_experts
-        rank = torch.cumsum(missing, 0) - 1  # [E]: each missing expert's row in the gathered order
-        # the missing experts in rank order, -1 past them (the others scattered to a spare last row)
-        order = torch.full((experts + 1,), -1, dtype=torch.long, device=x.device)
-        order.scatter_(0, torch.where(missing, rank, experts), torch.arange(experts, device=x.device))
-        order = order[:experts]
-        routed_rank = torch.where(missing[ids], rank[ids], -1)  # [T, k]
-        out = moe_experts(x, weights, slot, *cache.weights, partial=True).float()
-        ready = self.lane.record()  # the order is made: the gathers may read it
-        for start, count in self.ranges:
-            buffer = self.cursor % STREAM_BUFFERS
-            parts, stacks = self._parts(buffer, cache)
-            self.copied[buffer] = self.lane.run(
-                lambda parts=parts, start=start, count=count: self.gather(parts, cache.mapped, order[start : start + count]),
-                [ready, self.read[buffer]], holds=(order,),
-            )  # fmt: skip
-            self.lane.wait([self.copied[buffer]])
-            local = torch.where((routed_rank >= start) & (routed_rank < start + count), routed_rank - start, -1)
-            out += moe_experts(x, weights, local, *stacks, partial=True).float()
-            self.read[buffer] = self.lane.record()
-            self.cursor += 1
         return out.to(x.dtype)
 
     def _fill(self, piece: int) -> None:

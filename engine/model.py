@@ -3,7 +3,6 @@ parameter names identical to the HF checkpoints (`model.layers.N.linear_attn.in_
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, cast
@@ -17,19 +16,17 @@ from engine.config import ModelConfig
 from engine.ops import Kernels, moe_experts_quantized
 from engine.ops.rope import rope_cos_sin
 
-SMALL_GEMM = os.environ.get("FT_SMALL_GEMM", "1") == "1"  # engine/ops/gpu/dense.py (0: cuBLAS for every plain weight)
-
 if TYPE_CHECKING:
     from engine.expert_cache import ExpertCache
 
 
 def matmul(x: torch.Tensor, w) -> torch.Tensor:
     """x [T, K] @ w.T → [T, N] for a weight of any kind: a tensor (`F.linear`; 2-16 rows on a GPU
-    `engine.ops.gpu.dense`, unless FT_SMALL_GEMM=0), a `QuantWeight` (its Triton kernels,
+    `engine.ops.gpu.dense`), a `QuantWeight` (its Triton kernels,
     engine/ops/gpu/quant.py) or a `Concat` of parts that could not be one."""
     if not isinstance(w, torch.Tensor):
         return w.linear(x)
-    if SMALL_GEMM and x.is_cuda:
+    if x.is_cuda:
         from engine.ops.gpu import dense  # noqa: PLC0415 (Triton: only on a GPU)
 
         if dense.fits(x, w):

@@ -30,7 +30,7 @@ the others are read where they lie over the link by the same kernels, and nothin
 the host mid-step, so decode steps are CUDA graphs again. After each forward the device's
 per-expert counts are read back (`settle`, one step late, without waiting) for the figures, and
 after a decode step each layer may swap its hottest experts into its slots (`ExpertCache.refresh`)
-on the copy stream. Without in-place reads (or `FT_OFFLOAD_MAPPED=0`) decode fetches like a short
+on the copy stream. Without in-place reads (or with `install(..., mapped=False)`) decode fetches like a short
 chunk and runs eagerly (`ExpertCache.run` refuses to run under capture rather than read stale
 slots). A budget with a slot for every expert (`holds_all`) copies them in once.
 
@@ -71,11 +71,6 @@ log = logging.getLogger(__name__)
 GiB = 1 << 30
 EXPERT_PARAMS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 SWAPS_PER_STEP = 1  # experts a layer may copy into its slots after each decode step (mapped)
-# FT_ROUTED_PIECES=1: streamed chunks shorter than the coverage gather only the experts they route to
-# (`routed_tokens`). Off by default: on the H200 at 8 GiB (session 23) a 21-token request took 528 ms that
-# way against 395 streaming every missing expert, a 38-token one 423 against 423; each layer's gathers
-# wait for its routing, where the stream's copies run ahead of the compute.
-ROUTED_PIECES = os.environ.get("FT_ROUTED_PIECES", "0") == "1"
 
 
 class BudgetError(ValueError):
@@ -400,11 +395,6 @@ class ExpertOffload:
             self.stream = ExpertStream(order, order[0].lane, stats)
             for cache in order:
                 cache.stream = self.stream
-        # with FT_ROUTED_PIECES=1, streamed chunks of fewer tokens gather only the experts they route to
-        # (engine/expert_stream.py), where the device reads host memory in place: below the coverage, they
-        # reach at most 90% of a layer's experts (a 38-token chunk ~70%, 21 tokens ~48% at the 256-expert shape)
-        routes = self.stream is not None and self.mapped and ROUTED_PIECES and self._gathers()
-        self.routed_tokens = Policy.coverage_tokens(config) if routes else 0
         # every layer's device counters in one tensor (ExpertCache.counters are its rows), copied
         # back after each forward and read at the next (`settle`)
         self.counters = torch.stack([c.counters for c in order])  # [L, 2, E]
@@ -420,15 +410,6 @@ class ExpertOffload:
         if self.holds_all:  # the budget holds every expert: copied in once, then never chosen
             for cache in order:
                 cache.hold_all()
-
-    def _gathers(self) -> bool:
-        """Whether the gather kernel reads every layer's mapped parts (on a GPU: whole words,
-        aligned); the CPU's gather always does."""
-        if self.device.type != "cuda":
-            return True
-        from engine.ops.gpu.gather import gather_fits  # noqa: PLC0415 (Triton)
-
-        return all(gather_fits(c.mapped) for c in self.order if c.mapped is not None)
 
     @property
     def nbytes(self) -> int:
@@ -517,13 +498,12 @@ class ExpertOffload:
         self.stats.phase = name
         long = tokens >= self.policy.stream_tokens and not self.holds_all
         whole = long and self.stream is not None  # every layer's experts streamed (`ExpertStream`)
-        routed = whole and tokens < self.routed_tokens  # ... or those routed to alone
         for cache in self.caches.values():
             cache.prefetch_next = cache.slots // 2 if long and not whole else 0
             cache.cpu_rows, cache.costs = (0, None) if long else (self.policy.cpu_rows, self.policy.costs)
         if whole:
             assert self.stream is not None
-            self.stream.begin(routed)  # its first pieces overlap the embedding and the first layer's attention
+            self.stream.begin()  # its first pieces overlap the embedding and the first layer's attention
         elif long:
             first = self.caches[min(self.caches)]
             first.prefetch(first.slots // 2)  # overlaps the embedding and the first layer's attention
@@ -744,10 +724,7 @@ def in_place(parts: Parts, device: torch.device) -> Parts | None:
     """The host `parts` as tensors `device` reads in place: on the CPU the parts themselves; on
     CUDA, device tensors over their pinned memory (unified addressing maps it into the device's
     address space: a kernel's loads cross the link), checked once by a kernel reading the last
-    expert back; None where the device cannot (then experts are copied in before use) or with
-    FT_OFFLOAD_MAPPED=0."""
-    if os.environ.get("FT_OFFLOAD_MAPPED", "1") == "0":
-        return None
+    expert back; None where the device cannot (then experts are copied in before use)."""
     if device.type != "cuda":
         return parts
     try:
@@ -764,9 +741,7 @@ def in_place(parts: Parts, device: torch.device) -> Parts | None:
 def stages(mapped: Parts) -> bool:
     """Whether decode gathers the experts it reads from host memory into device rows before running
     them (engine/ops/gpu/gather.py: whole words, long runs), rather than their kernels reading them
-    where they lie; FT_OFFLOAD_STAGE=0: never."""
-    if os.environ.get("FT_OFFLOAD_STAGE", "1") == "0":
-        return False
+    where they lie."""
     if mapped[0].device.type != "cuda":
         return True
     from engine.ops.gpu.gather import gather_fits  # noqa: PLC0415 (Triton)
@@ -792,10 +767,14 @@ def expandable_segments() -> None:
         pass
 
 
-def install(model: HybridForCausalLM, device: torch.device, plan: Plan) -> ExpertOffload:
+def install(
+    model: HybridForCausalLM, device: torch.device, plan: Plan, mapped: bool = True, staged: bool = True
+) -> ExpertOffload:
     """Move each MoE layer's routed experts out of `model` (still on the host) into host tensors,
     pinned when `device` is CUDA, and give the layer an `ExpertCache` of `plan.slots` slots on
-    `device` (reading the host tensors in place for decode where the device can: `in_place`).
+    `device` (with `mapped`, reading the host tensors in place for decode where the device can:
+    `in_place`; without, decode copies the experts it needs into the slots first; with `staged`,
+    gathering them into staging rows first where `stages` allows, else reading them where they lie).
     The model then holds only the dense parts, to be moved to `device` as usual."""
     stats, lane = OffloadStats(), Lane(device)
     outside = 0  # what the process holds on the device before this engine's parts
@@ -809,16 +788,16 @@ def install(model: HybridForCausalLM, device: torch.device, plan: Plan) -> Exper
         parts, assemble = expert_store(model, layer.layer)
         if device.type == "cuda":
             parts = tuple(p.pin_memory() for p in parts)
-        mapped = in_place(parts, device)
+        reads = in_place(parts, device) if mapped else None
         stage = None
-        if mapped is not None and stages(mapped):
+        if reads is not None and staged and stages(reads):
             layout = tuple((p.shape[1:], p.dtype) for p in parts)
             if layout not in staging:
                 staging[layout] = tuple(
                     torch.empty((plan.rows, *p.shape[1:]), dtype=p.dtype, device=device) for p in parts
                 )
             stage = staging[layout]
-        cache = ExpertCache(parts, plan.slots, device, stats, lane, assemble, mapped, stage)
+        cache = ExpertCache(parts, plan.slots, device, stats, lane, assemble, reads, stage)
         layer.mlp.offload = caches[layer.layer] = cache
         layer.mlp.experts = None
     offload = ExpertOffload(caches, stats, plan, model.config, outside)

@@ -9,17 +9,13 @@ which has none, does not pay."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 # token x expert assignments up to which the GPU's decode kernels run (one program per assignment, GEMV-
-# like); beyond, the grouped GEMMs. On the H200 (256 experts, bf16, 8K context) the decode kernels at 128
-# (16 tokens of 8 experts) took a batch-8 step in 7.50 ms against the grouped path's 11.70, batch 16 in
-# 11.11 against 16.26 (`bash bench/h200_session.sh start rows`: `FT_DECODE_ROWS` moves the threshold). A
+# like); beyond, the grouped GEMMs. The decode kernels are faster up to batch 16 (bench/RESULTS.md); a
 # token reads 9 with its shared expert folded in (`SparseMoe.fold_shared`): 144 keeps batch 16 there.
-DECODE_ROWS = int(os.environ.get("FT_DECODE_ROWS", "144"))
+DECODE_ROWS = 144
 
 
 def route(

@@ -462,7 +462,7 @@ def test_the_model_with_the_fused_kernels_gives_the_reference_logits(preset_dirs
             name: getattr(gates, name).fast
             for name in ("deltanet_gates", "silu_mul", "sigmoid_mul", "add_sigmoid_mul")
         },
-        "deltanet_decode": functools.partial(recurrent._triton_decode_step, unfused=None),  # FT_FUSED_DELTANET=1
+        "deltanet_decode": functools.partial(recurrent._triton_decode_step, unfused=None),
     }
     fused = dataclasses.replace(REFERENCE, name="fused", **fast)
     plain, engine = Engine.load(preset_dirs[preset]), Engine.load(preset_dirs[preset])
@@ -527,7 +527,7 @@ def test_slotted_decode_steps_update_their_rows_slots_in_place(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_deltanet_decode_step_equals_its_four_kernels(dtype):
     """A decode step from the projection to the gated norm in one launch (`recurrent.decode_step`,
-    FT_FUSED_DELTANET=1) against `deltanet.decode_step` over the four Triton kernels it replaces
+    the GPU's choice up to FUSED_ROWS rows) against `deltanet.decode_step` over the four Triton kernels it replaces
     (bf16: the same roundings; fp32: the torch references too): the output, every row's conv and
     recurrent slots after it (the key heads' q and k conv states stored once, by the last of their
     programs), the other slots untouched, the tickets left at zero; twice in a row, and through
@@ -568,7 +568,7 @@ def test_fused_deltanet_decode_step_equals_its_four_kernels(dtype):
             _close_sums(got, reference_deltanet.decode_step(*args, torch_conv, torch_rec, index))
             torch.testing.assert_close(rec_slots, torch_rec, rtol=1e-5, atol=1e-5)
     assert torch.equal(rec_slots[[1, 2]], want_rec[[1, 2]]) and torch.equal(conv_slots[[1, 2]], want_conv[[1, 2]])
-    fused = recurrent.decode_step(unfused, fused=True)
+    fused = recurrent.decode_step(unfused)
     want = unfused(*args, want_conv, want_rec, index)
     _close(fused(*args, conv_slots, rec_slots, index), want)
     assert fused.verdict is True

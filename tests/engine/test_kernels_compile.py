@@ -20,7 +20,7 @@ GEMV = {
     "N": "i32", "N2": "i32", "K": "i32", "K_SPLIT": "i32", "SPLIT": "i32", "XROW": "i32", "FMT": "constexpr",
     "BN": "constexpr", "CHUNK": "constexpr", "GROUPED": "constexpr", "X_PER": "constexpr", "TOPK": "constexpr",
     "GLU": "constexpr", "XMAP": "constexpr", "FMT2": "constexpr", "CHUNK2": "constexpr", "STAGES": "constexpr",
-    "UNROLL": "constexpr", "Q8X": "constexpr", "NATIVE": "constexpr",
+    "UNROLL": "constexpr",
 }  # fmt: skip
 PARTS = {  # the field arrays' types per format (quant.FIELDS)
     quant.Q8_0: ("*i8", "*fp16", "*i8", "*i8"),
@@ -70,19 +70,6 @@ def test_gemv_compiles_with_its_split_sums(fmt, mode):
     assert "atom.global.gpu.acq_rel.add" in ptx or "atom.acq_rel.gpu.global.add" in ptx, [
         line for line in ptx.splitlines() if "atom" in line
     ]
-
-
-@pytest.mark.parametrize("mode", [(False, 1, 1, False), (True, 9, 1, True), (True, 1, 9, False)], ids=["linear", "glu", "topk"])
-def test_q4_k_gemv_of_q8_1_activations_compiles_to_dp4a(mode):
-    """A Q4_K GEMV taking x as Q8_1 (`quant.q8x_groups`): integer dot products (dp4a) over whole-line
-    tiles, in the plain GEMV and both MoE decode launches; and `quantize_x`'s kernel, through a map."""
-    grouped, x_per, top_k, glu = mode
-    parts = {f"{p}{i}": t for p in "PQ" for i, t in enumerate(PARTS[quant.Q4_K])}
-    constexprs = {**quant.gemv_constexprs(quant.Q4_K, quant.Q8X_BLOCK_N, grouped, x_per, top_k, glu, q8x=8), "NATIVE": True}
-    ptx = compile_for_h200(quant._gemv_kernel, {**GEMV, "X": "*fp32", **parts}, constexprs, GEMV_DIVISIBLE)
-    assert "dp4a.u32.s32" in ptx
-    signature = {"X": "*bf16", "COLS": "*i64", "OUT": "*fp32", "K": "i32", "XMAP": "constexpr", "BLOCKS": "constexpr"}
-    assert ".entry _q8_1_kernel" in compile_for_h200(quant._q8_1_kernel, signature, {"XMAP": True, "BLOCKS": 32}, ("K",))
 
 
 def test_gemv_of_two_formats_compiles():
@@ -198,7 +185,7 @@ def test_slotted_decode_kernels_compile():
                 "DK": "constexpr", "DV": "constexpr", "BV": "constexpr", "K": "constexpr", "KP": "constexpr"}  # fmt: skip
     ptx = compile_for_h200(
         recurrent._decode_step_kernel, step_sig, {"DK": 128, "DV": 128, "BV": recurrent.BLOCK_V, "K": 4, "KP": 4}
-    )  # the fused step (FT_FUSED_DELTANET=1): its two tickets acquire-release
+    )  # the fused step: its two tickets acquire-release
     assert ".entry _decode_step_kernel" in ptx
     assert ptx.count("atom.global.gpu.acq_rel.add") + ptx.count("atom.acq_rel.gpu.global.add") == 2
 

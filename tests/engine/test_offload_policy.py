@@ -5,12 +5,14 @@ cache shrinking as the decode slots grow, and experts stored as any tuple of per
 from __future__ import annotations
 
 import dataclasses
+import functools
 import random
 
 import pytest
 import torch
 
 from engine import Engine, SamplingParams
+from engine import offload as expert_offload
 from engine.config import ModelConfig
 from engine.expert_cache import ExpertCache, Lane
 from engine.offload import Link, OffloadStats, Plan, Policy, state_bytes
@@ -80,7 +82,7 @@ def test_the_stream_threshold_measured_both_ways(preset_dirs, tiny):
     assert offload is not None and offload.stream is not None
     began, streamed = [], []
     begin = offload.stream.begin
-    offload.stream.begin = lambda routed=False: (began.append(1), begin(routed))[1]
+    offload.stream.begin = lambda: (began.append(1), begin())[1]
 
     def prefill(n: int) -> None:
         before = len(began)
@@ -149,7 +151,8 @@ def test_prefetch_and_double_buffered_groups_match_no_offload(preset_dirs, tiny)
 
 
 def test_misses_computed_on_the_host_match_no_offload(preset_dirs, tiny, monkeypatch):
-    monkeypatch.setenv("FT_OFFLOAD_MAPPED", "0")  # short forwards fetch (else they read misses in place)
+    # short forwards fetch (else they read misses in place)
+    monkeypatch.setattr(expert_offload, "install", functools.partial(expert_offload.install, mapped=False))
     engine = _load(preset_dirs, tiny, slots=2)
     offload = engine.offload
     offload.policy = Policy(stream_tokens=offload.policy.stream_tokens, cpu_rows=3)

@@ -167,9 +167,6 @@ def test_fp8_rows_are_the_torch_reference():
     q, s = fp8_prefill.fp8_rows(x.to(DEVICE))
     want_q, want_s = fp8_rows_reference(x)
     assert q.dtype == torch.float8_e4m3fn and s.shape == (70, 3)
-    padded, outer = fp8_prefill.fp8_rows(x.to(DEVICE), cublas=True)  # as torch._scaled_mm takes them
-    assert padded.shape == (72, 384) and outer.shape == (72, 3) and outer.stride() == (1, 72)
-    assert torch.equal(padded[:70].view(torch.uint8), q.view(torch.uint8)) and torch.equal(outer[:70], s)
     if not CUDA:
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
         return
@@ -181,20 +178,20 @@ def test_fp8_rows_are_the_torch_reference():
 @in_this_process
 @pytest.mark.parametrize("rows", [65, 200])  # past DEQUANT_ROWS: one partial tile, several
 @pytest.mark.parametrize("tile", ["64:4:3:t", "32:4:3:n"])  # a tile's programs over N apart or together
-def test_fp8_prefill_multiplies_x_in_fp8_rows_on_the_tensor_cores(rows, tile, monkeypatch):
+def test_fp8_prefill_multiplies_x_in_fp8_rows_on_the_tensor_cores(rows, tile):
     """Prefill's FP8 (`fp8_prefill`: bf16 activations past DEQUANT_ROWS rows): x quantized per row and 128
     columns times the e4m3 weight, each 128-column step's sums scaled by both blocks' scales. A plain
     linear and MoE experts (rows gathered through `order`; an expert with none): equal to x's FP8 rows
     times the dequantized weight (fp32 out: 1e-5; bf16 out: its rounding); within FP8's error of the
-    unquantized x; FT_FP8_ACT=0 leaves x in bf16."""
+    unquantized x."""
     from engine.ops.gpu.moe import group_by_expert
 
-    monkeypatch.setattr(fp8_prefill, "TILE", fp8_prefill.Tile.parse(tile))
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 384, generator=gen).to(torch.bfloat16)
     w, reference = fp8_weight((200, 384))  # 200 rows: a partial 128-row block
     want = x_in_fp8_rows(x) @ reference.T
-    out = fp8_prefill.gemm(*fp8_prefill.fp8_rows(x.to(DEVICE)), w.to(DEVICE), torch.empty(rows, 200, device=DEVICE))
+    out = torch.empty(rows, 200, device=DEVICE)
+    out = fp8_prefill.gemm(*fp8_prefill.fp8_rows(x.to(DEVICE)), w.to(DEVICE), out, tile=fp8_prefill.Tile.parse(tile))
     # fp32 sums in the interpreter; Hopper's FP8 MMA keeps ~14 bits of products aligned to the largest
     # (the H200: 0.5-1.3% of the largest output here; bench/quant_kernels.py --fp8-prefill finds cuBLAS's
     # block-scaled GEMM as far from x's FP8 rows as this kernel): bf16's tolerance
@@ -202,9 +199,6 @@ def test_fp8_prefill_multiplies_x_in_fp8_rows_on_the_tensor_cores(rows, tile, mo
     got = quant.linear(x.to(DEVICE), w.to(DEVICE)).cpu()
     assert got.dtype == torch.bfloat16
     close(got, want, torch.bfloat16)
-    with monkeypatch.context() as patch:  # cuBLAS's block-scaled GEMM where torch has it (FT_FP8_CUBLAS=1)
-        patch.setattr(fp8_prefill, "CUBLAS", True)
-        close(quant.linear(x.to(DEVICE), w.to(DEVICE)).cpu(), want, torch.bfloat16)
     unquantized = x.float() @ reference.T
     assert (got.float() - unquantized).abs().max() <= 0.05 * unquantized.abs().max()
     num_experts, top_k = 5, 2  # in the kernel's lookup, 8 lanes
@@ -217,9 +211,6 @@ def test_fp8_prefill_multiplies_x_in_fp8_rows_on_the_tensor_cores(rows, tile, mo
     flat = ids.flatten()[order]
     pairs = zip(order.tolist(), flat.tolist(), strict=True)
     close(got, torch.stack([xq[j // top_k] @ experts_ref[e].T for j, e in pairs]), torch.bfloat16)
-    monkeypatch.setattr(fp8_prefill, "ACT", False)
-    if CUDA:  # the transient bf16 copy and cuBLAS: x unquantized
-        close(quant.linear(x.to(DEVICE), w.to(DEVICE)).cpu(), unquantized, torch.bfloat16)
 
 
 def stored_bf16(v: torch.Tensor) -> torch.Tensor:
@@ -327,20 +318,17 @@ def test_expert_decode_kernels_equal_per_assignment_matmuls(fmt):
 
 @in_this_process
 @pytest.mark.parametrize("mode", ["linear", "glu", "topk"])
-@pytest.mark.parametrize("q8x", [False, True], ids=["x", "x-q8_1"])
-def test_every_split_a_gemv_may_run_with_gives_its_sums(mode, q8x, monkeypatch):
+def test_every_split_a_gemv_may_run_with_gives_its_sums(mode):
     """Whatever split a GEMV shape is timed into (`quant._split`: on a GPU, per shape), each of
     the candidates gives the same sums, taken by the last program of each split (its counter
-    left at zero), launch after launch. With x as Q8_1 (`quant.Q8X`: Q4_K against x's 8-bit ints
-    in dp4a), the sums are those of x rounded to its Q8_1 blocks."""
-    monkeypatch.setattr(quant, "Q8X", "always" if q8x else "0")
+    left at zero), launch after launch."""
     dtype = torch.bfloat16 if CUDA else torch.float32
     dev = torch.device(DEVICE)
     gen = torch.Generator().manual_seed(5)
     if mode == "linear":
         w, ref = weights(T.Q4_K, (72, 1024))
         x = torch.randn(2, 1024, generator=gen).to(dtype)
-        xr = quant.q8_1_rounded(x) if q8x else x.float()
+        xr = x.float()
         args, want = (x.to(dev), w.to(dev), 2, 72), xr @ ref.T
         kw, top_k, sums = {}, 1, 2
     else:
@@ -348,7 +336,7 @@ def test_every_split_a_gemv_may_run_with_gives_its_sums(mode, q8x, monkeypatch):
         ids = torch.tensor([[2, -1, 0, 1]])  # one token, four experts (-1: none)
         if mode == "glu":
             x = torch.randn(1, 1024, generator=gen).to(dtype)
-            xr = quant.q8_1_rounded(x) if q8x else x.float()
+            xr = x.float()
             routing = torch.rand(4, generator=gen).to(dtype)
             args = (x.to(dev), w.to(dev), 4, 64, ids.flatten().to(dev), 4)
             kw, top_k, sums = {"scale": routing.to(dev)}, 1, 4
@@ -357,17 +345,13 @@ def test_every_split_a_gemv_may_run_with_gives_its_sums(mode, q8x, monkeypatch):
                                 for g, r in zip(gate_up, routing, strict=True)])  # fmt: skip
         else:
             x = torch.randn(4, 1024, generator=gen).to(dtype)
-            xr = quant.q8_1_rounded(x) if q8x else x.float()
+            xr = x.float()
             args = (x.to(dev), w.to(dev), 1, 64, ids.flatten().to(dev))
             kw, top_k, sums = {"top_k": 4}, 4, 1
             want = sum(xr[j] @ ref[e].T for j, e in enumerate(ids[0].tolist()) if e >= 0)[None]
-    groups = quant.q8x_groups(args[0], args[1])
-    assert bool(groups) == q8x
-    blocks = -(-args[3] // quant.gemv_block_n(args[3], grouped=mode != "linear", q8x=groups))
-    chunk = 64 * groups if q8x else quant.GEMV_CHUNK[quant.Q4_K]
-    splits = quant._splits(1024, chunk, top_k, blocks * sums)
-    # 1024 columns: 1 .. 16 programs of 64 per assignment, or 1 and 2 of 512 (Q8_1's eight groups a step)
-    assert splits[0] == top_k and len(splits) == (2 if q8x else 5)
+    blocks = -(-args[3] // quant.gemv_block_n(args[3], grouped=mode != "linear"))
+    splits = quant._splits(1024, quant.GEMV_CHUNK[quant.Q4_K], top_k, blocks * sums)
+    assert splits[0] == top_k and len(splits) == 5  # 1024 columns: 1 .. 16 programs of 64 per assignment
     for split in splits:
         for _ in range(2):
             got = quant._gemv(*args, **kw, split=split)
@@ -375,35 +359,6 @@ def test_every_split_a_gemv_may_run_with_gives_its_sums(mode, q8x, monkeypatch):
             assert not quant.tickets(dev).any()
     with pytest.raises(ValueError, match="not one of"):
         quant._gemv(*args, **kw, split=3 * top_k)
-
-
-@in_this_process
-@pytest.mark.parametrize("rows", [1, 3])
-def test_q8_1_of_x_is_llama_cpps_and_reads_through_a_column_map(rows, monkeypatch):
-    """`quantize_x` writes llama.cpp's Q8_1 of each row (the ints of x / d rounded half away from
-    zero, d = the block's largest magnitude / 127, d * the ints' sum), a zero block as zeros; with a
-    weight's column map, of x's columns in the file's order: a Q4_K GEMV through a map reads the
-    map once, at quantization, and gives x @ w.T in the model's order."""
-    monkeypatch.setattr(quant, "Q8X", "always")
-    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
-    x[0, 32:64] = 0.0
-    got = quant.quantize_x(x.to(DEVICE)).cpu()
-    for r in range(rows):
-        q, d, s = quant.q8_1_reference(x[r])
-        ints = got[r, :128].view(torch.int32).view(torch.int8).int()
-        assert (ints - q.view(torch.int8).int()).abs().max() <= (1 if CUDA else 0)
-        torch.testing.assert_close(got[r, 128:144], d, rtol=1e-6 if CUDA else 0, atol=0)  # a GPU's fp32 divide
-        torch.testing.assert_close(got[r, 144:], s, rtol=1e-6, atol=1e-6 * s.abs().max().item())
-    w, reference = ggml_weight(T.Q4_K, (72, 512))
-    columns = (torch.randperm(4, generator=torch.Generator().manual_seed(9))[:, None] * 128 + torch.arange(128)).flatten()
-    moved = quant.QuantWeight(w.fmt, w.shape, w.parts, w.dtype, columns)
-    model_order = torch.empty_like(reference)
-    model_order[:, columns] = reference
-    assert quant.q8x_groups(x, moved) == 8
-    got = moved.to(DEVICE).linear(x.to(DEVICE)).cpu()
-    want = torch.empty_like(x)
-    want[:, columns] = quant.q8_1_rounded(x[:, columns])  # x's blocks are taken in the file's order
-    close(got, want @ model_order.T, torch.float32)
 
 
 def test_the_untimed_split_fills_the_gpu_with_1024_programs():

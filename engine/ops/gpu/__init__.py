@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import types
 from dataclasses import dataclass, replace
 
@@ -59,7 +58,7 @@ KERNELS = GpuKernels(
     add_sigmoid_mul=gates.add_sigmoid_mul,
 )
 # a decode step's conv, gates, recurrent step and gated norm: one launch for steps of up to
-# `recurrent.FUSED_ROWS` rows, else the four kernels (FT_FUSED_DELTANET=0: the four kernels always)
-KERNELS = replace(KERNELS, deltanet_decode=recurrent.decode_step(
-    functools.partial(reference_deltanet.decode_step, ops=KERNELS), os.environ.get("FT_FUSED_DELTANET", "1") == "1",
-))  # fmt: skip
+# `recurrent.FUSED_ROWS` rows, else the four kernels
+KERNELS = replace(
+    KERNELS, deltanet_decode=recurrent.decode_step(functools.partial(reference_deltanet.decode_step, ops=KERNELS))
+)

@@ -5,8 +5,6 @@ every length up to the slots' capacity)."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 import triton
@@ -19,17 +17,14 @@ from engine.ops.gpu.checked import Checked
 DECODE_SPLITS = 64
 # A prefill's causal attention where queries and keys are the same rows (a fresh sequence's first
 # chunk). Left to itself torch runs cuDNN's on the H200, which builds an execution graph for every new
-# shape (~60 ms each, ~1.4 s for the first: `bench/attention_shapes.py`, session 20), and a server meets
-# a new length at nearly every such prefill. Below PREFILL_CUDNN_ROWS rows it runs flash (no per-shape
-# setup; 0.08-0.6 ms a layer up to 4K rows). From there on cuDNN's is the faster (8,192 rows: 0.95
-# against 2.0 ms a layer), so those rows run on it padded to a multiple of PREFILL_BUCKET in one
-# contiguous layout (its graph cache keys on shape and strides): zero rows after the last are never
-# seen by a real query (causal), so the padding changes no value, and `prepare_prefill` builds every
-# bucket's graph at warm-up (1.11 ms a layer at 8,192 with the padding's copies). Where cuDNN does not
-# take a shape SDPA falls back to flash. FT_PREFILL_SDPA=auto: torch's own choice, unpadded, as before.
+# shape (tens of ms each: `bench/attention_shapes.py`), and a server meets a new length at nearly every
+# such prefill. Below PREFILL_CUDNN_ROWS rows it runs flash (no per-shape setup). From there on cuDNN's
+# is the faster, so those rows run on it padded to a multiple of PREFILL_BUCKET in one contiguous
+# layout (its graph cache keys on shape and strides): zero rows after the last are never seen by a
+# real query (causal), so the padding changes no value, and `prepare_prefill` builds every bucket's
+# graph at warm-up. Where cuDNN does not take a shape SDPA falls back to flash.
 PREFILL_CUDNN_ROWS = 4096
 PREFILL_BUCKET = 512
-AUTO = os.environ.get("FT_PREFILL_SDPA", "") == "auto"
 _FLASH = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 _CUDNN = [SDPBackend.CUDNN_ATTENTION, *_FLASH]
 
@@ -41,9 +36,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
         zero, length = torch.zeros(1, device=q.device, dtype=torch.long), torch.full((1,), total, device=q.device, dtype=torch.long)
         return decode_attention(q, k[None], v[None], zero, length)
     qh, kh, vh = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, T|S, D]
-    if num_q == total and AUTO:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
-    elif num_q == total and num_q < PREFILL_CUDNN_ROWS:
+    if num_q == total and num_q < PREFILL_CUDNN_ROWS:
         with sdpa_kernel(_FLASH):
             out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=True)
     elif num_q == total:
@@ -58,8 +51,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 def prepare_prefill(heads: int, kv_heads: int, dim: int, max_tokens: int, device: torch.device, dtype: torch.dtype):
     """Build cuDNN's graph of every padded bucket up to `max_tokens` rows (warm-up)."""
-    if AUTO:
-        return
     for rows in range(PREFILL_CUDNN_ROWS, max_tokens + PREFILL_BUCKET, PREFILL_BUCKET):
         kv = torch.zeros(rows, kv_heads, dim, device=device, dtype=dtype)
         causal_attention(torch.zeros(rows, heads, dim, device=device, dtype=dtype), kv, kv)

@@ -3,12 +3,9 @@ once for all the rows: one launch, tensor-core tiles of every row at once, K spl
 to fill the GPU, each split's sums taken in order by the last program of its column block.
 
 At batch 8 of the e64 shape cuBLAS runs the DeltaNet and attention output projections ([8, 4096] x
-[4096, 2048]) as a split-K kernel and a reduction: 7.4 + 1.8 us for 16.8 MB, ~1.8 TB/s (H200, session
-25's profile). `bench/moe_decode_tiles.py --dense` at batches 2-16 (H200, session 28): these 8.8-9.2 us
-against cuBLAS's 9.5-9.7, the DeltaNet in_proj [12352, 2048] 14.5-15.1 against 15.6-16.2, the attention's
-qkv [9216, 2048] 12.4-12.6 against 11.9-12.1 (its 288 column blocks a wave and a bit): ~55 us a batch-8
-step less at that shape. `engine.model.matmul` takes it for every plain weight it fits (FT_SMALL_GEMM=0:
-cuBLAS)."""
+[4096, 2048]) as a split-K kernel and a reduction, well below the memory's bandwidth; this kernel is
+faster at batches 2-16 for those projections and the DeltaNet in_proj (`bench/moe_decode_tiles.py
+--dense`, bench/RESULTS.md). `engine.weights.matmul` takes it for every plain weight it fits."""
 
 from __future__ import annotations
 

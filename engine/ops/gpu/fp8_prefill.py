@@ -4,8 +4,8 @@ x is quantized per row and 128 columns (`fp8_rows`: the dynamic 1x128 activation
 checkpoints declare, as vLLM and SGLang run them) and multiplied e4m3 by e4m3, each 128-column step's
 fp32 sums scaled by both blocks' scales (x's per row, the weight's [128, 128] block's):
 
-- `linear(x, w)`: one Triton GEMM (`_fp8_gemm_kernel`), or with FT_FP8_CUBLAS=1 cuBLAS's block-scaled
-  GEMM (`torch._scaled_mm`) where torch has it;
+- `linear(x, w)`: one Triton GEMM (`_fp8_gemm_kernel`), one kernel for every FP8 prefill (cuBLAS's
+  block-scaled GEMM is faster on the device but costs more on the host: bench/RESULTS.md);
 - `grouped(x, w, order, offs)`: experts' rows in expert order (`moe.group_by_expert`), each program
   finding its tile's expert and rows from the experts' row ends (no tile layout on the host);
 - `experts(...)`: an MoE layer in four launches, the activation quantized as it is made and down's
@@ -16,8 +16,6 @@ fp32 sums scaled by both blocks' scales (x's per row, the weight's [128, 128] bl
 
 from __future__ import annotations
 
-import logging
-import os
 from typing import NamedTuple
 
 import torch
@@ -26,27 +24,15 @@ import triton.language as tl
 
 from engine.ops.gpu.quant import DEQUANT_ROWS, FP8, QuantWeight, glu_row, tile_launch, tile_rows
 
-log = logging.getLogger(__name__)
 # x's quantization blocks: `engine.quant.fp8.quantize(x, X_BLOCK, torch.float32)` is `fp8_rows`
 X_BLOCK = (1, 128)
-
-# FT_FP8_ACT=0: FP8 prefill as before session 15, a transient bf16 copy of each weight and cuBLAS (x in bf16)
-ACT = os.environ.get("FT_FP8_ACT", "1") == "1"
-# FT_FP8_CUBLAS=1: dense FP8 prefill on a GPU that has it (sm_90, CUDA >= 12.9) through cuBLAS's
-# block-scaled GEMM (`torch._scaled_mm`, 1x128 x 128x128) instead of the Triton kernel. Off by default
-# (one kernel for every FP8 prefill, no probing): the H200, session 15, at 8K tokens it is 1.3-1.4x the
-# Triton kernel on the device (0.36 against 0.48 ms for a [12288, 2048] projection) but ~90 us a call
-# on the host, and end to end the two were within the order they ran in (two leases: the one timed
-# second 3-5% faster, 52,679 / 54,285 and 59,138 / 62,018 tok/s).
-CUBLAS = os.environ.get("FT_FP8_CUBLAS", "0") == "1"
-_CUBLAS: dict[torch.device, bool] = {}  # per device: whether its torch._scaled_mm takes block scales
 
 
 class Tile(NamedTuple):
     """The FP8 GEMM's launch: rows a tile, warps, pipelining stages, and whether a tile's programs over
     N run one after another (its x rows and its expert's weight stay in L2). Hopper's FP8 MMA sums each
-    128-column step at its reduced precision (Triton's default; promoting every 32 products cost 25% on
-    the H200 and moved the error by 0.1e-3, session 15)."""
+    128-column step at its reduced precision (Triton's default; promoting every 32 products costs more
+    than it gains in accuracy: bench/RESULTS.md)."""
 
     bm: int = 64
     warps: int = 4
@@ -60,10 +46,8 @@ class Tile(NamedTuple):
         return cls(*(int(x) for x in v[:3]), *([v[3] == "n"] if len(v) > 3 else []))
 
 
-# the H200, session 15, at 8K tokens (bench/quant_kernels.py --fp8-prefill): 64 rows, 4 warps, 4 stages, a
-# tile's programs over N together: an MoE layer's gate_up 0.46 ms (bf16's grouped GEMM 0.58), down 0.41
-# (0.38); the dense projections as fast as bf16's cuBLAS (0.53 / 0.52 ms, 0.19 / 0.19, 0.37 / 0.37)
-TILE = Tile.parse(os.environ.get("FT_FP8_TILE", "64:4:4:n"))
+# 64 rows, 4 warps, 4 stages, a tile's programs over N together (bench/quant_kernels.py --fp8-prefill)
+TILE = Tile(bm=64, warps=4, stages=4, n_first=True)
 
 
 @triton.jit
@@ -104,7 +88,7 @@ def _fp8_gemm_kernel(
     XQ, XS, W, WS, Y, ORDER, OFFS, M, N, K, E, TILES, TOP_K,
     BM: tl.constexpr, EXPERTS: tl.constexpr, GATHER: tl.constexpr, SCATTER: tl.constexpr,
     N_FIRST: tl.constexpr,
-):  # fmt: skip
+):
     """Y [M, N] = x @ w.T in FP8: x's rows (e4m3 XQ, a scale per 128 columns in XS) times expert e's
     e4m3 rows n (128 a program: one scale block row), each 128-column step's fp32 sums scaled by both
     blocks' scales, tile t's expert and rows j from `quant.tile_rows`. Row j reads x's row
@@ -153,17 +137,12 @@ def _glu_fp8_rows_kernel(GU, RW, ORDER, Q, S, INTER, GROUPS: tl.constexpr):
     _store_fp8_groups(a, Q + j * INTER + k, S + j * (INTER // 128) + g, keep, g < INTER // 128)
 
 
-def fp8_rows(x: torch.Tensor, cublas: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (K a multiple of 128) as e4m3 [M, K] and fp32 scales [M, K/128]: each row's 128-column
-    groups divided by their largest |x| / 448 (`engine.quant.fp8.quantize` in X_BLOCK blocks). `cublas`: laid out as `torch._scaled_mm` takes them,
-    rows padded to a multiple of 4 (left unset) and the scales outer-dim-major (stride (1, rows))."""
+    groups divided by their largest |x| / 448 (`engine.quant.fp8.quantize` in X_BLOCK blocks)."""
     m, k = x.shape
-    rows = -(-m // 4) * 4 if cublas else m
-    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
-    if cublas:
-        s = torch.empty(k // 128, rows, dtype=torch.float32, device=x.device).t()
-    else:
-        s = torch.empty(rows, k // 128, dtype=torch.float32, device=x.device)
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, k // 128, dtype=torch.float32, device=x.device)
     if m:
         _fp8_rows_kernel[(m,)](x, q, s, k, s.stride(0), s.stride(1), GROUPS=triton.next_power_of_2(k // 128))
     return q, s
@@ -173,9 +152,9 @@ _FP8_DOT: dict[torch.device, bool] = {}  # per GPU: whether it has FP8 tensor co
 
 
 def runs(x: torch.Tensor, w: QuantWeight, rows: int) -> bool:
-    """Whether `rows` rows of x times w run here (`ACT`; FP8 weights, bf16 x past DEQUANT_ROWS rows,
-    a GPU with FP8 tensor cores or the interpreter)."""
-    if not (ACT and w.fmt == FP8 and x.dtype == torch.bfloat16 and rows > DEQUANT_ROWS):
+    """Whether `rows` rows of x times w run here (FP8 weights, bf16 x past DEQUANT_ROWS rows, a GPU
+    with FP8 tensor cores or the interpreter)."""
+    if not (w.fmt == FP8 and x.dtype == torch.bfloat16 and rows > DEQUANT_ROWS):
         return False
     if x.device.type != "cuda":
         return True
@@ -186,26 +165,26 @@ def runs(x: torch.Tensor, w: QuantWeight, rows: int) -> bool:
 
 def gemm(
     xq: torch.Tensor, xs: torch.Tensor, w: QuantWeight, out: torch.Tensor, order: torch.Tensor | None = None,
-    offs: torch.Tensor | None = None, top_k: int = 1, scatter: bool = False,
-) -> torch.Tensor:  # fmt: skip
+    offs: torch.Tensor | None = None, top_k: int = 1, scatter: bool = False, tile: Tile = TILE,
+) -> torch.Tensor:
     """out = x @ w.T (w [N, K]; x as `fp8_rows` gives it) or, with `order` and `offs` (`grouped`'s),
     each expert-ordered row's expert's product, reading x's row order[j] // top_k, or with `scatter`
-    row j of x and writing out's row order[j]: one launch of `_fp8_gemm_kernel`."""
-    m, (n, k), tile = order.numel() if order is not None else out.shape[0], w.shape[-2:], TILE
+    row j of x and writing out's row order[j]: one launch of `_fp8_gemm_kernel` in `tile`'s layout."""
+    m, (n, k) = order.numel() if order is not None else out.shape[0], w.shape[-2:]
     tiles, experts, lanes = tile_launch(m, tile.bm, offs)
     _fp8_gemm_kernel[(tiles * triton.cdiv(n, 128),)](
         xq, xs, *w.parts, out, xs if order is None else order, xs if offs is None else offs, m, n, k,
         experts, tiles, top_k, BM=tile.bm, EXPERTS=lanes,
         GATHER=order is not None and not scatter, SCATTER=scatter, N_FIRST=tile.n_first,
         num_warps=tile.warps, num_stages=tile.stages,
-    )  # fmt: skip
+    )
     return out
 
 
 def experts(
     x: torch.Tensor, routing: torch.Tensor, gate_up: QuantWeight, down: QuantWeight, order: torch.Tensor,
     offs: torch.Tensor, top_k: int,
-) -> torch.Tensor | None:  # fmt: skip
+) -> torch.Tensor | None:
     """MoE prefill on FP8 tensor cores (both stacks FP8, bf16 x past DEQUANT_ROWS assignments; else
     None): gate_up over x's FP8 rows gathered in expert order, silu(gate) * up * the routing weight
     straight into the down projection's FP8 rows (one kernel), down written back in the assignments'
@@ -216,39 +195,14 @@ def experts(
     gu = gemm(*fp8_rows(x.contiguous()), gate_up, x.new_empty(assignments, 2 * inter), order, offs, top_k)
     aq = torch.empty(assignments, inter, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(assignments, inter // 128, dtype=torch.float32, device=x.device)
-    _glu_fp8_rows_kernel[(assignments,)](gu, routing.flatten(), order, aq, scales, inter,
-                                         GROUPS=triton.next_power_of_2(inter // 128))  # fmt: skip
+    groups = triton.next_power_of_2(inter // 128)
+    _glu_fp8_rows_kernel[(assignments,)](gu, routing.flatten(), order, aq, scales, inter, GROUPS=groups)
     return gemm(aq, scales, down, x.new_empty(assignments, down.shape[1]), order, offs, scatter=True)
-
-
-def _cublas(x: torch.Tensor, w: QuantWeight) -> torch.Tensor | None:
-    """x [M, K] @ w.T by cuBLAS's block-scaled FP8 GEMM (`CUBLAS`), x in FP8 rows; None where this
-    torch or GPU does not take block scales (found out once per device, never inside a capture)."""
-    verdict = _CUBLAS.get(x.device)
-    if not (CUBLAS and x.is_cuda) or verdict is False:
-        return None
-    if verdict is None and torch.cuda.is_current_stream_capturing():
-        return None
-    xq, xs = fp8_rows(x, cublas=True)
-    wq, ws = w.parts
-    pad = -ws.shape[-1] % 4  # cuBLAS takes the weight's scales [K/128 padded to 4, N/128]
-    ws = (torch.nn.functional.pad(ws, (0, pad)) if pad else ws).t()
-    try:
-        out = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, out_dtype=x.dtype)
-    except (RuntimeError, NotImplementedError) as e:
-        log.info("FP8 prefill: no block-scaled torch._scaled_mm on %s (%s): the Triton kernel", x.device, e)
-        _CUBLAS[x.device] = False
-        return None
-    _CUBLAS[x.device] = True
-    return out[: x.shape[0]]
 
 
 def linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     """x [M, K] @ w.T → [M, N] in x's dtype (w one FP8 weight [N, K], x in the packed column order)."""
-    out = _cublas(x, w)
-    if out is None:
-        out = gemm(*fp8_rows(x), w, torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device))
-    return out
+    return gemm(*fp8_rows(x), w, torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device))
 
 
 def grouped(

@@ -6,7 +6,6 @@ the tokens that chose it (`DecodeTiles`)."""
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -323,7 +322,7 @@ def _down_grouped_kernel(A, W, IDS, RW, PART, OUT, COUNT, H, INTER, TOKENS, TOPK
 class _Settings:
     @classmethod
     def parse(cls, text: str):
-        """`up_i=16,stages=2` (an environment variable's value): the fields named set, the others at
+        """`up_i=16,stages=2`: the fields named set, the others at
         their defaults."""
         fields = dict(item.split("=") for item in text.split(",") if item)
         return cls(**{name: int(value) for name, value in fields.items()})
@@ -336,7 +335,7 @@ class DecodeTiles(_Settings):
     outputs and inner columns a step (tensor-core tiles: 16 a side at least), their warps and the
     loads' pipeline depth. `grouped=0`: the per-assignment kernels (`_up_kernel`, `_down_kernel`,
     their own tiles), the baseline. The defaults are the fastest of bench/moe_decode_tiles.py's
-    settings at batches 1, 4 and 8 on the H200 (session 27)."""
+    settings at batches 1, 4 and 8 (bench/RESULTS.md)."""
 
     grouped: int = 1
     up_i: int = 32
@@ -360,7 +359,7 @@ class DecodeTiles(_Settings):
 # tokens up to which the grouped kernels run: one tensor-core tile's rows (an fp32 prefill of up to
 # GRAPH_TOKENS takes the per-assignment kernels: a tile of 512 tokens' rows is far past the registers)
 GROUPED_TOKENS = 16
-DECODE_TILES = DecodeTiles.parse(os.environ.get("FT_MOE_TILES", ""))  # bench/moe_decode_tiles.py
+DECODE_TILES = DecodeTiles()  # bench/moe_decode_tiles.py times others
 
 
 def _experts_triton(x, weights, ids, gate_up, down, tiles: DecodeTiles | None = None):
@@ -523,19 +522,17 @@ ROUTER_ROWS = 16  # tokens up to which `router` runs as one launch (decode); bey
 class RouterTiles(_Settings):
     """Launch settings of `_router_kernel`: router rows a program (two, so that the 257 rows of a
     256-expert router, 1 MB in bf16 and 2 MB in a GGUF's f32, are read by ~130 programs, about one
-    per SM of an H200, where 16 rows a program left 17 programs reading it at a small fraction of
-    the bandwidth: a GGUF's 22 us a layer, 7 us with two; H200, session 12), hidden columns a step
-    (at most: a power of two dividing H) and warps (the last program's softmax and top-k reduce
-    across them). One warp over a 2,048-column step is the fastest of bench/moe_decode_tiles.py
-    --router's settings (H200, session 28: 4.6-5.0 us a layer at the e64 shape in bf16 against
-    6.0-6.4 with 4 warps over 1,024; 6.5-6.8 against 7.4-8.0 at 256 experts in f32)."""
+    per SM of an H200: 16 rows a program leave 17 programs reading it at a small fraction of the
+    bandwidth), hidden columns a step (at most: a power of two dividing H) and warps (the last
+    program's softmax and top-k reduce across them). One warp over a 2,048-column step is the
+    fastest of bench/moe_decode_tiles.py --router's settings (bench/RESULTS.md)."""
 
     block_e: int = 2
     block_h: int = 2048
     warps: int = 1
 
 
-ROUTER_TILES = RouterTiles.parse(os.environ.get("FT_ROUTER_TILES", ""))  # bench/moe_decode_tiles.py --router
+ROUTER_TILES = RouterTiles()  # bench/moe_decode_tiles.py --router times others
 
 
 def router(x: torch.Tensor, w: torch.Tensor, experts: int, top_k: int, renormalise: bool):

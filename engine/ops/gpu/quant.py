@@ -12,9 +12,7 @@ the reference (`engine.quant.ggml`, `engine.quant.fp8`), and multiply it with th
   expert's weight, tiles never straddling two experts, or for many rows a transient copy and
   torch's grouped GEMM (MoE prefill); no host sync;
 - FP8 prefill (both) runs e4m3 times e4m3 on the tensor cores, x quantized per row and 128 columns
-  (`engine.ops.gpu.fp8_prefill`);
-- with FT_Q8X=1 (off by default), a Q4_K GEMV quantizes x to llama.cpp's Q8_1 first (`quantize_x`)
-  and multiplies in integer dot products (`_dot_q4_k_q8`), as llama.cpp does.
+  (`engine.ops.gpu.fp8_prefill`).
 
 On a GPU the dequantized tile is cast to the activations' dtype (bf16) before `tl.dot`, so results
 are within bf16 rounding of `x @ w.dequantize().T`; in fp32 (the CPU tests, TRITON_INTERPRET=1)
@@ -61,22 +59,10 @@ FP8_ROWS = 128  # rows per FP8 scale block
 # the GEMV kernel runs with wider row blocks (a [248320, H] lm_head in 31 programs, not thousands).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 GEMV_BLOCK_N = 8192 if INTERPRETED else 32
-# a plain (not grouped) GEMV of at least this many outputs runs 64 rows a program (the H200, session
-# 13: the lm_head 250 against 262 us, a [12352, 2048] Q4_K 15.2 against 16.4; experts' GEMVs and
-# smaller ones slower at 64)
-GEMV_WIDE_N = int(os.environ.get("FT_GEMV_WIDE_N", "8192"))
-# FT_Q8X=1: Q4_K GEMVs of bf16 activations on a GPU take x as llama.cpp's Q8_1 (int8 in blocks of 32
-# with a scale and a scaled sum, `quantize_x`: one small launch a GEMV) and multiply the nibbles with
-# it in integer dot products (dp4a) over whole-line tiles, Q8X_GROUPS 64-column groups of Q8X_BLOCK_N
-# rows a step: llama.cpp's arithmetic (its MMVQ). Off by default: the H200, session 14, same lease, the
-# 256-expert Q4_K_M decode 279.5 / 554.0 tok/s (batch 1 / 4) with it against 294.6 / 500.2 without
-# (the extra launches cost batch 1 more than the GEMVs save; in the [12352, 2048] projections alone,
-# 294.0 against 303.2), and its 8-bit x puts the small Q4_K_M's graph decode 0.122 from fp32 against
-# bf16's 0.014. "always": fp32 activations and the interpreter too (the tests).
-Q8X = os.environ.get("FT_Q8X", "0")
-Q8X_GROUPS, Q8X_BLOCK_N = 8, 16
+# a plain (not grouped) GEMV of at least this many outputs runs 64 rows a program (faster for the
+# lm_head and the large projections; experts' GEMVs and smaller ones are slower at 64: bench/RESULTS.md)
+GEMV_WIDE_N = 8192
 GEMV_PROGRAMS = 1024  # where no timing chose a GEMV's split: the smallest that fills the GPU with this many programs
-Q8X_PROGRAMS = 256  # the same for a GEMV taking x as Q8_1
 # the GEMV's warps a program and its K loop's pipelining stages and unrolling (None: Triton's
 # defaults); `bench/quant.py --gemv-variants` times decode under others
 GEMV_WARPS, GEMV_STAGES, GEMV_UNROLL = 4, None, None
@@ -426,68 +412,6 @@ def _dot_fp8(XC, P0, P1, row, k0, N, K):
 
 
 @triton.jit
-def _dp4a(a, b, NATIVE: tl.constexpr):
-    """Per int32 lane: the dot product of a's four unsigned bytes with b's four signed bytes (PTX
-    dp4a.u32.s32); NATIVE off (Triton's interpreter): the same integers by shifts."""
-    if NATIVE:
-        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, 0;", "=r,r,r", [a, b], dtype=tl.int32,
-                                         is_pure=True, pack=1)  # fmt: skip
-    else:
-        a = a.to(tl.int32, bitcast=True)
-        b = b.to(tl.int32, bitcast=True)
-        acc = tl.zeros(a.shape, tl.int32)
-        for j in tl.static_range(4):
-            acc += ((a >> (8 * j)) & 0xFF) * ((b << (24 - 8 * j)) >> 24)
-        return acc
-
-
-@triton.jit
-def _dot_q4_k_q8(XC, P0, P1, P2, P3, row, k0, K, G: tl.constexpr, NATIVE: tl.constexpr):
-    """Q4_K, G groups of 64 columns from k0 (each row's G * 32 nibble bytes contiguous: [BN, G, 8]
-    words), against x's Q8_1 row at XC (`quantize_x`'s layout: K / 4 words, then K / 32 scales, then
-    K / 32 scaled sums): per row and 32-column sub-block one integer sum, scaled once."""
-    r = row[:, None]  # [BN, 1]
-    groups = tl.arange(0, G)[None, :]  # [1, G]
-    words = tl.arange(0, 8)[None, None, :]
-    w = tl.load(P0.to(tl.pointer_type(tl.uint32)) + r[:, :, None] * (K // 8) + k0 // 8 + groups[:, :, None] * 8 + words)
-    xw = XC.to(tl.pointer_type(tl.int32)) + k0 // 4 + groups[:, :, None] * 16 + words  # a group's low words, then its high
-    lo = tl.sum(_dp4a(w & 0x0F0F0F0F, tl.load(xw), NATIVE), 2).to(tl.float32)  # [BN, G]
-    hi = tl.sum(_dp4a((w >> 4) & 0x0F0F0F0F, tl.load(xw + 8), NATIVE), 2).to(tl.float32)
-    b = k0 // 32 + 2 * groups  # x's blocks: each group's low sub-block
-    xd, xs = XC + K // 4, XC + K // 4 + K // 32
-    sub = r * (K // 32) + b  # the weight's sub-blocks [BN, G]
-    dd = P3 + (r * (K // 256) + (k0 + 64 * groups) // 256) * 2
-    d, dmin = tl.load(dd).to(tl.float32), tl.load(dd + 1).to(tl.float32)
-    scaled = d * (tl.load(P1 + sub).to(tl.float32) * tl.load(xd + b) * lo
-                  + tl.load(P1 + sub + 1).to(tl.float32) * tl.load(xd + b + 1) * hi)  # fmt: skip
-    mins = dmin * (tl.load(P2 + sub).to(tl.float32) * tl.load(xs + b)
-                   + tl.load(P2 + sub + 1).to(tl.float32) * tl.load(xs + b + 1))  # fmt: skip
-    return tl.sum(scaled - mins, 1)
-
-
-@triton.jit
-def _q8_1_kernel(X, COLS, OUT, K, XMAP: tl.constexpr, BLOCKS: tl.constexpr):
-    """Program (row r, p): BLOCKS blocks of 32 of x's row r (in the weight's column order: with XMAP
-    x's columns COLS[k]) as Q8_1 into OUT's row (K / 4 + K / 16 fp32 words): the blocks' int8 four
-    to a word, their scales d (largest magnitude / 127), d * the sums of their ints."""
-    r, p = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    blocks = p * BLOCKS + tl.arange(0, BLOCKS)
-    col = blocks[:, None] * 32 + tl.arange(0, 32)[None, :]
-    if XMAP:
-        col = tl.load(COLS + col)
-    x = tl.load(X + r * K + col).to(tl.float32)
-    d = tl.max(tl.abs(x), 1) / 127
-    q = x / tl.where(d > 0, d, 1.0)[:, None]
-    q = tl.where(q >= 0, tl.floor(q + 0.5), -tl.floor(0.5 - q))  # half away from zero
-    ints = tl.reshape(q.to(tl.int32) & 0xFF, [BLOCKS, 8, 4]).to(tl.uint32)
-    word = tl.sum(ints << (tl.arange(0, 4) * 8)[None, None, :].to(tl.uint32), 2)  # disjoint bytes: a sum is an or
-    out = OUT + r * (K // 4 + K // 16)
-    tl.store(out.to(tl.pointer_type(tl.uint32)) + blocks[:, None] * 8 + tl.arange(0, 8)[None, :], word)
-    tl.store(out + K // 4 + blocks, d)
-    tl.store(out + K // 4 + K // 32 + blocks, d * tl.sum(q, 1))
-
-
-@triton.jit
 def _dot(XC, P0, P1, P2, P3, row, k0, N, K, FMT: tl.constexpr):
     """The format's chunk of columns from k0: rows `row` [BN] against x's chunk at XC."""
     if FMT == 0:
@@ -508,8 +432,7 @@ def _gemv_kernel(
     FMT: tl.constexpr, BN: tl.constexpr, CHUNK: tl.constexpr,
     GROUPED: tl.constexpr, X_PER: tl.constexpr, TOPK: tl.constexpr, GLU: tl.constexpr, XMAP: tl.constexpr,
     FMT2: tl.constexpr, CHUNK2: tl.constexpr, STAGES: tl.constexpr, UNROLL: tl.constexpr,
-    Q8X: tl.constexpr, NATIVE: tl.constexpr,
-):  # fmt: skip
+):
     """Program (n-block, split s, output row m): BN outputs of row m over one range of K_SPLIT
     columns, a format-sized chunk at a time (each block's scales loaded once), summed over the
     SPLIT programs of (n-block, m) by the last of them to finish (`COUNT`: one ticket per
@@ -525,8 +448,7 @@ def _gemv_kernel(
     (out [M, N + N2]: two projections of one input in two formats, one launch); the n-blocks past
     the first weight's are its (K_SPLIT a multiple of both formats' chunks).
     STAGES, UNROLL: the K loop's software pipelining and unrolling (`tl.range`; None: Triton's default).
-    Q8X > 0 (a Q4_K weight): x's rows are Q8_1 (`quantize_x`, XROW words a row), CHUNK = Q8X groups of
-    64 columns (`_dot_q4_k_q8`, dp4a where NATIVE)."""
+    XROW: x's row stride."""
     pid, s, m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     KS = SPLIT // TOPK  # programs per assignment (a run-time value: the split is chosen per shape)
     a = m * TOPK + s // KS
@@ -555,15 +477,10 @@ def _gemv_kernel(
             row += tl.maximum(expert, 0) * (2 * N if GLU else N)
             end = tl.where(expert >= 0, end, start)
         for k0 in tl.range(start, end, CHUNK, num_stages=STAGES, loop_unroll_factor=UNROLL):
-            if Q8X > 0:
-                acc += _dot_q4_k_q8(x, P0, P1, P2, P3, row, k0, K, Q8X, NATIVE)
-                if GLU:
-                    acc_up += _dot_q4_k_q8(x, P0, P1, P2, P3, row + N, k0, K, Q8X, NATIVE)
-            else:
-                xc = x + (tl.load(XCOLS + k0) if XMAP else k0)
-                acc += _dot(xc, P0, P1, P2, P3, row, k0, N, K, FMT)
-                if GLU:
-                    acc_up += _dot(xc, P0, P1, P2, P3, row + N, k0, N, K, FMT)
+            xc = x + (tl.load(XCOLS + k0) if XMAP else k0)
+            acc += _dot(xc, P0, P1, P2, P3, row, k0, N, K, FMT)
+            if GLU:
+                acc_up += _dot(xc, P0, P1, P2, P3, row + N, k0, N, K, FMT)
         keep = n < N
     width = N + N2  # the output's (N2 is 0 with one weight)
     if SPLIT > 1:
@@ -723,7 +640,7 @@ _TICKETS: dict[torch.device, torch.Tensor] = {}
 TICKETS = 1 << 16  # (row, n-block) counters of the GEMV's split-K sums
 MAX_PROGRAMS = 1 << 15  # a GEMV's programs at most, whatever its split
 TUNE_REPEATS = 20  # launches timed per candidate split
-TUNE = os.environ.get("FT_GEMV_TUNE") == "1"  # time each GEMV shape's splits (`_split`); off: the heuristic's
+TUNE = False  # time each GEMV shape's splits (`_split`; bench/quant.py sets it); off: the heuristic's
 _SPLITS: dict[tuple, int] = {}  # the split each GEMV shape runs fastest with (`_split`)
 # with TUNE, per GEMV shape: (microseconds a launch with its chosen split, weight bytes it reads)
 GEMV_TIMES: dict[tuple, tuple[float, int]] = {}
@@ -744,113 +661,60 @@ def _gemv(
     x: torch.Tensor, w: QuantWeight, rows: int, n: int, experts: torch.Tensor | None = None,
     x_per: int = 1, top_k: int = 1, scale: torch.Tensor | None = None, split: int | None = None,
     second: QuantWeight | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """`rows` output rows of `n` (`_gemv_kernel`), in one launch: K split over as many programs as
     `_split` chooses for this shape (or `split`, one of `_splits`), the split's sums taken by its
-    last program. `second`: a plain weight of another format whose outputs follow (rows x (n + its N)).
-    A Q4_K weight `q8x_groups` takes: x quantized first (`quantize_x`, through w's column map)."""
+    last program. `second`: a plain weight of another format whose outputs follow (rows x (n + its N))."""
     n2 = second.shape[0] if second is not None else 0
     k, grouped = w.shape[-1], experts is not None
-    q8x = q8x_groups(x, w, second)
-    bn = gemv_block_n(n + n2, grouped, q8x)
-    chunk = 64 * q8x if q8x else max(GEMV_CHUNK[w.fmt], GEMV_CHUNK[second.fmt] if second is not None else 0)
+    bn = gemv_block_n(n + n2, grouped)
+    chunk = max(GEMV_CHUNK[w.fmt], GEMV_CHUNK[second.fmt] if second is not None else 0)
     blocks = triton.cdiv(n, bn) + triton.cdiv(n2, bn)
     if blocks * rows > TICKETS:
         raise ValueError(f"GEMV of {rows} x {n + n2} outputs: more than {TICKETS} sums")
     glu = scale is not None
     splits = _splits(k, chunk, top_k, blocks * rows)
     out = torch.empty(rows, n + n2, dtype=x.dtype, device=x.device)
-    xmap = w.columns is not None and not q8x
-    xin = quantize_x(x, w.columns) if q8x else x
+    xmap = w.columns is not None
     ids = experts if grouped else x  # (unread when not grouped)
     columns = w.columns if xmap else x  # (unread without a column map)
     counters = tickets(x.device)  # made here, never inside a timing capture
     fmt2, parts2 = (second.fmt, _padded(second)) if second is not None else (-1, _padded(w))
-    constexprs = gemv_constexprs(w.fmt, bn, grouped, x_per, top_k, glu, xmap, fmt2, q8x)
+    constexprs = gemv_constexprs(w.fmt, bn, grouped, x_per, top_k, glu, xmap, fmt2)
 
     def launch(split: int) -> None:
         part = torch.empty(split, rows, (n if glu else 0) + n + n2, dtype=torch.float32, device=x.device) if split > 1 else x
         _gemv_kernel[(blocks, split, rows)](
-            xin, *_padded(w), part, out, counters, ids, scale if glu else x, columns, *parts2, n, n2, k,
-            k // (split // top_k), split, xin.shape[-1], **constexprs, num_warps=GEMV_WARPS,
-        )  # fmt: skip
+            x, *_padded(w), part, out, counters, ids, scale if glu else x, columns, *parts2, n, n2, k,
+            k // (split // top_k), split, x.shape[-1], **constexprs, num_warps=GEMV_WARPS,
+        )
 
     if split is None:
-        key = (x.device, w.fmt, rows, n, k, top_k, glu, grouped, fmt2, n2, q8x)
+        key = (x.device, w.fmt, rows, n, k, top_k, glu, grouped, fmt2, n2)
 
         def read() -> int:  # the weight bytes a launch reads (for the timings only)
             assigned = experts.numel() if grouped else 1
             own = w.nbytes * (2 if glu else 1) * n * assigned // math.prod(w.shape[:-1])
             return own + (second.nbytes if second is not None else 0)
 
-        fill = Q8X_PROGRAMS if q8x else GEMV_PROGRAMS
-        split = _split(key, splits, _heuristic_split(splits, blocks * rows, fill), launch, read)
+        split = _split(key, splits, _heuristic_split(splits, blocks * rows), launch, read)
     elif split not in splits:
         raise ValueError(f"split {split} is not one of {splits}")
     launch(split)
     return out
 
 
-def q8x_groups(x: torch.Tensor, w: QuantWeight, second: QuantWeight | None = None) -> int:
-    """The 64-column groups a step of a GEMV of w taking x as Q8_1 (`Q8X`), or 0: x as it is."""
-    if Q8X == "0" or w.fmt != Q4_K or second is not None or w.parts[0].data_ptr() % 16:
-        return 0
-    if Q8X != "always" and (x.device.type != "cuda" or x.dtype != torch.bfloat16):
-        return 0
-    groups = Q8X_GROUPS
-    while w.shape[-1] % (64 * groups):
-        groups //= 2
-    return groups
-
-
-def quantize_x(x: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (its columns in the order `columns` gives, if any) as llama.cpp's Q8_1, one launch:
-    fp32 [M, K / 4 + K / 16], each row its int8 four to a word, the 32-column blocks' scales d
-    (largest magnitude / 127: int8 = x / d rounded half away from zero), then d * their int sums."""
-    m, k = x.shape
-    if k % 32:
-        raise ValueError(f"Q8_1 of K={k}: not a multiple of 32")
-    out = torch.empty(m, k // 4 + k // 16, dtype=torch.float32, device=x.device)
-    per = min(32, (k // 32) & -(k // 32))  # blocks a program: a power of two dividing K / 32
-    if m:
-        _q8_1_kernel[(m, k // 32 // per)](x, columns if columns is not None else x, out, k,
-                                           XMAP=columns is not None, BLOCKS=per)  # fmt: skip
-    return out
-
-
-def q8_1_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`quantize_x` of one row [K] in torch: the ints packed [K / 4] int32, d [K / 32], d * sums [K / 32]."""
-    blocks = x.float().view(-1, 32)
-    d = blocks.abs().amax(1) / 127
-    q = blocks / torch.where(d > 0, d, 1.0)[:, None]
-    q = (q.sign() * (q.abs() + 0.5).floor()).to(torch.int8)
-    return q.view(-1).view(torch.int32), d, d * q.float().sum(1)
-
-
-def q8_1_rounded(x: torch.Tensor) -> torch.Tensor:
-    """x [.., K] rounded to its Q8_1 blocks (`q8_1_reference`'s ints times their scales), fp32: what
-    a GEMV taking x as Q8_1 multiplies the weight with."""
-    rows = []
-    for row in x.float().reshape(-1, x.shape[-1]):
-        q, d, _ = q8_1_reference(row)
-        rows.append((q.view(torch.int8).float().view(-1, 32) * d[:, None]).flatten())
-    return torch.stack(rows).reshape(x.shape)
-
-
 def gemv_constexprs(fmt: int, bn: int, grouped: bool = False, x_per: int = 1, top_k: int = 1, glu: bool = False,
-                    xmap: bool = False, fmt2: int = -1, q8x: int = 0) -> dict:  # fmt: skip
+                    xmap: bool = False, fmt2: int = -1) -> dict:
     """`_gemv_kernel`'s compile-time arguments for a launch of this kind under the module's settings
     (GEMV_STAGES, GEMV_UNROLL): the launcher's, the sm_90 compile tests' and `bench/gemv_registers.py`'s."""
-    return {"FMT": fmt, "BN": bn, "CHUNK": 64 * q8x if q8x else GEMV_CHUNK[fmt], "GROUPED": grouped,
+    return {"FMT": fmt, "BN": bn, "CHUNK": GEMV_CHUNK[fmt], "GROUPED": grouped,
             "X_PER": x_per, "TOPK": top_k, "GLU": glu, "XMAP": xmap, "FMT2": fmt2,
-            "CHUNK2": GEMV_CHUNK[fmt2] if fmt2 >= 0 else 1, "STAGES": GEMV_STAGES, "UNROLL": GEMV_UNROLL,
-            "Q8X": q8x, "NATIVE": not INTERPRETED}  # fmt: skip
+            "CHUNK2": GEMV_CHUNK[fmt2] if fmt2 >= 0 else 1, "STAGES": GEMV_STAGES, "UNROLL": GEMV_UNROLL}
 
 
-def gemv_block_n(n: int, grouped: bool = False, q8x: int = 0) -> int:
-    """Outputs per GEMV program for `n` outputs a row (of each expert, `grouped`; x as Q8_1, `q8x`)."""
-    if q8x and not INTERPRETED:
-        return Q8X_BLOCK_N
+def gemv_block_n(n: int, grouped: bool = False) -> int:
+    """Outputs per GEMV program for `n` outputs a row (of each expert, `grouped`)."""
     most = max(GEMV_BLOCK_N, 64) if n >= GEMV_WIDE_N and not grouped else GEMV_BLOCK_N
     return min(most, max(16, triton.next_power_of_2(n)))
 
@@ -872,7 +736,7 @@ def _heuristic_split(splits: list[int], sums: int, programs: int = GEMV_PROGRAMS
 
 
 def _split(key: tuple, splits: list[int], default: int, launch, read: Callable[[], int]) -> int:
-    """The split this GEMV shape runs with: with TUNE (FT_GEMV_TUNE=1), the fastest of `splits`,
+    """The split this GEMV shape runs with: with TUNE, the fastest of `splits`,
     timed once per shape on a GPU outside graph capture (`_time_split`: decode's graphs are
     captured after an eager forward, which times them; its time and the `read` weight bytes kept
     in GEMV_TIMES); else, and under capture, `default`."""

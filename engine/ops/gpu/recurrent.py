@@ -164,17 +164,15 @@ def _step_after(out, args):
     return out, args[9][index], args[10][index]
 
 
-FUSED_ROWS = 4  # the fused step is ahead up to batch 4, behind from 8 (bench/RESULTS.md, session 29)
+FUSED_ROWS = 4  # the fused step is ahead up to batch 4, behind from 8 (bench/RESULTS.md)
 
 
-def decode_step(unfused: Callable, fused: bool) -> Callable:
-    """`Kernels.deltanet_decode` on the GPU: `unfused` (`reference.decode_step` over the GPU's four
-    kernels), or with `fused`, for steps of up to `FUSED_ROWS` rows, one launch (`_decode_step_kernel`)
-    checked on first use against it, each trial on its own copies of the slots."""
-    if not fused:
-        return unfused
+def decode_step(unfused: Callable) -> Callable:
+    """`Kernels.deltanet_decode` on the GPU: for steps of up to `FUSED_ROWS` rows one launch
+    (`_decode_step_kernel`) checked on first use against `unfused` (`reference.decode_step` over the
+    GPU's four kernels, which runs larger steps), each trial on its own copies of the slots."""
     return Checked(
         "deltanet_decode", functools.partial(_triton_decode_step, unfused=unfused), unfused, canon=_step_after,
         fresh=lambda args: (*args[:9], args[9].clone(), args[10].clone(), args[11]),
         applies=lambda args: args[0].shape[0] <= FUSED_ROWS,
-    )  # fmt: skip
+    )
