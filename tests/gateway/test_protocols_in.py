@@ -220,10 +220,11 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=20,
 )
-keys = st.sampled_from(
-    ["role", "content", "type", "text", "messages", "input", "tools", "tool_calls", "id", "call_id", "name",
-     "arguments", "tool_use_id", "output", "system", "function", "tool_call_id", "summary", "thinking"]
-)  # fmt: skip
+KEYS = (
+    "role content type text messages input tools tool_calls id call_id name arguments tool_use_id output "
+    "system function tool_call_id summary thinking"
+).split()
+keys = st.sampled_from(KEYS)
 shaped = st.recursive(
     json_values,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(keys, inner, max_size=5),
