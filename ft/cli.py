@@ -8,7 +8,7 @@ import sys
 
 # name -> module exposing `add_arguments(parser)` and `run(args) -> int`
 SUBCOMMANDS = {
-    "model": ("engine.cli", "Write model presets (deterministic random weights in HF format)."),
+    "model": ("ft.model", "Write model presets (deterministic random weights in HF format)."),
     "serve": ("gateway.serve", "Serve a model to agents over Anthropic / OpenAI APIs."),
     "launch": ("adapters.launch", "Point Claude Code, Codex or OpenCode at a running server and start it."),
     "replay": ("adapters.replay", "Replay recorded agent sessions and report TTFT per capture policy."),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from engine import presets
 
-GGUF_DTYPES = ("f32", "bf16", "q8_0", "q4_k_m", "q5_k_m", "q6_k")  # peer.gguf_export.DTYPES, without importing it
+GGUF_DTYPES = ("f32", "bf16", "q8_0", "q4_k_m", "q5_k_m", "q6_k")  # peer.gguf_export.DTYPES; that module loads only to write one
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def write_gguf_preset(args: argparse.Namespace) -> int:
-    from peer.gguf_export import export_gguf, preset_gguf  # noqa: PLC0415 (peer builds on the engine)
+    from peer.gguf_export import export_gguf, preset_gguf  # noqa: PLC0415
 
     dtype = args.format.removeprefix("gguf-")
     if args.seed != 0:
