@@ -51,8 +51,14 @@ def measure(slots: int, parts: int, steps: int, seed: int = 0) -> dict:
             dst.copy_(src)
         floor.append(time.perf_counter() - start)
     run_us, floor_us = statistics.median(warm) * 1e6, statistics.median(floor) * 1e6
-    return {"slots": slots, "parts": parts, "misses_per_step": misses, "run_us": run_us,
-            "copy_floor_us": floor_us, "run_over_floor": run_us / floor_us}  # fmt: skip
+    return {
+        "slots": slots,
+        "parts": parts,
+        "misses_per_step": misses,
+        "run_us": run_us,
+        "copy_floor_us": floor_us,
+        "run_over_floor": run_us / floor_us,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,8 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     for col in ("slots", "parts", "misses/step", "run us", "copy floor us", "run / floor"):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(str(r["slots"]), str(r["parts"]), f"{r['misses_per_step']:.2f}", f"{r['run_us']:.0f}",
-                      f"{r['copy_floor_us']:.0f}", f"{r['run_over_floor']:.2f}")  # fmt: skip
+        table.add_row(
+            str(r["slots"]),
+            str(r["parts"]),
+            f"{r['misses_per_step']:.2f}",
+            f"{r['run_us']:.0f}",
+            f"{r['copy_floor_us']:.0f}",
+            f"{r['run_over_floor']:.2f}",
+        )
     Console().print(table)
     args.json.write_text(
         json.dumps({"experts": EXPERTS, "top_k": TOP_K, "steps": args.steps, "rows": rows}, indent=2)

@@ -70,8 +70,13 @@ def ceilings() -> dict[str, float]:
     d2h = src.numel() * 2 / cuda_time(lambda: pinned.copy_(src, non_blocking=True), repeat=5)
     pageable = pinned.clone()  # plain (pageable) host memory
     h2d_pageable = src.numel() * 2 / cuda_time(lambda: src.copy_(pageable), warmup=1, repeat=3)
-    return {"matmul_bf16_flops": matmul, "d2d_bytes_per_s": d2d, "h2d_pinned_bytes_per_s": h2d,
-            "d2h_pinned_bytes_per_s": d2h, "h2d_pageable_bytes_per_s": h2d_pageable}
+    return {
+        "matmul_bf16_flops": matmul,
+        "d2d_bytes_per_s": d2d,
+        "h2d_pinned_bytes_per_s": h2d,
+        "d2h_pinned_bytes_per_s": d2h,
+        "h2d_pageable_bytes_per_s": h2d_pageable,
+    }
 
 
 # -- what the model must do per token
@@ -100,7 +105,14 @@ def prefill_flops(c: ModelConfig, start: int, tokens: int) -> float:
 
 def decode_bytes(c: ModelConfig, context: int, weight_bytes: int = 2) -> float:
     kv = len(c.attention_layers) * 2 * context * c.num_key_value_heads * c.head_dim * weight_bytes
-    state = len(c.deltanet_layers) * 2 * 4 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+    state = (
+        len(c.deltanet_layers)
+        * 2
+        * 4
+        * c.linear_num_value_heads
+        * c.linear_key_head_dim
+        * c.linear_value_head_dim
+    )
     return matmul_params(c) * weight_bytes + kv + state
 
 
@@ -116,11 +128,23 @@ def bench_prefill(eng: Engine, contexts: list[int], ceil: dict) -> list[dict]:
     rows = []
     for ctx in contexts:
         ids = ids_for(ctx, ctx)
-        seconds = min(wall(lambda ids=ids: eng.prefill(eng.new_state(), ids)) for _ in range(2 if ctx <= 8192 else 1))
+        seconds = min(
+            wall(lambda ids=ids: eng.prefill(eng.new_state(), ids)) for _ in range(2 if ctx <= 8192 else 1)
+        )
         flops = prefill_flops(eng.config, 0, ctx)
-        rows.append({"context": ctx, "seconds": seconds, "tok_s": ctx / seconds, "tflops": flops / seconds / 1e12,
-                     "ratio_matmul": flops / seconds / ceil["matmul_bf16_flops"]})
-        print(f"prefill {ctx}: {seconds * 1e3:.1f} ms, {ctx / seconds:.0f} tok/s, {rows[-1]['ratio_matmul']:.1%} of matmul", flush=True)
+        rows.append(
+            {
+                "context": ctx,
+                "seconds": seconds,
+                "tok_s": ctx / seconds,
+                "tflops": flops / seconds / 1e12,
+                "ratio_matmul": flops / seconds / ceil["matmul_bf16_flops"],
+            }
+        )
+        print(
+            f"prefill {ctx}: {seconds * 1e3:.1f} ms, {ctx / seconds:.0f} tok/s, {rows[-1]['ratio_matmul']:.1%} of matmul",
+            flush=True,
+        )
     return rows
 
 
@@ -131,12 +155,24 @@ def bench_capture(eng: Engine, ctx: int, captures: int) -> dict:
     eng.prefill(eng.new_state(), ids, capture_at=positions)  # pinned host blocks get cached
     plain = min(wall(lambda: eng.prefill(eng.new_state(), ids)) for _ in range(2))
     result = {}
-    captured = min(wall(lambda: result.update(r=eng.prefill(eng.new_state(), ids, capture_at=positions))) for _ in range(2))
+    captured = min(
+        wall(lambda: result.update(r=eng.prefill(eng.new_state(), ids, capture_at=positions)))
+        for _ in range(2)
+    )
     nbytes = sum(s.nbytes for s in result["r"].snapshots)
-    row = {"context": ctx, "captures": captures, "plain_s": plain, "captured_s": captured,
-           "overhead": captured / plain - 1, "snapshot_bytes": nbytes}
-    print(f"capture: {captures} at {ctx}: {plain * 1e3:.1f} -> {captured * 1e3:.1f} ms ({row['overhead']:+.1%}), "
-          f"{nbytes / GIB:.2f} GiB to host", flush=True)
+    row = {
+        "context": ctx,
+        "captures": captures,
+        "plain_s": plain,
+        "captured_s": captured,
+        "overhead": captured / plain - 1,
+        "snapshot_bytes": nbytes,
+    }
+    print(
+        f"capture: {captures} at {ctx}: {plain * 1e3:.1f} -> {captured * 1e3:.1f} ms ({row['overhead']:+.1%}), "
+        f"{nbytes / GIB:.2f} GiB to host",
+        flush=True,
+    )
     return row
 
 
@@ -148,7 +184,9 @@ def bench_restore(eng: Engine, ctx: int, ceil: dict, suffix: int = 512) -> dict:
         eng.restore(snap).wait_all()
 
     seconds = statistics.median(wall(restore_only) for _ in range(5))
-    pageable = type(snap)(snap.start, snap.end, {n: t.clone() for n, t in snap.tensors.items()})  # plain host memory
+    pageable = type(snap)(
+        snap.start, snap.end, {n: t.clone() for n, t in snap.tensors.items()}
+    )  # plain host memory
     seconds_pageable = statistics.median(wall(lambda: eng.restore(pageable).wait_all()) for _ in range(3))
     states = [eng.restore(snap) for _ in range(3)]
     for s in states:
@@ -156,13 +194,24 @@ def bench_restore(eng: Engine, ctx: int, ceil: dict, suffix: int = 512) -> dict:
     torch.cuda.synchronize()
     suffix_only = statistics.median(wall(lambda s=s: eng.prefill(s, ids[ctx:])) for s in states)
     together = statistics.median(wall(lambda: eng.prefill(eng.restore(snap), ids[ctx:])) for _ in range(3))
-    row = {"context": ctx, "bytes": snap.nbytes, "restore_s": seconds, "bytes_per_s": snap.nbytes / seconds,
-           "ratio_h2d": snap.nbytes / seconds / ceil["h2d_pinned_bytes_per_s"],
-           "restore_pageable_s": seconds_pageable, "suffix": suffix, "suffix_prefill_s": suffix_only,
-           "restore_plus_suffix_s": together, "hidden_s": seconds + suffix_only - together}
-    print(f"restore {ctx}: {snap.nbytes / GIB:.2f} GiB in {seconds * 1e3:.1f} ms ({row['ratio_h2d']:.0%} of pinned H2D); "
-          f"pageable {seconds_pageable * 1e3:.1f} ms; +{suffix} suffix: {suffix_only * 1e3:.1f} ms alone, "
-          f"{together * 1e3:.1f} ms restore+suffix", flush=True)
+    row = {
+        "context": ctx,
+        "bytes": snap.nbytes,
+        "restore_s": seconds,
+        "bytes_per_s": snap.nbytes / seconds,
+        "ratio_h2d": snap.nbytes / seconds / ceil["h2d_pinned_bytes_per_s"],
+        "restore_pageable_s": seconds_pageable,
+        "suffix": suffix,
+        "suffix_prefill_s": suffix_only,
+        "restore_plus_suffix_s": together,
+        "hidden_s": seconds + suffix_only - together,
+    }
+    print(
+        f"restore {ctx}: {snap.nbytes / GIB:.2f} GiB in {seconds * 1e3:.1f} ms ({row['ratio_h2d']:.0%} of pinned H2D); "
+        f"pageable {seconds_pageable * 1e3:.1f} ms; +{suffix} suffix: {suffix_only * 1e3:.1f} ms alone, "
+        f"{together * 1e3:.1f} ms restore+suffix",
+        flush=True,
+    )
     return row
 
 
@@ -177,9 +226,18 @@ def bench_decode(eng: Engine, ctx: int, steps: int, ceil: dict) -> dict:
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - start) / (steps - 1)  # the last forced token is not fed
     nbytes = decode_bytes(eng.config, ctx + steps // 2)
-    row = {"context": ctx, "steps": steps, "ms_per_token": seconds * 1e3, "tok_s": 1 / seconds,
-           "bytes_per_token": nbytes, "ratio_copy": nbytes / seconds / ceil["d2d_bytes_per_s"]}
-    print(f"decode at {ctx}: {1 / seconds:.1f} tok/s ({seconds * 1e3:.2f} ms), {row['ratio_copy']:.0%} of copy bandwidth", flush=True)
+    row = {
+        "context": ctx,
+        "steps": steps,
+        "ms_per_token": seconds * 1e3,
+        "tok_s": 1 / seconds,
+        "bytes_per_token": nbytes,
+        "ratio_copy": nbytes / seconds / ceil["d2d_bytes_per_s"],
+    }
+    print(
+        f"decode at {ctx}: {1 / seconds:.1f} tok/s ({seconds * 1e3:.2f} ms), {row['ratio_copy']:.0%} of copy bandwidth",
+        flush=True,
+    )
     return row
 
 
@@ -202,9 +260,19 @@ def bench_batched_decode(eng: Engine, ctx: int, batches: list[int], steps: int) 
         run(steps)
         torch.cuda.synchronize()
         seconds = (time.perf_counter() - start) / steps
-        rows.append({"batch": batch, "context": ctx, "ms_per_step": seconds * 1e3, "tok_s_per_sequence": 1 / seconds,
-                     "tok_s_aggregate": batch / seconds})
-        print(f"batched decode B={batch} at {ctx}: {seconds * 1e3:.2f} ms/step, {batch / seconds:.1f} tok/s in all", flush=True)
+        rows.append(
+            {
+                "batch": batch,
+                "context": ctx,
+                "ms_per_step": seconds * 1e3,
+                "tok_s_per_sequence": 1 / seconds,
+                "tok_s_aggregate": batch / seconds,
+            }
+        )
+        print(
+            f"batched decode B={batch} at {ctx}: {seconds * 1e3:.2f} ms/step, {batch / seconds:.1f} tok/s in all",
+            flush=True,
+        )
         del states
     for row in rows:
         row["aggregate_vs_batch1"] = row["tok_s_aggregate"] / rows[0]["tok_s_aggregate"]
@@ -220,14 +288,29 @@ def exactness(eng: Engine, ctx: int) -> dict:
     rest = eng.prefill(eng.restore(snap), ids[split:]).logits
     err = ((rest.double() - full.double()).norm() / full.double().norm()).item()
     top2 = full.topk(2).values
-    row = {"context": ctx, "split": split, "rel_err": err, "max_abs": (rest - full).abs().max().item(),
-           "top2_margin": (top2[0] - top2[1]).item(), "same_greedy": int(rest.argmax()) == int(full.argmax())}
-    print(f"exactness at {ctx} split {split}: rel {err:.2e}, max abs {row['max_abs']:.3f}, margin {row['top2_margin']:.3f}, "
-          f"same greedy {row['same_greedy']}", flush=True)
+    row = {
+        "context": ctx,
+        "split": split,
+        "rel_err": err,
+        "max_abs": (rest - full).abs().max().item(),
+        "top2_margin": (top2[0] - top2[1]).item(),
+        "same_greedy": int(rest.argmax()) == int(full.argmax()),
+    }
+    print(
+        f"exactness at {ctx} split {split}: rel {err:.2e}, max abs {row['max_abs']:.3f}, margin {row['top2_margin']:.3f}, "
+        f"same greedy {row['same_greedy']}",
+        flush=True,
+    )
     return row
 
 
-MOVES = ("aten::copy_", "aten::cat", "aten::index_select", "aten::index_copy_", "aten::gather")  # data movement
+MOVES = (
+    "aten::copy_",
+    "aten::cat",
+    "aten::index_select",
+    "aten::index_copy_",
+    "aten::gather",
+)  # data movement
 
 
 def profile_prefill(eng: Engine, ctx: int, top: int = 18, host_top: int = 0) -> list[dict]:
@@ -238,24 +321,39 @@ def profile_prefill(eng: Engine, ctx: int, top: int = 18, host_top: int = 0) -> 
 
     ids = ids_for(ctx, 7)
     activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host_top else [])
-    stacks = torch._C._profiler._ExperimentalConfig(verbose=True) if host_top else None  # (without: no frames)
+    stacks = (
+        torch._C._profiler._ExperimentalConfig(verbose=True) if host_top else None
+    )  # (without: no frames)
     with profile(activities=activities, with_stack=bool(host_top), experimental_config=stacks) as prof:
         eng.prefill(eng.new_state(), ids)
         torch.cuda.synchronize()
     events = prof.key_averages()
     total = sum(e.self_device_time_total for e in events)
-    rows = [{"kernel": e.key[:90], "ms": e.self_device_time_total / 1e3, "share": e.self_device_time_total / total,
-             "calls": e.count} for e in sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]]
+    rows = [
+        {
+            "kernel": e.key[:90],
+            "ms": e.self_device_time_total / 1e3,
+            "share": e.self_device_time_total / total,
+            "calls": e.count,
+        }
+        for e in sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:top]
+    ]
     print(f"profile of one {ctx} prefill (self CUDA time, total {total / 1e3:.1f} ms):")
     for r in rows:
         print(f"  {r['ms']:8.2f} ms {r['share']:6.1%} x{r['calls']:<5} {r['kernel']}")
     if host_top:
         host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:host_top]
-        print(f"host operators (self CPU time, total {sum(e.self_cpu_time_total for e in events) / 1e3:.1f} ms):")
+        print(
+            f"host operators (self CPU time, total {sum(e.self_cpu_time_total for e in events) / 1e3:.1f} ms):"
+        )
         for e in host:
-            rows.append({"kernel": e.key[:90], "ms": e.self_cpu_time_total / 1e3, "calls": e.count, "host": True})
+            rows.append(
+                {"kernel": e.key[:90], "ms": e.self_cpu_time_total / 1e3, "calls": e.count, "host": True}
+            )
             print(f"  {e.self_cpu_time_total / 1e3:8.2f} ms x{e.count:<5} {e.key[:90]}")
-        moves: dict[tuple[str, str], list] = {}  # (op, the engine's frames) -> [device us, calls], layers summed
+        moves: dict[
+            tuple[str, str], list
+        ] = {}  # (op, the engine's frames) -> [device us, calls], layers summed
         for e in prof.key_averages(group_by_stack_n=8):
             if e.key in MOVES:
                 where = " < ".join([f for f in e.stack if "engine/" in f or "fla/" in f][:3])
@@ -263,7 +361,9 @@ def profile_prefill(eng: Engine, ctx: int, top: int = 18, host_top: int = 0) -> 
                 total[0] += e.device_time_total
                 total[1] += e.count
         print("copies and concatenations by where the engine made them (device time):")
-        for (op, where), (us, calls) in sorted(moves.items(), key=lambda kv: kv[1][0], reverse=True)[:host_top]:
+        for (op, where), (us, calls) in sorted(moves.items(), key=lambda kv: kv[1][0], reverse=True)[
+            :host_top
+        ]:
             rows.append({"kernel": op, "ms": us / 1e3, "calls": calls, "moves": where})
             print(f"  {us / 1e3:8.2f} ms x{calls:<5} {op} {where}")
         rows += profile_host(lambda: eng.prefill(eng.new_state(), ids), host_top)
@@ -280,7 +380,9 @@ def profile_host(run, top: int) -> list[dict]:
     with cProfile.Profile() as prof:
         run()
         torch.cuda.synchronize()
-    stats = pstats.Stats(prof).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
+    stats = pstats.Stats(
+        prof
+    ).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
     ranked = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
     total = sum(v[2] for v in stats.values())
     print(f"host Python by own time (cProfile, total {total * 1e3:.1f} ms):")
@@ -308,10 +410,18 @@ def profile_decode(eng: Engine, ctx: int, top: int = 12) -> dict:
     events = sorted(prof.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)
     total = sum(e.self_device_time_total for e in events)
     launches = sum(e.count for e in events) / 4  # what a graph replay still runs one after another
-    rows = [{"kernel": e.key[:90], "ms_per_token": e.self_device_time_total / 4e3, "share": e.self_device_time_total / total}
-            for e in events[:top]]
-    print(f"profile of eager decode steps at {ctx} (self CUDA time per token, total {total / 4e3:.2f} ms, "
-          f"{launches:,.0f} kernels per token):")  # fmt: skip
+    rows = [
+        {
+            "kernel": e.key[:90],
+            "ms_per_token": e.self_device_time_total / 4e3,
+            "share": e.self_device_time_total / total,
+        }
+        for e in events[:top]
+    ]
+    print(
+        f"profile of eager decode steps at {ctx} (self CUDA time per token, total {total / 4e3:.2f} ms, "
+        f"{launches:,.0f} kernels per token):"
+    )
     for r in rows:
         print(f"  {r['ms_per_token']:7.3f} ms {r['share']:6.1%} {r['kernel']}")
     return {"kernels_per_token": launches, "ms_per_token": total / 4e3, "top": rows}
@@ -325,7 +435,9 @@ def fast_kernel_verdicts() -> dict[str, bool | None]:
     from engine.ops.gpu import KERNELS, conv, gates, moe, norm  # noqa: PLC0415
     from engine.ops.gpu.checked import Checked  # noqa: PLC0415
 
-    bundled = [getattr(KERNELS, f.name) for f in dataclasses.fields(KERNELS)]  # made per bundle, as the slotted step
+    bundled = [
+        getattr(KERNELS, f.name) for f in dataclasses.fields(KERNELS)
+    ]  # made per bundle, as the slotted step
     checked = [v for m in (conv, gates, moe, norm) for v in vars(m).values()] + bundled
     return {c.name: c.verdict for c in checked if isinstance(c, Checked)}
 
@@ -336,51 +448,75 @@ def markdown(result: dict) -> str:
         f"Command: `{result['command']}`  ",
         f"Date: {result['date']}; device: {result['device']}; torch {result['torch']}; preset {result['preset']} (bf16, materialised on the GPU)",
         "",
-        "| ceiling | measured |", "| --- | --- |",
+        "| ceiling | measured |",
+        "| --- | --- |",
         f"| bf16 matmul 8192³ | {c['matmul_bf16_flops'] / 1e12:.0f} TFLOP/s |",
         f"| device-to-device copy (read + write) | {c['d2d_bytes_per_s'] / 1e12:.2f} TB/s |",
         f"| pinned host-to-device | {c['h2d_pinned_bytes_per_s'] / 1e9:.1f} GB/s |",
         f"| pinned device-to-host | {c['d2h_pinned_bytes_per_s'] / 1e9:.1f} GB/s |",
         f"| pageable host-to-device | {c['h2d_pageable_bytes_per_s'] / 1e9:.1f} GB/s |",
-        "", "| measure | result | vs ceiling | target |", "| --- | --- | --- | --- |",
+        "",
+        "| measure | result | vs ceiling | target |",
+        "| --- | --- | --- | --- |",
     ]
     for r in result["prefill"]:
         target = " ≥ 25%" if r["context"] == 8192 else ""
-        lines.append(f"| prefill {r['context']} | {r['tok_s']:.0f} tok/s ({r['seconds'] * 1e3:.0f} ms, {r['tflops']:.0f} TFLOP/s) "
-                     f"| {r['ratio_matmul']:.1%} of matmul |{target} |")
+        lines.append(
+            f"| prefill {r['context']} | {r['tok_s']:.0f} tok/s ({r['seconds'] * 1e3:.0f} ms, {r['tflops']:.0f} TFLOP/s) "
+            f"| {r['ratio_matmul']:.1%} of matmul |{target} |"
+        )
     for r in result.get("prefill_by_chunk", []):
-        lines.append(f"| prefill 8192, prefill chunk {r['chunk']} (default {result['prefill_chunk']}) | {r['tok_s']:.0f} tok/s "
-                     f"({r['seconds'] * 1e3:.0f} ms, {r['tflops']:.0f} TFLOP/s) | {r['ratio_matmul']:.1%} of matmul | ≥ 25% |")
+        lines.append(
+            f"| prefill 8192, prefill chunk {r['chunk']} (default {result['prefill_chunk']}) | {r['tok_s']:.0f} tok/s "
+            f"({r['seconds'] * 1e3:.0f} ms, {r['tflops']:.0f} TFLOP/s) | {r['ratio_matmul']:.1%} of matmul | ≥ 25% |"
+        )
     for r in result["decode"]:
-        lines.append(f"| decode batch 1 at {r['context']} | {r['tok_s']:.0f} tok/s ({r['ms_per_token']:.2f} ms/token, "
-                     f"{r['bytes_per_token'] / 1e9:.2f} GB/token) | {r['ratio_copy']:.1%} of copy | ≥ 40% |")
+        lines.append(
+            f"| decode batch 1 at {r['context']} | {r['tok_s']:.0f} tok/s ({r['ms_per_token']:.2f} ms/token, "
+            f"{r['bytes_per_token'] / 1e9:.2f} GB/token) | {r['ratio_copy']:.1%} of copy | ≥ 40% |"
+        )
     cap = result["capture"]
-    lines.append(f"| capture overhead, {cap['captures']} states at {cap['context']} | {cap['overhead']:+.1%} "
-                 f"({cap['plain_s'] * 1e3:.0f} → {cap['captured_s'] * 1e3:.0f} ms, {cap['snapshot_bytes'] / GIB:.2f} GiB to pinned host) | | |")
+    lines.append(
+        f"| capture overhead, {cap['captures']} states at {cap['context']} | {cap['overhead']:+.1%} "
+        f"({cap['plain_s'] * 1e3:.0f} → {cap['captured_s'] * 1e3:.0f} ms, {cap['snapshot_bytes'] / GIB:.2f} GiB to pinned host) | | |"
+    )
     for r in result["restore"]:
-        lines.append(f"| restore {r['context']} from pinned host | {r['restore_s'] * 1e3:.1f} ms ({r['bytes'] / GIB:.2f} GiB, "
-                     f"{r['bytes_per_s'] / 1e9:.1f} GB/s) | {r['ratio_h2d']:.0%} of pinned H2D | ≥ 70% |")
-        lines.append(f"| restore {r['context']} + {r['suffix']}-token suffix | {r['restore_plus_suffix_s'] * 1e3:.1f} ms "
-                     f"(suffix alone {r['suffix_prefill_s'] * 1e3:.1f} ms; pageable restore {r['restore_pageable_s'] * 1e3:.1f} ms) | | |")
+        lines.append(
+            f"| restore {r['context']} from pinned host | {r['restore_s'] * 1e3:.1f} ms ({r['bytes'] / GIB:.2f} GiB, "
+            f"{r['bytes_per_s'] / 1e9:.1f} GB/s) | {r['ratio_h2d']:.0%} of pinned H2D | ≥ 70% |"
+        )
+        lines.append(
+            f"| restore {r['context']} + {r['suffix']}-token suffix | {r['restore_plus_suffix_s'] * 1e3:.1f} ms "
+            f"(suffix alone {r['suffix_prefill_s'] * 1e3:.1f} ms; pageable restore {r['restore_pageable_s'] * 1e3:.1f} ms) | | |"
+        )
     e = result["exactness"]
-    lines.append(f"| exactness, restore at {e['split']} + suffix vs full {e['context']} | rel {e['rel_err']:.1e}, "
-                 f"max abs {e['max_abs']:.3f}, top-2 margin {e['top2_margin']:.3f}, same greedy: {e['same_greedy']} | | |")
+    lines.append(
+        f"| exactness, restore at {e['split']} + suffix vs full {e['context']} | rel {e['rel_err']:.1e}, "
+        f"max abs {e['max_abs']:.3f}, top-2 margin {e['top2_margin']:.3f}, same greedy: {e['same_greedy']} | | |"
+    )
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--preset", default="qwen3.6-35b-a3b")
     parser.add_argument("--contexts", default="2048,8192,32768")
     parser.add_argument("--restore", default="8192,32768")
     parser.add_argument("--decode", default="8192,32768")
     parser.add_argument("--decode-steps", type=int, default=128)
     parser.add_argument("--captures", type=int, default=8)
-    parser.add_argument("--chunks", default="8192,16384", help="extra 8K prefills at these prefill chunk sizes")
+    parser.add_argument(
+        "--chunks", default="8192,16384", help="extra 8K prefills at these prefill chunk sizes"
+    )
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--batches", default="1,4,8,16", help="batched decode: sequences decoded together")
-    parser.add_argument("--only", default="", help="comma list of parts to run (prefill,capture,restore,decode,batched,"
-                                                   "exactness); default all")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma list of parts to run (prefill,capture,restore,decode,batched,exactness); default all",
+    )
     parser.add_argument("--json", type=Path, default=Path("bench/gpu.json"))
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args()
@@ -391,20 +527,33 @@ def main() -> None:
     print({k: f"{v:.3e}" for k, v in ceil.items()}, flush=True)
     start = time.perf_counter()
     eng = Engine.from_preset(args.preset, device="cuda")
-    print(f"materialised {args.preset} in {time.perf_counter() - start:.1f} s; kernels {eng.kernels.name}; "
-          f"{torch.cuda.memory_allocated() / GIB:.1f} GiB on the GPU", flush=True)
+    print(
+        f"materialised {args.preset} in {time.perf_counter() - start:.1f} s; kernels {eng.kernels.name}; "
+        f"{torch.cuda.memory_allocated() / GIB:.1f} GiB on the GPU",
+        flush=True,
+    )
     eng.prefill(eng.new_state(), ids_for(2048, 0))  # compile / autotune
     result = {
-        "command": " ".join(["python", *sys.argv]), "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "preset": args.preset, "ceilings": ceil,
+        "command": " ".join(["python", *sys.argv]),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "preset": args.preset,
+        "ceilings": ceil,
         "matmul_params_per_token": matmul_params(eng.config),
     }
-    parts = set(args.only.split(",")) if args.only else {"prefill", "capture", "restore", "decode", "batched", "exactness"}
+    parts = (
+        set(args.only.split(","))
+        if args.only
+        else {"prefill", "capture", "restore", "decode", "batched", "exactness"}
+    )
     if "prefill" in parts:
         result["prefill"] = bench_prefill(eng, ints(args.contexts), ceil)
         default_chunk = engine_module.PREFILL_CHUNK
         result["prefill_by_chunk"] = []
-        for chunk in ints(args.chunks):  # the engine's prefill chunk (FT_PREFILL_CHUNK): bigger GEMMs per launch
+        for chunk in ints(
+            args.chunks
+        ):  # the engine's prefill chunk (FT_PREFILL_CHUNK): bigger GEMMs per launch
             engine_module.PREFILL_CHUNK = chunk
             row = bench_prefill(eng, [8192], ceil)[0]
             result["prefill_by_chunk"].append({"chunk": chunk, **row})
@@ -432,7 +581,9 @@ def main() -> None:
     result["replay"] = "left out: adapters/replay.py (ft replay) does not exist yet"
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
-    table = markdown(result) if not args.only else json.dumps(result.get("batched_decode"), indent=1)  # the table needs every part
+    table = (
+        markdown(result) if not args.only else json.dumps(result.get("batched_decode"), indent=1)
+    )  # the table needs every part
     if args.markdown:
         args.markdown.write_text(table)
     print(table)

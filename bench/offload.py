@@ -99,7 +99,9 @@ def measure(engine, device: str, context: int, steps: int) -> dict:
     sync(device)
     prefill_s = time.perf_counter() - start
     mid = stats()
-    params = SamplingParams(temperature=0.0, max_tokens=steps + FIRST_STEPS + 1)  # no stop tokens: every step runs
+    params = SamplingParams(
+        temperature=0.0, max_tokens=steps + FIRST_STEPS + 1
+    )  # no stop tokens: every step runs
     sync(device)
     stamps = [time.perf_counter()]
     # the first token comes from the prefill's logits; the first steps after a long prefill grow the
@@ -252,7 +254,8 @@ def replay(engine, args, budget: float, link_bw: float | None) -> dict:
         )
         with serve_in_thread(config, engine) as server:
             run = msgspec.structs.replace(
-                run_policy(server.url, policy, traces, args.limit, server.wait_idle, False, lambda: None), policy=label
+                run_policy(server.url, policy, traces, args.limit, server.wait_idle, False, lambda: None),
+                policy=label,
             )
         runs.append(run)
         users = [r for r in run.rows if r.index > 0 and not r.after_tool_result]
@@ -268,10 +271,13 @@ def replay(engine, args, budget: float, link_bw: float | None) -> dict:
             "requests": [msgspec.to_builtins(r) for r in run.rows],  # each with the server's phases
         }
         if link_bw is not None and all(r.link_bytes is not None for r in run.rows):
+
             def pcie4(r) -> float:
                 return 1000 * project(r.client_ttft_ms / 1000, r.link_bytes, link_bw, args.pcie)
 
-            out[label]["worst_after_tool_ms_pcie4"] = max((pcie4(r) for r in run.rows if r.after_tool_result), default=None)
+            out[label]["worst_after_tool_ms_pcie4"] = max(
+                (pcie4(r) for r in run.rows if r.after_tool_result), default=None
+            )
             out[label]["user_turn_ttft_ms_pcie4"] = [pcie4(r) for r in users]
     if offload is not None:
         offload.routed_tokens = routed_tokens
@@ -322,8 +328,11 @@ def run_budget(args) -> dict:
         started,
         plan={k: getattr(offload.plan, k) for k in ("dense", "states", "workspace", "expert_bytes", "slots")},
         experts=engine.config.num_experts,
-        policy={"stream_tokens": offload.policy.stream_tokens, "routed_tokens": offload.routed_tokens,
-                "cpu_rows": offload.policy.cpu_rows},
+        policy={
+            "stream_tokens": offload.policy.stream_tokens,
+            "routed_tokens": offload.routed_tokens,
+            "cpu_rows": offload.policy.cpu_rows,
+        },
         link=None
         if link is None
         else {
@@ -546,17 +555,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--traces", nargs="*", default=[DEFAULT_TRACE])
     p.add_argument("--no-replay", action="store_true")
     p.add_argument(
-        "--policies", default="anchor,prefix,none",
+        "--policies",
+        default="anchor,prefix,none",
         help="capture policies to replay; POLICY:streamed replays POLICY with every streamed chunk streaming all the "
         "experts not resident (the same-run baseline of FT_ROUTED_PIECES=1, where short chunks gather only those "
         "they route to)",
-    )  # fmt: skip
+    )
     p.add_argument("--limit", type=int, default=None, help="requests per trace")
     p.add_argument(
-        "--step-log", type=float, default=None, metavar="MS",
+        "--step-log",
+        type=float,
+        default=None,
+        metavar="MS",
         help="during the replay, log each prefill forward slower than MS ms: its time fitting the budget, "
         "queueing the forward and on the device after it (a sync after each forward), link bytes, expert slots",
-    )  # fmt: skip
+    )
     p.add_argument("--llama-server", action="store_true", help="also llama-server with --n-cpu-moe")
     p.add_argument(
         "--profile",

@@ -169,9 +169,15 @@ def bench_decode(eng, context: int, batch: int, steps: int) -> dict:
     run(4)  # the batch bucket's graph is captured here
     runs = [timed(eng.device, lambda: run(steps)) / steps for _ in range(DECODE_RUNS)]
     seconds = min(runs)
-    return {"batch": batch, "context": context, "steps": steps, "ms_per_step": seconds * 1e3,
-            "tok_s_per_sequence": 1 / seconds, "tok_s": batch / seconds,
-            "runs_tok_s": [batch / r for r in runs]}  # fmt: skip
+    return {
+        "batch": batch,
+        "context": context,
+        "steps": steps,
+        "ms_per_step": seconds * 1e3,
+        "tok_s_per_sequence": 1 / seconds,
+        "tok_s": batch / seconds,
+        "runs_tok_s": [batch / r for r in runs],
+    }
 
 
 def bench_format(fmt: str, args, keep: dict) -> dict:
@@ -180,8 +186,15 @@ def bench_format(fmt: str, args, keep: dict) -> dict:
     eng, file_bytes = load_format(fmt, args)
     load_s = time.perf_counter() - start
     memory = eng.memory()
-    row = {"format": fmt, "dtype": str(eng.dtype), "device": str(eng.device), "file_bytes": file_bytes,
-           "weights_bytes": memory["weights"], "weights_vs_file": memory["weights"] / file_bytes, "load_s": load_s}  # fmt: skip
+    row = {
+        "format": fmt,
+        "dtype": str(eng.dtype),
+        "device": str(eng.device),
+        "file_bytes": file_bytes,
+        "weights_bytes": memory["weights"],
+        "weights_vs_file": memory["weights"] / file_bytes,
+        "load_s": load_s,
+    }
     print(
         f"{fmt}: loaded in {load_s:.1f} s, {memory['weights'] / GB:.2f} GB resident, file {file_bytes / GB:.2f} GB",
         flush=True,
@@ -192,19 +205,28 @@ def bench_format(fmt: str, args, keep: dict) -> dict:
         if fmt == "bf16":  # the last logits of the FP8 runs' prompt, to set theirs against
             keep["bf16_logits"] = logits
         else:
-            row["prefill_bf16_activations"] = fp8_prefill_variants(eng, args.prefill, logits, keep.get("bf16_logits"))
+            row["prefill_bf16_activations"] = fp8_prefill_variants(
+                eng, args.prefill, logits, keep.get("bf16_logits")
+            )
         if args.profile:  # the kernels of the prefill, by device time
             from gpu import profile_prefill  # noqa: PLC0415
 
             row["profile_prefill"] = profile_prefill(eng, args.prefill, host_top=15)
     row["decode"] = [bench_decode(eng, args.context, b, args.steps) for b in args.batches]
     for d in row["decode"]:
-        print(f"{fmt}: decode B={d['batch']} at {d['context']}: {d['tok_s']:.1f} tok/s (runs {spread(d)})", flush=True)
-    if args.tune_gemv and eng.device.type == "cuda":  # the same decode with every GEMV's split timed per shape
+        print(
+            f"{fmt}: decode B={d['batch']} at {d['context']}: {d['tok_s']:.1f} tok/s (runs {spread(d)})",
+            flush=True,
+        )
+    if (
+        args.tune_gemv and eng.device.type == "cuda"
+    ):  # the same decode with every GEMV's split timed per shape
         row["decode_tuned_gemv"] = decode_tuned(eng, args)
     if args.gemv_variants and eng.device.type == "cuda":  # the same decode under other GEMV launch settings
         row["decode_gemv_variants"] = decode_variants(eng, args)
-    if eng.device.type == "cuda" and args.batches:  # where a generated token's wall time goes (host, launch, device)
+    if (
+        eng.device.type == "cuda" and args.batches
+    ):  # where a generated token's wall time goes (host, launch, device)
         from timeline import decode_timeline, show  # noqa: PLC0415
 
         row["timeline"] = decode_timeline(eng, ids_for(args.context, 3))
@@ -236,8 +258,12 @@ def fp8_prefill_variants(eng, tokens: int, logits: torch.Tensor, bf16_logits: to
         fp8_prefill.CUBLAS = was  # FT_FP8_CUBLAS=1 keeps it for the profile
     # whether torch's _scaled_mm took the block scales (else the Triton kernel ran: the same figure twice)
     cublas["taken"] = any(fp8_prefill._CUBLAS.values())
-    taken = "cuBLAS took the block scales" if cublas["taken"] else "torch refused the block scales: Triton ran"
-    print(f"fp8: prefill {tokens} with the dense projections in cuBLAS: {cublas['tok_s']:.0f} tok/s ({taken})")
+    taken = (
+        "cuBLAS took the block scales" if cublas["taken"] else "torch refused the block scales: Triton ran"
+    )
+    print(
+        f"fp8: prefill {tokens} with the dense projections in cuBLAS: {cublas['tok_s']:.0f} tok/s ({taken})"
+    )
     fp8_prefill.ACT = False
     try:
         out, logits["bf16 x"] = bench_prefill(eng, tokens)
@@ -245,15 +271,24 @@ def fp8_prefill_variants(eng, tokens: int, logits: torch.Tensor, bf16_logits: to
         fp8_prefill.ACT = True
     print(f"fp8: prefill {tokens} with bf16 activations: {out['tok_s']:.0f} tok/s", flush=True)
     out["fp8_x_dense_in_cublas"] = cublas
-    pairs = [("fp8 x", "bf16 x")] + [(a, "bf16 model") for a in ("fp8 x", "bf16 x") if bf16_logits is not None]
+    pairs = [("fp8 x", "bf16 x")] + [
+        (a, "bf16 model") for a in ("fp8 x", "bf16 x") if bf16_logits is not None
+    ]
     out["logits"] = []
     for a, b in pairs:
         la, lb = logits[a], logits[b]
-        apart = {"a": a, "b": b, "max_diff_rel": ((la - lb).abs().max() / lb.abs().max()).item(),
-                 "same_top_token": bool(la.argmax() == lb.argmax())}  # fmt: skip
+        apart = {
+            "a": a,
+            "b": b,
+            "max_diff_rel": ((la - lb).abs().max() / lb.abs().max()).item(),
+            "same_top_token": bool(la.argmax() == lb.argmax()),
+        }
         out["logits"].append(apart)
-        print(f"  last logits, {a} vs {b}: {apart['max_diff_rel']:.2e} apart (relative), same top token: "
-              f"{apart['same_top_token']}", flush=True)  # fmt: skip
+        print(
+            f"  last logits, {a} vs {b}: {apart['max_diff_rel']:.2e} apart (relative), same top token: "
+            f"{apart['same_top_token']}",
+            flush=True,
+        )
     return out
 
 
@@ -278,17 +313,23 @@ def decode_tuned(eng, args) -> list[dict]:
     finally:
         quant.TUNE = False
         chosen = {str(key[1:]): split for key, split in quant._SPLITS.items()}
-        timed = [{"shape": str(key[1:]), "split": quant._SPLITS[key], "us": us, "bytes": read}
-                 for key, (us, read) in quant.GEMV_TIMES.items()]  # fmt: skip
+        timed = [
+            {"shape": str(key[1:]), "split": quant._SPLITS[key], "us": us, "bytes": read}
+            for key, (us, read) in quant.GEMV_TIMES.items()
+        ]
         quant._SPLITS.clear()
         quant._SPLITS.update(before)
         quant.GEMV_TIMES.clear()
         eng.runner.drop_graphs()
     for d in rows:
         print(f"decode B={d['batch']} with timed GEMV splits: {d['tok_s']:.1f} tok/s", flush=True)
-    print("GEMV shapes (fmt, rows, n, k, top_k, glu, grouped), slowest first: split, us a launch, MB read, GB/s")
+    print(
+        "GEMV shapes (fmt, rows, n, k, top_k, glu, grouped), slowest first: split, us a launch, MB read, GB/s"
+    )
     for t in sorted(timed, key=lambda t: -t["us"]):
-        print(f"  {t['shape']:<42} {t['split']:>3} {t['us']:8.1f} {t['bytes'] / 1e6:8.2f} {t['bytes'] / t['us'] / 1e3:8.0f}")
+        print(
+            f"  {t['shape']:<42} {t['split']:>3} {t['us']:8.1f} {t['bytes'] / 1e6:8.2f} {t['bytes'] / t['us'] / 1e3:8.0f}"
+        )
     return [{**d, "splits": chosen, "gemv_times": timed} for d in rows]
 
 
@@ -307,8 +348,11 @@ def decode_variants(eng, args) -> list[dict]:
             quant.GEMV_BLOCK_N = bn
             rows = decode_afresh(eng, args)
             for d in rows:
-                print(f"decode B={d['batch']} GEMV warps {warps} stages {stages} unroll {unroll} rows {bn}: "
-                      f"{d['tok_s']:.1f} tok/s", flush=True)  # fmt: skip
+                print(
+                    f"decode B={d['batch']} GEMV warps {warps} stages {stages} unroll {unroll} rows {bn}: "
+                    f"{d['tok_s']:.1f} tok/s",
+                    flush=True,
+                )
             out += [{**d, "warps": warps, "stages": stages, "unroll": unroll, "block_n": bn} for d in rows]
     finally:
         quant.GEMV_WARPS, quant.GEMV_STAGES, quant.GEMV_UNROLL, quant.GEMV_BLOCK_N = before
@@ -347,15 +391,29 @@ def llama_server(args, path: Path, ctx: int, parallel: int = 1):
     extra = list(args.llama_arg)
     if not cuda:  # its CPU repacking of quantized weights crashed llama-server 11434 at start here
         extra.append("--no-repack")
-    return LlamaServer(path, ctx_size=ctx, threads=args.threads, parallel=parallel, gpu_layers=999 if cuda else None,
-                       binary=build(cuda=cuda), extra=extra, log_path=PEER_HOME / "llama-server-quant.log")  # fmt: skip
+    return LlamaServer(
+        path,
+        ctx_size=ctx,
+        threads=args.threads,
+        parallel=parallel,
+        gpu_layers=999 if cuda else None,
+        binary=build(cuda=cuda),
+        extra=extra,
+        log_path=PEER_HOME / "llama-server-quant.log",
+    )
 
 
 def completion_timings(url: str, ids: list[int], n_predict: int) -> dict:
     import httpx  # noqa: PLC0415
 
-    body = {"prompt": ids, "n_predict": n_predict, "temperature": 0, "top_k": 1, "cache_prompt": False,
-            "ignore_eos": True}  # fmt: skip
+    body = {
+        "prompt": ids,
+        "n_predict": n_predict,
+        "temperature": 0,
+        "top_k": 1,
+        "cache_prompt": False,
+        "ignore_eos": True,
+    }
     r = httpx.post(url + "/completion", json=body, timeout=3600)
     r.raise_for_status()
     return r.json()["timings"]
@@ -374,16 +432,34 @@ def bench_llama(args) -> dict:
         load_s = time.perf_counter() - start
         completion_timings(server.url, ids_for(256, 1), 8)
         prefill = [completion_timings(server.url, ids_for(args.prefill, args.prefill), 1) for _ in range(2)]
-        decode = [completion_timings(server.url, ids_for(args.context, 3), args.steps) for _ in range(DECODE_RUNS)]
+        decode = [
+            completion_timings(server.url, ids_for(args.context, 3), args.steps) for _ in range(DECODE_RUNS)
+        ]
     best_prefill = max(prefill, key=lambda t: t["prompt_per_second"])
     best_decode = max(decode, key=lambda t: t["predicted_per_second"])
-    row = {"file_bytes": folder_bytes(path), "load_s": load_s, "llama_args": args.llama_arg,
-           "prefill": {"tokens": args.prefill, "tok_s": best_prefill["prompt_per_second"], "timings": best_prefill},
-           "decode": {"batch": 1, "context": args.context, "steps": args.steps,
-                      "tok_s": best_decode["predicted_per_second"], "timings": best_decode,
-                      "runs_tok_s": [t["predicted_per_second"] for t in decode]}}  # fmt: skip
-    print(f"llama.cpp: prefill {args.prefill}: {row['prefill']['tok_s']:.0f} tok/s; decode B=1 at {args.context}: "
-          f"{row['decode']['tok_s']:.1f} tok/s (runs {spread(row['decode'])})", flush=True)  # fmt: skip
+    row = {
+        "file_bytes": folder_bytes(path),
+        "load_s": load_s,
+        "llama_args": args.llama_arg,
+        "prefill": {
+            "tokens": args.prefill,
+            "tok_s": best_prefill["prompt_per_second"],
+            "timings": best_prefill,
+        },
+        "decode": {
+            "batch": 1,
+            "context": args.context,
+            "steps": args.steps,
+            "tok_s": best_decode["predicted_per_second"],
+            "timings": best_decode,
+            "runs_tok_s": [t["predicted_per_second"] for t in decode],
+        },
+    }
+    print(
+        f"llama.cpp: prefill {args.prefill}: {row['prefill']['tok_s']:.0f} tok/s; decode B=1 at {args.context}: "
+        f"{row['decode']['tok_s']:.1f} tok/s (runs {spread(row['decode'])})",
+        flush=True,
+    )
     return row
 
 
@@ -417,10 +493,16 @@ def replay_sessions(side: str, args, serve) -> dict:
             else:
                 samples = replay(server.url, trace, llama_sample)
         summary = msgspec.to_builtins(summarise(samples))
-        sessions[trace.session_id] = {"server_start_s": start_s, "summary": summary,
-                                      "samples": msgspec.to_builtins(samples)}  # fmt: skip
-        print(f"{side} {trace.session_id}: worst TTFT after a tool {summary['worst_ttft_after_tool_ms']:.0f} ms, "
-              f"total {summary['total_ttft_ms'] / 1e3:.1f} s", flush=True)  # fmt: skip
+        sessions[trace.session_id] = {
+            "server_start_s": start_s,
+            "summary": summary,
+            "samples": msgspec.to_builtins(samples),
+        }
+        print(
+            f"{side} {trace.session_id}: worst TTFT after a tool {summary['worst_ttft_after_tool_ms']:.0f} ms, "
+            f"total {summary['total_ttft_ms'] / 1e3:.1f} s",
+            flush=True,
+        )
     return {"trace": str(args.replay), "max_requests": args.max_requests, "sessions": sessions}
 
 
@@ -478,34 +560,57 @@ def targets(result: dict) -> list[dict]:
 
     pre = lambda row: row["prefill"]["tok_s"] if row else None  # noqa: E731
     return [
-        ratio("Q4_K_M decode B=1 vs llama.cpp (tok/s)", decode_tok_s(q4, 1), llama and llama["decode"]["tok_s"], 1.5),
+        ratio(
+            "Q4_K_M decode B=1 vs llama.cpp (tok/s)",
+            decode_tok_s(q4, 1),
+            llama and llama["decode"]["tok_s"],
+            1.5,
+        ),
         ratio("Q4_K_M prefill vs llama.cpp (tok/s)", pre(q4), pre(llama), 1.0),
-        ratio("Q4_K_M resident weights vs file (bytes)", q4 and q4["weights_bytes"], q4 and q4["file_bytes"], 1.05, True),
+        ratio(
+            "Q4_K_M resident weights vs file (bytes)",
+            q4 and q4["weights_bytes"],
+            q4 and q4["file_bytes"],
+            1.05,
+            True,
+        ),
         ratio("FP8 prefill vs bf16 (tok/s)", pre(fp8), pre(bf16), 1.3),
         ratio("FP8 decode B=1 vs bf16 (tok/s)", decode_tok_s(fp8, 1), decode_tok_s(bf16, 1), 1.5),
         ratio("FP8 decode B=4 vs bf16 (tok/s)", decode_tok_s(fp8, 4), decode_tok_s(bf16, 4), 1.5),
-        ratio("replay worst TTFT after a tool, ours vs llama.cpp (ms)", worst_after_tool(result.get("replay-ft")),
-              worst_after_tool(result.get("replay-llama")), 1.0, True),
-    ]  # fmt: skip
+        ratio(
+            "replay worst TTFT after a tool, ours vs llama.cpp (ms)",
+            worst_after_tool(result.get("replay-ft")),
+            worst_after_tool(result.get("replay-llama")),
+            1.0,
+            True,
+        ),
+    ]
 
 
 def table(result: dict) -> str:
     def num(x, fmt=".0f"):
         return "—" if x is None else format(x, fmt)
 
-    lines = [f"preset {result['preset']} on {result['device_name']}; prefill {result['prefill']} tokens, decode at "
-             f"{result['context']} ({result['steps']} steps)", "",
-             "| format | activations | file GB | resident GB | resident/file | load s | prefill tok/s | decode B=1 tok/s | decode B=4 tok/s |",
-             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"preset {result['preset']} on {result['device_name']}; prefill {result['prefill']} tokens, decode at "
+        f"{result['context']} ({result['steps']} steps)",
+        "",
+        "| format | activations | file GB | resident GB | resident/file | load s | prefill tok/s | decode B=1 tok/s | decode B=4 tok/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for fmt, r in result.get("formats", {}).items():
-        lines.append(f"| {fmt} (ours) | {r['dtype'].removeprefix('torch.')} | {r['file_bytes'] / GB:.2f} | {r['weights_bytes'] / GB:.2f} "
-                     f"| {r['weights_vs_file']:.2f} | {r['load_s']:.0f} | {r['prefill']['tok_s']:.0f} | {num(decode_tok_s(r, 1), '.1f')} "
-                     f"| {num(decode_tok_s(r, 4), '.1f')} |")  # fmt: skip
+        lines.append(
+            f"| {fmt} (ours) | {r['dtype'].removeprefix('torch.')} | {r['file_bytes'] / GB:.2f} | {r['weights_bytes'] / GB:.2f} "
+            f"| {r['weights_vs_file']:.2f} | {r['load_s']:.0f} | {r['prefill']['tok_s']:.0f} | {num(decode_tok_s(r, 1), '.1f')} "
+            f"| {num(decode_tok_s(r, 4), '.1f')} |"
+        )
         if a := r.get("prefill_bf16_activations"):  # FP8 with x in bf16 (FT_FP8_ACT=0)
             lines.append(f"| {fmt}, x in bf16 (ours) | | | | | | {a['tok_s']:.0f} | | |")
     if llama := result.get("llama"):
-        lines.append(f"| q4_k_m (llama.cpp) | Q4_K_M | {llama['file_bytes'] / GB:.2f} | — | — | {llama['load_s']:.0f} "
-                     f"| {llama['prefill']['tok_s']:.0f} | {llama['decode']['tok_s']:.1f} | — |")  # fmt: skip
+        lines.append(
+            f"| q4_k_m (llama.cpp) | Q4_K_M | {llama['file_bytes'] / GB:.2f} | — | — | {llama['load_s']:.0f} "
+            f"| {llama['prefill']['tok_s']:.0f} | {llama['decode']['tok_s']:.1f} | — |"
+        )
     lines += [
         "",
         "| target (issue 13) | measured | reference | ratio | goal | met |",
@@ -536,8 +641,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--context", type=int, default=4096, help="decode: tokens of each sequence before decoding"
     )
     p.add_argument("--steps", type=int, default=64, help="decode: timed steps")
-    p.add_argument("--batches", type=ints, default=[1, 4],
-                   help="decode: sequences decoded together (--batches= : no decode, prefill only)")  # fmt: skip
+    p.add_argument(
+        "--batches",
+        type=ints,
+        default=[1, 4],
+        help="decode: sequences decoded together (--batches= : no decode, prefill only)",
+    )
     p.add_argument("--replay", type=Path, default=Path("traces/sessions/small-bugfix.recording.jsonl"))
     p.add_argument("--max-requests", type=int, help="replay: the first N requests of each session")
     p.add_argument("--ctx", type=int, default=32768, help="replay: llama-server context size")
@@ -550,12 +659,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--json", type=Path, default=Path("bench/quant.json"), help="results, merged into what it holds"
     )
     p.add_argument("--markdown", type=Path)
-    p.add_argument("--profile", action="store_true", help="GPU: the kernels of a decode token (torch's profiler)")
-    p.add_argument("--gemv-variants", metavar="W:S:U:BN,...",
-                   help="GPU: decode again per quantized-GEMV launch setting: warps, K-loop pipelining stages, "
-                        "unrolling ('-': Triton's default), rows a program; e.g. 4:-:-:32,4:-:2:32")
-    p.add_argument("--tune-gemv", action="store_true",
-                   help="GPU: decode again with each quantized GEMV's split timed per shape (FT_GEMV_TUNE=1)")
+    p.add_argument(
+        "--profile", action="store_true", help="GPU: the kernels of a decode token (torch's profiler)"
+    )
+    p.add_argument(
+        "--gemv-variants",
+        metavar="W:S:U:BN,...",
+        help="GPU: decode again per quantized-GEMV launch setting: warps, K-loop pipelining stages, "
+        "unrolling ('-': Triton's default), rows a program; e.g. 4:-:-:32,4:-:2:32",
+    )
+    p.add_argument(
+        "--tune-gemv",
+        action="store_true",
+        help="GPU: decode again with each quantized GEMV's split timed per shape (FT_GEMV_TUNE=1)",
+    )
     args = p.parse_args(argv)
     args.parts = list(
         dict.fromkeys([x for x in args.parts.split(",") if x] + list(LLAMA_PARTS if args.llama else ()))
@@ -579,8 +696,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     if any(result.get(k) != v for k, v in same.items()):
         result = {}  # another configuration: start over
-    result |= same | {"device_name": torch.cuda.get_device_name() if args.device != "cpu" else "cpu",
-                      "torch": torch.__version__, "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}  # fmt: skip
+    result |= same | {
+        "device_name": torch.cuda.get_device_name() if args.device != "cpu" else "cpu",
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
     result.setdefault("commands", []).append(" ".join(["python", "bench/quant.py", *argv]))
     keep: dict = {}  # the Q4_K_M engine, from its part to our replay; bf16's last logits for FP8's
     for part in sorted(args.parts, key=PARTS.index):

@@ -38,8 +38,12 @@ def measure(engine: Engine, prompt: list[int], steps: int) -> dict:
     tokens = [1000 + i for i in range(steps)]
     engine.feed(state, tokens[:4])
     decode_s = wall(lambda: engine.feed(state, tokens[4:]))
-    return {"weights_bytes": engine.memory()["weights"], "prefill_tok_s": len(prompt) / prefill_s,
-            "decode_tok_s": (steps - 4) / decode_s, "logits": logits.float().cpu()}  # fmt: skip
+    return {
+        "weights_bytes": engine.memory()["weights"],
+        "prefill_tok_s": len(prompt) / prefill_s,
+        "decode_tok_s": (steps - 4) / decode_s,
+        "logits": logits.float().cpu(),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -63,11 +67,19 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{path.name}: tensor data {file_bytes / 2**20:.1f} MiB; last-position |logits diff| {diff:.3e}")
     print(f"{'weights':<10} {'MiB':>10} {'x file':>8} {'prefill tok/s':>14} {'decode tok/s':>13}")
     for name, r in rows.items():
-        print(f"{name:<10} {r['weights_bytes'] / 2**20:>10.1f} {r['weights_bytes'] / file_bytes:>8.3f} "
-              f"{r['prefill_tok_s']:>14.0f} {r['decode_tok_s']:>13.1f}")  # fmt: skip
-    result = {"file": str(path), "file_tensor_bytes": file_bytes, "prefill_tokens": args.prefill,
-              "decode_tokens": args.decode, "max_abs_logit_diff": diff, "device": torch.cuda.get_device_name(),
-              **rows}  # fmt: skip
+        print(
+            f"{name:<10} {r['weights_bytes'] / 2**20:>10.1f} {r['weights_bytes'] / file_bytes:>8.3f} "
+            f"{r['prefill_tok_s']:>14.0f} {r['decode_tok_s']:>13.1f}"
+        )
+    result = {
+        "file": str(path),
+        "file_tensor_bytes": file_bytes,
+        "prefill_tokens": args.prefill,
+        "decode_tokens": args.decode,
+        "max_abs_logit_diff": diff,
+        "device": torch.cuda.get_device_name(),
+        **rows,
+    }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.json}")

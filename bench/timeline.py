@@ -68,8 +68,11 @@ class DecodeTimeline:
         """Per token, in ms: wall, the graphs' device time, the device's idle time between them,
         and the host's time in each wrapped call and outside them."""
         device = sum(start.elapsed_time(end) for start, end in self.events)
-        out = {"wall_ms": self.wall * 1e3 / tokens, "graphs_per_token": len(self.events) / tokens,
-               "graph_device_ms": device / tokens}  # fmt: skip
+        out = {
+            "wall_ms": self.wall * 1e3 / tokens,
+            "graphs_per_token": len(self.events) / tokens,
+            "graph_device_ms": device / tokens,
+        }
         out["device_idle_ms"] = out["wall_ms"] - out["graph_device_ms"]
         for key, seconds in self.host.items():
             out[f"host {key} ms"] = seconds * 1e3 / tokens

@@ -59,8 +59,17 @@ def category(name: str) -> str:
     """llama.cpp's `tensor_get_category` (the first match wins)."""
     if name in ("output.weight", "token_embd.weight"):
         return name.split(".")[0]
-    for part in ("attn_qkv.weight", "attn_kv_b.weight", "attn_v.weight", "attn_k.weight", "attn_q.weight",
-                 "attn_output.weight", "ffn_up", "ffn_gate", "ffn_down"):  # fmt: skip
+    for part in (
+        "attn_qkv.weight",
+        "attn_kv_b.weight",
+        "attn_v.weight",
+        "attn_k.weight",
+        "attn_q.weight",
+        "attn_output.weight",
+        "ffn_up",
+        "ffn_gate",
+        "ffn_down",
+    ):
         if part in name:
             return part.removesuffix(".weight")
     return "other"
@@ -194,8 +203,12 @@ def write_random_gguf(preset: str, out: str | Path, seed: int = 0) -> Path:
     for name, qtype in types.items():
         shape = shapes[name]
         if qtype in (T.F32, T.F16):
-            w.add_tensor_info(name, shape, np.dtype(np.float32 if qtype == T.F32 else np.float16),
-                              math.prod(shape) * (4 if qtype == T.F32 else 2))  # fmt: skip
+            w.add_tensor_info(
+                name,
+                shape,
+                np.dtype(np.float32 if qtype == T.F32 else np.float16),
+                math.prod(shape) * (4 if qtype == T.F32 else 2),
+            )
         else:
             block, size = gguf.GGML_QUANT_SIZES[qtype]
             row_bytes = shape[-1] // block * size

@@ -39,18 +39,24 @@ PROJECT_FILES = {
 
 SESSIONS: dict[str, tuple[Turn, ...]] = {
     "files": (
-        Turn("List the files here, then show notes.txt.", (("ls",), ("cat notes.txt",)),
-             "There are two files; notes.txt has three lines."),
+        Turn(
+            "List the files here, then show notes.txt.",
+            (("ls",), ("cat notes.txt",)),
+            "There are two files; notes.txt has three lines.",
+        ),
         Turn("How many lines does notes.txt have?", (("wc -l notes.txt",),), "notes.txt has 3 lines."),
-        Turn("Thanks. Summarise what you did in one sentence.", (),
-             "I listed the folder, showed notes.txt and counted its lines."),
+        Turn(
+            "Thanks. Summarise what you did in one sentence.",
+            (),
+            "I listed the folder, showed notes.txt and counted its lines.",
+        ),
     ),
     "echoes": (
         Turn("Echo alpha and beta at the same time.", (("echo alpha", "echo beta"),), "Both echoes ran."),
         Turn("Now echo gamma, then echo delta.", (("echo gamma",), ("echo delta",)), "gamma, then delta."),
         Turn("Echo done and finish.", (("echo done",),), "Finished."),
     ),
-}  # fmt: skip
+}
 
 
 # -- driving the CLIs --------------------------------------------------------------------------
@@ -69,15 +75,19 @@ def fresh_folder(path: Path) -> Path:
 
 def claude_commands(cli: str, turns: tuple[Turn, ...]) -> list[list[str]]:
     allowed = sorted({f"Bash({cmd.split()[0]}:*)" for turn in turns for step in turn.steps for cmd in step})
-    return [[cli, "-p", turn.prompt, *(["--continue"] if i else []), "--allowedTools", *allowed]
-            for i, turn in enumerate(turns)]  # fmt: skip
+    return [
+        [cli, "-p", turn.prompt, *(["--continue"] if i else []), "--allowedTools", *allowed]
+        for i, turn in enumerate(turns)
+    ]
 
 
 def codex_commands(cli: str, turns: tuple[Turn, ...], url: str) -> list[list[str]]:
     flags = ["--skip-git-repo-check", "--sandbox", "danger-full-access"]
     plan = codex_plan(cli, ServedModel(MODEL), url, "capture", [])
-    return [[*plan.command, "exec", *flags, *(["resume", "--last"] if i else []), turn.prompt]
-            for i, turn in enumerate(turns)]  # fmt: skip
+    return [
+        [*plan.command, "exec", *flags, *(["resume", "--last"] if i else []), turn.prompt]
+        for i, turn in enumerate(turns)
+    ]
 
 
 def run_session(kind: str, cli: str, name: str, work: Path, out: Path) -> Path:

@@ -97,8 +97,16 @@ def sse(event: str, data: dict[str, Any]) -> bytes:
 def anthropic_stream(answer: Answer, n: int) -> Iterator[bytes]:
     """An Anthropic Messages stream: a thinking block (with signature), text, tool_use blocks."""
     usage = {"input_tokens": 10, "output_tokens": 1}
-    message = {"id": f"msg_{n}", "type": "message", "role": "assistant", "model": MODEL, "content": [],
-               "stop_reason": None, "stop_sequence": None, "usage": usage}  # fmt: skip
+    message = {
+        "id": f"msg_{n}",
+        "type": "message",
+        "role": "assistant",
+        "model": MODEL,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": usage,
+    }
     yield sse("message_start", {"type": "message_start", "message": message})
     blocks: list[tuple[dict[str, Any], list[dict[str, Any]]]] = [
         (
@@ -107,7 +115,7 @@ def anthropic_stream(answer: Answer, n: int) -> Iterator[bytes]:
                 {"type": "thinking_delta", "thinking": answer.reasoning},
                 {"type": "signature_delta", "signature": f"sig-{n}"},
             ],
-        )  # fmt: skip
+        )
     ]
     if answer.text:
         blocks.append(({"type": "text", "text": ""}, [{"type": "text_delta", "text": answer.text}]))
@@ -127,8 +135,14 @@ def anthropic_stream(answer: Answer, n: int) -> Iterator[bytes]:
             yield sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta})
         yield sse("content_block_stop", {"type": "content_block_stop", "index": index})
     stop = "tool_use" if answer.commands else "end_turn"
-    yield sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
-                                "usage": {"output_tokens": 5}})  # fmt: skip
+    yield sse(
+        "message_delta",
+        {
+            "type": "message_delta",
+            "delta": {"stop_reason": stop, "stop_sequence": None},
+            "usage": {"output_tokens": 5},
+        },
+    )
     yield sse("message_stop", {"type": "message_stop"})
 
 
@@ -153,23 +167,48 @@ def responses_stream(answer: Answer, n: int) -> Iterator[bytes]:
             "id": f"rs_{n}",
             "summary": [{"type": "summary_text", "text": answer.reasoning}],
             "encrypted_content": f"opaque-{n}",
-        }  # fmt: skip
+        }
     ]
     for j, command in enumerate(answer.commands):
-        items.append({"type": "function_call", "id": f"fc_{n}_{j}", "call_id": f"call_{n}_{j}",
-                      "name": "exec_command", "arguments": json.dumps({"cmd": command}), "status": "completed"})  # fmt: skip
+        items.append(
+            {
+                "type": "function_call",
+                "id": f"fc_{n}_{j}",
+                "call_id": f"call_{n}_{j}",
+                "name": "exec_command",
+                "arguments": json.dumps({"cmd": command}),
+                "status": "completed",
+            }
+        )
     if answer.text:
         part = {"type": "output_text", "text": answer.text, "annotations": []}
-        items.append({"type": "message", "id": f"msg_{n}", "role": "assistant", "status": "completed",
-                      "content": [part]})  # fmt: skip
+        items.append(
+            {
+                "type": "message",
+                "id": f"msg_{n}",
+                "role": "assistant",
+                "status": "completed",
+                "content": [part],
+            }
+        )
     for index, item in enumerate(items):
         yield event("response.output_item.added", output_index=index, item=item)
         if item["type"] == "message":
-            yield event("response.output_text.delta", output_index=index, item_id=item["id"], content_index=0,
-                        delta=answer.text)  # fmt: skip
+            yield event(
+                "response.output_text.delta",
+                output_index=index,
+                item_id=item["id"],
+                content_index=0,
+                delta=answer.text,
+            )
         yield event("response.output_item.done", output_index=index, item=item)
-    usage = {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 5,
-             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 15}  # fmt: skip
+    usage = {
+        "input_tokens": 10,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": 5,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 15,
+    }
     yield event(
         "response.completed", response={**response, "status": "completed", "output": items, "usage": usage}
     )

@@ -276,11 +276,22 @@ def write_codex(session: Session, path: Path) -> None:
         lines.append(line)
 
     start = session.turns[0].ts
-    emit(start, "session_meta", {
-        "session_id": session.session_id, "id": session.session_id, "timestamp": iso(start), "cwd": session.cwd,
-        "originator": "ft_generate", "cli_version": VERSION, "source": "exec", "model_provider": "ft",
-        "base_instructions": {"text": session.system}, "ft_tools": responses_tools(session),
-    })  # fmt: skip
+    emit(
+        start,
+        "session_meta",
+        {
+            "session_id": session.session_id,
+            "id": session.session_id,
+            "timestamp": iso(start),
+            "cwd": session.cwd,
+            "originator": "ft_generate",
+            "cli_version": VERSION,
+            "source": "exec",
+            "model_provider": "ft",
+            "base_instructions": {"text": session.system},
+            "ft_tools": responses_tools(session),
+        },
+    )
     written = 0
     turn_index = -1
     for step, items, produced, outputs in _responses_items(session):
