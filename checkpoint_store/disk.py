@@ -6,7 +6,7 @@ commit (``sync=True``): a committed record survives kill -9. Reads run in any th
 each in its own read transaction over the memory map (``buffers=True``: no copy until
 the caller copies into its destination).
 
-The cap is LMDB's map size. Before a batch is written, records are evicted (``policy``)
+The cap is LMDB's map size. Before a batch is written, records are evicted (``eviction``)
 until the batch fits under ``capacity``; if LMDB still reports ``MapFullError`` (page
 overhead, fragmentation of free pages), one more victim goes and the write is retried;
 a part that cannot fit even in an empty map is dropped with a log line. Never a crash:

@@ -1,12 +1,12 @@
 """What one tier holds, by anchor: chain metadata, part sizes, recency and byte count.
 
 Both tiers keep one ``TierIndex`` in memory (the disk tier rebuilds it from the frame
-headers when it opens) and ask it for eviction victims (see ``policy``).
+headers when it opens) and ask it for eviction victims (see ``eviction``).
 """
 
 from __future__ import annotations
 
-from .policy import Children, Entry, pick_victim
+from .eviction import Children, Entry, pick_victim
 from .record import RecordMeta
 
 

@@ -1,7 +1,7 @@
 """The RAM tier: packed record parts under a byte budget.
 
 Parts are private copies (``record.Packed``), so nothing the engine does later to its
-own tensors can change a stored checkpoint. Eviction follows ``policy``; with a disk tier
+own tensors can change a stored checkpoint. Eviction follows ``eviction``; with a disk tier
 every record is also written through to disk, so what RAM gives up is still restorable.
 """
 

@@ -140,8 +140,7 @@ def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)``, as one memcpy where both are contiguous host tensors.
 
     numpy's copy is a single-threaded memcpy; torch's CPU copy splits work across its
-    intra-op threads (slow when the cores are busy: 0.3 GB/s measured on a loaded 2-core
-    machine, against 40 GB/s single-threaded) and converts bf16 element by element.
+    intra-op threads, which crawls when the cores are busy, and converts bf16 element by element.
     """
     if _plain(dst) and _plain(src) and dst.dtype == src.dtype and dst.shape == src.shape:
         np.copyto(_bytes(dst), _bytes(src))

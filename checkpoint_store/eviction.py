@@ -1,8 +1,8 @@
-"""Which bytes a full tier gives up first: the eviction policy shared by both tiers.
+"""Which bytes a full tier gives up first: the eviction order shared by both tiers.
 
 A tier holds records, each a KV part (small, needed by every later record of its chain)
 and optionally a state part (about 61 MiB for the 35B-A3B shape, needed only to *end* a
-chain there). The policy keeps what restores best:
+chain there). Eviction keeps what restores best:
 
 1. **States go before KV.** A state part may be dropped from any record; the record's KV
    stays, so chains through it still restore (at a later state).
@@ -33,7 +33,7 @@ SHARE_BONUS = 64
 
 @dataclass
 class Entry:
-    """What the policy knows of one record in one tier."""
+    """What eviction knows of one record in one tier."""
 
     parent: bytes | None
     kv_bytes: int
