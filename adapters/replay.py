@@ -228,7 +228,7 @@ def _run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: PLC0415
 
     from adapters import replay_report as report  # noqa: PLC0415
-    from gateway.runtime import load_engine  # noqa: PLC0415
+    from gateway.service import load_engine  # noqa: PLC0415
 
     if args.server and args.compare:
         raise ReplayError("--compare needs --preset (a --server runs whatever policy it was started with)")
@@ -291,7 +291,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _serve_config(args: argparse.Namespace, policy: str) -> Any:
     from engine.engine_config import EngineConfig  # noqa: PLC0415
-    from gateway.runtime import ServeConfig  # noqa: PLC0415
+    from gateway.service import ServeConfig  # noqa: PLC0415
 
     return ServeConfig(
         preset=args.preset or "tiny", engine=EngineConfig(device=args.device), policy=policy,

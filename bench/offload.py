@@ -6,9 +6,8 @@ bytes over the host link, peak reserved memory, and a recorded session replayed 
     python bench/offload.py --preset qwen3.6-35b-a3b --q4-k-m --budgets 8 --no-replay --profile  # where a decode token goes
     python bench/offload.py --preset tiny --device cpu --budgets 0.148 --context 256 --decode-steps 8  # CPU smoke
 
-With bf16 experts, 8 GiB holds the 35B-A3B shape's dense parts, one sequence's slots and top_k
-experts per layer only with 4096-token prefill chunks (`FT_PREFILL_CHUNK=4096`: a smaller workspace);
-a budget that cannot is reported as a row naming the numbers.
+A budget that cannot hold the dense parts, one sequence's slots and top_k experts per layer (e.g. bf16
+experts at 8 GiB) is reported as a row naming the numbers.
 
 Each budget runs in a child process of its own (a fresh engine: peak reserved memory per budget,
 and the 256-expert weights are held once in host memory). Per budget: prefill tokens/s of one
@@ -230,18 +229,11 @@ def replay(engine, args, budget: float, link_bw: float | None) -> dict:
     server moved host -> device until that first token (`x-link-bytes`: restores and experts)."""
     from adapters.replay import load_traces, run_policy, serve_in_thread  # noqa: PLC0415
     from adapters.replay_report import request_table, summarize  # noqa: PLC0415
-    from gateway.runtime import ServeConfig  # noqa: PLC0415
+    from gateway.service import ServeConfig  # noqa: PLC0415
 
     traces = load_traces([Path(p) for p in args.traces])
     out, runs = {}, []
-    offload = engine.offload
-    routed_tokens = offload.routed_tokens if offload is not None else 0
-    for label in args.policies.split(","):
-        # POLICY:streamed: every streamed chunk streams all the experts not resident (a same-run baseline
-        # for the routed pieces, which gather only those a short chunk routes to)
-        policy, _, variant = label.partition(":")
-        if offload is not None:
-            offload.routed_tokens = 0 if variant == "streamed" else routed_tokens
+    for policy in args.policies.split(","):
         config = ServeConfig(  # one live sequence: those kept after their answer hold KV outside the plan
             preset=args.preset,
             model_dir=q4_k_m_file(args.preset) if args.q4_k_m else None,
@@ -312,10 +304,12 @@ def run_budget(args) -> dict:
     started = time.perf_counter()
     try:
         if args.q4_k_m:
-            engine = Engine.load(q4_k_m_file(args.preset), args.device, gpu_memory_gib=budget, max_running=1)
+            engine = Engine.load(
+                q4_k_m_file(args.preset), device=args.device, gpu_memory_gib=budget, max_running=1
+            )
         else:
             engine = Engine.from_preset(args.preset, device=args.device, gpu_memory_gib=budget, max_running=1)
-    except BudgetError as exc:  # a row saying why (e.g. bf16 experts at 8 GiB: try FT_PREFILL_CHUNK=4096)
+    except BudgetError as exc:  # a row saying why
         return {"budget_gib": budget, "error": str(exc)}
     done("load", started, load_s=time.perf_counter() - started)
     started = time.perf_counter()
@@ -557,9 +551,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--policies",
         default="anchor,prefix,none",
-        help="capture policies to replay; POLICY:streamed replays POLICY with every streamed chunk streaming all the "
-        "experts not resident (the same-run baseline of FT_ROUTED_PIECES=1, where short chunks gather only those "
-        "they route to)",
+        help="capture policies to replay",
     )
     p.add_argument("--limit", type=int, default=None, help="requests per trace")
     p.add_argument(

@@ -511,7 +511,7 @@ def replay_ft(args, eng) -> dict:
     --model FILE.gguf`'s runtime on the loaded model): each request with its recorded answer forced
     and streamed, the next sent once the worker is idle (background precompute done), as the agent ran."""
     from gateway.embedded import serve_in_thread  # noqa: PLC0415
-    from gateway.runtime import ServeConfig  # noqa: PLC0415
+    from gateway.service import ServeConfig  # noqa: PLC0415
 
     config = ServeConfig(model_dir=eng.model_dir, device=args.device, ram_cache_gib=args.ram_cache)
     eng.warmup(max_batch=config.max_running)  # what `ft serve` does before serving

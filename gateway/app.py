@@ -20,7 +20,7 @@ from gateway.drain import Drain
 from gateway.endpoint import body_limit, generate, read_json
 from gateway.errors import EXCEPTION_HANDLERS, BadRequest, Unauthorized, error_response, error_style
 from gateway.render import segment_ids
-from gateway.runtime import Runtime
+from gateway.service import Service
 from gateway.suffix_floor import suffix_floor
 from gateway.volatile import normalize
 
@@ -74,14 +74,14 @@ async def chat_completions(request: Request) -> Response:
 
 
 async def count_tokens(request: Request) -> Response:
-    rt: Runtime = request.app.state.runtime
+    rt: Service = request.app.state.runtime
     conv = normalize(ANTHROPIC.parse(await read_json(request, body_limit(rt))), rt.volatile_rules)
     segments = await anyio.to_thread.run_sync(rt.renderer.render, conv, rt.memo)
     return JSONResponse({"input_tokens": len(segment_ids(segments))})
 
 
 async def models(request: Request) -> Response:
-    rt: Runtime = request.app.state.runtime
+    rt: Service = request.app.state.runtime
     context = rt.engine.max_context
     entry = {
         "id": rt.model_id, "object": "model", "type": "model", "display_name": rt.model_id,
@@ -94,7 +94,7 @@ async def models(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     """`status` is "draining" (and the code 503) once the server is shutting down."""
-    rt: Runtime = request.app.state.runtime
+    rt: Service = request.app.state.runtime
     scheduler = rt.scheduler
     draining = request.app.state.drain.draining
     return JSONResponse({"status": "draining" if draining else "ok", "model": rt.model_id,
@@ -103,7 +103,7 @@ async def health(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    rt: Runtime = request.app.state.runtime
+    rt: Service = request.app.state.runtime
     text = rt.metrics.render(rt.store.stats(), rt.scheduler.stats(), rt.memory(), rt.engine.offload_stats(),
                              live_sequences=len(rt.live))
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
@@ -111,11 +111,11 @@ async def metrics(request: Request) -> Response:
 
 async def recent(request: Request) -> Response:
     """The last requests' starts (TTFT, tokens restored and prefilled, phases), for `ft top`."""
-    rt: Runtime = request.app.state.runtime
+    rt: Service = request.app.state.runtime
     return JSONResponse({"requests": rt.metrics.recent(), "started_at": rt.started_at})
 
 
-def create_app(rt: Runtime) -> Starlette:
+def create_app(rt: Service) -> Starlette:
     """The app; `app.state.drain` is what the HTTP server calls when it starts shutting down."""
     @asynccontextmanager
     async def lifespan(app: Starlette):

@@ -18,7 +18,7 @@ import uvicorn
 from engine import Engine
 from gateway.app import create_app
 from gateway.http_server import ServerLimits, make_server
-from gateway.runtime import Runtime, ServeConfig, build_runtime
+from gateway.service import ServeConfig, Service, build_service
 
 
 def free_port() -> int:
@@ -48,7 +48,7 @@ def serve_process(args: list[str], preexec_fn=None, timeout: float = 180) -> tup
 @dataclass
 class EmbeddedServer:
     url: str
-    runtime: Runtime
+    runtime: Service
     server: uvicorn.Server
     thread: threading.Thread
 
@@ -79,7 +79,7 @@ def serve_in_thread(config: ServeConfig, engine: Engine | None = None, startup_t
     """Serve `config` (its host/port replaced by 127.0.0.1 and a free port) on a fresh store;
     `engine` reuses a loaded model. Returns once the server accepts connections."""
     config = dataclasses.replace(config, host="127.0.0.1", port=free_port())
-    runtime = build_runtime(config, engine)
+    runtime = build_service(config, engine)
     server = make_server(create_app(runtime), config.host, config.port, limits, log_level="warning")
     thread = threading.Thread(target=server.run, name="ft-embedded-server", daemon=True)
     thread.start()

@@ -28,7 +28,7 @@ from gateway.errors import BadRequest, ClientGone, PayloadTooLarge, error_event,
 from gateway.events import Event, collect
 from gateway.generation import Answered, Generation, Started
 from gateway.record import AssistantOutput, RecordLine, Timings
-from gateway.runtime import Runtime
+from gateway.service import Service
 from gateway.sse import SSE_HEADERS, SSE_MEDIA_TYPE, encode_stream
 
 MAX_JSON_DEPTH = 100  # deeper bodies are refused before anything recurses over them
@@ -46,7 +46,7 @@ class _Interrupt(msgspec.Struct):
     error: BaseException
 
 
-def body_limit(rt: Runtime) -> int:
+def body_limit(rt: Service) -> int:
     """The largest body accepted: the configured cap, and no more than a prompt that could fit the
     model's context (so an over-long prompt is refused before it is decoded and tokenized)."""
     return min(rt.config.max_body_bytes, max(MIN_BODY_LIMIT, BODY_BYTES_PER_TOKEN * rt.engine.max_context))
@@ -104,7 +104,7 @@ def check_max_tokens(body: dict, max_tokens: int | None, max_context: int) -> No
 
 async def generate(request: Request, protocol: ApiDialect) -> Response:
     """A raised error becomes the protocol's error JSON (gateway/errors.py `handle_error`)."""
-    rt: Runtime = request.app.state.runtime
+    rt: Service = request.app.state.runtime
     drain: Drain = request.app.state.drain
     received = time.perf_counter()
     request.state.count_status = partial(rt.metrics.request, protocol.name)
@@ -144,7 +144,7 @@ class _Run:
     is streamed, a task watches for the client leaving (the cancel flag then stops the generation
     at its next step); `interrupt` ends it early (gateway/drain.py)."""
 
-    def __init__(self, rt: Runtime, plan, protocol: ApiDialect, received: float, drain: Drain, request: Request):
+    def __init__(self, rt: Service, plan, protocol: ApiDialect, received: float, drain: Drain, request: Request):
         self.rt, self.plan, self.protocol, self.received, self.drain = rt, plan, protocol, received, drain
         planned = time.perf_counter()
         self.queue: asyncio.Queue = asyncio.Queue()

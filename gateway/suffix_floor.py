@@ -22,7 +22,7 @@ from checkpoint_store.snapshot import Snapshot
 from engine import Engine
 from gateway.endpoint import read_json
 from gateway.errors import BadRequest
-from gateway.runtime import Runtime
+from gateway.service import Service
 
 BUCKET_TOKENS = 1024
 MAX_CACHED = 4
@@ -91,7 +91,7 @@ def parse_floor_body(body: dict, max_context: int) -> tuple[int, int]:
 
 async def suffix_floor(request: Request) -> Response:
     """`POST /v1/ft/suffix_floor`: {"context": C, "new": N} -> {"ms": float, "context": C, "new": N}."""
-    rt: Runtime = request.app.state.runtime
+    rt: Service = request.app.state.runtime
     context, new = parse_floor_body(await read_json(request, MAX_BODY_BYTES), rt.engine.max_context)
     floor = getattr(request.app.state, "suffix_floor", None)
     if floor is None:

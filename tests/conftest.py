@@ -23,7 +23,7 @@ def ft_home(tmp_path_factory) -> str:
 
 def start_server(**config) -> EmbeddedServer:
     """The real server for ServeConfig(**config), with an httpx client helper."""
-    from gateway.runtime import ServeConfig
+    from gateway.service import ServeConfig
 
     return serve_in_thread(ServeConfig(**config))
 

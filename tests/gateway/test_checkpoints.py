@@ -9,12 +9,12 @@ import threading
 import pytest
 
 from gateway.protocols import chat
-from gateway.runtime import ServeConfig, build_runtime
+from gateway.service import ServeConfig, build_service
 
 
 @pytest.fixture
 def runtime():
-    rt = build_runtime(ServeConfig(preset="tiny"))
+    rt = build_service(ServeConfig(preset="tiny"))
     yield rt
     rt.close()
 

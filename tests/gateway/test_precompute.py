@@ -11,12 +11,12 @@ from engine import Feed
 from gateway.anchors import anchor_chain, boundaries
 from gateway.checkpoints import PRECOMPUTE_STEP
 from gateway.protocols import chat
-from gateway.runtime import ServeConfig, build_runtime
+from gateway.service import ServeConfig, build_service
 
 
 @pytest.fixture(scope="module")
 def runtime():
-    rt = build_runtime(ServeConfig(preset="tiny"))
+    rt = build_service(ServeConfig(preset="tiny"))
     yield rt
     rt.close()
 

@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from gateway.embedded import EmbeddedServer, serve_in_thread
-from gateway.runtime import ServeConfig
+from gateway.service import ServeConfig
 from tests.conftest import free_port
 
 SYSTEM = {"role": "system", "content": "You are terse. " * 60}

@@ -22,8 +22,8 @@ from gateway import embedded
 from gateway.embedded import serve_in_thread
 from gateway.http_server import ServerLimits
 from gateway.recorder import Recorder
-from gateway.runtime import ServeConfig
 from gateway.serve import api_key, limits_from_args
+from gateway.service import ServeConfig
 from tests.conftest import free_port, serve_args, start_server
 from tests.gateway.test_server_errors import ENDPOINTS, _generated, assert_error_shape
 

@@ -20,7 +20,7 @@ from gateway.endpoint import check_max_tokens
 from gateway.errors import BadRequest
 from gateway.http_server import ServerLimits
 from gateway.recorder import Recorder
-from gateway.runtime import ServeConfig
+from gateway.service import ServeConfig
 from gateway.tokenizer import QwenTokenizer
 from tests.conftest import start_server
 from tests.gateway.test_server_errors import ENDPOINTS, _generated, assert_error_shape

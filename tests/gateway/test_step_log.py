@@ -10,8 +10,8 @@ import pytest
 
 from engine.engine_config import EngineConfig
 from gateway.protocols import chat
-from gateway.runtime import ServeConfig, build_runtime
 from gateway.serve import config_from_args
+from gateway.service import ServeConfig, build_service
 from tests.conftest import serve_args
 
 STEP = re.compile(r"step \d+: (\d+) prefill tokens in 1 parts, 0 decode rows: engine [\d.]+ ms, tasks [\d.]+ ms; "
@@ -21,7 +21,7 @@ FORWARD = re.compile(r"prefill forward of (\d+) tokens \(1 sequences, (\d+) capt
 
 @pytest.mark.parametrize("step_log_ms", [0, None])
 def test_slow_steps_are_logged_only_when_asked(step_log_ms, caplog):
-    rt = build_runtime(ServeConfig(preset="tiny", engine=EngineConfig(step_log_ms=step_log_ms)))
+    rt = build_service(ServeConfig(preset="tiny", engine=EngineConfig(step_log_ms=step_log_ms)))
     try:
         body = {"model": "tiny", "messages": [{"role": "system", "content": "You read logs."},
                                               {"role": "user", "content": "line of the log\n" * 300}]}

@@ -1,6 +1,6 @@
 """Everything a running server holds: settings, engine, store, renderer, memo, scheduler,
 metrics and recorder, and what each request is given from them: the `RestorePlanner` (its plan) and
-the `Checkpoints` (its checkpoint steps on the worker). Built once by `build_runtime`; only the
+the `Checkpoints` (its checkpoint steps on the worker). Built once by `build_service`; only the
 app's wiring reads it (a request's work is given the parts it uses), nothing is global."""
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class ServeConfig:
 
 
 @dataclass
-class Runtime:
+class Service:
     config: ServeConfig
     engine: Engine
     store: CheckpointStore
@@ -136,8 +136,8 @@ def ignore_file_size_signal() -> None:
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 
 
-def build_runtime(config: ServeConfig, engine: Engine | None = None) -> Runtime:
-    """A runtime with a fresh store; `engine` reuses an already loaded model (replays that
+def build_service(config: ServeConfig, engine: Engine | None = None) -> Service:
+    """A service with a fresh store; `engine` reuses an already loaded model (replays that
     compare policies on one set of weights), which brings its own `EngineConfig` (`config.engine`
     is then not used)."""
     engine = engine or load_engine(config)
@@ -157,7 +157,7 @@ def build_runtime(config: ServeConfig, engine: Engine | None = None) -> Runtime:
     # folder the store could not use (already logged) keeps the memo in memory, as the checkpoints
     memo_file = (MemoFile(config.disk_cache / f"memo-{root.hex()[:16]}", errors=store.write_errors)
                  if config.disk_cache and store.has_disk else None)
-    return Runtime(
+    return Service(
         config=config,
         engine=engine,
         store=store,
