@@ -513,8 +513,8 @@ def replay_ft(args, eng) -> dict:
     from gateway.embedded import serve_in_thread  # noqa: PLC0415
     from gateway.service import ServeConfig  # noqa: PLC0415
 
-    config = ServeConfig(model_dir=eng.model_dir, device=args.device, ram_cache_gib=args.ram_cache)
-    eng.warmup(max_batch=config.max_running)  # what `ft serve` does before serving
+    config = ServeConfig(model_dir=eng.model_dir, engine=eng.engine_config, ram_cache_gib=args.ram_cache)
+    eng.warmup()  # what `ft serve` does before serving
     return replay_sessions("replay-ft", args, lambda: serve_in_thread(config, eng))
 
 

@@ -30,7 +30,7 @@ def preset_file(preset: str, out: Path) -> Path:
 
 
 def measure(engine: Engine, prompt: list[int], steps: int) -> dict:
-    engine.warmup(1)
+    engine.warmup()
     engine.prefill(engine.new_state(), prompt)  # kernels tuned for this length
     prefill_s = wall(lambda: engine.prefill(engine.new_state(), prompt))
     state = engine.new_state()
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     prompt = [1000 + (7 * i) % 50_000 for i in range(args.prefill)]
     rows = {}
     for name, keep in (("quantized", True), ("bf16", False)):
-        engine = Engine.load(path, device="cuda", keep_quantized=keep)
+        engine = Engine.load(path, device="cuda", keep_quantized=keep, max_running=1)
         rows[name] = measure(engine, prompt, args.decode)
         del engine
         torch.cuda.empty_cache()
