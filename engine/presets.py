@@ -76,9 +76,9 @@ PRESETS: dict[str, dict] = {
         shared_expert_intermediate_size=512, dtype="bfloat16",
     ),
 }
-# The 35B-A3B shape with 64 experts instead of 256 (top-8 of them, as before): the same active
-# parameters and work per token, ~21 GB of bf16 weights instead of ~70, so that it and a GGUF copy
-# of it fit a 64 GiB disk (the side-by-side with llama.cpp on the H200, bench/llamacpp.py).
+# The 35B-A3B shape with 64 experts instead of 256 (still top-8): the same active parameters and
+# work per token, ~21 GB of bf16 weights instead of ~70, so that it and a GGUF copy of it fit a
+# 64 GiB disk (the side-by-side with llama.cpp, bench/llamacpp.py).
 PRESETS["qwen3.6-35b-a3b-e64"] = {**PRESETS["qwen3.6-35b-a3b"], "ft_preset": "qwen3.6-35b-a3b-e64", "num_experts": 64}
 
 
@@ -92,7 +92,7 @@ RESIDUAL_OUTPUTS = ("o_proj.weight", "out_proj.weight", "down_proj.weight")
 def _init(name: str, shape: tuple[int, ...], gen: torch.Generator, device, dtype, num_layers: int) -> torch.Tensor:
     """Initial values by parameter role; norms are moved off their identity values. Projections
     that write into the residual stream are scaled by 1/sqrt(2 * layers) (GPT-2's rule), which
-    keeps the random model well conditioned: without it fp32 rounding was amplified ~100x through
+    keeps the random model well conditioned: without it fp32 rounding is amplified ~100x through
     four layers, enough to break a 1e-4 exactness bound between two orders of the same sum."""
     def normal(std: float) -> torch.Tensor:
         return torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std

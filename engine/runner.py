@@ -1,7 +1,7 @@
 """Decode steps of several sequences at once, on slotted state buffers, graph-captured on a GPU.
 
 The runner owns `SlotBuffers`: every sequence it decodes is bound to a slot, its KV caches and
-DeltaNet states become views of that slot (`SequenceState` keeps working as before: a later
+DeltaNet states become views of that slot (`SequenceState` works unchanged: a later
 prefill appends to the same KV view, snapshots read it), so consecutive steps copy nothing. A state
 that comes without a slot takes a free one or the least recently used one of a sequence outside
 the step, whose owner first gets private copies of what it still shares.

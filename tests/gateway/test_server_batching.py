@@ -158,8 +158,8 @@ def test_stop_strings_and_streams_inside_a_batch_end_each_answer_as_alone(server
         assert alone[i] == (text[: text.index(stops[i])], "stop"), f"session {i}"
     server.wait_idle()
     with ThreadPoolExecutor(len(sessions)) as pool:
-        together = dict(zip(sessions, pool.map(lambda i: _chat(server, i, stops[i], stream=i % 2 == 1), sessions),
-                            strict=True))  # fmt: skip
+        answers = pool.map(lambda i: _chat(server, i, stops[i], stream=i % 2 == 1), sessions)
+        together = dict(zip(sessions, answers, strict=True))
     assert together == alone
 
 
