@@ -23,8 +23,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from engine.expert_cache import ExpertCache, Lane
 from engine.offload import OffloadStats
+from engine.offload.cache import ExpertCache, Lane
 
 EXPERTS, TOP_K = 256, 8
 

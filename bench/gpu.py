@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 
-import engine.engine as engine_module
 from engine import Engine, Feed, SamplingParams
 from engine.config import ModelConfig
 
@@ -465,11 +464,6 @@ def markdown(result: dict) -> str:
             f"| prefill {r['context']} | {r['tok_s']:.0f} tok/s ({r['seconds'] * 1e3:.0f} ms, {r['tflops']:.0f} TFLOP/s) "
             f"| {r['ratio_matmul']:.1%} of matmul |{target} |"
         )
-    for r in result.get("prefill_by_chunk", []):
-        lines.append(
-            f"| prefill 8192, prefill chunk {r['chunk']} (default {result['prefill_chunk']}) | {r['tok_s']:.0f} tok/s "
-            f"({r['seconds'] * 1e3:.0f} ms, {r['tflops']:.0f} TFLOP/s) | {r['ratio_matmul']:.1%} of matmul | ≥ 25% |"
-        )
     for r in result["decode"]:
         lines.append(
             f"| decode batch 1 at {r['context']} | {r['tok_s']:.0f} tok/s ({r['ms_per_token']:.2f} ms/token, "
@@ -508,7 +502,10 @@ def main() -> None:
     parser.add_argument("--decode-steps", type=int, default=128)
     parser.add_argument("--captures", type=int, default=8)
     parser.add_argument(
-        "--chunks", default="8192,16384", help="extra 8K prefills at these prefill chunk sizes"
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        help="tokens of one prefill forward (default: the device's)",
     )
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--batches", default="1,4,8,16", help="batched decode: sequences decoded together")
@@ -526,7 +523,7 @@ def main() -> None:
     ceil = ceilings()
     print({k: f"{v:.3e}" for k, v in ceil.items()}, flush=True)
     start = time.perf_counter()
-    eng = Engine.from_preset(args.preset, device="cuda")
+    eng = Engine.from_preset(args.preset, device="cuda", prefill_chunk=args.prefill_chunk)
     print(
         f"materialised {args.preset} in {time.perf_counter() - start:.1f} s; kernels {eng.kernels.name}; "
         f"{torch.cuda.memory_allocated() / GIB:.1f} GiB on the GPU",
@@ -541,6 +538,7 @@ def main() -> None:
         "preset": args.preset,
         "ceilings": ceil,
         "matmul_params_per_token": matmul_params(eng.config),
+        "prefill_chunk": eng.engine_config.chunk_tokens,
     }
     parts = (
         set(args.only.split(","))
@@ -549,16 +547,6 @@ def main() -> None:
     )
     if "prefill" in parts:
         result["prefill"] = bench_prefill(eng, ints(args.contexts), ceil)
-        default_chunk = engine_module.PREFILL_CHUNK
-        result["prefill_by_chunk"] = []
-        for chunk in ints(
-            args.chunks
-        ):  # the engine's prefill chunk (FT_PREFILL_CHUNK): bigger GEMMs per launch
-            engine_module.PREFILL_CHUNK = chunk
-            row = bench_prefill(eng, [8192], ceil)[0]
-            result["prefill_by_chunk"].append({"chunk": chunk, **row})
-        engine_module.PREFILL_CHUNK = default_chunk
-        result["prefill_chunk"] = default_chunk
     if "capture" in parts:
         result["capture"] = bench_capture(eng, 8192, args.captures)
     if "restore" in parts:
@@ -578,7 +566,6 @@ def main() -> None:
         result["profile_decode"] = profile_decode(eng, 8192)
     result["fast_kernels"] = fast_kernel_verdicts()
     print("fast kernels in use:", result["fast_kernels"], flush=True)
-    result["replay"] = "left out: adapters/replay.py (ft replay) does not exist yet"
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     table = (

@@ -245,15 +245,12 @@ def replay(engine, args, budget: float, link_bw: float | None) -> dict:
             step_log_ms=args.step_log,  # the replay's slow forwards, each split into host and device time
         )
         with serve_in_thread(config, engine) as server:
-            run = msgspec.structs.replace(
-                run_policy(server.url, policy, traces, args.limit, server.wait_idle, False, lambda: None),
-                policy=label,
-            )
+            run = run_policy(server.url, policy, traces, args.limit, server.wait_idle, False, lambda: None)
         runs.append(run)
         users = [r for r in run.rows if r.index > 0 and not r.after_tool_result]
         user = [r.client_ttft_ms for r in users]
         summary = summarize(run)
-        out[label] = {
+        out[policy] = {
             "worst_after_tool_ms": summary.worst_after_tool_ms,
             "user_turn_ttft_ms": user,
             "worst_user_turn_ms": max(user, default=None),
@@ -267,12 +264,10 @@ def replay(engine, args, budget: float, link_bw: float | None) -> dict:
             def pcie4(r) -> float:
                 return 1000 * project(r.client_ttft_ms / 1000, r.link_bytes, link_bw, args.pcie)
 
-            out[label]["worst_after_tool_ms_pcie4"] = max(
+            out[policy]["worst_after_tool_ms_pcie4"] = max(
                 (pcie4(r) for r in run.rows if r.after_tool_result), default=None
             )
-            out[label]["user_turn_ttft_ms_pcie4"] = [pcie4(r) for r in users]
-    if offload is not None:
-        offload.routed_tokens = routed_tokens
+            out[policy]["user_turn_ttft_ms_pcie4"] = [pcie4(r) for r in users]
     console = Console(width=200)
     console.print(request_table(runs))
     for run in runs:  # where each request's time to first token went, by the server's phases

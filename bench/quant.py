@@ -199,15 +199,9 @@ def bench_format(fmt: str, args, keep: dict) -> dict:
         f"{fmt}: loaded in {load_s:.1f} s, {memory['weights'] / GB:.2f} GB resident, file {file_bytes / GB:.2f} GB",
         flush=True,
     )
-    row["prefill"], logits = bench_prefill(eng, args.prefill)
+    row["prefill"], _ = bench_prefill(eng, args.prefill)
     print(f"{fmt}: prefill {args.prefill}: {row['prefill']['tok_s']:.0f} tok/s", flush=True)
     if eng.device.type == "cuda" and fmt in ("bf16", "fp8"):
-        if fmt == "bf16":  # the last logits of the FP8 runs' prompt, to set theirs against
-            keep["bf16_logits"] = logits
-        else:
-            row["prefill_bf16_activations"] = fp8_prefill_variants(
-                eng, args.prefill, logits, keep.get("bf16_logits")
-            )
         if args.profile:  # the kernels of the prefill, by device time
             from gpu import profile_prefill  # noqa: PLC0415
 
@@ -218,12 +212,6 @@ def bench_format(fmt: str, args, keep: dict) -> dict:
             f"{fmt}: decode B={d['batch']} at {d['context']}: {d['tok_s']:.1f} tok/s (runs {spread(d)})",
             flush=True,
         )
-    if (
-        args.tune_gemv and eng.device.type == "cuda"
-    ):  # the same decode with every GEMV's split timed per shape
-        row["decode_tuned_gemv"] = decode_tuned(eng, args)
-    if args.gemv_variants and eng.device.type == "cuda":  # the same decode under other GEMV launch settings
-        row["decode_gemv_variants"] = decode_variants(eng, args)
     if (
         eng.device.type == "cuda" and args.batches
     ):  # where a generated token's wall time goes (host, launch, device)
@@ -241,124 +229,6 @@ def bench_format(fmt: str, args, keep: dict) -> dict:
     if torch.cuda.is_available():  # what the next part starts with (a leak would show here)
         row["gpu_allocated_after_bytes"] = torch.cuda.memory_allocated()
     return row
-
-
-def fp8_prefill_variants(eng, tokens: int, logits: torch.Tensor, bf16_logits: torch.Tensor | None) -> dict:
-    """FP8 prefill with x kept in bf16 (FT_FP8_ACT=0: a transient bf16 copy of each weight and cuBLAS)
-    and with the dense projections in cuBLAS's FP8 GEMM (FT_FP8_CUBLAS=1) beside the default (x in FP8
-    rows, Triton): speeds, and how far apart the last token's logits are, x in FP8 against x in bf16
-    and each against the bf16 model's (largest difference over the largest logit; same top token?)."""
-    from engine.ops.gpu import fp8_prefill  # noqa: PLC0415
-
-    logits = {"fp8 x": logits, "bf16 model": bf16_logits}
-    was, fp8_prefill.CUBLAS = fp8_prefill.CUBLAS, True
-    try:
-        cublas, _ = bench_prefill(eng, tokens)
-    finally:
-        fp8_prefill.CUBLAS = was  # FT_FP8_CUBLAS=1 keeps it for the profile
-    # whether torch's _scaled_mm took the block scales (else the Triton kernel ran: the same figure twice)
-    cublas["taken"] = any(fp8_prefill._CUBLAS.values())
-    taken = (
-        "cuBLAS took the block scales" if cublas["taken"] else "torch refused the block scales: Triton ran"
-    )
-    print(
-        f"fp8: prefill {tokens} with the dense projections in cuBLAS: {cublas['tok_s']:.0f} tok/s ({taken})"
-    )
-    fp8_prefill.ACT = False
-    try:
-        out, logits["bf16 x"] = bench_prefill(eng, tokens)
-    finally:
-        fp8_prefill.ACT = True
-    print(f"fp8: prefill {tokens} with bf16 activations: {out['tok_s']:.0f} tok/s", flush=True)
-    out["fp8_x_dense_in_cublas"] = cublas
-    pairs = [("fp8 x", "bf16 x")] + [
-        (a, "bf16 model") for a in ("fp8 x", "bf16 x") if bf16_logits is not None
-    ]
-    out["logits"] = []
-    for a, b in pairs:
-        la, lb = logits[a], logits[b]
-        apart = {
-            "a": a,
-            "b": b,
-            "max_diff_rel": ((la - lb).abs().max() / lb.abs().max()).item(),
-            "same_top_token": bool(la.argmax() == lb.argmax()),
-        }
-        out["logits"].append(apart)
-        print(
-            f"  last logits, {a} vs {b}: {apart['max_diff_rel']:.2e} apart (relative), same top token: "
-            f"{apart['same_top_token']}",
-            flush=True,
-        )
-    return out
-
-
-def decode_afresh(eng, args) -> list[dict]:
-    """`bench_decode` per batch size under the GEMV settings now in force: each shape's split chosen
-    again and every decode graph captured again."""
-    from engine.ops.gpu import quant  # noqa: PLC0415
-
-    quant._SPLITS.clear()
-    eng.runner.drop_graphs()
-    return [bench_decode(eng, args.context, b, args.steps) for b in args.batches]
-
-
-def decode_tuned(eng, args) -> list[dict]:
-    """Decode again with FT_GEMV_TUNE's timing of each GEMV shape's split (the graphs captured
-    again over the chosen splits), beside the heuristic's figures of the same run; the choices."""
-    from engine.ops.gpu import quant  # noqa: PLC0415
-
-    quant.TUNE, before = True, dict(quant._SPLITS)
-    try:
-        rows = decode_afresh(eng, args)
-    finally:
-        quant.TUNE = False
-        chosen = {str(key[1:]): split for key, split in quant._SPLITS.items()}
-        timed = [
-            {"shape": str(key[1:]), "split": quant._SPLITS[key], "us": us, "bytes": read}
-            for key, (us, read) in quant.GEMV_TIMES.items()
-        ]
-        quant._SPLITS.clear()
-        quant._SPLITS.update(before)
-        quant.GEMV_TIMES.clear()
-        eng.runner.drop_graphs()
-    for d in rows:
-        print(f"decode B={d['batch']} with timed GEMV splits: {d['tok_s']:.1f} tok/s", flush=True)
-    print(
-        "GEMV shapes (fmt, rows, n, k, top_k, glu, grouped), slowest first: split, us a launch, MB read, GB/s"
-    )
-    for t in sorted(timed, key=lambda t: -t["us"]):
-        print(
-            f"  {t['shape']:<42} {t['split']:>3} {t['us']:8.1f} {t['bytes'] / 1e6:8.2f} {t['bytes'] / t['us'] / 1e3:8.0f}"
-        )
-    return [{**d, "splits": chosen, "gemv_times": timed} for d in rows]
-
-
-def decode_variants(eng, args) -> list[dict]:
-    """Decode again per `--gemv-variants` setting of the quantized GEMV's launch (warps a program,
-    the K loop's pipelining stages and unrolling, rows a program), the graphs captured again for
-    each; the settings in force before are restored."""
-    from engine.ops.gpu import quant  # noqa: PLC0415
-
-    before = (quant.GEMV_WARPS, quant.GEMV_STAGES, quant.GEMV_UNROLL, quant.GEMV_BLOCK_N)
-    out = []
-    try:
-        for spec in args.gemv_variants.split(","):
-            warps, stages, unroll, bn = (int(v) if v not in ("", "-") else None for v in spec.split(":"))
-            quant.GEMV_WARPS, quant.GEMV_STAGES, quant.GEMV_UNROLL = warps, stages, unroll
-            quant.GEMV_BLOCK_N = bn
-            rows = decode_afresh(eng, args)
-            for d in rows:
-                print(
-                    f"decode B={d['batch']} GEMV warps {warps} stages {stages} unroll {unroll} rows {bn}: "
-                    f"{d['tok_s']:.1f} tok/s",
-                    flush=True,
-                )
-            out += [{**d, "warps": warps, "stages": stages, "unroll": unroll, "block_n": bn} for d in rows]
-    finally:
-        quant.GEMV_WARPS, quant.GEMV_STAGES, quant.GEMV_UNROLL, quant.GEMV_BLOCK_N = before
-        quant._SPLITS.clear()
-        eng.runner.drop_graphs()
-    return out
 
 
 def profile_generate(eng, prompt: list[int], name: str, steps: int = 8) -> dict:
@@ -604,8 +474,6 @@ def table(result: dict) -> str:
             f"| {r['weights_vs_file']:.2f} | {r['load_s']:.0f} | {r['prefill']['tok_s']:.0f} | {num(decode_tok_s(r, 1), '.1f')} "
             f"| {num(decode_tok_s(r, 4), '.1f')} |"
         )
-        if a := r.get("prefill_bf16_activations"):  # FP8 with x in bf16 (FT_FP8_ACT=0)
-            lines.append(f"| {fmt}, x in bf16 (ours) | | | | | | {a['tok_s']:.0f} | | |")
     if llama := result.get("llama"):
         lines.append(
             f"| q4_k_m (llama.cpp) | Q4_K_M | {llama['file_bytes'] / GB:.2f} | — | — | {llama['load_s']:.0f} "
@@ -661,17 +529,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--markdown", type=Path)
     p.add_argument(
         "--profile", action="store_true", help="GPU: the kernels of a decode token (torch's profiler)"
-    )
-    p.add_argument(
-        "--gemv-variants",
-        metavar="W:S:U:BN,...",
-        help="GPU: decode again per quantized-GEMV launch setting: warps, K-loop pipelining stages, "
-        "unrolling ('-': Triton's default), rows a program; e.g. 4:-:-:32,4:-:2:32",
-    )
-    p.add_argument(
-        "--tune-gemv",
-        action="store_true",
-        help="GPU: decode again with each quantized GEMV's split timed per shape (FT_GEMV_TUNE=1)",
     )
     args = p.parse_args(argv)
     args.parts = list(
