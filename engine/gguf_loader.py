@@ -32,9 +32,10 @@ from engine.gguf_layout import (
     from_gguf_global,
     permute_value_heads,
 )
-from engine.loader import CheckpointError, aligned, build_model, dense, fingerprint, one_way, place
+from engine.loader import CheckpointError, build_model, fingerprint, place
 from engine.model import HybridForCausalLM
 from engine.quant.ggml import SUPPORTED, T, as_bytes, dequantize
+from engine.weights import aligned, dense, one_way
 
 SPLIT_NAME = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(.+)$")

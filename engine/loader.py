@@ -4,7 +4,7 @@ On disk, experts are stored one tensor per expert (`mlp.experts.E.gate_proj.weig
 writes them); in memory they are stacked (`mlp.experts.gate_up_proj` [E, 2I, H],
 `mlp.experts.down_proj` [E, H, I]). Multimodal checkpoints keep the text model under
 `model.language_model.`; vision and MTP weights are ignored. FP8 checkpoints (Qwen's `-FP8`
-releases) are dequantized at load; a `.gguf` model goes to `engine.gguf_loader`.
+releases) are dequantized at load; `engine.load.load_folder` sends a `.gguf` model to `engine.gguf_loader`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.model import HybridForCausalLM
 from engine.quant import fp8 as fp8_quant
+from engine.weights import aligned, cat_rows, one_way, stack
 
 IGNORED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
 EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -105,15 +106,6 @@ def fp8_pairing(folder: Path, dtype: torch.dtype | None, keep_quantized: bool = 
     return fp8_quant.Pairing(block, dtype or getattr(torch, default), pack)
 
 
-def aligned(tensor: torch.Tensor, alignment: int = 64) -> torch.Tensor:
-    """`tensor` in memory aligned like torch's own allocations. Where a weight sits in a file
-    decides its alignment, and CPU kernels vectorise reductions by alignment: without this the
-    same weights from a single file and from shards gave logits 7e-7 apart."""
-    if tensor.data_ptr() % alignment == 0:
-        return tensor
-    return torch.empty_like(tensor).copy_(tensor)
-
-
 def stack_experts(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-expert tensors -> stacked gate_up_proj [E, 2I, H] and down_proj [E, H, I]."""
     out: dict[str, torch.Tensor] = {}
@@ -135,41 +127,6 @@ def stack_experts(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         down = stack([projs["down_proj"][e] for e in order])
         out[f"{prefix}.gate_up_proj"], out[f"{prefix}.down_proj"] = one_way(gate_up, down)
     return out
-
-
-def one_way(gate_up, down) -> tuple:
-    """A layer's expert stacks, both kept quantized or both dense: the experts run one way."""
-    if isinstance(gate_up, torch.Tensor) != isinstance(down, torch.Tensor):
-        return dense(gate_up), dense(down)
-    return gate_up, down
-
-
-def dense(w, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A weight as a tensor: a `QuantWeight` dequantized, to `dtype` (default: the dtype it stands for)."""
-    return w if isinstance(w, torch.Tensor) else w.dequantize().to(dtype or w.dtype)
-
-
-def cat_rows(weights: list) -> Any:
-    """Weights [.., N_i, K] → one [.., sum N_i, K]: still quantized where their blocks line up
-    (`quant.can_concat`), else dequantized."""
-    if all(isinstance(w, torch.Tensor) for w in weights):
-        return torch.cat(weights, dim=-2)
-    from engine.ops.gpu import quant  # noqa: PLC0415
-
-    if all(isinstance(w, quant.QuantWeight) for w in weights) and quant.can_concat(weights):
-        return quant.concat_rows(weights)
-    return torch.cat([dense(w) for w in weights], dim=-2)
-
-
-def stack(weights: list) -> Any:
-    """Expert weights [N, K] → [E, N, K]: quantized if all are, in one format, else dequantized."""
-    if all(isinstance(w, torch.Tensor) for w in weights):
-        return torch.stack(weights)
-    from engine.ops.gpu import quant  # noqa: PLC0415
-
-    if all(isinstance(w, quant.QuantWeight) and w.fmt == weights[0].fmt for w in weights):
-        return quant.stack(weights)
-    return torch.stack([dense(w) for w in weights])
 
 
 def build_model(config: ModelConfig, state_dict: dict[str, Any]) -> HybridForCausalLM:
@@ -260,21 +217,3 @@ def fingerprint(config: ModelConfig, state_dict: dict[str, Any]) -> str:
             head = tensor.detach().flatten()[:256].float().cpu()
             h.update(head.numpy().tobytes())
     return h.hexdigest()
-
-
-def load_folder(
-    folder: str | Path, device: torch.device, dtype: torch.dtype | None = None, keep_quantized: bool | None = None
-) -> tuple[HybridForCausalLM, str]:
-    """An HF folder, or a GGUF model (a `.gguf` file, a split, a folder of them: `engine.gguf_loader`).
-    `keep_quantized` (default: on a CUDA device): quantized weights stay packed in memory and run
-    through the Triton kernels (engine/ops/gpu/quant.py); else they are dequantized at load."""
-    from engine.gguf_loader import is_gguf, load_gguf  # noqa: PLC0415 (it builds on this module)
-
-    keep = device.type == "cuda" if keep_quantized is None else keep_quantized
-    if is_gguf(folder):
-        return load_gguf(folder, device, dtype, keep)
-    folder = Path(folder)
-    config = ModelConfig.from_folder(folder)
-    state_dict = read_state_dict(folder, dtype, keep)
-    model = build_model(config, state_dict)
-    return place(model, device), fingerprint(config, state_dict)

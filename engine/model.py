@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, cast
+from typing import Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -16,8 +16,13 @@ from engine.config import ModelConfig
 from engine.ops import Kernels, moe_experts_quantized
 from engine.ops.rope import rope_cos_sin
 
-if TYPE_CHECKING:
-    from engine.expert_cache import ExpertCache
+
+class OffloadedExperts(Protocol):
+    """A MoE layer's routed experts held outside the model (`engine.offload.cache.ExpertCache`)."""
+
+    def run(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, moe_experts: Callable
+    ) -> torch.Tensor: ...
 
 
 def matmul(x: torch.Tensor, w) -> torch.Tensor:
@@ -384,7 +389,7 @@ class MLP(nn.Module):
 
 
 class SparseMoe(nn.Module):
-    """Routed experts and a shared expert. With `offload` set (engine/offload.py), the routed
+    """Routed experts and a shared expert. With `offload` set (engine/offload/), the routed
     experts live there instead of in `experts`, and run on its device slots."""
 
     def __init__(self, c: ModelConfig):
@@ -392,7 +397,7 @@ class SparseMoe(nn.Module):
         self.c = c
         self.gate = Weight(c.num_experts, c.hidden_size)
         self.experts: Experts | None = Experts(c)
-        self.offload: ExpertCache | None = None
+        self.offload: OffloadedExperts | None = None
         self.shared_expert = MLP(c.hidden_size, c.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
         self.folded = False  # the shared expert is expert E of the routed stacks (`fold_shared`)

@@ -15,7 +15,7 @@ stream) overlaps the compute of group j. Events order each copy after the last c
 its slot and each compute after the copies into its slots; nothing waits on the host except the
 one read of the routing that choosing experts needs. Some misses may instead be computed on the
 host from the host copy while the others are copied (`split`), and `prefetch` fills half the
-slots before the routing is known (`ExpertOffload` decides when: engine/offload.py). Copies of
+slots before the routing is known (`ExpertOffload` decides when: engine/offload/). Copies of
 experts that sit side by side on both ends (a prefill streaming a layer) go as one copy per part.
 
 With `mapped` host parts (the device reads pinned host memory in place), a forward of a few
@@ -32,17 +32,14 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.loader import dense
-
-if TYPE_CHECKING:
-    from engine.expert_stream import ExpertStream
-    from engine.offload import OffloadStats
+from engine.offload.stats import OffloadStats
+from engine.weights import dense
 
 Parts = tuple[torch.Tensor, ...]
 # token x expert assignments up to which a forward reads the experts it does not hold where they lie
@@ -53,6 +50,16 @@ HEAT_DECAY = 0.9  # per decode step: an expert's heat is its uses, the older one
 # uses by which a newcomer must be hotter than the expert it displaces: under routing without
 # locality (random weights) a swap is a copy no later step repays, so a newcomer needs ~3 recent uses
 SWAP_MARGIN = 2.0
+
+
+class Streaming(Protocol):
+    """What a layer's cache hands a streamed forward to (`engine.offload.stream.ExpertStream`)."""
+
+    active: bool
+
+    def run(
+        self, cache: ExpertCache, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, moe_experts: Callable
+    ) -> torch.Tensor: ...
 
 
 class Lane:
@@ -191,7 +198,7 @@ class ExpertCache:
         self.heat = np.zeros(self.num_experts)  # decayed uses per decode step (`refresh`)
         self.pending: Any = None  # event: the last refresh's copies and table published
         self.next: ExpertCache | None = None  # the following layer's cache
-        self.stream: ExpertStream | None = None  # while it streams a forward, the layers run there
+        self.stream: Streaming | None = None  # while it streams a forward, the layers run there
         self.prefetch_next = 0  # slots of the following layer to fill when this layer starts
 
     @property
@@ -340,7 +347,7 @@ class ExpertCache:
 
     def adopt(self, piece: Parts, start: int, lo: int, hi: int) -> None:
         """Fill empty slots with experts lo .. hi - 1 not resident, from `piece` (the device copy
-        of the experts from `start` on, in a stream buffer: engine/expert_stream.py), on the
+        of the experts from `start` on, in a stream buffer: engine/offload/stream.py), on the
         compute stream."""
         empty = [s for s in range(self.slots) if self.expert_in[s] < 0]
         wanted = [e for e in range(lo, hi) if self.slot_of[e] < 0]

@@ -12,7 +12,7 @@ copied into the buffer of piece j once piece j's experts have run: the copies of
 the layer's first piece had run), and nothing waits on the host, so the host queues the whole
 forward ahead of the device.
 
-The experts resident in a layer's slots (engine/expert_cache.py) run from there, in one call
+The experts resident in a layer's slots (engine/offload/cache.py) run from there, in one call
 before the pieces, and a piece copies only the span of its experts that are not (nothing where
 all are): the slots save link bytes here too. What decode keeps resident survives a long prefill;
 only a layer's empty slots are filled, from the pieces as they pass (device to device, nothing
@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from engine.expert_cache import ExpertCache, Lane, Parts
-    from engine.offload import OffloadStats
+    from engine.offload.cache import ExpertCache, Lane, Parts
+    from engine.offload.stats import OffloadStats
 
 STREAM_PIECES = 4  # pieces a layer's experts stream in: a buffer holds one
 STREAM_BUFFERS = 3  # pieces in flight at once

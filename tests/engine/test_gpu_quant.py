@@ -7,14 +7,11 @@ over the same input, plus 0.01).
     FT_MATERIALISE=1 pytest -m gpu tests/engine/test_gpu_quant.py -s
 
 The file is llama.cpp's Q4_K_M when `llama-quantize` is built (.peer/), else the tests' own
-Q4_K_M-like mix (tests/engine/kquants.py: Q4_K, Q5_K, Q6_K). Each test prints `METRIC name value`;
-with FT_METRICS_JSON=PATH the metrics are also written there as JSON.
+Q4_K_M-like mix (tests/engine/kquants.py: Q4_K, Q5_K, Q6_K). Each test prints `METRIC name value`.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import pytest
@@ -37,8 +34,6 @@ METRICS: dict[str, float | str] = {}
 def metric(name: str, value) -> None:
     METRICS[name] = value
     print(f"METRIC {name} {value} seed={SEED}")
-    if path := os.environ.get("FT_METRICS_JSON"):
-        Path(path).write_text(json.dumps({**METRICS, "seed": SEED}, indent=2))
 
 
 @pytest.fixture(scope="module")

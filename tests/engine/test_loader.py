@@ -103,7 +103,8 @@ def test_a_move_copies_each_storage_once_and_keeps_the_fused_views(preset_dirs):
     """`place`'s move (engine.loader.copy_storages; here CPU to CPU): every weight's values, and
     each fused projection's parts still views of the one fused weight, so the model's bytes
     after the move are those before (`Module.to` would have held each fused weight twice)."""
-    from engine.loader import copy_storages, load_folder  # noqa: PLC0415
+    from engine.load import load_folder  # noqa: PLC0415
+    from engine.loader import copy_storages  # noqa: PLC0415
     from engine.offload import dense_bytes  # noqa: PLC0415
 
     model, _ = load_folder(preset_dirs["tiny"], torch.device("cpu"))
@@ -123,7 +124,7 @@ def test_the_moe_projection_is_padded_to_aligned_rows(preset_dirs):
     """The shared expert's gate and up, the router and its output gate fuse into an odd number of
     rows (2I + E + 1): zero rows pad it to a multiple of 8 (aligned outputs: cuBLAS's fast GEMMs),
     the parts still views of it."""
-    from engine.loader import load_folder  # noqa: PLC0415
+    from engine.load import load_folder  # noqa: PLC0415
 
     model, _ = load_folder(preset_dirs["tiny"], torch.device("cpu"))
     c = model.config

@@ -13,8 +13,6 @@ import torch
 from checkpoint_store.snapshot import concat_chain
 from engine import Engine, SamplingParams
 from engine import offload as expert_offload
-from engine.expert_cache import ExpertCache, Lane
-from engine.expert_stream import STREAM_BUFFERS, ExpertStream
 from engine.feed import Feed
 from engine.offload import (
     BudgetError,
@@ -26,6 +24,8 @@ from engine.offload import (
     plan,
     state_bytes,
 )
+from engine.offload.cache import ExpertCache, Lane
+from engine.offload.stream import STREAM_BUFFERS, ExpertStream
 from engine.ops.moe import experts_loop
 from engine.runner import starting_capacity
 

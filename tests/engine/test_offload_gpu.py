@@ -22,7 +22,7 @@ import torch
 from engine import Engine
 from engine.engine_config import EngineConfig
 from engine.loader import build_model, fingerprint, place
-from engine.offload import GiB, Policy, budget_for, dense_bytes, hit_ratio, plan
+from engine.offload import ExpertCachePolicy, GiB, budget_for, dense_bytes, hit_ratio, plan
 from engine.presets import materialise
 from engine.runner import starting_capacity
 from tests.engine.test_gpu import _within_bf16_noise
@@ -103,7 +103,7 @@ def offloaded(preset: str, dtype: torch.dtype, slots: int, spare: int = SPARE, r
         model, fingerprint(config, state_dict), EngineConfig("cuda", gpu_memory_gib=budget, max_running=running)
     )
     # of `ft serve`'s warm-up, what fits these small budgets (its full 8K-token chunk does not): what a short
-    # chunk allocates (`Plan.small`, each forward's workspace from it); the policy stays the link's estimate,
+    # chunk allocates (`OffloadPlan.small`, each forward's workspace from it); the policy stays the link's estimate,
     # so that each test's chunk lengths choose its path (measured, chunks of ~9 tokens streamed on the H200)
     policy = engine.offload.policy
     engine.offload.calibrate_stream(lambda n: engine.prefill(engine.new_state(), prompt(n)))
@@ -165,7 +165,7 @@ class TestSmallFp32:
     def test_fp32_misses_computed_on_the_host(self, small_fp32):
         engine, want = small_fp32
         offload = engine.offload
-        saved, offload.policy = offload.policy, Policy(offload.policy.stream_tokens, cpu_rows=2)
+        saved, offload.policy = offload.policy, ExpertCachePolicy(offload.policy.stream_tokens, cpu_rows=2)
         held(engine, "after_first_test")
         try:
             before = offload.stats.on_host

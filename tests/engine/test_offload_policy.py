@@ -14,8 +14,8 @@ import torch
 from engine import Engine, SamplingParams
 from engine import offload as expert_offload
 from engine.config import ModelConfig
-from engine.expert_cache import ExpertCache, Lane
-from engine.offload import Link, OffloadStats, Plan, Policy, state_bytes
+from engine.offload import ExpertCachePolicy, Link, OffloadPlan, OffloadStats, state_bytes
+from engine.offload.cache import ExpertCache, Lane
 from engine.ops.moe import experts_loop
 from engine.presets import preset_config
 from engine.runner import starting_capacity
@@ -51,14 +51,14 @@ def _trace(engine: Engine) -> list[tuple[str, int]]:
 
 def test_coverage_tokens():
     c = ModelConfig.from_dict(preset_config("qwen3.6-35b-a3b"))
-    assert Policy.coverage_tokens(c) == 73  # 1 - (1 - 8/256)^73 >= 0.9 > 1 - (1 - 8/256)^72
+    assert ExpertCachePolicy.coverage_tokens(c) == 73  # 1 - (1 - 8/256)^73 >= 0.9 > 1 - (1 - 8/256)^72
     tiny = ModelConfig.from_dict(preset_config("tiny"))
-    assert Policy.coverage_tokens(tiny) == 9
+    assert ExpertCachePolicy.coverage_tokens(tiny) == 9
 
 
 def test_policy_from_the_link():
     c = ModelConfig.from_dict(preset_config("qwen3.6-35b-a3b"))
-    policy = Policy.measured(c, Link(h2d_bytes_per_s=50e9, host_expert_s=1e-3, host_row_s=1e-4), 6 << 20)
+    policy = ExpertCachePolicy.measured(c, Link(h2d_bytes_per_s=50e9, host_expert_s=1e-3, host_row_s=1e-4), 6 << 20)
     assert policy.costs == ((6 << 20) / 50e9, 1e-3, 1e-4) and policy.stream_tokens == 73
 
 
@@ -67,7 +67,7 @@ def test_stream_threshold_where_fetching_costs_as_much_as_streaming():
     0.35 s: fetching costs as much as the stream at 7 tokens (20% of the experts). Never below what
     a decode step of 4 sequences reads in place (5 tokens), never above 90% coverage (73)."""
     c = ModelConfig.from_dict(preset_config("qwen3.6-35b-a3b"))
-    policy = Policy(Policy.coverage_tokens(c))
+    policy = ExpertCachePolicy(ExpertCachePolicy.coverage_tokens(c))
     assert policy.crossover(c, 24, 0.94, 0.35).stream_tokens == 7
     assert policy.crossover(c, 24, 0.35, 0.35).stream_tokens == 24
     assert policy.crossover(c, 24, 0.2, 0.35).stream_tokens == 73  # fetching cheaper up to 90% coverage
@@ -91,7 +91,7 @@ def test_the_stream_threshold_measured_both_ways(preset_dirs, tiny):
 
     policy = offload.calibrate_stream(prefill, tokens=6)
     assert streamed == [False, False, True, True]
-    assert policy is offload.policy and policy.stream_tokens <= Policy.coverage_tokens(offload.config)
+    assert policy is offload.policy and policy.stream_tokens <= ExpertCachePolicy.coverage_tokens(offload.config)
 
 
 def test_host_and_copies_balanced():
@@ -155,7 +155,7 @@ def test_misses_computed_on_the_host_match_no_offload(preset_dirs, tiny, monkeyp
     monkeypatch.setattr(expert_offload, "install", functools.partial(expert_offload.install, mapped=False))
     engine = _load(preset_dirs, tiny, slots=2)
     offload = engine.offload
-    offload.policy = Policy(stream_tokens=offload.policy.stream_tokens, cpu_rows=3)
+    offload.policy = ExpertCachePolicy(stream_tokens=offload.policy.stream_tokens, cpu_rows=3)
     tokens = _prompt(6, 4)  # a short suffix: below stream_tokens
     out = {}
     for name, eng in (("plain", tiny), ("offload", engine)):
@@ -328,7 +328,7 @@ def test_a_short_chunk_keeps_room_for_its_share_of_the_workspace():
     """Before `calibrate_stream` measured a short chunk (`small`), every forward keeps a full chunk's
     workspace free; after it, a chunk keeps the short chunks' plus its share of the full one's,
     never more than the full chunk's."""
-    p = Plan(
+    p = OffloadPlan(
         budget=1 << 30, dense=0, states=0, workspace=8_192_000, expert_bytes=1, layers=1, slots=8, rows=0, chunk=8192
     )
     assert p.workspace_for(9) == p.workspace_for(8192) == 8_192_000

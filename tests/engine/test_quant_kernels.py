@@ -380,7 +380,7 @@ def test_gather_copies_each_staged_row_from_its_expert_and_skips_absent_ones():
     """The staging gather (engine/ops/gpu/gather.py) equals `gather_rows`: the parts of a Q4_K
     stack (four dtypes, widths not multiples of the block) and a second launch's parts beyond
     four; rows of id -1 keep what they held."""
-    from engine.expert_cache import gather_rows  # noqa: PLC0415
+    from engine.offload.cache import gather_rows  # noqa: PLC0415
     from engine.ops.gpu.gather import gather_experts, gather_fits  # noqa: PLC0415
 
     w, _ = ggml_weight(T.Q4_K, (6, 24, 512))

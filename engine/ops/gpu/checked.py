@@ -3,7 +3,7 @@ inputs (outside any CUDA graph capture); on a mismatch or an error the plain ver
 the reason logged. This keeps a new Triton kernel from silently corrupting results on a device or
 library version it was never run on. Running out of memory is no verdict on the kernel: it is
 raised, unchecked, to the caller (under a memory budget, warm-up gives up expert slots and runs the
-forward again; engine/offload.py)."""
+forward again; engine/offload/)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,28 @@
+"""Loading a model from a path: an HF folder (`engine.loader`) or a GGUF model (`engine.gguf_loader`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.config import ModelConfig
+from engine.gguf_loader import is_gguf, load_gguf
+from engine.loader import build_model, fingerprint, place, read_state_dict
+from engine.model import HybridForCausalLM
+
+
+def load_folder(
+    folder: str | Path, device: torch.device, dtype: torch.dtype | None = None, keep_quantized: bool | None = None
+) -> tuple[HybridForCausalLM, str]:
+    """An HF folder, or a GGUF model (a `.gguf` file, a split, a folder of them: `engine.gguf_loader`).
+    `keep_quantized` (default: on a CUDA device): quantized weights stay packed in memory and run
+    through the Triton kernels (engine/ops/gpu/quant.py); else they are dequantized at load."""
+    keep = device.type == "cuda" if keep_quantized is None else keep_quantized
+    if is_gguf(folder):
+        return load_gguf(folder, device, dtype, keep)
+    folder = Path(folder)
+    config = ModelConfig.from_folder(folder)
+    state_dict = read_state_dict(folder, dtype, keep)
+    model = build_model(config, state_dict)
+    return place(model, device), fingerprint(config, state_dict)
