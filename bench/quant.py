@@ -541,6 +541,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     os.environ.setdefault("FT_MATERIALISE", "1" if args.device != "cpu" else "0")
     result = json.loads(args.json.read_text()) if args.json.is_file() else {}
