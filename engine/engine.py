@@ -24,7 +24,8 @@ from engine.config import ModelConfig
 from engine.copies import StateCopies
 from engine.engine_config import EngineConfig
 from engine.feed import Feed, PrefillResult
-from engine.loader import build_model, fingerprint, load_folder, place
+from engine.load import load_folder
+from engine.loader import build_model, fingerprint, place
 from engine.model import HybridForCausalLM
 from engine.ops import Kernels, kernels_for
 from engine.runner import GRAPH_CAPACITY, PREFILL_BUCKETS, Runner, starting_capacity
