@@ -33,12 +33,10 @@ from engine.sampling import Decoding, SamplingParams, TokenEvent
 from engine.scheduler import SLOT_PREFILL_ALONE, Limits, Scheduler, StepPlan
 from engine.state import SequenceState
 from engine.step_log import StepTimer
+from engine.warmup import warm_up
 from ft import env
 
 log = logging.getLogger(__name__)
-# captured states per sequence of a step that warm-up pins host memory for ahead: a step of
-# several prompts, each split at a few segment boundaries, captures a few states each
-PINNED_CAPTURES = 3
 
 
 class Engine:
@@ -431,56 +429,7 @@ class Engine:
     def warmup(self) -> None:
         """Run every path once (kernel compilation and checks, the CUDA graphs of decode batches up
         to `max_running`, capture and restore copies) so that the first request does not pay for it."""
-        if self.device.type == "cuda":  # kernels tuned per shape: full and unaligned prefill chunks as well
-            self._warm_device()
-        else:
-            self._warm_graphs()
-        state = self.new_state()
-        result = self.prefill(state, list(range(1000, 1160)), capture_at=[64, 160])
-        list(self.generate(state, result.logits, SamplingParams(), forced=[11, 12, 13, 14]))
-        restored = self.restore(result.snapshots)
-        self.prefill(restored, [15, 16, 17])
-        if self.offload is not None:
-            self._warm_graphs()  # those dropped if the slots shrank since
-            self.offload.reset_stats()
-
-    def _warm_graphs(self) -> None:
-        self.runner.warmup(self.engine_config.max_running, prefill=self.scheduler.slot_prefill)
-
-    def _warm_device(self) -> None:
-        running = self.engine_config.max_running
-        if self.runtime is not None:
-            captures = PINNED_CAPTURES * max(running, 2)  # 2: warm-up's own step of two sequences, below
-            states = captures * expert_offload.recurrent_bytes(self.config, self.dtype)
-            kv = expert_offload.kv_bytes(self.config, self.dtype, self.step_tokens)  # a step's, snapshotted too
-            self.runtime.reserve_pinned(states + kv)
-            self.runtime.prepare_attention(self.step_tokens)
-
-        def chunk() -> None:
-            self.prefill(self.new_state(), [1000 + i % 50_000 for i in range(self.step_tokens)])
-
-        if self.offload is None:
-            self._warm_graphs()
-            chunk()
-        else:  # what both allocate is measured: the expert slots keep room for them within the budget
-            offload = self.offload
-
-            def calibrated() -> None:
-                chunk()
-                if offload.stream is not None:  # it filled the empty slots: the next runs them too
-                    chunk()
-                self._warm_graphs()
-
-            offload.calibrate_workspace(calibrated)
-            offload.calibrate_stream(lambda n: self.prefill(self.new_state(), [1000 + i for i in range(n)]))
-        # A first request's eager prefill: unaligned lengths split at captures (the aligned runs
-        # above leave other kernel specialisations to it, which a cold first request would pay for)
-        self.prefill(self.new_state(), [1000 + i for i in range(SLOT_PREFILL_ALONE + 733)], capture_at=[1_001])
-        # several sequences in one forward (the varlen conv and scan), one of them split at a capture
-        sizes = ((77, [300]), (301, []))
-        feeds = [Feed(self.new_state(), [1000 + i for i in range(PREFILL_BUCKETS[-1] + n)], capture_at=caps)
-                 for n, caps in sizes]
-        self.step([(feed, feed.remaining) for feed in feeds])
+        warm_up(self)
 
 
 def _decoded(feeds: Sequence[Feed], logits: torch.Tensor) -> None:
