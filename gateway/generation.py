@@ -151,6 +151,7 @@ class Generation:
             yield feed
             logits = cast(PrefillResult, feed.result).logits
         self._send(stops.filter(parser.feed(detok.flush()) + parser.close()) + stops.flush())
+        self.metrics.count_tool_markup(parser.recovered, parser.kept_as_text)
         return generated, "stop" if ev.token_id in eos or ev.finish_reason == "stop" else "length"
 
     def _reasoning_tokens(self, generated: list[int]) -> int:

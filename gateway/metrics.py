@@ -29,6 +29,7 @@ TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PHASES = ("queue", "restore", "prefill")
 TOKEN_KINDS = ("prefilled", "reused", "continued", "generated", "precomputed")
+TOOL_MARKUP_OUTCOMES = ("recovered", "kept_as_text")
 RECENT = 32  # requests kept for `ft top`
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -84,6 +85,11 @@ class Metrics:
         self.tokens = Counter("ft_tokens", "Tokens by kind", ["kind"], registry=self.registry)
         for kind in TOKEN_KINDS:
             self.tokens.labels(kind)
+        self.tool_markup = Counter("ft_tool_call_markup", "Tool-call markup the model wrote other than the "
+                                   "template does: read as the call it meant, or passed on as text",
+                                   ["outcome"], registry=self.registry)
+        for outcome in TOOL_MARKUP_OUTCOMES:
+            self.tool_markup.labels(outcome)
         self.ttft = PromHistogram("ft_ttft_seconds", "Time from request to first token", buckets=TTFT_BUCKETS,
                               registry=self.registry)
         self.phases = {
@@ -102,6 +108,11 @@ class Metrics:
     def add_tokens(self, **counts: int) -> None:
         for kind, n in counts.items():
             self.tokens.labels(kind).inc(n)
+
+    def count_tool_markup(self, recovered: int, kept_as_text: int) -> None:
+        """One answer's tool-call markup outside the template's form (`QwenParser` counts it)."""
+        self.tool_markup.labels("recovered").inc(recovered)
+        self.tool_markup.labels("kept_as_text").inc(kept_as_text)
 
     def observe_ttft(self, seconds: float, phases: dict[str, float] | None = None, restored: int = 0,
                      prefilled: int = 0, endpoint: str = "") -> None:

@@ -7,8 +7,20 @@ The generated text (after the prompt's ``<|im_start|>assistant\\n<think>\\n``) l
 
 Text may arrive split anywhere (even inside a tag). The parser holds back only what could
 still be the start of a tag or of whitespace the template strips, so its events do not
-depend on where the text was split. Malformed markup never raises: it becomes text (or
-ends the tool call it appeared in).
+depend on where the text was split. Malformed markup never raises.
+
+Models also write calls the template would not (`recovery.py`). Where the intent is
+unambiguous the parser reads them as the call meant, and counts them in `recovered`:
+
+- a Hermes-form call (JSON inside ``<tool_call>``) of a known tool whose schema accepts it;
+- a value without ``</parameter>``, ended by ``</function>`` and ``</tool_call>`` or by
+  ``<parameter=P>`` naming another parameter of the tool;
+- ``</tool_call>`` where ``</function>`` was due;
+- a call opened inside the reasoning (``<tool_call>`` then ``<function=NAME>`` of a known tool):
+  the reasoning ends there;
+- a string-typed value written as a JSON string literal.
+
+Other markup becomes text and is counted in `kept_as_text`.
 """
 
 from __future__ import annotations
@@ -17,13 +29,13 @@ import secrets
 from collections.abc import Callable, Collection, Mapping
 
 from gateway.events import Event, ReasoningDelta, TextDelta
-from gateway.parsers.tool_call import ToolCallBuilder
+from gateway.parsers.recovery import hermes_call
+from gateway.parsers.tool_call import ToolCallBuilder, whole_call
+from gateway.parsers.value_end import CALL_CLOSE, FUNC_CLOSE, PARAM_OPEN, value_end
 
 THINK_END = "</think>"
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-FUNC_OPEN, FUNC_CLOSE = "<function=", "</function>"
-PARAM_OPEN, PARAM_END = "<parameter=", "\n</parameter>"
-PARAM_CLOSE = "</parameter>"
+CALL_OPEN = "<tool_call>"
+FUNC_OPEN = "<function="
 MAX_NAME = 256
 
 
@@ -38,12 +50,6 @@ def held(buf: str, token: str) -> int:
         if buf.endswith(token[:k]):
             return k
     return 0
-
-
-def value_held(buf: str) -> int:
-    """What a parameter value's end may still be the start of: its closing tag, after the
-    newline the template writes or right after the value (an empty one, as a model may write)."""
-    return max(held(buf, PARAM_END), held(buf, PARAM_CLOSE))
 
 
 class QwenParser:
@@ -69,6 +75,9 @@ class QwenParser:
         self._out: list[Event] = []
         self._call: ToolCallBuilder | None = None
         self._n_calls = 0
+        self.recovered = 0  # calls read from markup the template would not write
+        self.kept_as_text = 0  # tool-call markup too ambiguous to read, passed on as text
+        self._think_open = False  # a call ended the reasoning: a later </think> is dropped
 
     @property
     def saw_tool_call(self) -> bool:
@@ -104,7 +113,46 @@ class QwenParser:
         return True
 
     def _step_reasoning(self) -> bool:
-        return self._scan(THINK_END, ReasoningDelta, "\n", "text_start")
+        i = self._buf.find(CALL_OPEN)
+        if i < 0 or 0 <= self._buf.find(THINK_END) < i:
+            held_call = held(self._buf, CALL_OPEN)
+            if held_call and THINK_END not in self._buf:
+                return self._hold_reasoning(len(self._buf) - held_call)
+            return self._scan(THINK_END, ReasoningDelta, "\n", "text_start")
+        verdict = self._reasoning_call(self._buf[i + len(CALL_OPEN) :])
+        if verdict is None:
+            return self._hold_reasoning(i)
+        if verdict:
+            self._emit(ReasoningDelta, self._buf[:i].rstrip("\n"))
+            self._buf, self._state = self._buf[i + len(CALL_OPEN) :], "call_open"
+            self.recovered, self._think_open = self.recovered + 1, True
+            return True
+        self.kept_as_text += 1
+        self._emit(ReasoningDelta, self._buf[: i + len(CALL_OPEN)])
+        self._buf = self._buf[i + len(CALL_OPEN) :]
+        return True
+
+    def _hold_reasoning(self, end: int) -> bool:
+        """Emit the reasoning before `end` (less the newlines that may precede a tag); hold the rest."""
+        safe = self._buf[:end].rstrip("\n")
+        self._emit(ReasoningDelta, safe)
+        self._buf = self._buf[len(safe) :]
+        return False
+
+    def _reasoning_call(self, after: str) -> bool | None:
+        """Whether ``<tool_call>`` inside the reasoning opens a call: `<function=NAME>` of a
+        known tool follows; None while the text so far cannot tell."""
+        s = after.lstrip()
+        if len(s) < len(FUNC_OPEN):
+            return None if FUNC_OPEN.startswith(s) else False
+        if not s.startswith(FUNC_OPEN):
+            return False
+        j = s.find(">", len(FUNC_OPEN))
+        name = s[len(FUNC_OPEN) : j if j >= 0 else len(s)]
+        if j < 0:
+            plausible = len(name) <= MAX_NAME and not any(c.isspace() or c == "<" for c in name)
+            return None if plausible else False
+        return name in self._tools or name in self._custom
 
     def _step_text(self) -> bool:
         return self._scan(CALL_OPEN, TextDelta, None, "call_open")
@@ -127,6 +175,12 @@ class QwenParser:
             self._out.append(kind(text))
 
     def _close_reasoning(self) -> None:
+        i = self._buf.find(CALL_OPEN)
+        if i >= 0 and self._reasoning_call(self._buf[i + len(CALL_OPEN) :]):
+            self._emit(ReasoningDelta, self._buf[:i].rstrip("\n"))
+            self._buf, self._state = self._buf[i + len(CALL_OPEN) :], "call_open"
+            self.recovered += 1
+            return self._close_call_open()
         self._emit(ReasoningDelta, self._buf.rstrip("\n"))
 
     def _close_text(self) -> None:
@@ -138,6 +192,9 @@ class QwenParser:
     # -- tool calls ---------------------------------------------------------------------
 
     def _step_call_open(self) -> bool:
+        if self._buf.lstrip().startswith("{"):
+            self._state = "json_call"
+            return True
         name, rest = self._tag_name(FUNC_OPEN)
         if name is None:
             return False
@@ -171,8 +228,32 @@ class QwenParser:
         self._n_calls += 1
         self._out += self._call.open()
 
+    def _step_json_call(self) -> bool:
+        i = self._buf.find(CALL_CLOSE)
+        if i < 0:
+            return False
+        body, self._buf = self._buf[:i], self._buf[i + len(CALL_CLOSE) :]
+        self._state = "between" if self._json_call(body, CALL_CLOSE) else "text"
+        return True
+
+    def _close_json_call(self) -> None:
+        self._json_call(self._buf.rstrip(), "")
+
+    def _json_call(self, body: str, close: str) -> bool:
+        """A Hermes-form call's events, or its markup as text (counted); whether it was a call."""
+        found = hermes_call(body, self._tools)
+        if found is None:
+            self.kept_as_text += 1
+            self._emit(TextDelta, CALL_OPEN + body + close)
+            return False
+        self.recovered += 1
+        self._out += whole_call(self._n_calls, self._call_id(), *found)
+        self._n_calls += 1
+        return True
+
     def _to_text(self, text: str) -> bool:
         """Malformed markup: what was buffered is plain text after all."""
+        self.kept_as_text += 1
         self._buf, self._state = text, "text"
         if text.startswith(CALL_OPEN):
             self._emit(TextDelta, CALL_OPEN)
@@ -185,7 +266,12 @@ class QwenParser:
             self._end_call()
             self._buf, self._state = s[len(FUNC_CLOSE) :], "call_close"
             return True
-        if not s or FUNC_CLOSE.startswith(s):
+        if s.startswith(CALL_CLOSE):
+            self.recovered += 1
+            self._end_call()
+            self._buf, self._state = s[len(CALL_CLOSE) :], "between"
+            return True
+        if not s or FUNC_CLOSE.startswith(s) or CALL_CLOSE.startswith(s):
             return False
         name, rest = self._tag_name(PARAM_OPEN)
         if name is None:
@@ -199,28 +285,46 @@ class QwenParser:
         return True
 
     def _step_value(self) -> bool:
+        return self._value(final=False)
+
+    def _value(self, final: bool) -> bool:
+        """Stream the current value up to where its end may begin; at its end, move on."""
         assert self._call is not None
-        i = self._buf.find(PARAM_CLOSE)
-        if i >= 0:
-            raw = self._buf[:i]
-            self._out += self._call.param_text(raw[:-1] if raw.endswith("\n") else raw)
-            self._out += self._call.end_param()
-            self._buf, self._state = self._buf[i + len(PARAM_CLOSE) :], "params"
-            return True
-        keep = len(self._buf) - value_held(self._buf)
-        self._out += self._call.param_text(self._buf[:keep])
-        self._buf = self._buf[keep:]
-        return False
+        end = value_end(self._buf, self._call.unused_params(), final)
+        if end.at is None:
+            stop = len(self._buf) if end.wait is None else end.wait
+            keep = stop - 1 if stop and self._buf[stop - 1] == "\n" else stop
+            self._out += self._call.param_text(self._buf[:keep])
+            self._buf = self._buf[keep:]
+            return False
+        raw = self._buf[: end.at]
+        self._out += self._call.param_text(raw[:-1] if raw.endswith("\n") else raw)
+        self._out += self._call.end_param()
+        self._buf, self._state = self._buf[end.resume :], end.state
+        self.recovered += end.recovered
+        if end.state == "between":
+            self._end_call()
+        return True
 
     def _end_call(self) -> None:
         assert self._call is not None
         self._out += self._call.close()
+        self.recovered += self._call.recovered
         self._call = None
 
     def _step_call_close(self) -> bool:
         return self._skip_tag(CALL_CLOSE, "between")
 
     def _step_between(self) -> bool:
+        if self._think_open:
+            s = self._buf.lstrip()
+            if not s or (THINK_END.startswith(s) and s != THINK_END):
+                self._buf = s
+                return False
+            self._think_open = False
+            if s.startswith(THINK_END):
+                self._buf = s[len(THINK_END) :]
+                return True
         return self._skip_tag(CALL_OPEN, "call_open", otherwise="text")
 
     def _skip_tag(self, tag: str, next_state: str, otherwise: str | None = None) -> bool:
@@ -248,8 +352,10 @@ class QwenParser:
         self._end_call()
 
     def _close_value(self) -> None:
+        if self._value(final=True):
+            if self._state == "params":
+                self._end_call()
+            return
         assert self._call is not None
-        raw = self._buf[: len(self._buf) - value_held(self._buf)]
-        self._out += self._call.param_text(raw)
-        self._out += self._call.end_param()
+        self._out += self._call.end_param()  # the held newline is the template's, not the value's
         self._end_call()

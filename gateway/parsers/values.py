@@ -34,23 +34,34 @@ def convert(raw: str, type_: str | list | None) -> Any:
         value = msgspec.json.decode(raw.strip())
     except msgspec.DecodeError:
         return raw
-    if isinstance(type_, list) and "string" in type_ and not _matches(value, type_):
+    if isinstance(type_, list) and "string" in type_ and not _listed(value, type_):
         return raw
     return value
 
 
-def _matches(value: Any, types: list) -> bool:
-    names = {
-        bool: "boolean",
-        int: "integer",
-        float: "number",
-        str: "string",
-        list: "array",
-        dict: "object",
-        type(None): "null",
-    }
-    name = names.get(type(value), "")
+JSON_TYPE_NAMES = {
+    bool: "boolean",
+    int: "integer",
+    float: "number",
+    str: "string",
+    list: "array",
+    dict: "object",
+    type(None): "null",
+}
+
+
+def _listed(value: Any, types: list) -> bool:
+    name = JSON_TYPE_NAMES.get(type(value), "")
     return name in types or (name == "integer" and "number" in types)
+
+
+def matches_type(value: Any, type_: str | list) -> bool:
+    """Whether `value` has the JSON-schema `type_` (a name or a list of names); an integer is
+    also a number; a type name this check does not know accepts anything."""
+    types = type_ if isinstance(type_, list) else [type_]
+    if not all(isinstance(t, str) and t in JSON_TYPE_NAMES.values() for t in types):
+        return True
+    return _listed(value, types)
 
 
 def encode_json(value: Any) -> str:
