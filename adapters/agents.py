@@ -83,6 +83,8 @@ def claude_plan(cli: str, model: ServedModel, server: str, key: str, args: list[
         env[slot] = model.id
     env["CLAUDE_CODE_ATTRIBUTION_HEADER"] = "0"  # else a per-request billing nonce opens the system prompt
     env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] = "1"
+    if model.context_length:  # else it assumes a 1M-token window for a model id it does not know
+        env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] = str(model.context_length)
     return LaunchPlan([cli, *args], env, list(CLOUD_ENV))
 
 

@@ -14,6 +14,7 @@ import argparse
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.prompt import Confirm
 
+from adapters import server_start
 from adapters.agents import (
     AGENTS,
     LOCAL_KEY,
@@ -35,6 +37,8 @@ from adapters.agents import (
     codex_plan,
     opencode_plan,
 )
+from adapters.server_start import ServerStartError, Wanted
+from ft import env, servers
 
 DEFAULT_SERVER = "http://127.0.0.1:1919"
 AGENTS_PREFIX = Path(__file__).resolve().parents[1] / ".agents"
@@ -46,37 +50,57 @@ class LaunchError(Exception):
 
 
 def _add_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--server", default=DEFAULT_SERVER, help=f"ft server URL (default {DEFAULT_SERVER})")
-    parser.add_argument(
-        "--model", default=None, help="model id to use (default: the first one the server lists)"
-    )
-    parser.add_argument(
-        "--api-key", default=None, help="key for a server started with one (default: $FT_API_KEY)"
-    )
-    parser.add_argument(
-        "--dry-run", action="store_true", help="print what would be written and run; touch nothing"
-    )
+    parser.add_argument("--server", default=None,
+                        help=f"ft server URL (default {DEFAULT_SERVER}, or --host/--port among the serve options)")
+    parser.add_argument("--model", default=None,
+                        help="model to serve: a folder, a .gguf file or a Hugging Face repo id[:QUANT] (default: "
+                             "whatever the running server serves, else the embedded preset)")
+    parser.add_argument("--api-key", default=None, help="key for a server started with one (default: $FT_API_KEY)")
+    parser.add_argument("--dry-run", action="store_true", help="print what would be written and run; touch nothing")
     parser.add_argument("--config", action="store_true", help="codex: also write a reusable profile file")
     parser.add_argument("-y", "--yes", action="store_true", help="agree to install a missing CLI with npm")
+    parser.add_argument("--stop-after", action="store_true",
+                        help="stop the server when the agent exits (default: it keeps running for the next session)")
+    parser.add_argument("--replace", action="store_true",
+                        help="stop a running server that serves another model and start the one asked for")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = ("Any `ft serve` option (ft serve --help) may follow: a server started for this launch gets it, "
+                     "e.g. ft launch claude --model unsloth/Qwen3.6-35B-A3B-GGUF:Q4_K_M --gpu-memory 8 -- -p 'hi'")
     _add_options(parser)
     parser.add_argument("agent", choices=sorted(AGENTS), help="the agent CLI to start")
-    # Options may also follow the agent name; everything after `--` goes to the agent untouched.
-    parser.add_argument("rest", nargs=argparse.REMAINDER, help="[options] [-- agent arguments]")
+    # Options may also follow the agent name; `ft serve`'s options start a server when none answers;
+    # everything after `--` goes to the agent untouched.
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help="[options] [serve options] [-- agent arguments]")
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    from gateway.serve import add_arguments as add_serve_arguments  # noqa: PLC0415 (torch: only to start one)
+
+    parser = argparse.ArgumentParser(prog="ft serve", add_help=False, exit_on_error=False)
+    add_serve_arguments(parser)
+    return parser
 
 
 def parse_rest(args: argparse.Namespace) -> tuple[argparse.Namespace, list[str]]:
-    """Launch options given after the agent name, and the agent's own arguments (after `--`)."""
+    """Launch options given after the agent name, the `ft serve` options among them
+    (`args.serve_argv`, checked as `ft serve` parses them) and the agent's own arguments (after `--`)."""
     rest = list(args.rest)
     split = rest.index("--") if "--" in rest else len(rest)
     options, agent_args = rest[:split], rest[split + 1 :]
     parser = argparse.ArgumentParser(prog=f"ft launch {args.agent}", add_help=False)
     _add_options(parser)
-    parsed, unknown = parser.parse_known_args(options, namespace=argparse.Namespace(**vars(args)))
+    parsed, serve_argv = parser.parse_known_args(options, namespace=argparse.Namespace(**vars(args)))
+    try:
+        serve, unknown = serve_parser().parse_known_args(serve_argv)
+    except argparse.ArgumentError as exc:
+        raise LaunchError(f"serve option {exc}") from None
     if unknown:
         raise LaunchError(f"unknown option {unknown[0]!r}; put the agent's own arguments after `--`")
+    parsed.serve_argv = serve_argv
+    parsed.server = (parsed.server or f"http://{serve.host}:{serve.port}").rstrip("/")
+    parsed.served = parsed.model or serve.preset
     return parsed, agent_args
 
 
@@ -84,23 +108,39 @@ def run(args: argparse.Namespace) -> int:
     console, errors = Console(), Console(stderr=True)
     try:
         args, agent_args = parse_rest(args)
-        server = args.server.rstrip("/")
-        model = discover_model(server, args.model)
-        agent = AGENTS[args.agent]
-        cli = find_cli(agent.binary)
-        key = args.api_key or os.environ.get("FT_API_KEY") or LOCAL_KEY
-        plan = build_plan(agent, cli or agent.binary, model, server, key, agent_args, args.config)
+        server = args.server
+        key = args.api_key or env.api_key() or LOCAL_KEY
+        wanted = Wanted(server, args.served, tuple(args.serve_argv), args.api_key)
         if args.dry_run:
-            show_plan(console, agent, server, model, cli, plan)
-            return 0
-        if cli is None:
-            cli = install_cli(console, agent, args.yes)
-            plan.command[0] = cli
+            return dry_run(console, args, wanted, key, agent_args)
+        agent = AGENTS[args.agent]
+        cli = find_cli(agent.binary) or install_cli(console, agent, args.yes)
+        started = server_start.ensure(wanted, errors, args.replace)
+        model = discover_model(server)
+        plan = build_plan(agent, cli, model, server, key, agent_args, args.config)
         write_files(console, plan)
-        return execute(plan)
-    except LaunchError as exc:
-        errors.print(f"[red]ft launch:[/red] {exc}", highlight=False, soft_wrap=True)
+        if started and not args.stop_after:
+            errors.print(f"ft serve keeps running on {server} (`ft stop {wanted.port}` ends it)", highlight=False)
+        return run_then_stop(plan, wanted) if args.stop_after else execute(plan)
+    except (LaunchError, ServerStartError) as exc:
+        errors.print(f"[red]ft launch:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 1
+
+
+def dry_run(console: Console, args: argparse.Namespace, wanted: Wanted, key: str, agent_args: list[str]) -> int:
+    """What would be started, written and run; nothing is."""
+    agent = AGENTS[args.agent]
+    cli = find_cli(agent.binary)
+    if server_start.answers(wanted.url):
+        server_start.check_model(wanted)
+        model = discover_model(wanted.url)
+    else:
+        model = ServedModel(args.served or "tiny", None)
+        console.print(f"[bold]{'start':<8}[/bold] {escape(shlex.join(wanted.command()))}", highlight=False,
+                      soft_wrap=True)
+    plan = build_plan(agent, cli or agent.binary, model, wanted.url, key, agent_args, args.config)
+    show_plan(console, agent, wanted.url, model, cli, plan)
+    return 0
 
 
 def discover_model(server: str, wanted: str | None = None) -> ServedModel:
@@ -225,6 +265,21 @@ def write_files(console: Console, plan: LaunchPlan) -> None:
         except OSError as exc:
             raise LaunchError(f"cannot write {file.path}: {exc.strerror or exc}") from None
         console.print(f"wrote {file.path}", highlight=False)
+
+
+def run_then_stop(plan: LaunchPlan, wanted: Wanted) -> int:
+    """Run the agent as a child (Ctrl-C is the agent's: this process ignores it meanwhile), then
+    stop the server; the agent's exit code."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        code = subprocess.run(plan.command, env=plan.child_env(dict(os.environ))).returncode
+    except OSError as exc:
+        raise LaunchError(f"cannot start {plan.command[0]}: {exc.strerror or exc}") from None
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if (record := servers.at_port(wanted.port)) is not None and not servers.stop(record):
+        raise LaunchError(f"the server on port {wanted.port} (pid {record.pid}) did not stop")
+    return code
 
 
 def execute(plan: LaunchPlan) -> int:

@@ -10,7 +10,12 @@ import sys
 SUBCOMMANDS = {
     "model": ("ft.model", "Write model presets (deterministic random weights in HF format)."),
     "serve": ("gateway.serve", "Serve a model to agents over Anthropic / OpenAI APIs."),
-    "launch": ("adapters.launch", "Point Claude Code, Codex or OpenCode at a running server and start it."),
+    "launch": ("adapters.launch", "Start Claude Code, Codex or OpenCode on a local server (started if none runs)."),
+    "pull": ("ft.pull", "Download a model by its Hugging Face repo id (owner/name[:QUANT])."),
+    "models": ("ft.models", "List the models on this machine and their size."),
+    "ps": ("ft.ps", "List the ft servers running on this machine."),
+    "stop": ("ft.stop", "Stop running ft servers gracefully (the checkpoint store flushed)."),
+    "top": ("ft.top", "Watch a running server live: sessions, requests, caches, steps."),
     "replay": ("adapters.replay", "Replay recorded agent sessions and report TTFT per capture policy."),
 }
 

@@ -8,14 +8,18 @@ import logging
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+from engine.engine_config import EngineConfig
+from ft import env, servers
 from gateway.capture_policy import CAPTURE_POLICIES
 from gateway.http_server import ServerLimits
-from gateway.runtime import GiB, ServeConfig, build_runtime
+from gateway.serve_prepare import prepare
+from gateway.service import GiB, ServeConfig, build_service
 
-KEY_ENV = "FT_API_KEY"
+KEY_ENV = env.API_KEY
 
 
 def count(text: str) -> int:
@@ -52,17 +56,22 @@ def gib(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_mutually_exclusive_group()
-    model.add_argument("--model", type=Path, help="HF model folder (config.json + safetensors + tokenizer), "
-                       "or a GGUF model (a .gguf file, the first part of a split, a folder of parts)")
+    model.add_argument("--model", help="HF model folder (config.json + safetensors + tokenizer), a GGUF model (a "
+                       ".gguf file, the first part of a split, a folder of parts), or a Hugging Face repo id, with "
+                       ":QUANT for a GGUF repo (unsloth/Qwen3.6-35B-A3B-GGUF:Q4_K_M): downloaded on first use")
     model.add_argument("--preset", help="preset model, written on first use (default: tiny)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
     parser.add_argument("--port", type=int, default=1919, help="port (default 1919)")
-    parser.add_argument("--device", default="cpu", help="torch device: cpu or cuda (default cpu)")
+    parser.add_argument("--device", default=None, help="torch device: cpu or cuda (default: cuda when there is one)")
     parser.add_argument("--gpu-memory", type=gib, metavar="GiB",
-                        help="device memory budget: the routed experts stay in host memory and the device holds the "
-                             "dense weights, the decode slots and an expert cache within it (default: everything on "
-                             "the device)")
-    parser.add_argument("--ram-cache", type=float, default=4.0, metavar="GiB", help="RAM checkpoint budget (default 4)")
+                        help="device memory budget: everything on the device where it fits, else the routed experts "
+                             "stay in host memory and the device holds the dense weights, the decode slots and an "
+                             "expert cache within it (default: the device's free memory, less a margin)")
+    parser.add_argument("--plan", action="store_true",
+                        help="print how the model would fit (--gpu-memory, or the GPU's free memory) and exit: "
+                             "nothing is loaded, no GPU is needed")
+    parser.add_argument("--ram-cache", type=float, default=None, metavar="GiB",
+                        help="RAM checkpoint budget (default: half the host memory the model leaves, at most 32)")
     parser.add_argument("--disk-cache", type=Path, metavar="DIR", help="LMDB checkpoint folder (survives restarts)")
     parser.add_argument("--disk-cache-size", type=float, default=64.0, metavar="GiB", help="disk cap (default 64)")
     parser.add_argument("--policy", choices=CAPTURE_POLICIES, default="anchor",
@@ -87,9 +96,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sequences kept on the device after their answer; a request that extends one continues "
                              "it in place instead of restoring it from the checkpoint store (default 4; 0: always "
                              "restore)")
-    parser.add_argument("--max-running", type=positive, default=4, metavar="N",
+    parser.add_argument("--max-running", type=positive, default=None, metavar="N",
                         help="requests decoded together: every engine step runs one batched forward over their "
-                             "decode tokens and a chunk of pending prefill (default 4)")
+                             "decode tokens and a chunk of pending prefill (default 4, fewer where a GPU's memory "
+                             "needs the room for experts)")
     parser.add_argument("--decode-step-prefill", type=at_least(256), metavar="N",
                         help="prefill tokens a step carries beside sequences that are decoding: a long prompt goes "
                              "in chunks of N while others decode, so their tokens keep coming at a short step's pace "
@@ -129,8 +139,8 @@ def api_key(args: argparse.Namespace) -> str | None:
     elif args.api_key_file is not None:
         lines = args.api_key_file.read_text(encoding="utf-8").splitlines()
         key, source = (lines[0] if lines else ""), str(args.api_key_file)
-    elif KEY_ENV in os.environ:
-        key, source = os.environ[KEY_ENV], f"${KEY_ENV}"
+    elif (from_env := env.api_key()) is not None:
+        key, source = from_env, f"${KEY_ENV}"
     else:
         return None
     if not key.strip():
@@ -151,15 +161,23 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
                         shutdown_grace_s=args.shutdown_grace)
 
 
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """How the engine runs the model, from the flags (built once, handed to the engine)."""
+    return EngineConfig(
+        device=args.device or "cpu", max_running=args.max_running or EngineConfig.max_running, gpu_memory_gib=args.gpu_memory,
+        decode_step_prefill=args.decode_step_prefill, step_log_ms=args.step_log,
+    )
+
+
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(
-        model_dir=args.model, preset=args.preset or "tiny", device=args.device, host=args.host, port=args.port,
+        model_dir=args.model, preset=args.preset or "tiny", engine=engine_config_from_args(args),
+        host=args.host, port=args.port,
         ram_cache_gib=args.ram_cache, disk_cache=args.disk_cache, disk_cache_gib=args.disk_cache_size,
         policy=args.policy, api_key=api_key(args), record_dir=args.record, replay_outputs=args.replay_outputs,
         keep_volatile=args.keep_volatile, default_max_tokens=args.max_tokens, max_tokens_cap=args.max_tokens_cap,
         forced_decode=args.forced_decode, model_name=args.served_model_name, live_sequences=args.live_sequences,
-        max_running=args.max_running, max_queue=args.max_queue, gpu_memory_gib=args.gpu_memory,
-        step_log_ms=args.step_log, decode_step_prefill=args.decode_step_prefill,
+        max_queue=args.max_queue,
     )
 
 
@@ -179,7 +197,10 @@ def run(args: argparse.Namespace) -> int:
     from gateway.http_server import make_server, raise_open_file_limit  # noqa: PLC0415
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    spec = args.model or args.preset or "tiny"
     try:
+        if prepare(args):  # --plan: printed, nothing loaded
+            return 0
         config, limits = config_from_args(args), limits_from_args(args)
     except (ValueError, OSError) as exc:
         print(f"ft serve: {exc}", file=sys.stderr)
@@ -190,8 +211,9 @@ def run(args: argparse.Namespace) -> int:
     if (problem := port_problem(config.host, config.port)) is not None:
         print(f"ft serve: cannot listen on {config.host}:{config.port}: {problem}", file=sys.stderr)
         return 2
+    print(f"ft serve: loading {spec} on {config.engine.device}, then warming up", flush=True)
     try:
-        runtime = build_runtime(config)
+        runtime = build_service(config)
     except (ValueError, KeyError, OSError) as exc:
         print(f"ft serve: {exc}", file=sys.stderr)
         return 2
@@ -208,9 +230,11 @@ def run(args: argparse.Namespace) -> int:
     if (offload := runtime.engine.offload) is not None:
         print(f"  expert offload: {offload.plan.slots} of {runtime.engine.config.num_experts} experts per layer "
               f"resident ({memory['expert_cache'] / GiB:.2f} GiB on {runtime.engine.device}), all "
-              f"{memory['experts_host'] / GiB:.2f} GiB in host memory; budget {config.gpu_memory_gib:g} GiB", flush=True)
+              f"{memory['experts_host'] / GiB:.2f} GiB in host memory; budget {config.engine.gpu_memory_gib:g} GiB", flush=True)
     print(f"  Claude Code:  ft launch claude --server {url}\n  Codex:        ft launch codex --server {url}\n"
           f"  OpenCode:     ft launch opencode --server {url}", flush=True)
     raise_open_file_limit()
-    make_server(create_app(runtime), config.host, config.port, limits, args.log_level).run()
+    record = servers.ServerRecord(os.getpid(), config.host, config.port, str(spec), runtime.model_id, time.time())
+    with servers.registered(record):
+        make_server(create_app(runtime), config.host, config.port, limits, args.log_level).run()
     return 0

@@ -49,13 +49,13 @@ def home(tmp_path) -> dict[str, str]:
     [
         ("claude", ["ANTHROPIC_BASE_URL={url}", "ANTHROPIC_MODEL=tiny", "CLAUDE_CODE_SUBAGENT_MODEL=tiny",
                     "ANTHROPIC_SMALL_FAST_MODEL=tiny", "CLAUDE_CODE_ATTRIBUTION_HEADER=0",
-                    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1", "-p hello"]),
+                    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1", "CLAUDE_CODE_MAX_CONTEXT_TOKENS=65536", "-p hello"]),
         ("codex", ["'model_providers.ft.base_url=\"{url}/v1\"'", "'model_providers.ft.wire_api=\"responses\"'",
                    "'model=\"tiny\"'", "model_context_window=65536", "exec hello"]),
         ("opencode", ['"npm": "@ai-sdk/openai-compatible"', '"baseURL": "{url}/v1"', '"context": 65536',
                       '"model": "ft/tiny"', "run hello"]),
     ],
-)  # fmt: skip
+)
 def test_dry_run_prints_the_plan_and_touches_nothing(live_server, home, agent, expected):
     args = {"claude": ["-p", "hello"], "codex": ["exec", "hello"], "opencode": ["run", "hello"]}[agent]
     result = ft_launch(agent, "--server", live_server.url, "--dry-run", "--", *args, env=home)
@@ -77,10 +77,25 @@ def test_codex_config_dry_run_names_the_profile_file_without_writing_it(live_ser
     assert "--profile ft" in result.stdout and not profile.exists()
 
 
-def test_down_server_is_one_line_saying_how_to_start_one(home):
-    result = ft_launch("claude", "--server", f"http://127.0.0.1:{free_port()}", env=home)
+def test_a_down_server_on_another_machine_is_one_line_saying_how_to_start_one(home):
+    result = ft_launch("claude", "--server", f"http://127.0.0.2:{free_port()}", env=home)  # not this machine's name
     assert result.returncode == 1 and result.stdout == ""
     assert result.stderr.count("\n") == 1 and "ft serve" in result.stderr and "Traceback" not in result.stderr
+    assert "only on this machine" in result.stderr
+
+
+def test_dry_run_without_a_server_shows_the_server_it_would_start(home):
+    port = free_port()
+    result = ft_launch("claude", "--server", f"http://127.0.0.1:{port}", "--model", "small", "--gpu-memory", "8",
+                       "--dry-run", env=home)
+    assert result.returncode == 0, result.stderr
+    assert f"-m ft serve --host 127.0.0.1 --port {port} --model small --gpu-memory 8" in result.stdout
+    assert "ANTHROPIC_MODEL=small" in result.stdout
+
+
+def test_serve_options_are_checked_as_ft_serve_checks_them(home):
+    result = ft_launch("claude", "--gpu-memory", "lots", "--dry-run", env=home)
+    assert result.returncode == 1 and "--gpu-memory" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_agent_arguments_must_follow_the_separator(live_server, home):
@@ -128,7 +143,7 @@ def test_config_writes_the_codex_profile_with_a_backup_of_the_old_one(tmp_path):
     assert written["model_provider"] == "ft" and written["model_context_window"] == 4096
     assert written["model_providers"]["ft"] == {
         "name": "ft (local)", "base_url": "http://127.0.0.1:1/v1", "wire_api": "responses", "env_key": "FT_API_KEY",
-    }  # fmt: skip
+    }
 
 
 def test_plans_remove_cloud_credentials_and_fill_every_model_slot():

@@ -1,0 +1,131 @@
+"""The `ft serve` processes running on this machine: one record a server under the ft home.
+
+`ft serve` writes `servers/serve-PORT.json` (its pid, address, the model as it was asked for, when
+it started, its log file) once it listens, and removes it when it exits; `ft launch` starts
+servers in the background with their output in `servers/serve-PORT.log`; `ft ps` and `ft stop` read
+the records. A record whose process is gone (a server killed with SIGKILL) is stale and removed
+when read. This module imports nothing of the project but `ft.env`, so any layer may use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ft import env
+
+
+@dataclass(frozen=True)
+class ServerRecord:
+    """One running server: `model` is what it was asked to serve (a path, a hub spec or a preset
+    name), `model_id` the id it reports."""
+
+    pid: int
+    host: str
+    port: int
+    model: str
+    model_id: str
+    started: float
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}"
+
+
+def folder() -> Path:
+    """Where the records and the logs of background servers live."""
+    return env.home() / "servers"
+
+
+def record_path(port: int) -> Path:
+    return folder() / f"serve-{port}.json"
+
+
+def log_path(port: int) -> Path:
+    return folder() / f"serve-{port}.log"
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def write(record: ServerRecord) -> Path:
+    """Write `record` atomically (a reader never sees half a file)."""
+    path = record_path(record.port)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(asdict(record)), encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+def read(path: Path) -> ServerRecord | None:
+    try:
+        return ServerRecord(**json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def running() -> list[ServerRecord]:
+    """The records of live servers, by port; stale ones are removed."""
+    out = []
+    for path in sorted(folder().glob("serve-*.json")):
+        record = read(path)
+        if record is not None and alive(record.pid):
+            out.append(record)
+        elif record is not None:
+            path.unlink(missing_ok=True)
+    return sorted(out, key=lambda r: r.port)
+
+
+def at_port(port: int) -> ServerRecord | None:
+    return next((r for r in running() if r.port == port), None)
+
+
+@contextlib.contextmanager
+def registered(record: ServerRecord) -> Iterator[None]:
+    """`record` is listed while the block runs (the server's lifetime)."""
+    path = write(record)
+    try:
+        yield
+    finally:
+        current = read(path)
+        if current is not None and current.pid == record.pid:
+            path.unlink(missing_ok=True)
+
+
+def stop(record: ServerRecord, timeout: float = 120.0) -> bool:
+    """Ask the server to shut down (SIGTERM: answers in flight finish within its grace, the
+    checkpoint store is flushed and closed) and wait for its process to end; True once it has.
+    A server that does not end within `timeout` is left running (False)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(record.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive(record.pid) or _reaped(record.pid):
+            record_path(record.port).unlink(missing_ok=True)
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _reaped(pid: int) -> bool:
+    """For a server that is this process's child: reap it once it exited (else it stays a zombie, alive)."""
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return False
+    return done == pid

@@ -1,0 +1,107 @@
+"""The memory plan (`ft serve --plan`, engine/fit.py) for the random Q4_K_M 35B-A3B model: its GGUF
+header (the tensor index peer/gguf_random.py writes, from the preset's config) over a sparse file,
+so the plan reads a real file index without 20 GB of weights."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from engine import fit, footprint
+from engine.config import ModelConfig
+from engine.gguf_layout import to_gguf
+from engine.model import HybridForCausalLM
+from engine.presets import preset_config
+from ft.cli import main
+from peer.gguf_export import open_writer
+from peer.gguf_random import q4_k_m_types
+
+PRESET = "qwen3.6-35b-a3b"
+PART = re.compile(r"^  (dense weights|routed experts|decode slots|workspace|expert stream)\s+([\d.]+) GiB$")
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_index(tmp_path_factory):
+    """The preset's Q4_K_M GGUF with its header written and its tensor data a hole (a sparse file)."""
+    raw = preset_config(PRESET)
+    c = ModelConfig.from_dict(raw)
+    with torch.device("meta"):
+        shapes = {name: tuple(t.shape) for name, t in to_gguf(c, HybridForCausalLM(c).state_dict())}
+    types = q4_k_m_types(shapes, c.num_hidden_layers, c.num_experts)
+    path = tmp_path_factory.mktemp("gguf") / "qwen3.6-35b-a3b-Q4_K_M.gguf"
+    w = open_writer(c, raw, path, gguf.LlamaFileType.MOSTLY_Q4_K_M, f"{PRESET}-random-q4_k_m")
+    data = 0
+    for name, qtype in types.items():
+        shape = shapes[name]
+        if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            size = 4 if qtype == gguf.GGMLQuantizationType.F32 else 2
+            dtype, raw_shape, n_bytes, kind = np.dtype(np.float32 if size == 4 else np.float16), shape, math.prod(shape) * size, None
+        else:
+            block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+            raw_shape = (*shape[:-1], shape[-1] // block * type_size)
+            dtype, n_bytes, kind = np.dtype(np.uint8), math.prod(raw_shape), qtype
+        w.add_tensor_info(name, raw_shape, dtype, n_bytes, kind)
+        data += -(-n_bytes // 32) * 32
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    os.truncate(path, -(-path.stat().st_size // 32) * 32 + data)  # the data: a hole, no disk blocks
+    return path
+
+
+@pytest.mark.parametrize("gib", [8, 12, 24, 80])
+def test_plan_parts_sum_within_the_budget_and_small_gpus_offload(q4_k_m_index, capsys, gib):
+    assert main(["serve", "--plan", "--model", str(q4_k_m_index), "--gpu-memory", str(gib)]) == 0
+    out = capsys.readouterr().out
+    parts = {m[1]: float(m[2]) for line in out.splitlines() if (m := PART.match(line))}
+    assert {"dense weights", "routed experts", "decode slots", "workspace"} <= set(parts)
+    assert sum(parts.values()) <= gib
+    assert parts["dense weights"] == pytest.approx(1.50, abs=0.01)  # the Q4_K_M file's, packed
+    offloaded = "experts offloaded" in out.splitlines()[0]
+    assert offloaded == (gib < 80)  # 24 GiB holds every expert, not with 32K tokens for 4 sequences too
+    if gib == 8:
+        assert "4 sequences decoded together" in out and "traded: experts offloaded" in out
+        assert parts["routed experts"] < 19.45 / 4
+
+
+def test_footprint_of_the_file_is_the_one_computed_from_the_config(q4_k_m_index):
+    fp = footprint.of(q4_k_m_index, PRESET, "cuda")
+    assert fp.config.num_experts == 256 and fp.dtype == torch.bfloat16
+    assert fp.experts / fit.GiB == pytest.approx(19.45, abs=0.01)  # layer 0's experts: Q4_K gate/up, Q6_K down
+    on_cpu = footprint.of(q4_k_m_index, PRESET, "cpu")  # dequantized to fp32 there: twice the bf16 preset
+    assert on_cpu.total == 2 * footprint.of_preset(PRESET).total
+
+
+def test_a_model_that_cannot_fit_names_the_numbers_and_the_options(q4_k_m_index, capsys):
+    assert main(["serve", "--plan", "--model", str(q4_k_m_index), "--gpu-memory", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "does not fit 2.00 GiB" in err and "dense weights are 1.50 GiB" in err and "19.45 GiB" in err
+    assert "smaller quant" in err and "--device cpu" in err
+    need = re.search(r"--gpu-memory ([\d.]+) or more", err)[1]
+    assert main(["serve", "--plan", "--model", str(q4_k_m_index), "--gpu-memory", need]) == 0  # and it does fit
+    assert main(["serve", "--plan", "--model", str(q4_k_m_index), "--gpu-memory", str(float(need) - 0.1)]) == 2
+
+
+def test_plan_without_a_budget_or_a_gpu_says_what_it_needs(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU gives the plan its free memory")
+    assert main(["serve", "--plan", "--preset", "tiny", "--device", "cpu"]) == 2
+    assert "--plan without a GPU needs --gpu-memory" in capsys.readouterr().err
+
+
+def test_the_footprint_read_from_files_is_what_loading_holds():
+    from engine import Engine
+    from engine.engine import ensure_preset
+
+    folder = ensure_preset("tiny")
+    fp = footprint.of(folder, "tiny", "cpu")
+    assert (fp.dense, fp.expert) == (footprint.of_preset("tiny").dense, footprint.of_preset("tiny").expert)
+    weights = Engine.load(folder).memory()["weights"]
+    assert abs(weights - fp.total) < 0.001 * weights  # buffers beside the parameters: the rest
