@@ -12,7 +12,8 @@ same token ids; "approximate", with `why`, when the source did not record someth
 needs and the reader filled it in. Fields no model sees (Claude Code's `metadata`, Codex's
 installation id and the id of its base-instructions item) are not part of that promise.
 
-The record format (`RecordLine`, `AssistantOutput`, `ToolCall`) is the gateway's (`gateway.record`).
+The record format (`RecordLine`, with `AssistantOutput` and `ToolCall`) is the gateway's (`gateway.record`,
+`gateway.conversation`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from gateway.record import PROTOCOL_PATHS, AssistantOutput, ProtocolName, RecordLine, Timings, ToolCall
+from gateway.conversation import AssistantOutput, ToolCall
+from gateway.record import PROTOCOL_PATHS, ProtocolName, RecordLine, Timings
 
 __all__ = [
     "PROTOCOL_PATHS",

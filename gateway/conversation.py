@@ -8,7 +8,7 @@ only ever sees this form.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -77,12 +77,18 @@ class Message(msgspec.Struct, frozen=True, kw_only=True):
     is_error: bool = False
 
 
-class ForcedOutput(msgspec.Struct, frozen=True, kw_only=True):
-    """`ft_forced_output`: the engine teacher-forces exactly this assistant message."""
+class AssistantOutput(msgspec.Struct, frozen=True):
+    """What the model answered one request with, independent of protocol: the `ft_forced_output`
+    request field (the engine teacher-forces exactly this message) and the `output` of a record
+    line (`gateway.record`), which a replay sends back as that field."""
 
     reasoning: str | None = None
     content: str | None = None
-    tool_calls: tuple[ToolCall, ...] = ()
+    tool_calls: list[ToolCall] = []
+
+    def to_forced(self) -> dict[str, Any]:
+        """The `ft_forced_output` value (plain JSON types)."""
+        return msgspec.to_builtins(self)
 
     def to_message(self, call_id_prefix: str = "call_forced_") -> Message:
         """The assistant message to render (see `Renderer.render_generation`); calls get ids."""
@@ -128,7 +134,7 @@ class Conversation(msgspec.Struct, frozen=True, kw_only=True):
     tools: tuple[Tool, ...] = ()
     messages: tuple[Message, ...] = ()
     params: GenerationParams = GenerationParams()
-    forced_output: ForcedOutput | None = None
+    forced_output: AssistantOutput | None = None
     notes: tuple[str, ...] = ()
 
     @property

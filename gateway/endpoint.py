@@ -21,13 +21,13 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from gateway.conversation import ToolCall
+from gateway.conversation import AssistantOutput, ToolCall
 from gateway.dialect import ApiDialect, call_ids
 from gateway.drain import Drain
 from gateway.errors import BadRequest, ClientGone, PayloadTooLarge, error_event, typed
 from gateway.events import Event, collect
 from gateway.generation import Answered, Generation, Started
-from gateway.record import AssistantOutput, RecordLine, Timings
+from gateway.record import RecordLine, Timings
 from gateway.service import Service
 from gateway.sse import SSE_HEADERS, SSE_MEDIA_TYPE, encode_stream
 

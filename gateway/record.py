@@ -1,7 +1,8 @@
 """The gateway's record format: one JSONL line per generation request and its answer.
 
-`RecordLine` is one line of `ft serve --record DIR`; `AssistantOutput` is the protocol-neutral answer,
-exactly the shape of the `ft_forced_output` request field the replay sends back (notes/CONTRACTS.md).
+`RecordLine` is one line of `ft serve --record DIR`; its `output` is the protocol-neutral answer
+(`gateway.conversation.AssistantOutput`), the `ft_forced_output` request field the replay sends back
+(notes/CONTRACTS.md).
 `adapters.trace` builds recorded sessions on these types.
 """
 
@@ -11,7 +12,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from gateway.conversation import ToolCall
+from gateway.conversation import AssistantOutput
 
 ProtocolName = Literal["anthropic", "responses", "chat"]  # a recording's name of its API
 
@@ -21,21 +22,6 @@ PROTOCOL_PATHS: dict[str, str] = {
     "responses": "/v1/responses",
     "chat": "/v1/chat/completions",
 }
-
-
-class AssistantOutput(msgspec.Struct, frozen=True):
-    """What the model produced for one request, independent of protocol.
-
-    Exactly the shape of the `ft_forced_output` request field: the gateway teacher-forces it.
-    """
-
-    reasoning: str | None = None
-    content: str | None = None
-    tool_calls: list[ToolCall] = []
-
-    def to_forced(self) -> dict[str, Any]:
-        """The `ft_forced_output` value (plain JSON types)."""
-        return msgspec.to_builtins(self)
 
 
 class Timings(msgspec.Struct, omit_defaults=True):

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import msgspec
 
-from gateway.conversation import ForcedOutput
+from gateway.conversation import AssistantOutput
 
 
 class ReplayOutputs:
-    def __init__(self, outputs: list[ForcedOutput]):
+    def __init__(self, outputs: list[AssistantOutput]):
         self._outputs = list(outputs)
         self._next = 0
         self._lock = threading.Lock()
@@ -27,11 +27,11 @@ class ReplayOutputs:
     def load(cls, path: Path) -> ReplayOutputs:
         lines = [line for line in path.read_text().splitlines() if line.strip()]
         try:
-            return cls([msgspec.json.decode(line, type=ForcedOutput) for line in lines])
+            return cls([msgspec.json.decode(line, type=AssistantOutput) for line in lines])
         except msgspec.ValidationError as exc:
             raise ValueError(f"{path}: not a list of forced outputs ({exc})") from None
 
-    def take(self) -> ForcedOutput | None:
+    def take(self) -> AssistantOutput | None:
         with self._lock:
             if self._next >= len(self._outputs):
                 return None

@@ -13,7 +13,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gateway.conversation import Conversation, ForcedOutput, GenerationParams, Message, ToolCall
+from gateway.conversation import AssistantOutput, Conversation, GenerationParams, Message, ToolCall
 from gateway.errors import BadRequest
 
 
@@ -189,7 +189,7 @@ def conversation(
     )
 
 
-def forced_output(body: dict) -> ForcedOutput | None:
+def forced_output(body: dict) -> AssistantOutput | None:
     """`ft_forced_output` (see notes/CONTRACTS.md), shared by all three protocols."""
     raw = opt(body, "ft_forced_output", obj)
     if raw is None:
@@ -206,10 +206,10 @@ def forced_output(body: dict) -> ForcedOutput | None:
                 input=opt(c, "input", string, p),
             )
         )
-    return ForcedOutput(
+    return AssistantOutput(
         reasoning=opt(raw, "reasoning", string, path),
         content=opt(raw, "content", string, path),
-        tool_calls=tuple(calls),
+        tool_calls=calls,
     )
 
 

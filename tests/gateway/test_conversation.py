@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from gateway.conversation import Conversation, ForcedOutput, Message, Tool, ToolCall
+from gateway.conversation import AssistantOutput, Conversation, Message, Tool, ToolCall
 
 
 def test_msgspec_round_trip():
@@ -18,14 +18,14 @@ def test_msgspec_round_trip():
             ),
             Message(role="tool", tool_call_id="1", content="out"),
         ),
-        forced_output=ForcedOutput(content="c"),
+        forced_output=AssistantOutput(content="c"),
     )
     assert msgspec.json.decode(msgspec.json.encode(conv), type=Conversation) == conv
     assert conv.system_text == "a\nb" and conv.tool("p").kind == "custom" and conv.tool("zz") is None
 
 
 def test_forced_output_to_message():
-    forced = ForcedOutput(tool_calls=(ToolCall(name="f"), ToolCall(name="patch", input="raw")))
+    forced = AssistantOutput(tool_calls=[ToolCall(name="f"), ToolCall(name="patch", input="raw")])
     m = forced.to_message()
     assert m.role == "assistant" and m.reasoning == "" and m.content == ""
     assert m.tool_calls[0].arguments == {} and m.tool_calls[1].is_custom
