@@ -237,12 +237,9 @@ def replay(engine, args, budget: float, link_bw: float | None) -> dict:
         config = ServeConfig(  # one live sequence: those kept after their answer hold KV outside the plan
             preset=args.preset,
             model_dir=q4_k_m_file(args.preset) if args.q4_k_m else None,
-            device=args.device,
+            engine=engine.engine_config,  # one sequence, the budget, --step-log
             policy=policy,
-            max_running=1,
             live_sequences=1,
-            gpu_memory_gib=budget,
-            step_log_ms=args.step_log,  # the replay's slow forwards, each split into host and device time
         )
         with serve_in_thread(config, engine) as server:
             run = run_policy(server.url, policy, traces, args.limit, server.wait_idle, False, lambda: None)
@@ -300,15 +297,25 @@ def run_budget(args) -> dict:
     try:
         if args.q4_k_m:
             engine = Engine.load(
-                q4_k_m_file(args.preset), device=args.device, gpu_memory_gib=budget, max_running=1
+                q4_k_m_file(args.preset),
+                device=args.device,
+                gpu_memory_gib=budget,
+                max_running=1,
+                step_log_ms=args.step_log,  # the replay's slow forwards, each split into host and device time
             )
         else:
-            engine = Engine.from_preset(args.preset, device=args.device, gpu_memory_gib=budget, max_running=1)
+            engine = Engine.from_preset(
+                args.preset,
+                device=args.device,
+                gpu_memory_gib=budget,
+                max_running=1,
+                step_log_ms=args.step_log,
+            )
     except BudgetError as exc:  # a row saying why
         return {"budget_gib": budget, "error": str(exc)}
     done("load", started, load_s=time.perf_counter() - started)
     started = time.perf_counter()
-    engine.warmup(max_batch=1)
+    engine.warmup()
     offload = engine.offload
     link = offload.link
     link_bw = bulk_link(args.device) if link is not None else float("nan")
@@ -319,7 +326,6 @@ def run_budget(args) -> dict:
         experts=engine.config.num_experts,
         policy={
             "stream_tokens": offload.policy.stream_tokens,
-            "routed_tokens": offload.routed_tokens,
             "cpu_rows": offload.policy.cpu_rows,
         },
         link=None
@@ -360,7 +366,7 @@ def run_budget(args) -> dict:
     if args.traces:
         if args.step_log is not None:  # the replay's server logs its slow steps and forwards (replay())
             logging.basicConfig(format="%(message)s")
-            for name in ("engine.engine", "gateway.scheduler"):
+            for name in ("engine.engine", "engine.step_log", "gateway.scheduler"):
                 logging.getLogger(name).setLevel(logging.INFO)
         started = time.perf_counter()
         done("replay", started, replay=replay(engine, args, budget, link_bw if link is not None else None))
