@@ -1,7 +1,7 @@
 """Engine benchmark on the CPU (or any device): prefill tokens/s at several contexts, decode
 tokens/s, and capture overhead (prefill with 0 vs 32 capture positions).
 
-    python bench/engine_bench.py --preset small [--contexts 1024,4096,16384] [--json bench/engine.json]
+    python bench/engine_bench.py --preset small [--contexts 1024,4096,16384] [--json bench/engine_bench.json]
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@
 #                                                     # their recorded lengths (llama-server -np 4, --max-running 4)
 #   bash bench/llamacpp_h200.sh identity JSON [ARGS]  # greedy tokens and log-probs, ours vs llama-server (bf16;
 #                                                     # --dtype f32 --engine-dtype float32: both in fp32)
-#   bash bench/llamacpp_h200.sh quant JSON [PARTS [ARGS]]  # issue 13 at the full 256-expert shape (bench/quant.py):
+#   bash bench/llamacpp_h200.sh quant JSON [PARTS [ARGS]]  # the full 256-expert shape (bench/quant.py):
 #                                                     # bf16 / FP8 / Q4_K_M in our engine, llama-server on the same
 #                                                     # Q4_K_M file, the committed replay on both; PARTS (default all:
 #                                                     # bf16,fp8,q4_k_m,replay-ft,llama,replay-llama) merge into JSON,
