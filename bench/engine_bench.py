@@ -46,7 +46,9 @@ def decode_tokens_per_s(engine: Engine, context: int, steps: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--preset", default="small")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--contexts", default="1024,4096,16384")
@@ -64,21 +66,42 @@ def main() -> None:
         step = max(1, context // args.captures)
         captures = list(range(step, context + 1, step))[: args.captures]
         plain, captured = prefill_pair(engine, ids, captures, args.repeat)
-        rows.append({
-            "context": context, "prefill_s": plain, "prefill_tok_s": context / plain,
-            "captures": len(captures), "prefill_captured_s": captured, "capture_overhead": captured / plain - 1,
-        })
+        rows.append(
+            {
+                "context": context,
+                "prefill_s": plain,
+                "prefill_tok_s": context / plain,
+                "captures": len(captures),
+                "prefill_captured_s": captured,
+                "capture_overhead": captured / plain - 1,
+            }
+        )
     decode = decode_tokens_per_s(engine, 1024, args.decode_steps)
     result = {
-        "preset": args.preset, "device": args.device, "threads": torch.get_num_threads(),
-        "machine": platform.processor() or platform.machine(), "rows": rows, "decode_tok_s_at_1k": decode,
+        "preset": args.preset,
+        "device": args.device,
+        "threads": torch.get_num_threads(),
+        "machine": platform.processor() or platform.machine(),
+        "rows": rows,
+        "decode_tok_s_at_1k": decode,
     }
     table = Table(title=f"engine: preset {args.preset} on {args.device} ({torch.get_num_threads()} threads)")
-    for col in ("context", "prefill tok/s", "prefill s", f"with {args.captures} captures s", "capture overhead"):
+    for col in (
+        "context",
+        "prefill tok/s",
+        "prefill s",
+        f"with {args.captures} captures s",
+        "capture overhead",
+    ):
         table.add_column(col, justify="right")
     for r in rows:
-        table.add_row(str(r["context"]), f"{r['prefill_tok_s']:.0f}", f"{r['prefill_s']:.2f}",
-                      f"{r['prefill_captured_s']:.2f}", f"{100 * r['capture_overhead']:+.1f}%")
+        table.add_row(
+            str(r["context"]),
+            f"{r['prefill_tok_s']:.0f}",
+            f"{r['prefill_s']:.2f}",
+            f"{r['prefill_captured_s']:.2f}",
+            f"{100 * r['capture_overhead']:+.1f}%",
+        )
     console = Console()
     console.print(table)
     console.print(f"decode at 1K context: {decode:.1f} tok/s")

@@ -1,4 +1,4 @@
-"""The issue-12 findings, measured again on a real `ft serve` process (tiny preset, CPU):
+"""Hostile and departing clients against a real `ft serve` process (tiny preset, CPU):
 
 - departed client: a non-streaming request for 1,500 tokens whose client leaves after 1 s; the
   tokens the engine generated for it, and the seconds until the server is idle;

@@ -29,7 +29,7 @@ case "$1" in
 build)
   python3 -c "from peer.llama_server import build; build(cuda=True)" >"$2/build.log" 2>&1 &
   builder=$!
-  if [ "${3:-}" = quant ]; then # the bench of issue 13 reads this file; the e64 bf16 GGUF would not fit beside it
+  if [ "${3:-}" = quant ]; then # bench/quant.py reads this file; the e64 bf16 GGUF would not fit beside it
     python3 -c "
 from peer.gguf_random import random_gguf
 from peer.llama_server import PEER_HOME

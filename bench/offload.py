@@ -2,7 +2,7 @@
 bytes over the host link, peak reserved memory, and a recorded session replayed per capture policy.
 
     FT_MATERIALISE=1 python bench/offload.py --preset qwen3.6-35b-a3b --device cuda --budgets 8,12,24
-    python bench/offload.py --preset qwen3.6-35b-a3b --q4-k-m --budgets 8    # experts packed, as the issue asks
+    python bench/offload.py --preset qwen3.6-35b-a3b --q4-k-m --budgets 8    # the experts packed (Q4_K_M)
     python bench/offload.py --preset qwen3.6-35b-a3b --q4-k-m --budgets 8 --no-replay --profile  # where a decode token goes
     python bench/offload.py --preset tiny --device cpu --budgets 0.148 --context 256 --decode-steps 8  # CPU smoke
 

@@ -1,4 +1,4 @@
-"""Quantized weights at the full 256-expert 35B-A3B shape (issue 13): bf16, FP8 and Q4_K_M side by
+"""Quantized weights at the full 256-expert 35B-A3B shape: bf16, FP8 and Q4_K_M side by
 side in our engine, and llama-server on the same Q4_K_M file.
 
     FT_MATERIALISE=1 python bench/quant.py [--llama] [--parts bf16,fp8,q4_k_m,replay-ft,llama,replay-llama] \
@@ -22,7 +22,7 @@ and on llama-server over the same file (1-token probes, bench/llamacpp.py's way)
 a tool.
 
 Results merge into `--json` part by part, so the parts can run in separate processes (each under a
-time limit); the table covers every part the file holds, with the issue's targets beside the figures.
+time limit); the table covers every part the file holds, with the targets beside the figures.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def fp8_engine(preset: str, device: str):
     """Preset `preset` built on `device` and block-quantized as Qwen's -FP8 releases are
     (`presets.fp8_checkpoint`), tensor by tensor as each bf16 one is dropped, through the FP8 path of
     the loader (`loader.state_dict_of`: weights paired with their scales, packed, experts stacked)
-    without a folder between (writing the ~36 GB folder took 430 s of a lease, session 6):
+    without a folder between (a ~36 GB folder would take minutes to write):
     (engine, the checkpoint's bytes)."""
     from engine import Engine  # noqa: PLC0415
     from engine.loader import build_model, fingerprint, state_dict_of  # noqa: PLC0415
@@ -411,7 +411,7 @@ def decode_tok_s(row: dict | None, batch: int) -> float | None:
 
 
 def targets(result: dict) -> list[dict]:
-    """The issue's targets, each as measured / reference against the ratio it asks for."""
+    """The targets, each as measured / reference against the ratio it asks for."""
     f, llama = result.get("formats", {}), result.get("llama")
     bf16, fp8, q4 = f.get("bf16"), f.get("fp8"), f.get("q4_k_m")
 
@@ -481,7 +481,7 @@ def table(result: dict) -> str:
         )
     lines += [
         "",
-        "| target (issue 13) | measured | reference | ratio | goal | met |",
+        "| target | measured | reference | ratio | goal | met |",
         "|---|---|---|---|---|---|",
     ]
     for t in targets(result):
