@@ -157,6 +157,16 @@ class CheckpointStore:
                 best = i + 1 if loc.has_state else best
             return best
 
+    def state_tier(self, anchor: bytes) -> str | None:
+        """Where ``anchor``'s state part is read from on a restore: ``"ram"`` (in memory, RAM tier or
+        the disk writer's queue), ``"disk"``, or None (no record, or a record without a state).
+        Changes nothing."""
+        with self._lock:
+            loc = self._locate(anchor)
+        if loc is None or not loc.has_state:
+            return None
+        return "ram" if loc.state is not None else "disk"
+
     def load_chain(self, chain: list[bytes]) -> Snapshot | None:
         """KV of the whole chain concatenated and the last record's state, or None (a miss).
 

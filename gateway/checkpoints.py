@@ -1,7 +1,7 @@
-"""Checkpoint traffic between the requests and the store, on the engine worker: restore the
-longest restorable prefix of an anchor chain, prefill the rest capturing a snapshot at every
-segment boundary (a state where the policy wants one), save the end of a generation, and
-precompute the history the next request will send."""
+"""Checkpoint traffic between the requests and the store, on the engine worker: restore the deepest
+restorable anchor of a chain (found by `PrefixCache` over the live, queued, RAM and disk tiers),
+prefill the rest capturing a snapshot at every segment boundary (a state where the policy wants
+one), save the end of a generation, and precompute the history the next request will send."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from gateway.anchors import anchor_chain, boundaries
 from gateway.capture_policy import state_positions
 from gateway.live import LiveSequences
 from gateway.metrics import Metrics
+from gateway.prefix_cache import PrefixCache, Tier
 from gateway.render import Segment
 from gateway.scheduler import Scheduler
 from gateway.store_queue import StoreQueue
@@ -33,47 +34,41 @@ class Checkpoints:
 
     def __init__(self, engine: Engine, store: CheckpointStore, store_queue: StoreQueue, live: LiveSequences,
                  metrics: Metrics, policy: str, root: bytes, scheduler: Scheduler):
-        self.engine, self.store, self.store_queue, self.live = engine, store, store_queue, live
+        self.engine, self.store_queue, self.live = engine, store_queue, live
         self.metrics, self.policy, self.root, self.scheduler = metrics, policy, root, scheduler
+        self.cache = PrefixCache(live, store_queue, store)
 
     def restore(self, chain: Sequence[bytes], ends: Sequence[int], rewind: bool = True) -> tuple[SequenceState, int]:
         """A state at the end of the longest restorable prefix of `chain` (a fresh state when none)
         and the number of tokens it covers. When a live sequence sits at that prefix's end or deeper
         (the previous answer, or the precomputed history, that this request extends), it is continued
         in place: the same state with no copy (on a GPU: no host-to-device transfer of the prefix).
-        Checkpoints of `chain` still on their way into the store are waited for, no others; the
-        match is recomputed only after such a wait (only this thread queues checkpoints, so with
-        none of `chain` queued before the match, the match is final). With `rewind`, a live sequence
-        that ran through the restored prefix's end (`LiveSequences.take_rewind`) is put back there
-        instead (`Engine.rewind`)."""
+        Checkpoints of `chain` still on their way into the store are waited for, no others, and the
+        match is then asked again (`PrefixCache.find`, `settle`). With `rewind`, a live sequence that
+        ran through the restored prefix's end (`LiveSequences.take_rewind`) is put back there instead
+        (`Engine.rewind`)."""
         if self.policy == "none" or not chain:
             return self.engine.new_state(), 0
-        queued = self.store_queue.holds(chain)
-        count = self.store.longest_restorable(list(chain))
-        live = self.live.take(chain, ends, count)
-        if live is not None:
+        hit = self.cache.find(chain, ends)
+        if hit.tier is Tier.LIVE:
+            live = self.cache.take_live(chain, hit)
             self.metrics.add_tokens(continued=live.length)
             return live, live.length
-        if queued:
-            self.store_queue.wait_for(chain)
-            count = self.store.longest_restorable(list(chain))
-        for _ in range(3):  # the disk writer may evict between the match and the load: retry shorter
-            if count == 0:
-                break
-            records = self.store.load_records(list(chain[:count]))  # deltas, not joined: copied into place once
-            if records is not None:
-                kept = self.live.take_rewind(chain[count - 1]) if rewind else None
-                if kept is None:
-                    return self.engine.restore(records), ends[count - 1]
-                self.metrics.add_tokens(continued=ends[count - 1])  # its KV in place: only the states copied in
-                return self.engine.rewind(kept, records[-1]), ends[count - 1]
-            count = self.store.longest_restorable(list(chain))
-        return self.engine.new_state(), 0
+        if hit.tier is Tier.QUEUED:
+            hit = self.cache.settle(chain) or hit
+        depth, records = self.cache.load(chain, hit.depth)
+        if not records:
+            return self.engine.new_state(), 0
+        kept = self.cache.take_rewind(chain[depth - 1]) if rewind else None
+        if kept is None:
+            return self.engine.restore(records), ends[depth - 1]
+        self.metrics.add_tokens(continued=ends[depth - 1])  # its KV in place: only the states copied in
+        return self.engine.rewind(kept, records[-1]), ends[depth - 1]
 
     def ready(self, chain: Sequence[bytes], ends: Sequence[int]) -> bool:
         """Whether `restore(chain, ends)` runs without waiting for the store queue: nothing of `chain`
         is on its way into the store, or a live sequence of it is continued in place (taken first)."""
-        return self.policy == "none" or not self.store_queue.holds(chain) or self.live.holds(chain, ends)
+        return self.policy == "none" or self.cache.ready(chain, ends)
 
     def prefill(
         self, state: SequenceState, segments: Sequence[Segment], chain: Sequence[bytes], ends: Sequence[int],
@@ -129,10 +124,11 @@ class Checkpoints:
         chain, ends = anchor_chain(segments, self.root), boundaries(segments)
         # its prefix (the answer just given) may still be on its way into the store: waited for on
         # this thread, the only engine worker, but never in front of a request that arrives meanwhile
-        if not self.store_queue.wait_for(chain, stop=self.scheduler.live_waiting):
+        stored = self.cache.settle(chain, stop=self.scheduler.live_waiting)
+        if stored is None:
             log.info("precompute yielded to a live request while its prefix was being stored")
             return 0
-        if self.store.longest_restorable(chain) == len(chain):
+        if stored.depth == len(chain):
             return 0
         # a copy off any request's path: the answer's own sequence stays live for one that extends it
         state, done = self.restore(chain, ends, rewind=False)

@@ -1,5 +1,5 @@
 """Live sequences: states the engine worker left at a checkpoint, continued in place by the
-request that extends them (see `gateway.checkpoints.Checkpoints.restore`)."""
+request that extends them: the top tier of `gateway.prefix_cache.PrefixCache`."""
 
 from __future__ import annotations
 
@@ -32,24 +32,19 @@ class LiveSequences:
         while len(self._by_anchor) > self.limit:
             self._by_anchor.popitem(last=False)
 
-    def take(self, chain: Sequence[bytes], ends: Sequence[int], deeper_than: int) -> SequenceState | None:
-        """The deepest kept sequence at an anchor of `chain` past its first `deeper_than - 1`
-        (as deep as what the store can restore, or deeper), handed over: the request moves it on."""
-        anchor = self._deepest(chain, ends, deeper_than)
-        return None if anchor is None else self._by_anchor.pop(anchor)[0]
-
-    def holds(self, chain: Sequence[bytes], ends: Sequence[int]) -> bool:
-        """Whether `take` would hand over a sequence of `chain` (at any depth)."""
-        return self._deepest(chain, ends, 0) is not None
-
-    def _deepest(self, chain: Sequence[bytes], ends: Sequence[int], deeper_than: int) -> bytes | None:
-        """The anchor of the deepest kept sequence at an anchor of `chain` past its first
-        `deeper_than - 1`, at that anchor's end."""
+    def deepest(self, chain: Sequence[bytes], ends: Sequence[int], deeper_than: int = 0) -> int:
+        """How many leading anchors of `chain` reach the deepest kept sequence at an anchor of
+        `chain` past its first `deeper_than - 1`, at that anchor's end (0: none). Changes nothing."""
         for i in range(len(chain) - 1, max(deeper_than - 1, 0) - 1, -1):
             kept = self._by_anchor.get(chain[i])
             if kept is not None and kept[0].length == ends[i]:
-                return chain[i]
-        return None
+                return i + 1
+        return 0
+
+    def take(self, anchor: bytes) -> SequenceState:
+        """The sequence kept at `anchor`, handed over: the request moves it on. Raises KeyError when
+        none is kept there."""
+        return self._by_anchor.pop(anchor)[0]
 
     def take_rewind(self, anchor: bytes) -> SequenceState | None:
         """The newest kept sequence that may be rewound to `anchor` (its tokens run through it),

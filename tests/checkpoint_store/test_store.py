@@ -110,6 +110,18 @@ def test_disk_tier_survives_restart_and_counts_hits(tmp_path) -> None:
         assert stats.bytes_restored == expected_chain(snaps[:4]).nbytes
 
 
+def test_state_tier_names_where_a_restore_reads_the_state(tmp_path) -> None:
+    anchors, snaps = linear_chain(4, state_every=2)  # states at records 1 and 3
+    config = StoreConfig(ram_bytes=64 * MiB, disk_dir=tmp_path, disk_bytes=64 * MiB, fingerprint="fp")
+    with CheckpointStore(config) as store:
+        put_chain(store, anchors, snaps)
+        assert [store.state_tier(a) for a in anchors] == [None, "ram", None, "ram"]
+        store.flush()
+    with CheckpointStore(config) as store:  # a new process: the RAM tier starts empty
+        assert [store.state_tier(a) for a in anchors] == [None, "disk", None, "disk"]
+        assert store.state_tier(b"unknown") is None
+
+
 def test_ram_evictions_spill_to_disk(tmp_path) -> None:
     anchors, snaps = linear_chain(10)
     config = StoreConfig(

@@ -1,6 +1,6 @@
-"""Checkpoints.restore against the real store and its write queue (tiny preset, on the real
-scheduler's worker): a restore waits for its own chain's queued checkpoints and then uses them;
-with none queued it matches the chain once."""
+"""Checkpoints.restore and its PrefixCache against the real store and its write queue (tiny preset,
+on the real scheduler's worker): a restore waits for its own chain's queued checkpoints and then
+uses them; with none queued it matches the chain once; the cache names each tier in turn."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from gateway.prefix_cache import Hit, Tier
 from gateway.protocols import chat
 from gateway.service import ServeConfig, build_service
 
@@ -58,3 +59,38 @@ def test_restore_waits_for_its_queued_chain_and_matches_once_when_none_is_queued
         gate.set()
     assert restore() == plan.ends[-1]
     assert len(matches) == 1  # nothing of the chain queued: the first match is final
+
+
+def test_the_prefix_cache_answers_the_deepest_anchor_and_its_tier(runtime, monkeypatch):
+    rt = runtime
+    cache = rt.checkpoints.cache
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "a question\n" * 30}]}
+    plan = rt.planner.plan(chat.parse_request(body))
+    chain, ends = plan.chain, plan.ends
+    gate, put = threading.Event(), rt.store.put
+    monkeypatch.setattr(rt.store, "put", lambda *args: (gate.wait(), put(*args))[1])
+
+    def on_worker(fn):
+        return rt.scheduler.submit(fn).result(timeout=120)
+
+    def prefill():
+        yield from rt.checkpoints.prefill(rt.engine.new_state(), plan.segments, chain, ends, 0)
+
+    try:
+        assert on_worker(lambda: cache.find(chain, ends)) == Hit(0, None)
+        rt.scheduler.start(prefill()).result(timeout=120)
+        assert on_worker(lambda: cache.find(chain, ends)) == Hit(0, Tier.QUEUED)
+        assert not on_worker(lambda: cache.ready(chain, ends))
+    finally:
+        gate.set()
+    assert on_worker(lambda: cache.settle(chain)) == Hit(len(chain), Tier.RAM)
+    assert on_worker(lambda: cache.ready(chain, ends))
+    state, cached = on_worker(lambda: rt.checkpoints.restore(chain, ends))
+    assert cached == ends[-1]
+    on_worker(lambda: rt.live.keep(chain[-1], state))
+    hit = on_worker(lambda: cache.find(chain, ends))
+    assert hit == Hit(len(chain), Tier.LIVE)
+    assert on_worker(lambda: cache.take_live(chain, hit)) is state
+    assert on_worker(lambda: cache.find(chain, ends)) == Hit(len(chain), Tier.RAM)
+    with pytest.raises(KeyError):
+        on_worker(lambda: cache.take_live(chain, hit))  # already taken
