@@ -1,6 +1,6 @@
 """bench/quant.py, through `bench/llamacpp_h200.sh quant`, on the CPU with the tiny preset: each part runs by the engine's normal loading
 path, the JSON holds its figures and merges parts run in separate processes, the table shows the
-issue's targets beside them."""
+targets beside them."""
 
 from __future__ import annotations
 
