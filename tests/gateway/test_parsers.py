@@ -173,9 +173,8 @@ def test_malformed_never_raises_and_is_split_independent(text, cuts, reasoning):
 
 
 def test_an_empty_value_closed_across_chunks():
-    """Found by the property above on a clean checkout: `<parameter=timeout></parameter>` with the
-    closing tag split after its '<' gave the value '</parameter>' (only the template's
-    newline-led close was held back)."""
+    """`<parameter=timeout></parameter>` with the closing tag split after its '<': the value stays
+    empty (the close without the template's leading newline is held back too)."""
     text = "<tool_call><function=Bash><parameter=timeout></parameter>"
     assert _merged(parse([text[:46], text[46:]], False)) == _merged(parse([text], False))
 
