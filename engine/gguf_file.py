@@ -25,12 +25,12 @@ V = GGUFValueType
 SCALARS = {
     V.UINT8: "<B", V.INT8: "<b", V.UINT16: "<H", V.INT16: "<h", V.UINT32: "<I", V.INT32: "<i",
     V.FLOAT32: "<f", V.BOOL: "<?", V.UINT64: "<Q", V.INT64: "<q", V.FLOAT64: "<d",
-}  # fmt: skip
+}
 NUMPY = {
     V.UINT8: np.uint8, V.INT8: np.int8, V.UINT16: np.uint16, V.INT16: np.int16, V.UINT32: np.uint32,
     V.INT32: np.int32, V.FLOAT32: np.float32, V.BOOL: np.bool_, V.UINT64: np.uint64, V.INT64: np.int64,
     V.FLOAT64: np.float64,
-}  # fmt: skip
+}
 
 
 class GGUFFormatError(ValueError):

@@ -10,11 +10,13 @@ import torch
 from checkpoint_store.snapshot import Snapshot
 from engine.config import ModelConfig
 from engine.ops.gpu import attention
-from engine.ops.gpu.transfer import Transfers, registered
 from engine.state import SequenceState
+from engine.transfer import Transfers, registered
 
 
-class GpuRuntime:
+class HostTransfers:
+    """A CUDA engine's copies between device and host: snapshots to pinned memory, restores back."""
+
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype):
         self.config, self.device, self.dtype = config, device, dtype
         self.transfers = Transfers(device)
@@ -38,8 +40,8 @@ class GpuRuntime:
     def prepare_attention(self, max_tokens: int) -> None:
         """The prefill attention's setup for every chunk length up to `max_tokens` (warm-up)."""
         c = self.config
-        attention.prepare_prefill(c.num_attention_heads, c.num_key_value_heads, c.head_dim, max_tokens, self.device,
-                                  self.dtype)  # fmt: skip
+        heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
+        attention.prepare_prefill(heads, kv_heads, c.head_dim, max_tokens, self.device, self.dtype)
 
     def reserve_pinned(self, nbytes: int) -> None:
         """Pinned host memory for `nbytes` of captures, pinned now rather than in a request's forward."""

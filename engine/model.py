@@ -14,6 +14,7 @@ from torch import nn
 from engine.batch import Batch, Mixed, SlotBatch, SlotPrefill, Span, Spans
 from engine.config import ModelConfig
 from engine.ops import Kernels, moe_experts_quantized
+from engine.ops.deltanet import decode_mix
 from engine.ops.rope import rope_cos_sin
 
 
@@ -29,8 +30,12 @@ def matmul(x: torch.Tensor, w) -> torch.Tensor:
     """x [T, K] @ w.T → [T, N] for a weight of any kind: a tensor (`F.linear`; 2-16 rows on a GPU
     `engine.ops.gpu.dense`), a `QuantWeight` (its Triton kernels,
     engine/ops/gpu/quant.py) or a `Concat` of parts that could not be one."""
-    if not isinstance(w, torch.Tensor):
+    if isinstance(w, Concat):
         return w.linear(x)
+    if not isinstance(w, torch.Tensor):
+        from engine.ops.gpu import quant  # noqa: PLC0415 (Triton: only with quantized weights)
+
+        return quant.linear(x, w)
     if x.is_cuda:
         from engine.ops.gpu import dense  # noqa: PLC0415 (Triton: only on a GPU)
 
@@ -282,7 +287,7 @@ class GatedDeltaNet(nn.Module):
             out = kernels.deltanet_decode(
                 mixed, z, a, b, self.neg_a, self.dt_bias, self.conv1d.weight[:, 0], self.norm.weight, c.rms_norm_eps,
                 batch.buffers.conv[layer], batch.buffers.rec[layer], batch.index,
-            )  # fmt: skip
+            )
             return matmul(out.reshape(length, -1), self.out_proj.weight), []
         g, beta = kernels.deltanet_gates(a, b, self.neg_a, self.dt_bias)  # [T, Hv] fp32, b's dtype
         out, captures = self._mix(batch, layer, mixed, g, beta, kernels)
@@ -322,7 +327,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self._heads(*parts)
         recs = [s.rec.get(layer) for s in states]
         recs = [torch.zeros(v.shape[1], c.linear_key_head_dim, c.linear_value_head_dim, device=mixed.device)
-                if r is None else r for r in recs]  # fmt: skip
+                if r is None else r for r in recs]
         out, rec_finals, rec_caps = kernels.chunk_gated_delta_rule_spans(q, k, v, g, beta, recs, bounds, capture_ats)
         for state, conv_state, rec in zip(states, conv_finals, rec_finals, strict=True):
             state.conv[layer], state.rec[layer] = conv_state, rec
@@ -349,11 +354,10 @@ class GatedDeltaNet(nn.Module):
 
     def _decode(self, batch: SlotBatch, layer: int, mixed, g, beta, kernels: Kernels) -> torch.Tensor:
         """One token of each slot's sequence: one batched conv step and one batched recurrent step,
-        each on the states of the rows' slots, updated in place."""
+        each on the states of the rows' slots, updated in place -> [B, Hv, Dv]."""
         conv_slots, rec_slots = batch.buffers.conv[layer], batch.buffers.rec[layer]
-        mixed = kernels.decode_conv_slots(mixed, conv_slots, batch.index, self.conv1d.weight[:, 0])
-        q, k, v = self._heads(*mixed.split(self.qkv_widths, dim=-1))
-        return kernels.decode_gated_delta_rule_slots(q, k, v, g, beta, rec_slots, batch.index)  # [B, Hv, Dv]
+        weight = self.conv1d.weight[:, 0]
+        return decode_mix(mixed, g, beta, weight, conv_slots, rec_slots, batch.index, kernels)
 
 
 class NextGatedDeltaNet(GatedDeltaNet):

@@ -7,14 +7,11 @@ out). The pinned memory comes in slabs of `SLAB` bytes from a `SlabPool`, each c
 from the current one: pinning fresh host memory (cudaHostAlloc) runs at ~2 GB/s on the H200's host
 (~30 ms a 64 MiB slab, about one capture's states at the 35B shape). The pool keeps every slab it
 pinned and cuts one again once no tensor cut from it is alive (the store keeps its own copies);
-`reserve` pins slabs ahead (at warm-up). Before the pool, slabs went back to torch's pinned cache
-(reserved there at warm-up), and the first step of three 2,730-token prompts with 4 captures each after
-warm-up called cudaHostAlloc 12 times (354 of its 554 ms of host time), 8 slabs reserved; with the pool
-and 12 captures' slabs reserved, 3 (session 24).
+`reserve` pins slabs ahead (at warm-up), so that a request's step rarely calls cudaHostAlloc.
 
 Host -> device: a restore copies each layer's tensors on the copy stream and leaves one event per
 layer in `SequenceState.pending`; the model waits for a layer's event just before it runs that
-layer, so the copies overlap the first prefill chunk. With FT_PINNED_STORE=1 (`Engine.host_memory`)
+layer, so the copies overlap the first prefill chunk. With the engine's pinned store (`Engine.host_memory`)
 the checkpoint store's RAM tier keeps its records in `registered` memory (page-locked in place), so
 these copies run at the link's rate and truly asynchronously (from pageable memory the driver stages
 them through its own buffers: ~6.6 GB/s on the H200's host against 55, and the call returns only when
@@ -60,7 +57,7 @@ def _unregister(pointer: int, size: int) -> None:
 def registered(nbytes: int) -> torch.Tensor:
     """`nbytes` of host memory page-locked in place for the device's copy engines (cudaHostRegister
     on a page-aligned numpy buffer; unregistered when the buffer is freed): what the checkpoint
-    store's RAM tier packs records into with FT_PINNED_STORE=1. Unlike pinned allocations from
+    store's RAM tier packs records into (the engine's pinned store). Unlike pinned allocations from
     torch's cache, its size is exact (torch rounds to a power of two) and it goes back to the
     system when freed. Pageable below REGISTER_MIN bytes, or where the system refuses to lock more
     memory (logged once)."""
@@ -75,7 +72,7 @@ def registered(nbytes: int) -> torch.Tensor:
     if error != 0:
         _unregistrable.append(int(error))
         log.warning("page-locking %d bytes of host memory failed (CUDA error %d): checkpoints stay in pageable "
-                    "memory, restores copy at the staged rate", size, int(error))  # fmt: skip
+                    "memory, restores copy at the staged rate", size, int(error))
         return torch.from_numpy(raw[:nbytes])
     _registered[0] += size
     weakref.finalize(raw, _unregister, pages.ctypes.data, size)  # runs before numpy frees it

@@ -97,7 +97,7 @@ def stages(mapped: Parts) -> bool:
 def expandable_segments() -> None:
     """Within a budget the allocator must not fragment: transient tensors of varying sizes (a
     streamed piece's dequantized experts, live sequences' KV) left 0.8 GiB reserved but unusable
-    at 8 GiB (measured on the H200), and a forward ran out of memory. Expandable segments map and
+    at a tight budget, and a forward ran out of memory. Expandable segments map and
     unmap pages instead of holding whole segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True);
     set here unless the environment configures the allocator itself."""
     if "PYTORCH_CUDA_ALLOC_CONF" in os.environ:

@@ -78,7 +78,7 @@ class ExpertOffload:
     """Every MoE layer's `ExpertCache`, their shared counters, copy lane and policy."""
 
     def __init__(self, caches: dict[int, ExpertCache], stats: OffloadStats, plan: OffloadPlan, config: ModelConfig,
-                 outside: int = 0):  # fmt: skip
+                 outside: int = 0):
         self.caches, self.stats, self.plan, self.config = caches, stats, plan, config
         self.order = order = [caches[i] for i in sorted(caches)]  # by layer, as the counters' rows
         for cache, following in zip(order, [*order[1:], None], strict=True):
@@ -160,10 +160,9 @@ class ExpertOffload:
         """Where a chunk stops fetching the experts it routes to and takes the long chunks' path
         instead (the stream; where half a layer's experts have slots, prefetching the next layer's)
         (`ExpertCachePolicy.crossover`), from one `tokens`-token `prefill` timed each way, each after an
-        untimed run (kernel specialisations, host threads: a first short request paid 2-3 s for
-        them on the H200). The estimate from the link's figures alone put the crossover at 73
-        tokens at 8 GiB; measured there, 21 routed tokens took 0.94 s fetched and any chunk
-        0.33-0.47 s streamed. On a GPU the untimed runs measure what a short chunk allocates on
+        untimed run (kernel specialisations, host threads: a first short request pays seconds for
+        them). The link's figures alone put the crossover far too late (bench/RESULTS.md). On a
+        GPU the untimed runs measure what a short chunk allocates on
         either path (`OffloadPlan.small`; one run where every expert has a slot)."""
         cuda = self.device.type == "cuda"
         small: list[int] = []  # what each path's chunk allocates (`OffloadPlan.small`), on a GPU
@@ -271,8 +270,8 @@ class ExpertOffload:
         """Room for a prefill forward that allocates `extra` bytes beyond what the device holds
         (its workspace, the KV its sequences grow by, the states it captures). What the allocator
         holds counts, not only what tensors use: free blocks inside partly used segments or a
-        CUDA graph's pool cannot serve a large tensor (a streamed forward at 8 GiB on the H200
-        ran out of memory with 0.46 GiB of them). When holdings plus `extra` pass the budget, the
+        CUDA graph's pool cannot serve a large tensor (a streamed forward at a tight budget can run
+        out of memory with a fair share of them). When holdings plus `extra` pass the budget, the
         allocator's wholly free segments are released first, then the expert slots give up what
         still does not fit (`fit`)."""
         if self.held() + extra > self.plan.budget:

@@ -28,7 +28,7 @@ def causal_conv(
 def causal_conv_spans(
     x: torch.Tensor, states: Sequence[torch.Tensor], weight: torch.Tensor, bounds: Sequence[tuple[int, int]],
     capture_ats: Sequence[list[int]], splits: Sequence[int], conv=causal_conv,
-) -> tuple[list[torch.Tensor], list[torch.Tensor], list[list[torch.Tensor]]]:  # fmt: skip
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[list[torch.Tensor]]]:
     """`causal_conv` over several sequences' rows of x ([lo, hi) each, in `bounds`), each from its
     own state: the parts over all rows, and per sequence its final state and captures. This one runs
     `conv` on each sequence; the GPU's runs them all in one launch."""

@@ -8,9 +8,12 @@ scaled by Dk^-0.5, as fla's kernels do with `use_qk_l2norm_in_kernel=True`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
+
+from engine.ops import conv, gates, norm
 
 CHUNK = 64
 
@@ -89,12 +92,12 @@ def chunk_gated_delta_rule_spans(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     states: Sequence[torch.Tensor], bounds: Sequence[tuple[int, int]], capture_ats: Sequence[list[int]],
     scan: Callable = chunk_gated_delta_rule,
-) -> tuple[torch.Tensor, list[torch.Tensor], list[list[torch.Tensor]]]:  # fmt: skip
+) -> tuple[torch.Tensor, list[torch.Tensor], list[list[torch.Tensor]]]:
     """`chunk_gated_delta_rule` over several sequences' rows ([lo, hi) each, in `bounds`), each
     from its own state: out over all rows, and per sequence its final state and captures. This one
     runs `scan` on each sequence; the GPU's runs them together (fla's varlen scan)."""
     runs = [scan(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], state, caps)
-            for state, (lo, hi), caps in zip(states, bounds, capture_ats, strict=True)]  # fmt: skip
+            for state, (lo, hi), caps in zip(states, bounds, capture_ats, strict=True)]
     out = runs[0][0] if len(runs) == 1 else torch.cat([r[0] for r in runs])
     return out, [r[1] for r in runs], [r[2] for r in runs]
 
@@ -134,7 +137,7 @@ def decode_gated_delta_rule(
 def decode_gated_delta_rule_slots(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor,
     index: torch.Tensor, decode: Callable = decode_gated_delta_rule,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """`decode` (one token of each of B sequences) on the states of slots[index] (slots: [S, Hv,
     Dk, Dv] fp32), written back in place. Returns out [B, Hv, Dv]."""
     out, state = decode(q, k, v, g, beta, slots[index])
@@ -142,23 +145,39 @@ def decode_gated_delta_rule_slots(
     return out
 
 
+# the references of the ops a decode step runs (`Kernels`' defaults)
+REFERENCE_OPS = SimpleNamespace(
+    deltanet_gates=gates.deltanet_gates,
+    decode_conv_slots=conv.decode_conv_slots,
+    decode_gated_delta_rule_slots=decode_gated_delta_rule_slots,
+    gated_rms_norm=norm.gated_rms_norm,
+)
+
+
+def decode_mix(
+    mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor, conv_slots: torch.Tensor,
+    rec_slots: torch.Tensor, index: torch.Tensor, ops=REFERENCE_OPS,
+) -> torch.Tensor:
+    """One token of each slot's sequence: the conv of mixed [B, C] (q ‖ k ‖ v) on conv_slots
+    [S, C, K-1], then the recurrent step on rec_slots [S, Hv, Dk, Dv], both updated in place at the
+    rows' slots `index`. Returns [B, Hv, Dv]."""
+    rows, (hv, dk, dv) = mixed.shape[0], rec_slots.shape[1:]
+    key = (mixed.shape[1] - hv * dv) // 2
+    q, k, v = ops.decode_conv_slots(mixed, conv_slots, index, conv_weight).split([key, key, hv * dv], dim=-1)
+    return ops.decode_gated_delta_rule_slots(
+        q.view(rows, -1, dk), k.view(rows, -1, dk), v.view(rows, hv, dv), g, beta, rec_slots, index
+    )
+
+
 def decode_step(
     mixed: torch.Tensor, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, neg_a: torch.Tensor, dt_bias: torch.Tensor,
     conv_weight: torch.Tensor, norm_weight: torch.Tensor, eps: float, conv_slots: torch.Tensor, rec_slots: torch.Tensor,
-    index: torch.Tensor, *, ops=None,
-) -> torch.Tensor:  # fmt: skip
+    index: torch.Tensor, *, ops=REFERENCE_OPS,
+) -> torch.Tensor:
     """A Gated DeltaNet's decode step after its input projection, on slotted states (updated in
-    place): the conv of mixed [B, C] (q ‖ k ‖ v) on conv_slots [S, C, K-1], the gates of a, b [B, Hv],
-    the recurrent step on rec_slots [S, Hv, Dk, Dv], the output's RMSNorm gated by SiLU(z [B, Hv*Dv]).
+    place): the gates of a, b [B, Hv], `decode_mix`, the output's RMSNorm gated by SiLU(z [B, Hv*Dv]).
     Returns [B, Hv, Dv]. `ops`: a `Kernels` whose four ops it runs (default: the references)."""
-    from engine.ops import REFERENCE  # noqa: PLC0415 (engine.ops imports this module)
-
-    ops = ops or REFERENCE
-    rows, (hv, dk, dv) = mixed.shape[0], rec_slots.shape[1:]
-    key = (mixed.shape[1] - hv * dv) // 2
+    rows, (hv, _, dv) = mixed.shape[0], rec_slots.shape[1:]
     g, beta = ops.deltanet_gates(a, b, neg_a, dt_bias)
-    q, k, v = ops.decode_conv_slots(mixed, conv_slots, index, conv_weight).split([key, key, hv * dv], dim=-1)
-    out = ops.decode_gated_delta_rule_slots(
-        q.view(rows, -1, dk), k.view(rows, -1, dk), v.view(rows, hv, dv), g, beta, rec_slots, index
-    )
+    out = decode_mix(mixed, g, beta, conv_weight, conv_slots, rec_slots, index, ops)
     return ops.gated_rms_norm(out, z.view(rows, hv, dv), norm_weight, eps)

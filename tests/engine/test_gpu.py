@@ -419,7 +419,7 @@ def test_restores_from_the_stores_registered_memory_land_though_the_store_lets_g
     import gc
 
     from checkpoint_store import CheckpointStore, StoreConfig
-    from engine.ops.gpu.transfer import REGISTER_MIN, registered, registered_bytes
+    from engine.transfer import REGISTER_MIN, registered, registered_bytes
 
     eng = gpu32
     length = rng.randrange(600, 1500)
@@ -564,7 +564,7 @@ def test_captures_are_cut_from_shared_pinned_slabs():
     slab, a slab that is full is followed by a new one, a capture of over a quarter slab gets its own
     block; every copy holds its source's values once synced; slabs whose captures are gone are cut
     again, with nothing pinned anew."""
-    from engine.ops.gpu.transfer import SLAB, Transfers
+    from engine.transfer import SLAB, Transfers
 
     transfers = Transfers(torch.device("cuda"))
     sources = [torch.randn(1000 + 77 * i, device="cuda") for i in range(6)]

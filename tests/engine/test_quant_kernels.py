@@ -102,7 +102,7 @@ def test_a_weight_whose_columns_moved_reads_x_through_its_map(fmt, rows, runs):
     model_order[:, columns] = reference
     torch.testing.assert_close(moved.dequantize(), model_order, rtol=0, atol=0)
     x = torch.randn(rows, 512, generator=gen).to(dtype)
-    got = moved.to(DEVICE).linear(x.to(DEVICE)).cpu()
+    got = quant.linear(x.to(DEVICE), moved.to(DEVICE)).cpu()
     close(got, x.float() @ model_order.T, dtype)
 
 

@@ -4,7 +4,6 @@ layers where it cannot fold (another size or kind) left as they were."""
 
 from __future__ import annotations
 
-import os
 from unittest import mock
 
 import pytest
@@ -12,14 +11,14 @@ import torch
 
 from engine import Engine
 from engine.config import ModelConfig
-from engine.model import SparseMoe
+from engine.model import HybridForCausalLM, SparseMoe
 from engine.presets import PRESETS
 
 
 def _pair(folder: str) -> tuple[Engine, Engine]:
-    """The model as served (folded) and the same model with its shared experts run apart
-    (FT_FOLD_SHARED=0, the benches' baseline)."""
-    with mock.patch.dict(os.environ, {"FT_FOLD_SHARED": "0"}):
+    """The model as served (folded) and the same model with its shared experts run apart (the
+    engine's fold skipped)."""
+    with mock.patch.object(HybridForCausalLM, "fold_shared_experts", lambda self: None):
         apart = Engine.load(folder)
     return Engine.load(folder), apart
 

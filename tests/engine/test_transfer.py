@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.ops.gpu.transfer import ALIGN, SlabPool
+from engine.transfer import ALIGN, SlabPool
 
 
 def storage(t: torch.Tensor) -> int:
@@ -48,7 +48,7 @@ def test_runs_copy_neighbours_in_one_buffer_together_and_nothing_else():
     """A layer's captures are views of one device buffer (with the segments nobody captured between
     them): they go to host memory as runs of that buffer, a gap no wider than the next tensor copied
     along, a run at most RUN bytes; other storages and far-apart views are runs of their own."""
-    from engine.ops.gpu.transfer import RUN, _runs  # noqa: PLC0415
+    from engine.transfer import RUN, _runs  # noqa: PLC0415
 
     finals = torch.zeros(6, 4, 8)  # 128 bytes a row
     other = torch.zeros(3, 5, dtype=torch.bfloat16)

@@ -12,10 +12,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
+import engine.ops.deltanet as reference_deltanet
 from engine.config import ModelConfig
-from engine.ops import Kernels
-from engine.ops import deltanet as reference_deltanet
 from engine.ops.gpu import attention, conv, gates, moe, norm, recurrent
+from engine.ops.kernels import Kernels
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +30,9 @@ except ImportError as exc:  # fla-core missing: the reference scan still runs on
 @dataclass(frozen=True)
 class GpuKernels(Kernels):
     def runtime(self, config: ModelConfig, device: torch.device, dtype: torch.dtype):
-        from engine.ops.gpu.runtime import GpuRuntime  # noqa: PLC0415
+        from engine.host_transfers import HostTransfers  # noqa: PLC0415
 
-        return GpuRuntime(config, device, dtype)
+        return HostTransfers(config, device, dtype)
 
 
 KERNELS = GpuKernels(

@@ -146,7 +146,7 @@ def decode_attention(
         v_slots.stride(0), v_slots.stride(1), v_slots.stride(2), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
         num_kv_heads, GROUP=group, GPAD=gpad, D=dim, BLOCK_N=block_n, SPLITS=DECODE_SPLITS, IEEE=ieee, WRITE=write,
         num_warps=4, num_stages=2,
-    )  # fmt: skip
+    )
     return _combine(po, pm, pl, group, q.dtype)
 
 
@@ -162,7 +162,7 @@ def _combine_torch(po, pm, pl, group: int, dtype: torch.dtype) -> torch.Tensor:
 
 @triton.jit
 def _decode_combine(PO, PM, PL, OUT, NUM_KV, GROUP: tl.constexpr, GPAD: tl.constexpr, D: tl.constexpr,
-                    SPLITS: tl.constexpr):  # fmt: skip
+                    SPLITS: tl.constexpr):
     """Program (query head, row): `_combine_torch` for one head, in one launch instead of ~9."""
     head, row = tl.program_id(0), tl.program_id(1)
     kv_head, g = head // GROUP, head % GROUP
@@ -179,7 +179,7 @@ def _combine_triton(po, pm, pl, group: int, dtype: torch.dtype) -> torch.Tensor:
     batch, num_kv_heads, splits, gpad, dim = po.shape
     out = torch.empty(batch, num_kv_heads * group, dim, dtype=dtype, device=po.device)
     _decode_combine[(num_kv_heads * group, batch)](po, pm, pl, out, num_kv_heads, GROUP=group, GPAD=gpad, D=dim,
-                                                   SPLITS=splits)  # fmt: skip
+                                                   SPLITS=splits)
     return out
 
 

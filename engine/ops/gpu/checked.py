@@ -17,7 +17,7 @@ log = logging.getLogger(__name__)
 
 class Checked:
     def __init__(self, name: str, fast: Callable, slow: Callable, rtol: float = 2e-2, canon: Callable | None = None,
-                 fresh: Callable | None = None, applies: Callable | None = None):  # fmt: skip
+                 fresh: Callable | None = None, applies: Callable | None = None):
         """`canon(out, args)`: what of an output is compared (default: every tensor of it), where
         two right answers may differ (e.g. the order of ties). `fresh(args)`: copies of the
         arguments an op updates in place, for each of the two trial runs (the real call then runs

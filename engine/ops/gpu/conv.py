@@ -14,14 +14,14 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops import conv as reference
+import engine.ops.conv as reference
 from engine.ops.gpu import spans
 from engine.ops.gpu.checked import Checked
 
 
 @triton.jit
 def _causal_conv(X, S, SPAN, START, W, Y, T, C, stride_x, END0, END1, K: tl.constexpr, SPANS: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+                 BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     """Rows of X [T, C] (row stride `stride_x`) through the conv and SiLU into Y, which holds the output's
     column parts [0, END0), [END0, END1), [END1, C) one after another, each contiguous [T, width]; a
     program's BLOCK_C channels lie within one part. SPANS: the rows are several sequences', row t the
@@ -79,13 +79,13 @@ def _windows_kernel(X, S, ROWS, OUT, C, stride_x, WIDTH: tl.constexpr, BLOCK_C: 
 
 @functools.lru_cache(maxsize=4)
 def _window_rows(bounds: tuple[tuple[int, int], ...], capture_ats: tuple[tuple[int, ...], ...], width: int,
-                 device: torch.device) -> torch.Tensor:  # fmt: skip
+                 device: torch.device) -> torch.Tensor:
     """[W, width] int32: for every capture of every sequence in order, then every sequence's end, the
     `width` inputs before it as `_windows_kernel` reads them (a row of x, or -1 - the state element)."""
     ends = [(i, off) for i, caps in enumerate(capture_ats) for off in caps]
     ends += [(i, hi - lo) for i, (lo, hi) in enumerate(bounds)]
     rows = [bounds[i][0] + src if src >= 0 else -1 - (i * width + width + src)
-            for i, off in ends for src in range(off - width, off)]  # fmt: skip
+            for i, off in ends for src in range(off - width, off)]
     return spans.to_device(rows, torch.int32, device).view(-1, width)
 
 
@@ -98,7 +98,7 @@ def _windows(x, states, bounds, capture_ats):
     out = torch.empty(rows.shape[0], channels, width, dtype=x.dtype, device=x.device)
     block = 128
     _windows_kernel[(rows.shape[0], triton.cdiv(channels, block))](x, states, rows, out, channels, x.stride(0),
-                                                                    WIDTH=width, BLOCK_C=block)  # fmt: skip
+                                                                    WIDTH=width, BLOCK_C=block)
     captured, n = [], 0
     for caps in capture_ats:
         captured.append(list(out[n : n + len(caps)]))
@@ -118,7 +118,7 @@ def _launch(x, states, rows, weight, splits):
         span, start = rows if rows is not None else (x, x)  # not read without SPANS
         grid = (triton.cdiv(length, 32), triton.cdiv(channels, block_c))
         _causal_conv[grid](x, states, span, start, weight.contiguous(), y, length, channels, x.stride(0), *ends,
-                           K=weight.shape[1], SPANS=rows is not None, BLOCK_T=32, BLOCK_C=block_c)  # fmt: skip
+                           K=weight.shape[1], SPANS=rows is not None, BLOCK_T=32, BLOCK_C=block_c)
     starts = [0, *itertools.accumulate(splits)]
     return [y[length * lo : length * (lo + n)].view(length, n) for lo, n in zip(starts, splits, strict=False)]
 
@@ -203,7 +203,7 @@ def _triton_conv_slots(x, slots, index, weight):
     _conv_slots_kernel[(batch, triton.cdiv(channels, block))](
         x, slots, index, weight, y, channels, x.stride(0), K=width + 1, KP=triton.next_power_of_2(width + 1),
         BLOCK_C=block,
-    )  # fmt: skip
+    )
     return y
 
 
@@ -215,4 +215,4 @@ def _slots_after(out, args):
 decode_conv_slots = Checked(
     "decode_conv_slots", _triton_conv_slots, reference.decode_conv_slots, canon=_slots_after,
     fresh=lambda args: (args[0], args[1].clone(), *args[2:]),
-)  # fmt: skip
+)

@@ -20,7 +20,7 @@ import triton
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_recurrent
 
-from engine.ops import deltanet as reference
+import engine.ops.deltanet as reference
 from engine.ops.gpu import spans
 
 try:  # fla-core 0.6 internals; the public API below is the fallback
@@ -83,11 +83,11 @@ def chunk_gated_delta_rule_spans(q, k, v, g, beta, states, bounds, capture_ats):
     one = len(bounds) == 1 and not capture_ats[0]
     if one or q.dtype == torch.float32 or chunk_gated_delta_rule_fwd is None:
         return reference.chunk_gated_delta_rule_spans(q, k, v, g, beta, states, bounds, capture_ats,
-                                                      scan=chunk_gated_delta_rule)  # fmt: skip
+                                                      scan=chunk_gated_delta_rule)
     where = spans.layout(tuple(bounds), tuple(map(tuple, capture_ats)), q.device)
     q, k = l2norm_fwd(q.contiguous())[0], l2norm_fwd(k.contiguous())[0]
     return spans.scan_rounds(where, q, k, v.contiguous(), g.float().contiguous(), beta.contiguous(), states,
-                             _FlaRounds)  # fmt: skip
+                             _FlaRounds)
 
 
 class _FlaRounds:
@@ -101,9 +101,9 @@ class _FlaRounds:
         self.where = where
         self.q, self.k = q.unsqueeze(0), k.unsqueeze(0)  # [1, T, Hk, Dk]
         self.g = chunk_local_cumsum(g.unsqueeze(0), chunk_size=spans.CHUNK, scale=RCP_LN2, cu_seqlens=cu,
-                                    chunk_indices=chunks)  # fmt: skip
+                                    chunk_indices=chunks)
         self.w, self.u, _ = chunk_gated_delta_rule_fwd_intra(k=self.k, v=v.unsqueeze(0), g=self.g, beta=beta.unsqueeze(0),
-                                                             cu_seqlens=cu, chunk_indices=chunks, chunk_size=spans.CHUNK)  # fmt: skip
+                                                             cu_seqlens=cu, chunk_indices=chunks, chunk_size=spans.CHUNK)
         hv, dk, dv = v.shape[1], k.shape[2], v.shape[2]
         self.h = k.new_empty(1, len(chunks), hv, dk, dv)  # every chunk's state at its start
         self.v_new = torch.empty_like(self.u)
@@ -115,12 +115,12 @@ class _FlaRounds:
             k=self.k, v=self.u, w=self.w, v_new=self.v_new, g=self.g, gk=None, h=self.h, h0=h0, ht=finals,
             cu_seqlens=rnd.cu_seqlens, chunk_offsets=rnd.chunk_offsets,
             T=rows, H=hk, HV=hv, K=dk, V=dv, BT=spans.CHUNK, STATE_V_FIRST=False,
-        )  # fmt: skip
+        )
 
     def outputs(self) -> torch.Tensor:
         out = chunk_fwd_o(q=self.q, k=self.k, v=self.v_new, h=self.h, g=self.g, scale=self.k.shape[-1] ** -0.5,
                           cu_seqlens=self.where.cu_seqlens, chunk_size=spans.CHUNK,
-                          chunk_indices=self.where.chunk_indices)  # fmt: skip
+                          chunk_indices=self.where.chunk_indices)
         return out[0]
 
 

@@ -23,7 +23,7 @@ MAX_N = 16384  # outputs at most (their column blocks within the GEMV's tickets,
 
 @triton.jit
 def _small_gemm_kernel(X, W, PART, OUT, COUNT, M, N, K, K_SPLIT, SPLIT: tl.constexpr, MT: tl.constexpr,
-                       BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+                       BN: tl.constexpr, BK: tl.constexpr):
     """Program (column block, split s): x's M rows (MT, the rest zeros) against the block's BN rows of
     W over K_SPLIT columns; with SPLIT > 1 fp32 partials into PART [SPLIT, MT, N] and the last of the
     block's programs (a ticket in COUNT, reset by it) sums them in order into OUT."""
@@ -46,7 +46,7 @@ def _small_gemm_kernel(X, W, PART, OUT, COUNT, M, N, K, K_SPLIT, SPLIT: tl.const
             total = tl.zeros([MT, BN], tl.float32)
             for t in range(SPLIT):
                 total += tl.load(PART + (t * MT + m[:, None]) * N + n[None, :], mask=keep, other=0.0,
-                                 cache_modifier=".cg")  # fmt: skip
+                                 cache_modifier=".cg")
             tl.atomic_xchg(ticket, 0)  # for the next launch
             tl.store(OUT + m[:, None] * N + n[None, :], total.to(OUT.dtype.element_ty), mask=keep)
 
@@ -76,5 +76,5 @@ def small_linear(x: torch.Tensor, w: torch.Tensor, split: int | None = None) -> 
     part = torch.empty(split, ROWS, n, dtype=torch.float32, device=x.device) if split > 1 else out
     _small_gemm_kernel[(triton.cdiv(n, BLOCK_N), split)](
         x, w, part, out, quant.tickets(x.device), m, n, k, k // split, SPLIT=split, MT=ROWS, BN=BLOCK_N, BK=BLOCK_K,
-    )  # fmt: skip
+    )
     return out

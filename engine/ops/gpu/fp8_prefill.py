@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops.gpu.quant import DEQUANT_ROWS, FP8, QuantWeight, glu_row, tile_launch, tile_rows
+from engine.ops.gpu.quant_weight import FP8, QuantWeight
+from engine.ops.gpu.tiles import DEQUANT_ROWS, glu_row, tile_launch, tile_rows
 
 # x's quantization blocks: `engine.quant.fp8.quantize(x, X_BLOCK, torch.float32)` is `fp8_rows`
 X_BLOCK = (1, 128)

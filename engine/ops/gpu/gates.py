@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops import gates as reference
+import engine.ops.gates as reference
 from engine.ops.gpu.checked import Checked
 
 
@@ -86,7 +86,7 @@ def _gate(kind: int, x, gate, y=None):
         _gate_kernel[(rows * heads,)](
             x3, g3, y3, out, heads, n, *x3.stride()[:2], *g3.stride()[:2], *y3.stride()[:2], KIND=kind,
             BLOCK=triton.next_power_of_2(n),
-        )  # fmt: skip
+        )
     return out
 
 

@@ -2,8 +2,7 @@
 
 An offloaded decode step reads the experts it lacks where they lie in host memory. Read by the
 experts' own kernels, those reads are what those kernels load: 32 bytes of one weight row here,
-two bytes of scales there, each a separate small request over the link (~20 GB/s measured on the
-H200's 55 GB/s link). This kernel reads each expert once, as whole 16-byte words in long
+two bytes of scales there, each a separate small request over the link (well below its bandwidth). This kernel reads each expert once, as whole 16-byte words in long
 contiguous runs (full-size requests, many in flight), into a few device rows that the experts'
 kernels then read from device memory. The ids come from the device (the routing), so nothing
 waits on the host and a CUDA graph may hold it.
@@ -28,7 +27,7 @@ def _copy_part(src, dst, width, expert, r, offs):
 @triton.jit
 def _gather_kernel(
     IDS, S0, S1, S2, S3, D0, D1, D2, D3, W0, W1, W2, W3, NPARTS: tl.constexpr, BLOCK: tl.constexpr
-):  # fmt: skip
+):
     """Program (block b, row r): words [b * BLOCK, (b + 1) * BLOCK) of each part of expert IDS[r]
     (source [E, W] in host memory) into row r of the staging parts ([R, W]); nothing for id -1."""
     r = tl.program_id(1)

@@ -58,7 +58,7 @@ def _key_starts_kernel(COUNTS, BASE, OFFS, B, E, EP: tl.constexpr, STEP: tl.cons
         r = r0 + tl.arange(0, STEP)
         tile = tl.load(COUNTS + r[:, None] * EP + keys[None, :], mask=(r < B)[:, None], other=0)
         tl.store(BASE + r[:, None] * EP + keys[None, :], running[None, :] + tl.cumsum(tile, 0) - tile,
-                 mask=(r < B)[:, None])  # fmt: skip
+                 mask=(r < B)[:, None])
         running += tl.sum(tile, 0)
 
 
@@ -92,7 +92,7 @@ def _group_by_expert_triton(ids: torch.Tensor, num_experts: int) -> tuple[torch.
     _count_keys_kernel[(blocks,)](flat, counts, n, num_experts, EP=ep, BLOCK=SORT_BLOCK)
     _key_starts_kernel[(1,)](counts, base, offs, blocks, num_experts, EP=ep, STEP=16)
     _place_keys_kernel[(blocks,)](flat, base, order, rows, n, num_experts, EP=ep, BLOCK=SORT_BLOCK,
-                                  CHUNK=SORT_CHUNK, num_warps=8)  # fmt: skip
+                                  CHUNK=SORT_CHUNK, num_warps=8)
     return order, offs, rows
 
 
@@ -114,7 +114,7 @@ group_by_expert = Checked("group_by_expert", _group_by_expert_triton, _group_by_
 
 @triton.jit
 def _sum_rows_kernel(YS, ROWS, IDS, OUT, H, TOPK: tl.constexpr, GATHER: tl.constexpr, PARTIAL: tl.constexpr,
-                     BLOCK: tl.constexpr):  # fmt: skip
+                     BLOCK: tl.constexpr):
     """Token t, a block of columns: the sum in fp32, j = 0 .. TOPK - 1, of its assignments' rows of YS,
     assignment a = t * TOPK + j at row ROWS[a] (GATHER: YS in expert order) or a; with PARTIAL, those
     whose IDS[a] < 0 (no expert: rows no GEMM wrote) skipped."""
@@ -152,9 +152,8 @@ def _summed_torch(ys: torch.Tensor, rows: torch.Tensor | None, ids: torch.Tensor
 # Rows in expert order (assignment a's at `rows[a]`, from `group_by_expert`; None: already in the assignments'
 # order) back to their assignments, summed per
 # token in fp32 → [T, H] in `dtype`. With `partial` (ids may hold -1 in a prefill), the absent
-# assignments' rows, which no GEMM wrote, count as zeros. One launch reading each row where it lies (until
-# session 16 an index_copy of every row into assignment order, the sum and the cast: 0.47 + 0.13 ms + a cast a
-# layer at 8K tokens of the 256-expert shape, H200)
+# assignments' rows, which no GEMM wrote, count as zeros. One launch reading each row where it lies (not an
+# index_copy of every row into assignment order, then the sum and the cast)
 _summed = Checked("moe_sum", _summed_triton, _summed_torch)
 
 
@@ -217,7 +216,7 @@ def _up_kernel(X, W, IDS, A, H, INTER, TOPK: tl.constexpr, BLOCK_I: tl.constexpr
 
 @triton.jit
 def _down_kernel(A, W, IDS, RW, PART, OUT, COUNT, H, INTER, TOPK: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_I: tl.constexpr):  # fmt: skip
+                 BLOCK_I: tl.constexpr):
     """Program (assignment a = token * TOPK + j, n-block): the token's j-th expert's down projection,
     weighted; the last of the token's TOPK programs to finish sums them into OUT (a ticket per
     (token, n-block) in COUNT, reset by that program: `quant.tickets`). The assignments vary
@@ -258,7 +257,7 @@ def _routed_to(IDS, slot, TOKENS, TOPK: tl.constexpr, MT: tl.constexpr, KP: tl.c
 
 @triton.jit
 def _up_grouped_kernel(X, W, IDS, A, H, INTER, TOKENS, TOPK: tl.constexpr, MT: tl.constexpr, KP: tl.constexpr,
-                       BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+                       BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
     """Program (assignment slot, i-block): where the slot is its expert's first assignment, that
     expert's gate and up rows of the block against every token that chose it, as one small matmul
     ([MT tokens, BLOCK_H] x [BLOCK_H, BLOCK_I], the absent tokens' rows zero): each expert read once
@@ -283,7 +282,7 @@ def _up_grouped_kernel(X, W, IDS, A, H, INTER, TOKENS, TOPK: tl.constexpr, MT: t
 
 @triton.jit
 def _down_grouped_kernel(A, W, IDS, RW, PART, OUT, COUNT, H, INTER, TOKENS, TOPK: tl.constexpr, MT: tl.constexpr,
-                         KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr):  # fmt: skip
+                         KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr):
     """Program (assignment slot, n-block): where the slot is its expert's first assignment, that
     expert's down projection of every assignment that chose it (one small matmul, as in
     `_up_grouped_kernel`), weighted, into PART; an absent expert's slot (-1) a zero row of its own.
@@ -314,7 +313,7 @@ def _down_grouped_kernel(A, W, IDS, RW, PART, OUT, COUNT, H, INTER, TOKENS, TOPK
             total = tl.zeros([MT, BLOCK_N], tl.float32)
             for j in range(TOPK):
                 total += tl.load(PART + (t * TOPK + j)[:, None] * H + n[None, :], mask=last[:, None], other=0.0,
-                                 cache_modifier=".cg")  # fmt: skip
+                                 cache_modifier=".cg")
             tl.atomic_xchg(tickets, 0, mask=last)  # for the next launch
             tl.store(OUT + t[:, None] * H + n[None, :], total.to(OUT.dtype.element_ty), mask=last[:, None])
 
@@ -350,7 +349,7 @@ class DecodeTiles(_Settings):
     def fitted(self, hidden: int, inter: int) -> DecodeTiles:
         """The tiles cut to a model's sizes (the tiny presets'); not grouped where they do not divide them."""
         t = replace(self, up_i=min(self.up_i, inter), up_h=min(self.up_h, hidden), down_n=min(self.down_n, hidden),
-                    down_i=min(self.down_i, inter))  # fmt: skip
+                    down_i=min(self.down_i, inter))
         fits = min(t.up_i, t.up_h, t.down_n, t.down_i) >= 16 and not (
             inter % t.up_i or hidden % t.up_h or hidden % t.down_n or inter % t.down_i)
         return t if fits else replace(t, grouped=0)
@@ -376,7 +375,7 @@ def _experts_triton(x, weights, ids, gate_up, down, tiles: DecodeTiles | None = 
     part = torch.empty(num_tokens, top_k, hidden, dtype=torch.float32, device=x.device)  # one row per chosen expert
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     _down_kernel[(num_tokens * top_k, hidden // block_n)](act, down, ids, weights, part, out, quant.tickets(x.device),
-                                                         hidden, inter, TOPK=top_k, BLOCK_N=block_n, BLOCK_I=128)  # fmt: skip
+                                                         hidden, inter, TOPK=top_k, BLOCK_N=block_n, BLOCK_I=128)
     return out
 
 
@@ -388,13 +387,13 @@ def _experts_grouped_decode(x, weights, ids, gate_up, down, t: DecodeTiles):
     shape = {"TOPK": top_k, "MT": GROUPED_TOKENS, "KP": triton.next_power_of_2(top_k)}
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
     _up_grouped_kernel[(slots, inter // t.up_i)](x, gate_up, ids, act, hidden, inter, num_tokens, **shape,
-                                                 BLOCK_I=t.up_i, BLOCK_H=t.up_h, num_warps=t.up_warps, num_stages=t.stages)  # fmt: skip
+                                                 BLOCK_I=t.up_i, BLOCK_H=t.up_h, num_warps=t.up_warps, num_stages=t.stages)
     part = torch.empty(num_tokens, top_k, hidden, dtype=torch.float32, device=x.device)
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     _down_grouped_kernel[(slots, hidden // t.down_n)](
         act, down, ids, weights, part, out, quant.tickets(x.device), hidden, inter, num_tokens, **shape,
         BLOCK_N=t.down_n, BLOCK_I=t.down_i, num_warps=t.down_warps, num_stages=t.stages,
-    )  # fmt: skip
+    )
     return out
 
 
@@ -477,7 +476,7 @@ def _route_out(W, IDS, row, values, chosen, slots, gate, E, TOPK: tl.constexpr, 
 
 @triton.jit
 def _route_kernel(L, W, IDS, E, stride, TOPK: tl.constexpr, RENORM: tl.constexpr, SHARED: tl.constexpr,
-                  BE: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+                  BE: tl.constexpr, BK: tl.constexpr):
     """One token row: softmax over the experts, top-k by k rounds of arg-max, renormalised; with
     SHARED, column E (the shared expert's gate) joins as expert E, weighted by its sigmoid."""
     row = tl.program_id(0)
@@ -490,7 +489,7 @@ def _route_kernel(L, W, IDS, E, stride, TOPK: tl.constexpr, RENORM: tl.constexpr
 
 @triton.jit
 def _router_kernel(X, R, LOGITS, W, IDS, COUNT, H, E, stride_r, TOPK: tl.constexpr, RENORM: tl.constexpr,
-                   BE: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+                   BE: tl.constexpr, BK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
     """Program (block of router rows, token row): BLOCK_E of the row's E + 1 logits (the router's, then
     the shared expert's gate: rows of R), rounded to x's dtype as a GEMM's output is, into LOGITS
     [T, BE]; the last of the row's programs to finish (a ticket in COUNT, reset by it) routes them
@@ -545,7 +544,7 @@ def router(x: torch.Tensor, w: torch.Tensor, experts: int, top_k: int, renormali
 
 
 def _router_triton(x: torch.Tensor, w: torch.Tensor, experts: int, top_k: int, renormalise: bool,
-                   tiles: RouterTiles | None = None):  # fmt: skip
+                   tiles: RouterTiles | None = None):
     t = tiles or ROUTER_TILES
     rows, hidden = x.shape
     x = x.contiguous()
@@ -558,7 +557,7 @@ def _router_triton(x: torch.Tensor, w: torch.Tensor, experts: int, top_k: int, r
             x, w, logits, weights, ids, quant.tickets(x.device), hidden, experts, w.stride(0), TOPK=top_k,
             RENORM=renormalise, BE=be, BK=triton.next_power_of_2(width), BLOCK_E=block_e,
             BLOCK_H=min(t.block_h, hidden & -hidden), num_warps=t.warps,
-        )  # fmt: skip
+        )
     return weights, ids
 
 
@@ -582,7 +581,7 @@ def _route_triton(logits: torch.Tensor, top_k: int, renormalise: bool, dtype: to
         _route_kernel[(rows,)](
             logits, weights, ids, experts, logits.stride(0), TOPK=top_k, RENORM=renormalise, SHARED=shared,
             BE=triton.next_power_of_2(experts), BK=triton.next_power_of_2(width),
-        )  # fmt: skip
+        )
     return weights, ids
 
 

@@ -64,7 +64,7 @@ def _gated_triton(x, gate, weight, eps):
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if rows * heads:
         _gated_rms_norm[(rows * heads,)](x3, z3, weight, y, heads, n, *x3.stride()[:2], *z3.stride()[:2], eps,
-                                         BLOCK=triton.next_power_of_2(n))  # fmt: skip
+                                         BLOCK=triton.next_power_of_2(n))
     return y
 
 
@@ -114,7 +114,7 @@ def _norm_rope_triton(x, weight, eps, cos, sin):
         _norm_rope[(tokens * heads,)](
             x, weight, cos.contiguous(), sin.contiguous(), y, heads, dim, cos.shape[-1], eps,
             x.stride(0), x.stride(1), BLOCK=triton.next_power_of_2(dim),
-        )  # fmt: skip
+        )
     return y
 
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops import deltanet as reference
+import engine.ops.deltanet as reference
 from engine.ops.gpu import conv, quant
 from engine.ops.gpu.checked import Checked
 
@@ -25,7 +25,7 @@ BLOCK_V = 32  # value columns per program: a [Dk, 32] fp32 block of the state in
 def _recurrent_slots_kernel(
     Q, K, V, G, BETA, S, IDX, OUT, stride_q, stride_k, stride_v, stride_g, stride_beta, HV, GROUP, scale,
     DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-):  # fmt: skip
+):
     """Program (row b, value head h, value block): the block of slot IDX[b]'s state [Dk, BV] of head
     h, stepped with row b's token and stored back; its output columns into OUT [B, Hv, Dv]."""
     b, h, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -54,13 +54,13 @@ def _triton_recurrent_slots(q, k, v, g, beta, slots, index):
         slots.dtype != torch.float32 or not slots.is_contiguous() or dv % BLOCK_V or dk & (dk - 1)
         or any(t.stride(-1) != 1 for t in (q, k, v, g, beta)) or q.stride(1) != dk or k.stride(1) != dk
         or v.stride(1) != dv
-    ):  # fmt: skip
+    ):
         return reference.decode_gated_delta_rule_slots(q, k, v, g, beta, slots, index)
     out = torch.empty(batch, hv, dv, dtype=v.dtype, device=v.device)
     _recurrent_slots_kernel[(batch, hv, dv // BLOCK_V)](
         q, k, v, g, beta, slots, index, out, q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0),
         hv, hv // hk, dk**-0.5, DK=dk, DV=dv, BV=BLOCK_V,
-    )  # fmt: skip
+    )
     return out
 
 
@@ -76,7 +76,7 @@ def checked(decode: Callable) -> Checked:
         "decode_gated_delta_rule_slots", _triton_recurrent_slots,
         functools.partial(reference.decode_gated_delta_rule_slots, decode=decode), canon=_slots_after,
         fresh=lambda args: (*args[:5], args[5].clone(), args[6]),
-    )  # fmt: skip
+    )
 
 
 @triton.jit
@@ -84,7 +84,7 @@ def _decode_step_kernel(
     MIXED, Z, A, B, NEG_A, DT, CW, CS, RS, IDX, NW, OUT, COUNT, stride_m, stride_z, stride_a, stride_b,
     C, KEY, HK, HV, GROUP, scale, eps, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, K: tl.constexpr,
     KP: tl.constexpr,
-):  # fmt: skip
+):
     """Program (row b, value head h, value block): `reference.decode_step` for the block, each value
     rounded where the four kernels it replaces round it: the conv of the head's q and k channels (each
     of the key head's programs computes them; the last to finish stores their conv state) and of its
@@ -134,7 +134,7 @@ def _decode_step_kernel(
 
 
 def _triton_decode_step(mixed, z, a, b, neg_a, dt_bias, conv_weight, norm_weight, eps, conv_slots, rec_slots, index,
-                        unfused):  # fmt: skip
+                        unfused):
     rows, channels = mixed.shape
     hv, dk, dv = rec_slots.shape[1:]
     key = (channels - hv * dv) // 2
@@ -144,7 +144,7 @@ def _triton_decode_step(mixed, z, a, b, neg_a, dt_bias, conv_weight, norm_weight
         or dk & (dk - 1) or dv & (dv - 1) or key < dk or key % dk or hv % (key // dk)
         or any(t.stride(-1) != 1 for t in (mixed, z, a, b)) or conv_weight.stride() != (width + 1, 1)
         or rows * (key // dk + hv) > quant.TICKETS
-    ):  # fmt: skip
+    ):
         return unfused(mixed, z, a, b, neg_a, dt_bias, conv_weight, norm_weight, eps, conv_slots, rec_slots, index)
     out = torch.empty(rows, hv, dv, dtype=mixed.dtype, device=mixed.device)
     block = min(BLOCK_V, dv)  # a head of the tiny presets' 16 columns: one block
@@ -154,7 +154,7 @@ def _triton_decode_step(mixed, z, a, b, neg_a, dt_bias, conv_weight, norm_weight
             quant.tickets(mixed.device), mixed.stride(0), z.stride(0), a.stride(0), b.stride(0), channels, key,
             key // dk, hv, hv // (key // dk), dk**-0.5, eps, DK=dk, DV=dv, BV=block, K=width + 1,
             KP=triton.next_power_of_2(width + 1),
-        )  # fmt: skip
+        )
     return out
 
 

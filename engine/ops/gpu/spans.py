@@ -94,13 +94,13 @@ def layout(
                 captured[i].append(first + n)
         ends = slice(first, first + len(pieces) + 1)
         rounds.append(Round(pieces, start, len(order), first, h0, to_device(cu[ends], torch.long, device),
-                            to_device(offsets[ends], torch.long, device)))  # fmt: skip
+                            to_device(offsets[ends], torch.long, device)))
     in_order = order == list(range(len(order)))
     return SpanLayout(to_device(span, torch.int32, device), to_device([lo for lo, _ in bounds], torch.int32, device),
                       None if in_order else to_device(order, torch.long, device), tuple(rounds),
                       to_device(cu, torch.long, device), to_device(chunks, torch.long, device).view(-1, 2),
                       to_device([last[i] for i in range(len(bounds))], torch.long, device),
-                      tuple(map(tuple, captured)))  # fmt: skip
+                      tuple(map(tuple, captured)))
 
 
 def _rows(rows: list[int], device: torch.device) -> slice | torch.Tensor:
@@ -133,7 +133,7 @@ class RoundScan(Protocol):
 
 
 def scan_rounds(where: SpanLayout, q, k, v, g, beta, states: Sequence[torch.Tensor],
-                scan: Callable[..., RoundScan]):  # fmt: skip
+                scan: Callable[..., RoundScan]):
     """The scan of several sequences' rows (q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]), each from
     its state in `states`, round by round: `scan(q, k, v, g, beta, where)` takes the rows in the
     layout's order, each round carries its segments' states into one buffer of every segment's
