@@ -10,7 +10,8 @@ layers too):
 - the kernels (``engine/ops``) import no engine module outside ``engine.ops`` but the weight formats
   (``engine.quant``);
 - the modules' import graph has no cycles, neither among the imports run at import time nor through an
-  import deferred into a function;
+  import deferred into a function; imports under ``if TYPE_CHECKING:`` count (a cycle of types only is
+  still two modules that need each other);
 - the gateway does not import ``adapters``, and its error types live in ``gateway/errors.py``.
 """
 
