@@ -175,12 +175,6 @@ class QwenParser:
             self._out.append(kind(text))
 
     def _close_reasoning(self) -> None:
-        i = self._buf.find(CALL_OPEN)
-        if i >= 0 and self._reasoning_call(self._buf[i + len(CALL_OPEN) :]):
-            self._emit(ReasoningDelta, self._buf[:i].rstrip("\n"))
-            self._buf, self._state = self._buf[i + len(CALL_OPEN) :], "call_open"
-            self.recovered += 1
-            return self._close_call_open()
         self._emit(ReasoningDelta, self._buf.rstrip("\n"))
 
     def _close_text(self) -> None:
