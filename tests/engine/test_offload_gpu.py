@@ -7,7 +7,6 @@ Each test prints `METRIC name value`. Errors are relative Frobenius norms, as in
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import os
@@ -129,7 +128,6 @@ SMALL_RUNS = {  # a long chunk (streamed), a short one (routed experts only), an
     "long": (prompt(300), list(range(500, 516))),
     "short": (prompt(7), [3, 4, 5]),
     "host": (prompt(9), list(range(600, 616))),
-    "routed": (prompt(12), [7, 8, 9]),  # streamed, gathering only the missing experts it routes to
 }
 
 
@@ -175,27 +173,6 @@ class TestSmallFp32:
             offload.policy = saved
         metric("offload_host_rel", rel(got, want["host"]))
         assert rel(got, want["host"]) <= FP32_TOL
-
-    def test_fp32_routed_pieces_gather_only_the_missing_experts(self, small_fp32):
-        """A streamed chunk below `routed_tokens`: its missing experts ranked on the device and
-        gathered from host memory by the gather kernel on the copy stream, piece by piece."""
-        engine, want = small_fp32
-        offload = engine.offload
-        assert offload.mapped and offload.stream is not None  # FT_ROUTED_PIECES=1 would set routed_tokens
-        saved = offload.policy, offload.routed_tokens
-        offload.policy, offload.routed_tokens = dataclasses.replace(offload.policy, stream_tokens=2), 1000
-        try:
-            offload.flush()
-            before = dict(offload.stats.bytes_in)
-            got = run(engine, *SMALL_RUNS["routed"])
-            offload.flush()
-        finally:
-            offload.policy, offload.routed_tokens = saved
-        moved = offload.stats.bytes_in["prefill"] - before["prefill"]
-        every = len(offload.order) * (engine.config.num_experts - offload.plan.slots) * offload.plan.expert_bytes
-        assert 0 < moved < every  # 12 tokens do not reach every missing expert of every layer
-        metric("offload_routed_rel", rel(got, want["routed"]))
-        assert rel(got, want["routed"]) <= FP32_TOL
 
     def test_fetching_experts_refuse_graph_capture(self, small_fp32):
         """A chunk beyond decode size fetches experts (host decisions): never under capture."""
