@@ -42,7 +42,7 @@ step() { # NAME COMMAND...: the command's output in NAME.log, its status in step
   log "$name rc=$?"
 }
 decode() { # TREE JSON: the e64 decode per batch size with TREE's engine and bench, run from TREE
-  (cd "$1" && PYTHONPATH=/tmp/site:$PWD python3 bench/gpu.py --preset $P-e64 --only decode,batched --json "$2")
+  (cd "$1" && PYTHONPATH=/tmp/site:$PWD python3 bench/gpu.py --preset $P-e64 --only decode,batched --decode 8192 --json "$2")
 }
 sessions_ft() { # TREE JSON: K = 1 and 4 sessions, ours alone, with TREE's server and bench, run from TREE
   # (`python -m ft` puts the working directory first on sys.path: the server must start from TREE)
