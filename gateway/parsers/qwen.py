@@ -17,8 +17,9 @@ unambiguous the parser reads them as the call meant, and counts them in `recover
   ``<parameter=P>`` naming another parameter of the tool;
 - ``</tool_call>`` where ``</function>`` was due;
 - a call opened inside the reasoning (``<tool_call>`` then ``<function=NAME>`` of a known tool):
-  the reasoning ends there;
-- a string-typed value written as a JSON string literal.
+  the reasoning ends there.
+
+A string-typed value written as JSON stays the string the model wrote (`ToolCallBuilder`).
 
 Other markup becomes text and is counted in `kept_as_text`.
 """
@@ -270,9 +271,11 @@ class QwenParser:
         name, rest = self._tag_name(PARAM_OPEN)
         if name is None:
             return False
-        if not name:
+        if not name:  # not a parameter: the call ends, and what follows is read as text (a new call may open)
             self._end_call()
-            return self._to_text(s)
+            self.kept_as_text += 1
+            self._buf, self._state = s, "text"
+            return True
         assert self._call is not None
         self._out += self._call.begin_param(name)
         self._buf, self._state = rest, "value"
@@ -303,7 +306,6 @@ class QwenParser:
     def _end_call(self) -> None:
         assert self._call is not None
         self._out += self._call.close()
-        self.recovered += self._call.recovered
         self._call = None
 
     def _step_call_close(self) -> bool:

@@ -55,15 +55,3 @@ def accepts(schema: Any, args: dict) -> bool:
             return False
     return True
 
-
-def json_string(raw: str) -> str | None:
-    """The string a string-typed parameter's value means when the model wrote it as a JSON
-    string literal (``"ls -l"``), else None."""
-    text = raw.strip()
-    if len(text) < 2 or text[0] != '"' or text[-1] != '"':
-        return None
-    try:
-        value = msgspec.json.decode(text)
-    except msgspec.DecodeError:
-        return None
-    return value if isinstance(value, str) else None

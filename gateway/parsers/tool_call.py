@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.events import Event, ToolCallArgsDelta, ToolCallEnd, ToolCallStart
-from gateway.parsers.recovery import json_string
 from gateway.parsers.values import convert, encode_json, escape_fragment, is_verbatim, param_type
 
 
@@ -14,9 +13,9 @@ class ToolCallBuilder:
     object (string values progressively, typed values when complete); custom tools
     stream the raw text of their first parameter.
 
-    A string-typed value of a known tool that begins with ``"`` is held until complete: when
-    it is a JSON string literal the model meant the string it encodes (counted in
-    `recovered`)."""
+    A string-typed value stays the text the model wrote even when that text is JSON (an
+    object, a number, a quoted string): the schema says the tool wants a string, and the
+    template writes a string argument verbatim, so decoding it would not round-trip."""
 
     def __init__(self, index: int, call_id: str, name: str, schema: dict | None, custom: bool, known: bool):
         self.index, self.name, self.custom = index, name, custom
@@ -30,8 +29,6 @@ class ToolCallBuilder:
         self._raw: list[str] = []
         self._skip = False
         self._n_params = 0
-        self._held = False
-        self.recovered = 0
 
     def unused_params(self) -> list[str]:
         """The schema's parameters this call has not given yet (nor the current one)."""
@@ -45,7 +42,7 @@ class ToolCallBuilder:
         return events if self.custom else events + [self._delta("{")]
 
     def begin_param(self, name: str) -> list[Event]:
-        self._param, self._raw, self._held = name, [], False
+        self._param, self._raw = name, []
         self._type = param_type(self._schema, name)
         self._verbatim = is_verbatim(self._type, self._known)
         if self.custom:
@@ -58,10 +55,8 @@ class ToolCallBuilder:
 
     def param_text(self, text: str) -> list[Event]:
         """More of the current value; streamed now when the value is a verbatim string."""
-        if not "".join(self._raw) and text.startswith('"') and self._known and self._verbatim and not self.custom:
-            self._held = True
         self._raw.append(text)
-        if not text or self._skip or self._held or not (self._verbatim or self.custom):
+        if not text or self._skip or not (self._verbatim or self.custom):
             return []
         return [self._delta(text if self.custom else escape_fragment(text))]
 
@@ -71,17 +66,10 @@ class ToolCallBuilder:
             if not self._skip:
                 self._input = raw
             return []
-        if self._held:
-            return self._end_held(raw)
         value = raw if self._verbatim else convert(raw, self._type)
         self._args[self._param] = value
         return [self._delta('"' if self._verbatim else encode_json(value))]
 
-    def _end_held(self, raw: str) -> list[Event]:
-        value = json_string(raw)
-        self.recovered += value is not None
-        self._args[self._param] = raw if value is None else value
-        return [self._delta(escape_fragment(self._args[self._param]) + '"')]
 
     def close(self) -> list[Event]:
         if self.custom:

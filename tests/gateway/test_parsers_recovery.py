@@ -112,13 +112,11 @@ def test_tool_call_tag_mentioned_in_reasoning_stays_reasoning_and_is_counted():
     assert calls(events) == [] and p.kept_as_text == 1
 
 
-def test_string_argument_written_as_a_json_string():
-    events, p = run([xml("Bash", '<parameter=command>\n"ls -l \\"my dir\\""\n</parameter>\n')])
-    assert calls(events) == [("Bash", {"command": 'ls -l "my dir"'})] and p.recovered == 1
-    assert msgspec.json.decode(streamed(events)) == {"command": 'ls -l "my dir"'}
-    quoted = '"a" and "b"'  # not one JSON string: the text as written
-    events, p = run([xml("Bash", f"<parameter=command>\n{quoted}\n</parameter>\n")])
-    assert calls(events) == [("Bash", {"command": quoted})] and p.recovered == 0
+def test_json_for_a_string_argument_stays_the_string_written():
+    for value in ('{"dir": "src", "depth": 2}', "42", "true", '"ls -l"', "[1, 2]"):
+        events, p = run([xml("Bash", f"<parameter=command>\n{value}\n</parameter>\n")])
+        assert calls(events) == [("Bash", {"command": value})] and (p.recovered, p.kept_as_text) == (0, 0)
+        assert msgspec.json.decode(streamed(events)) == {"command": value}
 
 
 def test_markup_that_is_no_call_stays_text_and_is_counted():
@@ -132,11 +130,9 @@ MALFORMED = {
     "no_last_parameter_close": lambda a: xml("Bash", f"<parameter=timeout>\n{a['timeout']}\n</parameter>\n<parameter=command>\n{a['command']}\n"),
     "no_function_close": lambda a: "<tool_call>\n<function=Bash>\n" + "".join(
         f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in a.items()) + "</tool_call>",
-    "json_string_value": lambda a: xml("Bash", "<parameter=command>\n" + msgspec.json.encode(a["command"]).decode()
-                                       + f"\n</parameter>\n<parameter=timeout>\n{a['timeout']}\n</parameter>\n"),
 }
 COMMANDS = st.text(alphabet=list("ab -|/\"'{}\\\né<>"), min_size=1, max_size=20).filter(
-    lambda s: s.strip() == s and "<parameter=" not in s and "</" not in s and not s.startswith('"')
+    lambda s: s.strip() == s and "<parameter=" not in s and "</" not in s
 )
 
 

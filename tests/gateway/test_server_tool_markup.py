@@ -18,8 +18,8 @@ FORMS = {
     "no </parameter>": {"content": CALL.format(params="<parameter=timezone>\nUTC\n")},
     "no </function>": {"content": "<tool_call>\n<function=get_date>\n<parameter=timezone>\nUTC\n</parameter>\n</tool_call>"},
     "call in reasoning": {"reasoning": "The user wants the date.\n" + CALL.format(params="<parameter=timezone>\nUTC\n</parameter>\n")},
-    "json string value": {"content": CALL.format(params='<parameter=timezone>\n"UTC"\n</parameter>\n')},
 }
+JSON_FOR_A_STRING = '{"zone": "UTC", "dst": false}'  # a string-typed argument the model wrote as JSON
 UNKNOWN = '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
 ARGS = {"timezone": "UTC"}
 
@@ -96,6 +96,14 @@ def test_a_malformed_call_arrives_as_the_call_it_meant(form, protocol, stream, a
     client = client_for(protocol, anthropic_client, openai_client)
     calls, text = PROTOCOLS[protocol](client, FORMS[form], stream)
     assert calls == [("get_date", ARGS)] and text == ""
+
+
+@pytest.mark.parametrize("protocol", sorted(PROTOCOLS))
+def test_json_written_for_a_string_argument_arrives_as_that_string(protocol, anthropic_client, openai_client):
+    client = client_for(protocol, anthropic_client, openai_client)
+    forced = {"content": CALL.format(params=f"<parameter=timezone>\n{JSON_FOR_A_STRING}\n</parameter>\n")}
+    for stream in (False, True):
+        assert PROTOCOLS[protocol](client, forced, stream) == ([("get_date", {"timezone": JSON_FOR_A_STRING})], "")
 
 
 def markup_counts(live_server) -> dict[str, float]:
