@@ -279,6 +279,7 @@ def run_budget(args) -> dict:
     they are measured (and a line to stdout), so a child stopped part-way still leaves them."""
     from engine import Engine  # noqa: PLC0415
     from engine.offload import BudgetError  # noqa: PLC0415
+    from engine.warmup import warm_up  # noqa: PLC0415
 
     budget = float(args.budgets)
     out: dict = {"budget_gib": budget, "stages": []}
@@ -315,7 +316,7 @@ def run_budget(args) -> dict:
         return {"budget_gib": budget, "error": str(exc)}
     done("load", started, load_s=time.perf_counter() - started)
     started = time.perf_counter()
-    engine.warmup()
+    warm_up(engine)
     offload = engine.offload
     link = offload.link
     link_bw = bulk_link(args.device) if link is not None else float("nan")

@@ -380,11 +380,12 @@ def replay_ft(args, eng) -> dict:
     """The committed session on our gateway, in this process, over the Q4_K_M engine (`ft serve
     --model FILE.gguf`'s runtime on the loaded model): each request with its recorded answer forced
     and streamed, the next sent once the worker is idle (background precompute done), as the agent ran."""
+    from engine.warmup import warm_up  # noqa: PLC0415
     from gateway.embedded import serve_in_thread  # noqa: PLC0415
     from gateway.service import ServeConfig  # noqa: PLC0415
 
     config = ServeConfig(model_dir=eng.model_dir, engine=eng.engine_config, ram_cache_gib=args.ram_cache)
-    eng.warmup()  # what `ft serve` does before serving
+    warm_up(eng)  # what `ft serve` does before serving
     return replay_sessions("replay-ft", args, lambda: serve_in_thread(config, eng))
 
 

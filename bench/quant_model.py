@@ -17,6 +17,7 @@ from gpu import wall
 
 from engine import Engine
 from engine.gguf_file import read_gguf
+from engine.warmup import warm_up
 
 
 def preset_file(preset: str, out: Path) -> Path:
@@ -30,7 +31,7 @@ def preset_file(preset: str, out: Path) -> Path:
 
 
 def measure(engine: Engine, prompt: list[int], steps: int) -> dict:
-    engine.warmup()
+    warm_up(engine)
     engine.prefill(engine.new_state(), prompt)  # kernels tuned for this length
     prefill_s = wall(lambda: engine.prefill(engine.new_state(), prompt))
     state = engine.new_state()

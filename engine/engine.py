@@ -33,7 +33,6 @@ from engine.sampling import Decoding, SamplingParams, TokenEvent
 from engine.scheduler import SLOT_PREFILL_ALONE, Limits, Scheduler, StepPlan
 from engine.state import SequenceState
 from engine.step_log import StepTimer
-from engine.warmup import warm_up
 from ft import env
 
 log = logging.getLogger(__name__)
@@ -60,8 +59,7 @@ class Engine:
         self.dtype = model.lm_head.weight.dtype
         self.engine_config = config or EngineConfig(device=str(self.device))
         self.kernels: Kernels = kernels_for(self.device)
-        make_runtime = getattr(self.kernels, "runtime", None)  # device extras: host copies
-        self.runtime = make_runtime(self.config, self.device, self.dtype) if make_runtime is not None else None
+        self.runtime = host_transfers(self.config, self.device, self.dtype)
         graphs = self.engine_config.graphs
         self.runner = Runner(
             model, self.kernels,
@@ -424,13 +422,6 @@ class Engine:
         workspace = self.offload.plan.workspace_for(sum(count for _, count in parts))
         self.offload.fit_forward(workspace + growth + captures + logits)
 
-    # -- warm-up
-
-    def warmup(self) -> None:
-        """Run every path once (kernel compilation and checks, the CUDA graphs of decode batches up
-        to `max_running`, capture and restore copies) so that the first request does not pay for it."""
-        warm_up(self)
-
 
 def _decoded(feeds: Sequence[Feed], logits: torch.Tensor) -> None:
     for feed, row in zip(feeds, logits, strict=True):
@@ -448,3 +439,13 @@ def ensure_preset(name: str) -> Path:
     if not (folder / "config.json").is_file():
         presets.write_preset(name, folder)
     return folder
+
+
+def host_transfers(config: ModelConfig, device: torch.device, dtype: torch.dtype):
+    """On CUDA, state copies to and from pinned host memory on a side stream; None elsewhere (the
+    copies are plain tensor copies). Imported here: the CUDA module loads the GPU kernels."""
+    if device.type != "cuda":
+        return None
+    from engine.host_transfers import HostTransfers  # noqa: PLC0415
+
+    return HostTransfers(config, device, dtype)

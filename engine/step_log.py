@@ -5,18 +5,25 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from engine.engine import Engine
 
 log = logging.getLogger(__name__)
 
 
+class Timed(Protocol):
+    """What the timer reads of the engine (typed here, so the engine's module is not imported)."""
+
+    device: torch.device
+    offload: Any  # engine.offload.OffloadRuntime | None
+    runtime: Any  # engine.host_transfers.HostTransfers | None
+
+    def link_bytes(self, counted: bool = True) -> int | None: ...
+
+
 class StepTimer:
-    def __init__(self, engine: Engine, threshold_ms: float):
+    def __init__(self, engine: Timed, threshold_ms: float):
         self.engine, self.threshold_ms = engine, threshold_ms
         self.start = self.last = time.perf_counter()
         self.parts: dict[str, float] = {}
@@ -36,8 +43,15 @@ class StepTimer:
         if total < self.threshold_ms:
             return
         parts = " ".join(f"{name} {ms:.1f}" for name, ms in self.parts.items())
-        log.info("prefill forward of %d tokens (%d sequences, %d captures): %.1f ms (%s)%s",
-                 tokens, sequences, captures, total, parts, self._extra())
+        log.info(
+            "prefill forward of %d tokens (%d sequences, %d captures): %.1f ms (%s)%s",
+            tokens,
+            sequences,
+            captures,
+            total,
+            parts,
+            self._extra(),
+        )
 
     def _extra(self) -> str:
         """The link bytes the forward moved, the expert slots before and after, and on a GPU the

@@ -15,6 +15,7 @@ from pathlib import Path
 from checkpoint_store import CheckpointStore, StoreConfig
 from engine import Engine
 from engine.engine_config import EngineConfig
+from engine.warmup import warm_up
 from gateway.anchors import root_anchor
 from gateway.checkpoints import Checkpoints
 from gateway.live import LiveSequences
@@ -124,7 +125,7 @@ def load_engine(config: ServeConfig) -> Engine:
         engine = Engine.load(config.model_dir, config.engine)
     else:
         engine = Engine.from_preset(config.preset, config.engine)
-    engine.warmup()
+    warm_up(engine)
     return engine
 
 

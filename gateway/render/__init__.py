@@ -14,27 +14,16 @@ chat template; one segment per message, found by rendering growing prefixes).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import msgspec
+from gateway.render.segment import Segment, SegmentKind, segment_ids
+
+__all__ = ["Renderer", "Segment", "SegmentKind", "load_renderer", "segment_ids"]
 
 if TYPE_CHECKING:
     from gateway.conversation import Conversation, Message
     from gateway.memo import TokenMemo
     from gateway.tokenizer import Tokenizer
-
-SegmentKind = Literal[
-    "system", "tools", "user", "assistant_text", "reasoning", "tool_call", "tool_result", "generation_prompt"
-]
-
-
-class Segment(msgspec.Struct, frozen=True):
-    """`message_index` indexes `Conversation.messages` (None for system, tools and the
-    generation prompt of the request itself)."""
-
-    kind: str
-    token_ids: list[int]
-    message_index: int | None = None
 
 
 class Renderer(Protocol):
@@ -63,11 +52,6 @@ class Renderer(Protocol):
         """Generated ids (through end-of-turn) as segments, exactly as `render` will
         segment them once this message comes back in the history (memo hit)."""
         ...
-
-
-def segment_ids(segments: list[Segment]) -> list[int]:
-    """All token ids of `segments`, in order."""
-    return [t for s in segments for t in s.token_ids]
 
 
 def load_renderer(model_dir: str | Path | None = None, tokenizer: Tokenizer | None = None) -> Renderer:

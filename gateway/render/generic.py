@@ -30,10 +30,10 @@ import xxhash
 from gateway.conversation import Conversation, Message
 from gateway.errors import RenderError
 from gateway.memo import TokenMemo
-from gateway.render import Segment
 from gateway.render.content import ContentText
 from gateway.render.jinja_env import TemplateRaised, compile_template
 from gateway.render.messages import message_dict, template_inputs
+from gateway.render.segment import Segment
 from gateway.tokenizer import Tokenizer
 
 KIND_OF_ROLE = {"system": "system", "user": "user", "assistant": "assistant_text", "tool": "tool_result"}

@@ -22,7 +22,6 @@ import xxhash
 
 from gateway.conversation import Conversation, Message
 from gateway.memo import TokenMemo
-from gateway.render import Segment
 from gateway.render.content import ContentText
 from gateway.render.qwen_text import (
     GEN_NO_THINK,
@@ -35,6 +34,7 @@ from gateway.render.qwen_text import (
     header_pieces,
     last_query_index,
 )
+from gateway.render.segment import Segment
 from gateway.tokenizer import Tokenizer
 
 TEMPLATE_FILE = "qwen3_6.jinja"

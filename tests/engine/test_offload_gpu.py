@@ -265,12 +265,13 @@ def test_35b_shape_offload_within_the_bf16_bound():
 PEAK_SCRIPT = """
 import json, sys, torch
 from engine import Engine, Feed
+from engine.warmup import warm_up
 budget, running, chunk = float(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]) or None
 torch.cuda.reset_peak_memory_stats()
 engine = Engine.from_preset(
     "qwen3.6-35b-a3b-e64", device="cuda", gpu_memory_gib=budget, max_running=running, prefill_chunk=chunk
 )
-engine.warmup()  # `ft serve`'s: decode graphs up to what reads experts in place (4 rows)
+warm_up(engine)  # `ft serve`'s: decode graphs up to what reads experts in place (4 rows)
 slots = engine.offload.plan.slots
 states = [engine.new_state() for _ in range(running)]
 for i, s in enumerate(states):

@@ -1,19 +1,16 @@
 """GPU kernels, chosen by `engine.ops.kernels_for` when the model sits on a CUDA device:
 fla-core's Triton Gated DeltaNet (chunked prefill, fused recurrent decode), SDPA/flash attention
-with grouped KV heads, grouped-GEMM experts; plus a runtime for pinned host transfers and CUDA
-graph decode (`GpuKernels.runtime`)."""
+with grouped KV heads, grouped-GEMM experts. Host transfers of states are the engine's
+(`engine.host_transfers`): kernels import no engine type."""
 
 from __future__ import annotations
 
 import functools
 import logging
 import types
-from dataclasses import dataclass, replace
-
-import torch
+from dataclasses import replace
 
 import engine.ops.deltanet as reference_deltanet
-from engine.config import ModelConfig
 from engine.ops.gpu import attention, conv, gates, moe, norm, recurrent
 from engine.ops.kernels import Kernels
 
@@ -27,15 +24,7 @@ except ImportError as exc:  # fla-core missing: the reference scan still runs on
     deltanet = reference_deltanet
 
 
-@dataclass(frozen=True)
-class GpuKernels(Kernels):
-    def runtime(self, config: ModelConfig, device: torch.device, dtype: torch.dtype):
-        from engine.host_transfers import HostTransfers  # noqa: PLC0415
-
-        return HostTransfers(config, device, dtype)
-
-
-KERNELS = GpuKernels(
+KERNELS = Kernels(
     name="gpu" if deltanet is not reference_deltanet else "gpu-no-fla",
     causal_attention=attention.causal_attention,
     decode_attention=attention.decode_attention,
