@@ -19,6 +19,11 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}]
 
 
+def tokens(metrics, kind: str) -> int:
+    """The server's count of prompt tokens of `kind` so far (its ft_tokens_total counter)."""
+    return int(metrics.registry.get_sample_value("ft_tokens_total", {"kind": kind}))
+
+
 def call(client, messages, forced, tools=TOOLS):
     body = {"model": "tiny", "messages": messages, "tools": tools, "ft_forced_output": forced}
     r = client.post("/v1/chat/completions", json=body)
@@ -90,9 +95,9 @@ def test_new_user_message_after_tool_loop_pays_only_for_itself_once_precomputed(
         # says when the worker is idle (what `ft replay` and bench/llamacpp.py wait on)
         server.wait_idle() if wait == "in process" else http_wait_idle(server.url)()
         messages.append({"role": "user", "content": "Thanks. Now add a test for it."})
-        continued = server.runtime.metrics.tokens["continued"]
+        continued = tokens(server.runtime.metrics, "continued")
         _, cached, prefilled = call(client, messages, {"reasoning": "ok", "content": "Sure."})
-    assert server.runtime.metrics.tokens["continued"] - continued == cached  # the precomputed sequence, in place
+    assert tokens(server.runtime.metrics, "continued") - continued == cached  # the precomputed sequence, in place
     segments = prompt_segments(server, messages)
     new_tail = segments[-2:]  # the new user message and the generation prompt
     assert [s.kind for s in new_tail] == ["user", "generation_prompt"]
@@ -155,11 +160,11 @@ def continuation_answers(server) -> list[tuple[dict, int, int]]:
         body = {"model": "tiny", "messages": messages, "tools": TOOLS, "max_tokens": 24, "temperature": 0}
         answers = []
         for _ in range(2):
-            before = metrics.tokens["continued"]
+            before = tokens(metrics, "continued")
             r = client.post("/v1/chat/completions", json=body)
             assert r.status_code == 200, r.text
             answers.append((r.json()["choices"][0]["message"], int(r.headers["x-cached-tokens"]),
-                            metrics.tokens["continued"] - before))
+                            tokens(metrics, "continued") - before))
     return answers
 
 
@@ -192,12 +197,12 @@ def test_a_new_user_turn_rewinds_the_answer_to_its_prompt_and_answers_as_a_resto
                 response, _, _ = call(client, messages, forced)
                 messages += [assistant_turn(response, forced["reasoning"]), {"role": "user", "content": "Fix it."}]
                 s.wait_idle()
-                before = s.runtime.metrics.tokens["continued"]
+                before = tokens(s.runtime.metrics, "continued")
                 body = {"model": "tiny", "messages": messages, "tools": TOOLS, "max_tokens": 24, "temperature": 0}
                 r = client.post("/v1/chat/completions", json=body)
                 assert r.status_code == 200, r.text
                 results.append((r.json()["choices"][0]["message"], int(r.headers["x-cached-tokens"]),
-                                s.runtime.metrics.tokens["continued"] - before))
+                                tokens(s.runtime.metrics, "continued") - before))
         finally:
             s.stop()
     (rewound, cached, continued), (restored, cached_restored, continued_restored) = results
@@ -216,7 +221,7 @@ def test_precompute_leaves_the_answers_own_sequence_live():
             messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Summarise the repo."}]
             call(client, messages, {"reasoning": "Look first.", "content": "It is small."})
         s.wait_idle()
-        assert s.runtime.metrics.tokens["precomputed"] > 0
+        assert tokens(s.runtime.metrics, "precomputed") > 0
         assert len(s.runtime.live) == 2
     finally:
         s.stop()
@@ -240,9 +245,9 @@ def test_interleaved_sessions_each_continue_in_place_while_kept(live_sequences):
                              {"role": "tool", "tool_call_id": tool_id, "content": f"{name}.txt\n"}]
             continued = {}
             for name, messages in sessions.items():
-                before = metrics.tokens["continued"]
+                before = tokens(metrics, "continued")
                 _, cached, _ = call(client, messages, {"reasoning": "ok", "content": "Done."})
-                continued[name] = (metrics.tokens["continued"] - before, cached)
+                continued[name] = (tokens(metrics, "continued") - before, cached)
         if live_sequences == 2:
             assert all(n == cached > 0 for n, cached in continued.values())
         else:
