@@ -253,7 +253,8 @@ async def handle_error(request: Request, exc: Exception) -> Response:
     if isinstance(exc, ClientDisconnect):
         exc = ClientGone()
     elif isinstance(exc, HTTPException) and exc.status_code == 405:
-        exc = MethodNotAllowed(request.method, request.url.path, (exc.headers or {}).get("Allow", ""))
+        methods = (exc.headers or {}).get("Allow", "").split(", ")  # Starlette's order is a set's
+        exc = MethodNotAllowed(request.method, request.url.path, ", ".join(sorted(methods)))
     elif isinstance(exc, HTTPException):
         exc = NotFound(f"{request.method} {request.url.path}")
     response = error_response(error_style(request.url.path), exc)

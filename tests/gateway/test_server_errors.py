@@ -147,17 +147,17 @@ def test_a_failure_after_the_first_token_is_the_protocols_error(monkeypatch):
     error event, and leaves the server serving."""
     server = start_server(preset="tiny", policy="anchor", default_max_tokens=16)
     engine = server.runtime.engine
-    real_step = engine.step
+    real_run = engine.run
 
-    def failing_step(parts):
-        if any(not feed.is_prefill for feed, _ in parts):  # the first decode step after the first token
+    def failing_run(plan):
+        if plan.decode or plan.riding:  # the first decode step after the first token
             raise RuntimeError("device lost")
-        return real_step(parts)
+        return real_run(plan)
 
     body = {"model": "tiny", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
     try:
         with server.client() as client:
-            monkeypatch.setattr(engine, "step", failing_step)
+            monkeypatch.setattr(engine, "run", failing_run)
             r = client.post("/v1/chat/completions", json=body)
             assert r.status_code == 500 and r.json()["error"]["type"] and "device lost" not in r.text
             anthropic = client.post("/v1/messages", json={**body, "messages": [{"role": "user", "content": "yo"}]})
@@ -165,7 +165,7 @@ def test_a_failure_after_the_first_token_is_the_protocols_error(monkeypatch):
             with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
                 lines = [line for line in s.iter_lines() if line.startswith("data: ")]
             assert s.status_code == 200 and any('"error"' in line for line in lines)
-            monkeypatch.setattr(engine, "step", real_step)
+            monkeypatch.setattr(engine, "run", real_run)
             assert client.post("/v1/chat/completions", json=body).status_code == 200
     finally:
         server.stop()
@@ -179,15 +179,15 @@ def test_running_out_of_device_memory_is_a_retryable_503_naming_the_fix(monkeypa
 
     server = start_server(preset="tiny", policy="anchor", default_max_tokens=4)
     engine = server.runtime.engine
-    real_step = engine.step
+    real_run = engine.run
 
-    def failing_step(parts):
+    def failing_run(plan):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
 
     body = {"model": "tiny", "max_tokens": 4, "temperature": 0, "messages": [{"role": "user", "content": "hi"}]}
     try:
         with server.client() as client:
-            monkeypatch.setattr(engine, "step", failing_step)
+            monkeypatch.setattr(engine, "run", failing_run)
             r = client.post("/v1/chat/completions", json=body)
             assert r.status_code == 503, r.text
             error = r.json()["error"]
@@ -195,7 +195,7 @@ def test_running_out_of_device_memory_is_a_retryable_503_naming_the_fix(monkeypa
             assert "64.00 MiB" not in r.text  # the engine's own text stays in the log
             anthropic = client.post("/v1/messages", json=body)
             assert anthropic.status_code == 503 and anthropic.json()["error"]["type"] == "overloaded_error"
-            monkeypatch.setattr(engine, "step", real_step)
+            monkeypatch.setattr(engine, "run", real_run)
             assert client.post("/v1/chat/completions", json=body).status_code == 200
     finally:
         server.stop()

@@ -14,6 +14,7 @@ import time
 import httpx
 import pytest
 
+from engine.engine_config import EngineConfig
 from gateway.dialect import ANTHROPIC
 from gateway.embedded import serve_in_thread
 from gateway.endpoint import check_max_tokens
@@ -117,7 +118,7 @@ STALL_LIMITS = ServerLimits(write_timeout_s=2.0, send_buffer_bytes=4096)
 
 @pytest.fixture(scope="module")
 def stall_server():
-    server = serve_in_thread(ServeConfig(preset="tiny", max_running=2), limits=STALL_LIMITS)
+    server = serve_in_thread(ServeConfig(preset="tiny", engine=EngineConfig(max_running=2)), limits=STALL_LIMITS)
     yield server
     server.stop()
 
@@ -173,7 +174,7 @@ def test_a_stream_nobody_reads_is_cut_and_frees_its_slot(stall_server):
 
 def test_overload_answers_carry_retry_after():
     """With no room to queue (--max-queue 0), every generation is answered overloaded at once."""
-    server = start_server(preset="tiny", max_running=1, max_queue=0)
+    server = start_server(preset="tiny", engine=EngineConfig(max_running=1), max_queue=0)
     try:
         with server.client() as client:
             busy = {path: client.post(path, json=body_for(path)) for path in ENDPOINTS}
