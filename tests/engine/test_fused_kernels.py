@@ -275,7 +275,7 @@ def test_fused_router_equals_the_gemm_and_the_route(rows, experts, top_k):
     torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
     assert not quant.tickets(x.device).any()  # each row's ticket left at zero
     assert moe.router_fused._check((x, w, experts, top_k, True))
-    if rows <= moe.ROUTER_ROWS:  # other launch settings (bench/moe_decode_tiles.py --router): the same routing
+    if rows <= moe.ROUTER_ROWS:  # other launch settings: the same routing
         tiles = moe.RouterTiles(block_e=4, block_h=512, warps=1)
         other_w, other_ids = moe._router_triton(x, w, experts, top_k, True, tiles)
         assert torch.equal(other_ids, ids)

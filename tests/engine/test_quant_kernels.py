@@ -193,8 +193,7 @@ def test_fp8_prefill_multiplies_x_in_fp8_rows_on_the_tensor_cores(rows, tile):
     out = torch.empty(rows, 200, device=DEVICE)
     out = fp8_prefill.gemm(*fp8_prefill.fp8_rows(x.to(DEVICE)), w.to(DEVICE), out, tile=fp8_prefill.Tile.parse(tile))
     # fp32 sums in the interpreter; Hopper's FP8 MMA keeps ~14 bits of products aligned to the largest
-    # (the H200: 0.5-1.3% of the largest output here; bench/quant_kernels.py --fp8-prefill finds cuBLAS's
-    # block-scaled GEMM as far from x's FP8 rows as this kernel): bf16's tolerance
+    # (as cuBLAS's block-scaled GEMM does): bf16's tolerance
     close(out.cpu(), want, torch.bfloat16 if CUDA else torch.float32)
     got = quant.linear(x.to(DEVICE), w.to(DEVICE)).cpu()
     assert got.dtype == torch.bfloat16
@@ -319,9 +318,8 @@ def test_expert_decode_kernels_equal_per_assignment_matmuls(fmt):
 @in_this_process
 @pytest.mark.parametrize("mode", ["linear", "glu", "topk"])
 def test_every_split_a_gemv_may_run_with_gives_its_sums(mode):
-    """Whatever split a GEMV shape is timed into (`quant._split`: on a GPU, per shape), each of
-    the candidates gives the same sums, taken by the last program of each split (its counter
-    left at zero), launch after launch."""
+    """Every split a GEMV shape may run with (`quant._splits`) gives the same sums, taken by the
+    last program of each split (its counter left at zero), launch after launch."""
     dtype = torch.bfloat16 if CUDA else torch.float32
     dev = torch.device(DEVICE)
     gen = torch.Generator().manual_seed(5)
@@ -361,9 +359,9 @@ def test_every_split_a_gemv_may_run_with_gives_its_sums(mode):
         quant._gemv(*args, **kw, split=3 * top_k)
 
 
-def test_the_untimed_split_fills_the_gpu_with_1024_programs():
-    """Where no timing chose (the CPU, a capture): the smallest split of at least 1,024 programs,
-    else the largest; the candidates stop at MAX_PROGRAMS programs."""
+def test_the_split_fills_the_gpu_with_1024_programs():
+    """A GEMV runs with the smallest split of at least 1,024 programs, else the largest; the
+    candidates stop at MAX_PROGRAMS programs."""
     assert quant._splits(2048, 64, 1, 386) == [1, 2, 4, 8, 16, 32]
     assert quant._heuristic_split([1, 2, 4, 8, 16, 32], 386) == 4  # the DeltaNet input projection
     assert quant._heuristic_split(quant._splits(512, 64, 8, 64), 64) == 16  # a token's experts, down

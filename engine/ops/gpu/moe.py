@@ -318,23 +318,13 @@ def _down_grouped_kernel(A, W, IDS, RW, PART, OUT, COUNT, H, INTER, TOKENS, TOPK
             tl.store(OUT + t[:, None] * H + n[None, :], total.to(OUT.dtype.element_ty), mask=last[:, None])
 
 
-class _Settings:
-    @classmethod
-    def parse(cls, text: str):
-        """`up_i=16,stages=2`: the fields named set, the others at
-        their defaults."""
-        fields = dict(item.split("=") for item in text.split(",") if item)
-        return cls(**{name: int(value) for name, value in fields.items()})
-
-
 @dataclass(frozen=True)
-class DecodeTiles(_Settings):
+class DecodeTiles:
     """Launch settings of the grouped decode experts (`_up_grouped_kernel`, `_down_grouped_kernel`):
     the up kernel's rows (of the gate's and of the up's) and columns a step, the down kernel's
     outputs and inner columns a step (tensor-core tiles: 16 a side at least), their warps and the
     loads' pipeline depth. `grouped=0`: the per-assignment kernels (`_up_kernel`, `_down_kernel`,
-    their own tiles), the baseline. The defaults are the fastest of bench/moe_decode_tiles.py's
-    settings at batches 1, 4 and 8 (bench/RESULTS.md)."""
+    their own tiles), which `fitted` falls back to where the tiles do not divide a model's sizes."""
 
     grouped: int = 1
     up_i: int = 32
@@ -358,7 +348,7 @@ class DecodeTiles(_Settings):
 # tokens up to which the grouped kernels run: one tensor-core tile's rows (an fp32 prefill of up to
 # GRAPH_TOKENS takes the per-assignment kernels: a tile of 512 tokens' rows is far past the registers)
 GROUPED_TOKENS = 16
-DECODE_TILES = DecodeTiles()  # bench/moe_decode_tiles.py times others
+DECODE_TILES = DecodeTiles()
 
 
 def _experts_triton(x, weights, ids, gate_up, down, tiles: DecodeTiles | None = None):
@@ -518,20 +508,19 @@ ROUTER_ROWS = 16  # tokens up to which `router` runs as one launch (decode); bey
 
 
 @dataclass(frozen=True)
-class RouterTiles(_Settings):
+class RouterTiles:
     """Launch settings of `_router_kernel`: router rows a program (two, so that the 257 rows of a
     256-expert router, 1 MB in bf16 and 2 MB in a GGUF's f32, are read by ~130 programs, about one
     per SM of an H200: 16 rows a program leave 17 programs reading it at a small fraction of the
     bandwidth), hidden columns a step (at most: a power of two dividing H) and warps (the last
-    program's softmax and top-k reduce across them). One warp over a 2,048-column step is the
-    fastest of bench/moe_decode_tiles.py --router's settings (bench/RESULTS.md)."""
+    program's softmax and top-k reduce across them)."""
 
     block_e: int = 2
     block_h: int = 2048
     warps: int = 1
 
 
-ROUTER_TILES = RouterTiles()  # bench/moe_decode_tiles.py --router times others
+ROUTER_TILES = RouterTiles()
 
 
 def router(x: torch.Tensor, w: torch.Tensor, experts: int, top_k: int, renormalise: bool):

@@ -21,10 +21,8 @@ they equal it to fp32 summation order.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
-from collections.abc import Callable
 
 import torch
 import triton
@@ -90,19 +88,18 @@ __all__ = [
     "tile_rows",
 ]
 
-log = logging.getLogger(__name__)
 GEMV_ROWS = 4  # up to this many rows of x, the GEMV kernel
 grouped_mm = getattr(torch.nn.functional, "grouped_mm", None) or torch._grouped_mm  # torch's grouped GEMM, by either name
 # Triton's interpreter (the CPU tests) runs one program after another, at a fixed cost each: there
 # the GEMV kernel runs with wider row blocks (a [248320, H] lm_head in 31 programs, not thousands).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 GEMV_BLOCK_N = 8192 if INTERPRETED else 32
-# a plain (not grouped) GEMV of at least this many outputs runs 64 rows a program (faster for the
-# lm_head and the large projections; experts' GEMVs and smaller ones are slower at 64: bench/RESULTS.md)
+# a plain (not grouped) GEMV of at least this many outputs runs 64 rows a program: the lm_head and the
+# large projections fill the GPU with the wider blocks too, each program reading its x for more rows;
+# experts' GEMVs and smaller ones keep the narrower blocks, to have programs enough
 GEMV_WIDE_N = 8192
-GEMV_PROGRAMS = 1024  # where no timing chose a GEMV's split: the smallest that fills the GPU with this many programs
-# the GEMV's warps a program and its K loop's pipelining stages and unrolling (None: Triton's
-# defaults); `bench/quant.py --gemv-variants` times decode under others
+GEMV_PROGRAMS = 1024  # a GEMV's split: the smallest that fills the GPU with this many programs
+# the GEMV's warps a program and its K loop's pipelining stages and unrolling (None: Triton's defaults)
 GEMV_WARPS, GEMV_STAGES, GEMV_UNROLL = 4, None, None
 
 
@@ -426,11 +423,6 @@ def dequantize_to(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
 _TICKETS: dict[torch.device, torch.Tensor] = {}
 TICKETS = 1 << 16  # (row, n-block) counters of the GEMV's split-K sums
 MAX_PROGRAMS = 1 << 15  # a GEMV's programs at most, whatever its split
-TUNE_REPEATS = 20  # launches timed per candidate split
-TUNE = False  # time each GEMV shape's splits (`_split`; bench/quant.py sets it); off: the heuristic's
-_SPLITS: dict[tuple, int] = {}  # the split each GEMV shape runs fastest with (`_split`)
-# with TUNE, per GEMV shape: (microseconds a launch with its chosen split, weight bytes it reads)
-GEMV_TIMES: dict[tuple, tuple[float, int]] = {}
 
 
 def tickets(device: torch.device) -> torch.Tensor:
@@ -450,8 +442,8 @@ def _gemv(
     second: QuantWeight | None = None,
 ) -> torch.Tensor:
     """`rows` output rows of `n` (`_gemv_kernel`), in one launch: K split over as many programs as
-    `_split` chooses for this shape (or `split`, one of `_splits`), the split's sums taken by its
-    last program. `second`: a plain weight of another format whose outputs follow (rows x (n + its N))."""
+    `_heuristic_split` chooses for this shape (or `split`, one of `_splits`), the split's sums taken
+    by its last program. `second`: a plain weight of another format whose outputs follow (rows x (n + its N))."""
     n2 = second.shape[0] if second is not None else 0
     k, grouped = w.shape[-1], experts is not None
     bn = gemv_block_n(n + n2, grouped)
@@ -465,7 +457,7 @@ def _gemv(
     xmap = w.columns is not None
     ids = experts if grouped else x  # (unread when not grouped)
     columns = w.columns if xmap else x  # (unread without a column map)
-    counters = tickets(x.device)  # made here, never inside a timing capture
+    counters = tickets(x.device)
     fmt2, parts2 = (second.fmt, _padded(second)) if second is not None else (-1, _padded(w))
     constexprs = gemv_constexprs(w.fmt, bn, grouped, x_per, top_k, glu, xmap, fmt2)
 
@@ -477,14 +469,7 @@ def _gemv(
         )
 
     if split is None:
-        key = (x.device, w.fmt, rows, n, k, top_k, glu, grouped, fmt2, n2)
-
-        def read() -> int:  # the weight bytes a launch reads (for the timings only)
-            assigned = experts.numel() if grouped else 1
-            own = w.nbytes * (2 if glu else 1) * n * assigned // math.prod(w.shape[:-1])
-            return own + (second.nbytes if second is not None else 0)
-
-        split = _split(key, splits, _heuristic_split(splits, blocks * rows), launch, read)
+        split = _heuristic_split(splits, blocks * rows)
     elif split not in splits:
         raise ValueError(f"split {split} is not one of {splits}")
     launch(split)
@@ -494,7 +479,7 @@ def _gemv(
 def gemv_constexprs(fmt: int, bn: int, grouped: bool = False, x_per: int = 1, top_k: int = 1, glu: bool = False,
                     xmap: bool = False, fmt2: int = -1) -> dict:
     """`_gemv_kernel`'s compile-time arguments for a launch of this kind under the module's settings
-    (GEMV_STAGES, GEMV_UNROLL): the launcher's, the sm_90 compile tests' and `bench/gemv_registers.py`'s."""
+    (GEMV_STAGES, GEMV_UNROLL): the launcher's and the sm_90 compile tests'."""
     return {"FMT": fmt, "BN": bn, "CHUNK": GEMV_CHUNK[fmt], "GROUPED": grouped,
             "X_PER": x_per, "TOPK": top_k, "GLU": glu, "XMAP": xmap, "FMT2": fmt2,
             "CHUNK2": GEMV_CHUNK[fmt2] if fmt2 >= 0 else 1, "STAGES": GEMV_STAGES, "UNROLL": GEMV_UNROLL}
@@ -518,54 +503,8 @@ def _splits(k: int, chunk: int, top_k: int, sums: int) -> list[int]:
 
 
 def _heuristic_split(splits: list[int], sums: int, programs: int = GEMV_PROGRAMS) -> int:
-    """The smallest split that fills the GPU with `programs` programs (where none is measured)."""
+    """The smallest split that fills the GPU with `programs` programs, else the largest."""
     return next((s for s in splits if sums * s >= programs), splits[-1])
-
-
-def _split(key: tuple, splits: list[int], default: int, launch, read: Callable[[], int]) -> int:
-    """The split this GEMV shape runs with: with TUNE, the fastest of `splits`,
-    timed once per shape on a GPU outside graph capture (`_time_split`: decode's graphs are
-    captured after an eager forward, which times them; its time and the `read` weight bytes kept
-    in GEMV_TIMES); else, and under capture, `default`."""
-    if key in _SPLITS:
-        return _SPLITS[key]
-    if not TUNE or key[0].type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return default
-    try:
-        times = {split: _time_split(launch, split) for split in splits}
-        _SPLITS[key] = min(splits, key=lambda s: (times[s], s != default))
-        GEMV_TIMES[key] = (times[_SPLITS[key]] * 1e3 / TUNE_REPEATS, read())
-    except torch.OutOfMemoryError:
-        raise
-    except RuntimeError as exc:  # not a verdict on the kernel: the heuristic's split from now on
-        log.warning("GEMV split not timed for %s (%s): %d programs per sum", key[1:], exc, default)
-        _SPLITS[key] = default
-    return _SPLITS[key]
-
-
-def _time_split(launch, split: int) -> float:
-    """Milliseconds of TUNE_REPEATS launches with `split`, replayed as one CUDA graph (eager
-    launches cost more host time than these kernels take on the device); the best of three.
-    Captured thread-locally, as the runner's graphs are (the store thread's copies go on)."""
-    current = torch.cuda.current_stream()
-    side = torch.cuda.Stream()
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        launch(split)  # compiled before the capture
-    current.wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        for _ in range(TUNE_REPEATS):
-            launch(split)
-    best = math.inf
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end))
-    return best
 
 
 def gemv_fits(w: QuantWeight) -> bool:
