@@ -2,9 +2,10 @@
 run's worst position (each position's relative error against fp32), over every position of the same input.
 
 On the random-weight presets one top-k routing flip moves a position's logits by 0.2-0.5 (relative), so a
-noise estimate from a few positions is a single draw of that: session 30 measured on the CPU (`small`, 40
-draws, `bench/bf16_bounds.py`) that the GPU tests' last-position bound (8x the one-pass's last position + 0.01)
-failed a correct restore once and caught a one-token shift twice, and this bound failed none and caught 38."""
+noise estimate from a few positions is a single draw of that: a bound scaled from the last position alone
+fails a correct restore where that position happens to be quiet and misses a shift where it happens to
+flip. The worst over every position of the one-pass run has seen the flips this input takes under bf16,
+while a restore fed one token late moves every position's logits, most of them past it."""
 
 from __future__ import annotations
 

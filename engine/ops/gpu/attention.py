@@ -17,7 +17,7 @@ from engine.ops.gpu.checked import Checked
 DECODE_SPLITS = 64
 # A prefill's causal attention where queries and keys are the same rows (a fresh sequence's first
 # chunk). Left to itself torch runs cuDNN's on the H200, which builds an execution graph for every new
-# shape (tens of ms each: `bench/attention_shapes.py`), and a server meets a new length at nearly every
+# shape (a setup far longer than the attention it runs), and a server meets a new length at nearly every
 # such prefill. Below PREFILL_CUDNN_ROWS rows it runs flash (no per-shape setup). From there on cuDNN's
 # is the faster, so those rows run on it padded to a multiple of PREFILL_BUCKET in one contiguous
 # layout (its graph cache keys on shape and strides): zero rows after the last are never seen by a

@@ -2,10 +2,10 @@
 once for all the rows: one launch, tensor-core tiles of every row at once, K split over enough programs
 to fill the GPU, each split's sums taken in order by the last program of its column block.
 
-At batch 8 of the e64 shape cuBLAS runs the DeltaNet and attention output projections ([8, 4096] x
-[4096, 2048]) as a split-K kernel and a reduction, well below the memory's bandwidth; this kernel is
-faster at batches 2-16 for those projections and the DeltaNet in_proj (`bench/moe_decode_tiles.py
---dense`, bench/RESULTS.md). `engine.weights.matmul` takes it for every plain weight it fits."""
+A decode step's projections are skinny products (e.g. [8, 4096] x [4096, 2048]): their cost is reading
+the weight. cuBLAS runs such a product as a split-K kernel and a separate reduction; this kernel does
+both in one launch, with enough programs to keep every SM reading. `engine.weights.matmul` takes it for
+every plain weight it fits."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ checkpoints declare, as vLLM and SGLang run them) and multiplied e4m3 by e4m3, e
 fp32 sums scaled by both blocks' scales (x's per row, the weight's [128, 128] block's):
 
 - `linear(x, w)`: one Triton GEMM (`_fp8_gemm_kernel`), one kernel for every FP8 prefill (cuBLAS's
-  block-scaled GEMM is faster on the device but costs more on the host: bench/RESULTS.md);
+  block-scaled GEMM is faster on the device but costs more on the host);
 - `grouped(x, w, order, offs)`: experts' rows in expert order (`moe.group_by_expert`), each program
   finding its tile's expert and rows from the experts' row ends (no tile layout on the host);
 - `experts(...)`: an MoE layer in four launches, the activation quantized as it is made and down's
@@ -32,8 +32,8 @@ X_BLOCK = (1, 128)
 class Tile(NamedTuple):
     """The FP8 GEMM's launch: rows a tile, warps, pipelining stages, and whether a tile's programs over
     N run one after another (its x rows and its expert's weight stay in L2). Hopper's FP8 MMA sums each
-    128-column step at its reduced precision (Triton's default; promoting every 32 products costs more
-    than it gains in accuracy: bench/RESULTS.md)."""
+    128-column step at its reduced precision (Triton's default: promoting every 32 products to fp32
+    costs MMA time, and the sums are within a bf16 result's tolerance without it)."""
 
     bm: int = 64
     warps: int = 4
@@ -47,7 +47,7 @@ class Tile(NamedTuple):
         return cls(*(int(x) for x in v[:3]), *([v[3] == "n"] if len(v) > 3 else []))
 
 
-# 64 rows, 4 warps, 4 stages, a tile's programs over N together (bench/quant_kernels.py --fp8-prefill)
+# 64 rows, 4 warps, 4 stages, a tile's programs over N together
 TILE = Tile(bm=64, warps=4, stages=4, n_first=True)
 
 
