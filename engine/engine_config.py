@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-# tokens per prefill forward by device type: bigger GEMMs on a GPU (bench/RESULTS.md)
+# tokens per prefill forward by device type: a GPU's GEMMs keep its tensor cores busier the more rows they take
 DEFAULT_CHUNK = {"cuda": 8192, "cpu": 4096}
 
 

@@ -161,9 +161,10 @@ class ExpertOffload:
         instead (the stream; where half a layer's experts have slots, prefetching the next layer's)
         (`ExpertCachePolicy.crossover`), from one `tokens`-token `prefill` timed each way, each after an
         untimed run (kernel specialisations, host threads: a first short request pays seconds for
-        them). The link's figures alone put the crossover far too late (bench/RESULTS.md). On a
-        GPU the untimed runs measure what a short chunk allocates on
-        either path (`OffloadPlan.small`; one run where every expert has a slot)."""
+        them). The link's figures alone put the crossover far too late: they leave out the host sync
+        and the scattered copies a fetching chunk pays per layer. On a GPU the untimed runs measure
+        what a short chunk allocates on either path (`OffloadPlan.small`; one run where every expert
+        has a slot)."""
         cuda = self.device.type == "cuda"
         small: list[int] = []  # what each path's chunk allocates (`OffloadPlan.small`), on a GPU
 

@@ -20,7 +20,7 @@ more over the link): after the first long prefill, decode finds its slots full.
 
 A streamed chunk copies every missing expert whatever its routing: gathering only the routed ones
 would make each layer's copies wait for its routing, where the stream's copies run ahead of the
-compute (bench/RESULTS.md).
+compute.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 # token x expert assignments up to which the GPU's decode kernels run (one program per assignment, GEMV-
-# like); beyond, the grouped GEMMs. The decode kernels are faster up to batch 16 (bench/RESULTS.md); a
+# like); beyond, the grouped GEMMs. Up to 16 tokens the decode kernels read each chosen expert once
+# (`engine.ops.gpu.moe.GROUPED_TOKENS`: one tensor-core tile's rows) with no sort of the rows by expert; a
 # token reads 9 with its shared expert folded in (`SparseMoe.fold_shared`): 144 keeps batch 16 there.
 DECODE_ROWS = 144
 

@@ -164,7 +164,9 @@ def _step_after(out, args):
     return out, args[9][index], args[10][index]
 
 
-FUSED_ROWS = 4  # the fused step is ahead up to batch 4, behind from 8 (bench/RESULTS.md)
+# rows up to which the fused step runs: it saves three launches a step, but every program of a key head
+# computes that head's q and k conv again, work that grows with the rows where the launches saved do not
+FUSED_ROWS = 4
 
 
 def decode_step(unfused: Callable) -> Callable:
