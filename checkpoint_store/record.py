@@ -25,7 +25,6 @@ import math
 import struct
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -34,9 +33,6 @@ import torch
 import xxhash
 
 from .snapshot import is_kv
-
-# nbytes -> a uint8 CPU tensor of that many bytes (uninitialised): where a store's RAM tier keeps records
-HostMemory = Callable[[int], torch.Tensor]
 
 MAGIC = b"FTCK"
 VERSION = 1
@@ -127,10 +123,10 @@ def split_parts(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.T
     return {KV_PART: kv, STATE_PART: state} if state else {KV_PART: kv}
 
 
-def pack(tensors: dict[str, torch.Tensor], memory: HostMemory | None = None) -> Packed:
-    """Copy ``tensors`` (any layout, on any device) into one aligned buffer (from ``memory``, see
-    ``allocate``): one copy per byte."""
-    packed = allocate(tensors, memory)
+def pack(tensors: dict[str, torch.Tensor]) -> Packed:
+    """Copy ``tensors`` (any layout, on any device) into one aligned buffer (``allocate``): one copy
+    per byte."""
+    packed = allocate(tensors)
     for spec, t in zip(packed.specs, tensors.values(), strict=True):
         copy_bytes(_view(packed.buf, spec), t)
     return packed
@@ -156,9 +152,8 @@ def _bytes(t: torch.Tensor) -> np.ndarray:
     return t.detach().reshape(-1).view(torch.uint8).numpy()
 
 
-def allocate(like: dict[str, torch.Tensor], memory: HostMemory | None = None) -> Packed:
-    """One uninitialised buffer laid out for tensors shaped like ``like`` (meta tensors will do),
-    from ``memory`` (e.g. page-locked for a GPU's copy engines) or plain host memory."""
+def allocate(like: dict[str, torch.Tensor]) -> Packed:
+    """One uninitialised host buffer laid out for tensors shaped like ``like`` (meta tensors will do)."""
     specs, offset = [], 0
     for name, t in like.items():
         if t.dtype not in DTYPE_NAMES:
@@ -166,8 +161,6 @@ def allocate(like: dict[str, torch.Tensor], memory: HostMemory | None = None) ->
         nbytes = t.numel() * t.element_size()
         specs.append(TensorSpec(name, DTYPE_NAMES[t.dtype], tuple(t.shape), offset, nbytes))
         offset += _aligned(nbytes)
-    if memory is not None:
-        return Packed(tuple(specs), memory(offset))
     # numpy's allocator advises huge pages for large buffers: far fewer first-touch page faults
     return Packed(tuple(specs), torch.from_numpy(np.empty(offset, dtype=np.uint8)))
 

@@ -36,7 +36,7 @@ from .config import StoreConfig
 from .disk import MAX_ANCHOR_BYTES, DiskTier, MissingRecord
 from .error_log import ErrorLog
 from .ram import RamTier
-from .record import KV_PART, STATE_PART, CorruptRecord, HostMemory, Packed, RecordMeta, pack, split_parts
+from .record import KV_PART, STATE_PART, CorruptRecord, Packed, RecordMeta, pack, split_parts
 from .snapshot import Snapshot
 from .stats import Counters, StoreStats
 from .writer import DeleteOp, Op, PutOp, Writer
@@ -56,12 +56,8 @@ class PartMiss(Exception):
 class CheckpointStore:
     """Checkpoint records keyed by anchor; see the module docstring for guarantees."""
 
-    def __init__(self, config: StoreConfig, host_memory: HostMemory | None = None) -> None:
-        """``host_memory``: what the RAM tier's records are packed into (a GPU engine's page-locked
-        memory, so that a restore is an asynchronous copy at the link's rate); plain host memory
-        without it."""
+    def __init__(self, config: StoreConfig) -> None:
         self.config = config
-        self._host_memory = host_memory
         self._lock = threading.RLock()
         self._clock = 0
         self._counters = Counters()
@@ -110,8 +106,8 @@ class CheckpointStore:
                 self._clock += 1
                 self._ram.touch(meta.anchor, self._clock)
                 return
-        kv = pack(parts[KV_PART], self._host_memory)
-        state = pack(parts[STATE_PART], self._host_memory) if with_state else None
+        kv = pack(parts[KV_PART])
+        state = pack(parts[STATE_PART]) if with_state else None
         with self._lock:
             self._clock += 1
             self._counters.puts += 1

@@ -11,7 +11,7 @@ from checkpoint_store.snapshot import Snapshot
 from engine.config import ModelConfig
 from engine.ops.gpu import attention
 from engine.state import SequenceState
-from engine.transfer import Transfers, registered
+from engine.transfer import Transfers
 
 
 class HostTransfers:
@@ -29,13 +29,8 @@ class HostTransfers:
 
     @property
     def capture_slabs(self) -> int:
-        """Pinned slabs snapshot copies are cut from so far (each new one pinned at ~2 GB/s)."""
+        """Pinned slabs snapshot copies are cut from so far (each new one a slow cudaHostAlloc)."""
         return len(self.transfers.slabs.slabs)
-
-    @staticmethod
-    def host_memory(nbytes: int) -> torch.Tensor:
-        """Host memory that restores copy from at the link's rate (the checkpoint store's RAM tier)."""
-        return registered(nbytes)
 
     def prepare_attention(self, max_tokens: int) -> None:
         """The prefill attention's setup for every chunk length up to `max_tokens` (warm-up)."""

@@ -4,29 +4,23 @@ Device -> host: each captured tensor is copied into pinned host memory on the co
 an event on the compute stream; `sync()` waits for all copies issued so far (the engine calls it
 once, at the end of a prefill, so a snapshot's tensors are complete when the snapshot is handed
 out). The pinned memory comes in slabs of `SLAB` bytes from a `SlabPool`, each call's tensors cut
-from the current one: pinning fresh host memory (cudaHostAlloc) runs at ~2 GB/s on the H200's host
-(~30 ms a 64 MiB slab, about one capture's states at the 35B shape). The pool keeps every slab it
-pinned and cuts one again once no tensor cut from it is alive (the store keeps its own copies);
-`reserve` pins slabs ahead (at warm-up), so that a request's step rarely calls cudaHostAlloc.
+from the current one: pinning fresh host memory (cudaHostAlloc) maps and locks every page, far slower
+than a copy of the same bytes. The pool keeps every slab it pinned and cuts one again once no tensor
+cut from it is alive (the store keeps its own copies); `reserve` pins slabs ahead (at warm-up), so
+that a request's step rarely calls cudaHostAlloc.
 
 Host -> device: a restore copies each layer's tensors on the copy stream and leaves one event per
 layer in `SequenceState.pending`; the model waits for a layer's event just before it runs that
-layer, so the copies overlap the first prefill chunk. With the engine's pinned store (`Engine.host_memory`)
-the checkpoint store's RAM tier keeps its records in `registered` memory (page-locked in place), so
-these copies run at the link's rate and truly asynchronously (from pageable memory the driver stages
-them through its own buffers: ~6.6 GB/s on the H200's host against 55, and the call returns only when
-the staging is done); a restore holds its sources until its copies have landed, however the store
-drops them meanwhile.
+layer, so the copies overlap the first prefill chunk. The checkpoint store's records are in pageable
+memory, which the driver stages through its own pinned buffers (the call returns once the staging is
+done); a source that is pinned (a snapshot still in its slab) is copied truly asynchronously, so a
+restore holds its sources until its copies have landed, whoever drops them meanwhile.
 """
 
 from __future__ import annotations
 
-import logging
-import mmap
-import weakref
 from collections.abc import Callable, Sequence
 
-import numpy as np
 import torch
 
 from checkpoint_store.snapshot import Snapshot
@@ -37,46 +31,6 @@ ALIGN = 64  # bytes between the buffers cut from one slab
 SLAB = 64 << 20  # bytes of pinned memory cut into snapshot tensors; a power of two (torch's pinned cache rounds up)
 RUN = SLAB // 8  # bytes of one copy of neighbouring tensors at most: a slab's unused tail stays under it
 KV_HEADROOM = 4096  # tokens of KV capacity beyond a restored prefix, so the next prefill need not regrow
-REGISTER_MIN = 1 << 20  # bytes: smaller host buffers stay pageable (their copies are short either way)
-
-log = logging.getLogger(__name__)
-_unregistrable: list[int] = []  # the error code of the first refused registration (then no more tries)
-_registered = [0]  # bytes registered by `registered` and not yet freed
-
-
-def registered_bytes() -> int:
-    """Host memory `registered` holds page-locked now (the checkpoint store's RAM tier), in bytes."""
-    return _registered[0]
-
-
-def _unregister(pointer: int, size: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(pointer)
-    _registered[0] -= size
-
-
-def registered(nbytes: int) -> torch.Tensor:
-    """`nbytes` of host memory page-locked in place for the device's copy engines (cudaHostRegister
-    on a page-aligned numpy buffer; unregistered when the buffer is freed): what the checkpoint
-    store's RAM tier packs records into (the engine's pinned store). Unlike pinned allocations from
-    torch's cache, its size is exact (torch rounds to a power of two) and it goes back to the
-    system when freed. Pageable below REGISTER_MIN bytes, or where the system refuses to lock more
-    memory (logged once)."""
-    if nbytes < REGISTER_MIN or _unregistrable:
-        return torch.from_numpy(np.empty(nbytes, dtype=np.uint8))
-    size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-    raw = np.empty(size + mmap.PAGESIZE, dtype=np.uint8)  # whole pages of its own: no other buffer's
-    start = -raw.ctypes.data % mmap.PAGESIZE
-    pages = raw[start : start + size]
-    cudart = torch.cuda.cudart()
-    error = cudart.cudaHostRegister(pages.ctypes.data, size, 0)
-    if error != 0:
-        _unregistrable.append(int(error))
-        log.warning("page-locking %d bytes of host memory failed (CUDA error %d): checkpoints stay in pageable "
-                    "memory, restores copy at the staged rate", size, int(error))
-        return torch.from_numpy(raw[:nbytes])
-    _registered[0] += size
-    weakref.finalize(raw, _unregister, pages.ctypes.data, size)  # runs before numpy frees it
-    return torch.from_numpy(pages[:nbytes])
 
 
 class SlabPool:

@@ -209,24 +209,3 @@ def test_load_records_gives_the_chain_unjoined_from_both_tiers(tmp_path) -> None
         assert store.load_records(anchors[:3]) is None
         stats = store.stats()
         assert stats.ram_hits > 0 and stats.disk_hits > 0
-
-
-def test_ram_records_live_in_the_host_memory_the_store_is_given() -> None:
-    """A GPU engine hands the store page-locked memory (`engine.ops.gpu.transfer.registered`): every
-    part the RAM tier holds is packed into a buffer from it, and the records read back are views of
-    those buffers (what a restore copies from), with the values put."""
-    given: list[torch.Tensor] = []
-
-    def memory(nbytes: int) -> torch.Tensor:
-        given.append(torch.empty(nbytes, dtype=torch.uint8))
-        return given[-1]
-
-    anchors, snaps = linear_chain(3, state_every=3)
-    with CheckpointStore(StoreConfig(ram_bytes=64 * MiB, fingerprint="fp"), host_memory=memory) as store:
-        put_chain(store, anchors, snaps)
-        assert len(given) == 4  # three KV parts and one state part
-        records = store.load_records(anchors)
-        assert records is not None
-        buffers = {b.untyped_storage().data_ptr() for b in given}
-        assert all(t.untyped_storage().data_ptr() in buffers for r in records for t in r.tensors.values())
-        assert_same(expected_chain(records), expected_chain(snaps))
