@@ -136,7 +136,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = __doc__
     parser.epilog = (
-        "measures (see DESIGN.md): client and server TTFT per request; worst TTFT after a tool result\n"
+        "measures: client and server TTFT per request; worst TTFT after a tool result\n"
         "(the headline) beside the suffix floor of the same requests (measured by the server's\n"
         f"{FLOOR_PATH}); re-prefill ratio = tokens prefilled / tokens new (1.0 is ideal).\n\n"
         "with --server the replay can only wait for the server's queue to empty between requests (a\n"

@@ -1,6 +1,7 @@
-"""What `ft replay` reports: a summary per policy (the Measures of DESIGN.md), rich tables,
-the JSON file and the TTFT plot; and how faithful the replayed requests are to what the
-client sent (identical, or rebuilt approximately and why)."""
+"""What `ft replay` reports: a summary per policy (TTFT percentiles, the worst TTFT after a tool
+result beside its suffix floor, the re-prefill ratio), rich tables, the JSON file and the TTFT
+plot; and how faithful the replayed requests are to what the client sent (identical, or rebuilt
+approximately and why)."""
 
 from __future__ import annotations
 

@@ -63,8 +63,8 @@ class Feed:
     def span(self, count: int) -> Span:
         """The next `count` tokens as a span of the coming forward, which captures the DeltaNet
         states at the positions in `state_at` alone: a KV-only capture's KV is read from the cache
-        afterwards (the prefix policy's 30 KV-only boundaries in an 8K prompt each copied ~60 MB
-        of states out at the 35B shape, to be dropped)."""
+        afterwards (a DeltaNet state is the same size at every position, however few tokens precede
+        it, so copying it out at a KV-only boundary would be whole states copied to be dropped)."""
         base = self.start + self.done
         wanted = (p for p in self.capture_at if self.state_at is None or p in self.state_at)
         return Span(self.state, count, [p - base for p in wanted if base < p <= base + count])
