@@ -53,7 +53,7 @@ class Server:
     def generated(self) -> int:
         for line in httpx.get(self.url + "/metrics").text.splitlines():
             if line.startswith('ft_tokens_total{kind="generated"}'):
-                return int(line.split()[-1])
+                return int(float(line.split()[-1]))
         return 0
 
     def wait_idle(self) -> float:

@@ -29,6 +29,7 @@ from rich.table import Table
 
 from adapters.client import http_wait_idle
 from adapters.readers import read_trace
+from ft import env
 from peer.compare import (
     Sample,
     gateway_forced_sample,
@@ -281,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_requests:
         traces = [msgspec.structs.replace(t, requests=t.requests[: args.max_requests]) for t in traces]
     if args.only != "ft":  # the GGUF and llama-server only where a llama.cpp side runs
-        materialise = os.environ.get("FT_MATERIALISE") == "1"
+        materialise = env.materialise()
         gguf_path = preset_gguf(
             args.preset, PEER_HOME / "models", args.dtype, args.device if materialise else None
         )

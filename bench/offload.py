@@ -42,6 +42,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from ft import env
+
 PCIE4_X16 = 25e9  # bytes/s a consumer PCIe 4.0 x16 link sustains host -> device
 DEFAULT_TRACE = "traces/sessions/small-bugfix.recording.jsonl"
 FIRST_STEPS = 2  # decode steps after the prefill timed apart from the rest (`measure`)
@@ -387,7 +389,7 @@ def llama_side(args) -> dict:
     from peer.gguf_export import preset_gguf  # noqa: PLC0415
     from peer.llama_server import PEER_HOME, LlamaServer, build  # noqa: PLC0415
 
-    materialise = args.device if os.environ.get("FT_MATERIALISE") == "1" else None
+    materialise = args.device if env.materialise() else None
     gguf = (
         q4_k_m_file(args.preset)
         if args.q4_k_m

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from pathlib import Path
 
 import torch
 
 from engine import Engine
+from ft import env
 from gateway.tokenizer import QwenTokenizer
 from peer.gguf_export import LLAMA_QUANTIZE, export_dequantized, preset_gguf
 from peer.gguf_random import random_gguf
@@ -97,7 +97,7 @@ def run(
     preset: str, n: int, k: int, dtype: str, device: str = "cpu", engine_dtype: str | None = None
 ) -> dict:
     cuda = device != "cpu"
-    materialise = os.environ.get("FT_MATERIALISE") == "1"
+    materialise = env.materialise()
     if dtype == RANDOM:
         gguf_path = random_gguf(preset, PEER_HOME / "models")
     else:
