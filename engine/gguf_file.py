@@ -1,11 +1,11 @@
 """A GGUF file's header (metadata and tensor index) and its tensors as memory-mapped views.
 
-`gguf.GGUFReader` builds several numpy views per metadata string: the Qwen vocabulary (248K
-tokens, 500K merges) took it 40-70 s to open on this project's CPU machine, longer than the
-model itself takes to load. This reader parses the same format (GGUF v2/v3, little-endian)
-with `struct` over a memory map, numeric arrays in one `np.frombuffer` each: well under a
-second. Tensor data stays in the map; nothing is read until a tensor is used. The `gguf`
-package still provides the type tables and is the reference its tests compare against.
+`gguf.GGUFReader` builds several numpy views per metadata string: for the Qwen vocabulary (248K
+tokens, 500K merges) that is millions of small objects, slower to open than the model itself is
+to load. This reader parses the same format (GGUF v2/v3, little-endian) with `struct` over a
+memory map, each numeric array in one `np.frombuffer`. Tensor data stays in the map; nothing is
+read until a tensor is used. The `gguf` package still provides the type tables and is the
+reference its tests compare against.
 """
 
 from __future__ import annotations
