@@ -30,7 +30,11 @@ def ids(protocol: str, body: dict[str, Any]) -> list[int]:
 def sent(folder: Path) -> list[dict[str, Any]]:
     """The model requests the CLI sent, in order."""
     captured = json.loads(lzma.decompress((folder / "requests.json.xz").read_bytes()))
-    return [c["body"] for c in captured if c["method"] == "POST" and c["path"].split("?")[0].endswith(("/messages", "/responses"))]  # fmt: skip
+    return [
+        c["body"]
+        for c in captured
+        if c["method"] == "POST" and c["path"].split("?")[0].endswith(("/messages", "/responses"))
+    ]
 
 
 def session_file(folder: Path) -> Path:

@@ -40,8 +40,12 @@ def bench(tmp_path: Path, parts: str, *args: str, peer_home: Path | None = None)
         env["FT_PEER_HOME"] = str(peer_home)
     run = subprocess.run(
         ["bash", "bench/llamacpp_h200.sh", "quant", str(tmp_path / "quant.json"), parts, *SMALL, *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert (tmp_path / "quant.md").read_text() in run.stdout  # the table, also beside the JSON
     return run.stdout

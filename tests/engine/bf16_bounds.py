@@ -54,5 +54,10 @@ def restore_and_shift(e32, e16, draw: int) -> dict:
     def after(start: int) -> torch.Tensor:
         return position_errors(e16.prefill(e16.restore(snaps), ids[start:], all_logits=True).logits, exact[start:])
 
-    return {"tokens": n, "split": split, "right": after(split), "shifted": after(split + 1),
-            "one_pass": position_errors(e16.prefill(e16.new_state(), ids, all_logits=True).logits, exact)}  # fmt: skip
+    return {
+        "tokens": n,
+        "split": split,
+        "right": after(split),
+        "shifted": after(split + 1),
+        "one_pass": position_errors(e16.prefill(e16.new_state(), ids, all_logits=True).logits, exact),
+    }

@@ -537,9 +537,12 @@ def test_fused_deltanet_decode_step_equals_its_four_kernels(dtype):
     from engine.ops.gpu import recurrent
 
     four = dataclasses.replace(
-        REFERENCE, decode_conv_slots=conv._triton_conv_slots, decode_gated_delta_rule_slots=recurrent._triton_recurrent_slots,
-        deltanet_gates=gates._deltanet_gates_triton, gated_rms_norm=norm._gated_triton,
-    )  # fmt: skip
+        REFERENCE,
+        decode_conv_slots=conv._triton_conv_slots,
+        decode_gated_delta_rule_slots=recurrent._triton_recurrent_slots,
+        deltanet_gates=gates._deltanet_gates_triton,
+        gated_rms_norm=norm._gated_triton,
+    )
     unfused = functools.partial(reference_deltanet.decode_step, ops=four)
 
     rows, slots, width, hk, hv, dk, dv = 3, 5, 3, 2, 4, 32, 64  # 2 value heads a key head, 2 blocks a head

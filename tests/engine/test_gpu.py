@@ -272,8 +272,9 @@ def test_memory_report_counts_what_the_allocator_holds(gpu_engine):
     assert memory["device_reserved"] > memory["weights"] + memory["decode_slots"]
 
 
-def _within_bf16_noise(got: torch.Tensor, exact: torch.Tensor, one_pass: torch.Tensor, one_pass_exact: torch.Tensor,
-                       tag: str) -> None:  # fmt: skip
+def _within_bf16_noise(
+    got: torch.Tensor, exact: torch.Tensor, one_pass: torch.Tensor, one_pass_exact: torch.Tensor, tag: str
+) -> None:
     """`got` (bf16, another path: [Q, V] or [V]) against `exact` (fp32, the same positions): every position no
     further than the one-pass bf16 run's worst position (`one_pass` against `one_pass_exact`, every position
     of the same input or inputs, [P, V]) plus 0.01 (`bf16_bounds.worst_position_bound`); and the fp32 greedy
@@ -508,8 +509,13 @@ def test_batched_decode_with_a_prefill_matches_each_sequence_alone(gpu_engine, g
         assert error <= FP32_TOL, SEED
         return
     exact = [gpu32.prefill(gpu32.new_state(), ids, all_logits=True).logits for ids in inputs]
-    _within_bf16_noise(got, torch.stack([e[-1] for e in exact]), torch.cat(one_pass), torch.cat(exact),
-                       f"batched_step_{lengths[0]}_bf16")  # fmt: skip
+    _within_bf16_noise(
+        got,
+        torch.stack([e[-1] for e in exact]),
+        torch.cat(one_pass),
+        torch.cat(exact),
+        f"batched_step_{lengths[0]}_bf16",
+    )
 
 
 def test_prefills_of_several_sequences_in_one_forward_match_each_alone(gpu_engine, gpu32, rng):

@@ -17,9 +17,13 @@ from engine.ops.gpu.attention import PREFILL_BUCKET, PREFILL_CUDNN_ROWS, causal_
 
 @pytest.mark.parametrize(
     "queries, keys",
-    [(PREFILL_CUDNN_ROWS + 404, PREFILL_CUDNN_ROWS + 404), (PREFILL_CUDNN_ROWS, PREFILL_CUDNN_ROWS),
-     (PREFILL_CUDNN_ROWS - 3, PREFILL_CUDNN_ROWS - 3), (300, PREFILL_CUDNN_ROWS + 7)],
-)  # fmt: skip
+    [
+        (PREFILL_CUDNN_ROWS + 404, PREFILL_CUDNN_ROWS + 404),
+        (PREFILL_CUDNN_ROWS, PREFILL_CUDNN_ROWS),
+        (PREFILL_CUDNN_ROWS - 3, PREFILL_CUDNN_ROWS - 3),
+        (300, PREFILL_CUDNN_ROWS + 7),
+    ],
+)
 def test_prefill_attention_equals_the_reference(queries, keys):
     assert (PREFILL_CUDNN_ROWS + 404) % PREFILL_BUCKET  # the first case is padded
     gen = torch.Generator().manual_seed(queries + keys)

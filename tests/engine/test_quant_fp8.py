@@ -30,9 +30,13 @@ def reference_dequantize(q: torch.Tensor, scale: torch.Tensor, block: tuple[int,
 
 @pytest.mark.parametrize(
     "shape,block,scale_dtype",
-    [((256, 384), (128, 128), torch.bfloat16), ((200, 70), (128, 128), torch.float32),
-     ((3, 130, 260), (128, 128), torch.bfloat16), ((64, 96), (32, 16), torch.float32)],
-)  # fmt: skip
+    [
+        ((256, 384), (128, 128), torch.bfloat16),
+        ((200, 70), (128, 128), torch.float32),
+        ((3, 130, 260), (128, 128), torch.bfloat16),
+        ((64, 96), (32, 16), torch.float32),
+    ],
+)
 def test_block_dequantization_equals_plain_reference(shape, block, scale_dtype):
     w = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * torch.rand(shape[-1]) * 4
     q, scale = fp8.quantize(w, block, scale_dtype)
@@ -62,20 +66,35 @@ def test_preset_is_laid_out_as_qwens_releases(fp8_dirs):
     config = json.loads(open(f"{folder}/config.json").read())
     q = config["quantization_config"]
     assert q | {"modules_to_not_convert": None} == {
-        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
         "modules_to_not_convert": None,
-    }  # fmt: skip
+    }
     tensors = load_file(f"{folder}/model.safetensors")
     quantized = {n.removesuffix(".weight") for n, t in tensors.items() if t.dtype == torch.float8_e4m3fn}
     assert {n.removesuffix(".weight_scale_inv") for n in tensors if n.endswith("_scale_inv")} == quantized
     kept = set(q["modules_to_not_convert"])
-    assert {"lm_head", "model.embed_tokens", "model.layers.0.mlp.gate", "model.layers.0.mlp.shared_expert_gate",
-            "model.layers.0.linear_attn.in_proj_a", "model.layers.0.linear_attn.in_proj_b",
-            "model.layers.0.linear_attn.conv1d", "model.layers.0.linear_attn.A_log",
-            "model.layers.3.self_attn.q_norm", "model.layers.0.input_layernorm"} <= kept  # fmt: skip
-    assert {"model.layers.3.self_attn.q_proj", "model.layers.0.linear_attn.in_proj_qkv",
-            "model.layers.0.linear_attn.out_proj", "model.layers.0.mlp.experts.5.down_proj",
-            "model.layers.0.mlp.shared_expert.up_proj"} <= quantized  # fmt: skip
+    assert {
+        "lm_head",
+        "model.embed_tokens",
+        "model.layers.0.mlp.gate",
+        "model.layers.0.mlp.shared_expert_gate",
+        "model.layers.0.linear_attn.in_proj_a",
+        "model.layers.0.linear_attn.in_proj_b",
+        "model.layers.0.linear_attn.conv1d",
+        "model.layers.0.linear_attn.A_log",
+        "model.layers.3.self_attn.q_norm",
+        "model.layers.0.input_layernorm",
+    } <= kept
+    assert {
+        "model.layers.3.self_attn.q_proj",
+        "model.layers.0.linear_attn.in_proj_qkv",
+        "model.layers.0.linear_attn.out_proj",
+        "model.layers.0.mlp.experts.5.down_proj",
+        "model.layers.0.mlp.shared_expert.up_proj",
+    } <= quantized
     assert not kept & quantized
     assert tensors["model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv"].dtype == torch.bfloat16
 

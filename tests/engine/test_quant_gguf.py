@@ -22,8 +22,16 @@ from engine.quant.ggml import SUPPORTED, UnsupportedType, block_shape, dequantiz
 from peer.gguf_export import export_gguf, write_gguf  # noqa: E402
 
 T = gguf.GGMLQuantizationType
-F16_FIELDS = {T.Q8_0: [0], T.Q4_0: [0], T.Q4_1: [0, 2], T.Q5_0: [0], T.Q5_1: [0, 2], T.Q4_K: [0, 2], T.Q5_K: [0, 2],
-              T.Q6_K: [208]}  # fmt: skip
+F16_FIELDS = {
+    T.Q8_0: [0],
+    T.Q4_0: [0],
+    T.Q4_1: [0, 2],
+    T.Q5_0: [0],
+    T.Q5_1: [0, 2],
+    T.Q4_K: [0, 2],
+    T.Q5_K: [0, 2],
+    T.Q6_K: [208],
+}
 QUANTIZABLE = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.BF16)  # types gguf-py can write
 
 
@@ -89,7 +97,11 @@ def test_our_reader_indexes_a_file_as_gguf_reader_does(tmp_path):
     for t in theirs.tensors:
         mine = ours.tensors[t.name]
         assert (mine.tensor_type, mine.ne, mine.offset, mine.n_bytes) == (
-            t.tensor_type, tuple(int(n) for n in t.shape), t.data_offset, t.n_bytes)  # fmt: skip
+            t.tensor_type,
+            tuple(int(n) for n in t.shape),
+            t.data_offset,
+            t.n_bytes,
+        )
         assert mine.offset % 64 == 0
         assert np.array_equal(ours.tensor_bytes(mine), np.asarray(t.data).view(np.uint8).reshape(-1))
 
@@ -123,10 +135,14 @@ def gguf_files(tmp_path_factory, preset_dirs) -> dict[str, Path]:
 
 def file_tensors(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a GGUF file dequantized by the `gguf` package (the reference). The header is
-    parsed by our reader: `gguf.GGUFReader` takes a minute over the Qwen vocabulary."""
+    parsed by our reader: `gguf.GGUFReader` is slow over the Qwen vocabulary (`engine.gguf_file`)."""
     f = read_gguf(path)
-    return {name: torch.from_numpy(np.array(reference(f.tensor_bytes(t).reshape(t.shape[0], -1), t.tensor_type)))
-            .reshape(t.shape) for name, t in f.tensors.items()}  # fmt: skip
+    return {
+        name: torch.from_numpy(
+            np.array(reference(f.tensor_bytes(t).reshape(t.shape[0], -1), t.tensor_type))
+        ).reshape(t.shape)
+        for name, t in f.tensors.items()
+    }
 
 
 @pytest.mark.parametrize("name", ["tiny-f32", "tiny-q8_0", "tiny-next-q8_0"])

@@ -305,8 +305,10 @@ def test_expert_decode_kernels_equal_per_assignment_matmuls(fmt):
     close(act.cpu(), torch.stack(want_act), dtype)
     got = quant.experts_sum(act, dev[4], dev[2]).cpu()
     want = torch.stack(
-        [sum(act[t * 3 + j].cpu().float() @ down_ref[e].T for j, e in enumerate(ids[t].tolist()) if e >= 0)
-         for t in range(3)]  # fmt: skip
+        [
+            sum(act[t * 3 + j].cpu().float() @ down_ref[e].T for j, e in enumerate(ids[t].tolist()) if e >= 0)
+            for t in range(3)
+        ]
     )
     close(got, want, dtype)
     assert not quant.tickets(torch.device(DEVICE)).any()
@@ -339,8 +341,12 @@ def test_every_split_a_gemv_may_run_with_gives_its_sums(mode):
             args = (x.to(dev), w.to(dev), 4, 64, ids.flatten().to(dev), 4)
             kw, top_k, sums = {"scale": routing.to(dev)}, 1, 4
             gate_up = [xr[0] @ ref[e].T if e >= 0 else torch.zeros(128) for e in ids[0].tolist()]
-            want = torch.stack([torch.nn.functional.silu(g[:64]) * g[64:] * r.float()
-                                for g, r in zip(gate_up, routing, strict=True)])  # fmt: skip
+            want = torch.stack(
+                [
+                    torch.nn.functional.silu(g[:64]) * g[64:] * r.float()
+                    for g, r in zip(gate_up, routing, strict=True)
+                ]
+            )
         else:
             x = torch.randn(4, 1024, generator=gen).to(dtype)
             xr = x.float()

@@ -66,11 +66,23 @@ from tests.engine.kquants import T, quantize, write_kquant_gguf  # noqa: E402
 
 # The tiny preset's shape with rows of 256 (K-quant super-blocks) and a small vocabulary (no tokenizer)
 KMIX = _config(
-    "kmix", num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
-    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, shared_expert_intermediate_size=256,
-    vocab_size=2048, max_position_embeddings=65536,
-)  # fmt: skip
+    "kmix",
+    num_hidden_layers=4,
+    hidden_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=256,
+    shared_expert_intermediate_size=256,
+    vocab_size=2048,
+    max_position_embeddings=65536,
+)
 IDS = [1000 + 7 * i for i in range(20)]  # 40 expert rows: the grouped kernels (decode: the expert GEMV)
 
 
@@ -134,10 +146,20 @@ def quantized_weights(engine: Engine) -> dict[int, int]:
 
 
 @in_this_process
-@pytest.mark.parametrize("name", [
-    "q8_0", "next-q8_0", "fp8", "next-fp8", "kmix", "random-q4_k_m",
-    pytest.param("llama-q4_k_m", marks=[pytest.mark.slow, pytest.mark.skipif("not llama_quantize_built()")]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name",
+    [
+        "q8_0",
+        "next-q8_0",
+        "fp8",
+        "next-fp8",
+        "kmix",
+        "random-q4_k_m",
+        pytest.param(
+            "llama-q4_k_m", marks=[pytest.mark.slow, pytest.mark.skipif("not llama_quantize_built()")]
+        ),
+    ],
+)
 def test_quantized_logits_equal_the_dequantized_models(models, name):
     """Prefill (GEMM, grouped experts) and decode (GEMV, the runner's slot path) on the kept weights
     give the logits of the fp32 model dequantized at load. llama.cpp's Q4_K_M of tiny keeps only its
@@ -146,15 +168,26 @@ def test_quantized_logits_equal_the_dequantized_models(models, name):
     each in decode) and the DeltaNet out_proj's reordered value heads (read through its column map)."""
     q, d = pair(models[name])
     formats = quantized_weights(q)
-    expected = {quant.FP8} if name.endswith("fp8") else {"kmix": {quant.Q4_K, quant.Q5_K, quant.Q6_K, quant.Q8_0},
-                "random-q4_k_m": {quant.Q4_K, quant.Q6_K}}.get(name, {quant.Q8_0})  # fmt: skip
+    expected = (
+        {quant.FP8}
+        if name.endswith("fp8")
+        else {
+            "kmix": {quant.Q4_K, quant.Q5_K, quant.Q6_K, quant.Q8_0},
+            "random-q4_k_m": {quant.Q4_K, quant.Q6_K},
+        }.get(name, {quant.Q8_0})
+    )
     assert set(formats) == expected, formats
     # the shared expert folded into the packed stacks (`SparseMoe.fold_shared`), but in tiny's FP8
     # (its 32-row gate and up are off a 128-row scale block: they cannot be one weight)
     assert all(layer.mlp.folded == (not name.endswith("fp8")) for layer in q.model.model.layers)
     if name == "random-q4_k_m":
-        pairs = [m for m in q.model.modules() if isinstance(m, Concat) and m.count == 2
-                 and not any(isinstance(w, torch.Tensor) for w in m.weights())]  # fmt: skip
+        pairs = [
+            m
+            for m in q.model.modules()
+            if isinstance(m, Concat)
+            and m.count == 2
+            and not any(isinstance(w, torch.Tensor) for w in m.weights())
+        ]
         mapped = [m for m in q.model.modules() if isinstance(m, quant.QuantWeight) and m.chunked_columns]
         assert pairs and mapped
     ids = IDS[:3] if name == "random-q4_k_m" else IDS  # its GEMMs at `small`'s shape: minutes interpreted
@@ -296,8 +329,12 @@ def test_plain_parts_after_quantized_ones_fuse_into_one_padded_gemm():
     """A quantized MoE projection: the shared expert's gate and up quantized, then the router and
     the output gate plain (as a quantized file keeps them): one quantized GEMV and one plain GEMM
     padded to aligned rows (zeros, dropped by the caller), not three matmuls."""
-    parts = [holder(ggml(T.Q8_0, 32, 1)), holder(ggml(T.Q8_0, 32, 2)), holder(torch.randn(8, 256)),
-             holder(torch.randn(1, 256))]  # fmt: skip
+    parts = [
+        holder(ggml(T.Q8_0, 32, 1)),
+        holder(ggml(T.Q8_0, 32, 2)),
+        holder(torch.randn(8, 256)),
+        holder(torch.randn(1, 256)),
+    ]
     want = torch.cat([dense(p.weight) for p in parts])
     owner = nn.Module()
     fuse(owner, "in_proj", parts, align=8)
@@ -337,8 +374,16 @@ def test_offloaded_q8_0_experts_stay_quantized_and_give_the_same_logits(models):
 
     whole = Engine.load(models["q8_0"], keep_quantized=True)
     size = offload.expert_bytes(whole.model)
-    p = offload.plan(whole.config, offload.dense_bytes(whole.model), 1 << 50, whole.dtype, 4,
-                     starting_capacity(whole.device), 4096, size)  # fmt: skip
+    p = offload.plan(
+        whole.config,
+        offload.dense_bytes(whole.model),
+        1 << 50,
+        whole.dtype,
+        4,
+        starting_capacity(whole.device),
+        4096,
+        size,
+    )
     budget = offload.budget_for(whole.config, p, 3) + size // 2
     offloaded = Engine.load(models["q8_0"], keep_quantized=True, gpu_memory_gib=budget / offload.GiB)
     assert offloaded.offload is not None and offloaded.offload.plan.slots == 3

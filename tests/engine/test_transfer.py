@@ -52,12 +52,19 @@ def test_runs_copy_neighbours_in_one_buffer_together_and_nothing_else():
 
     finals = torch.zeros(6, 4, 8)  # 128 bytes a row
     other = torch.zeros(3, 5, dtype=torch.bfloat16)
-    items = [(0, "rec", finals[3]), (1, "rec", finals[0]), (2, "rec", finals[1]), (0, "conv", other[1]),
-             (3, "rec", finals[5])]  # fmt: skip
+    items = [
+        (0, "rec", finals[3]),
+        (1, "rec", finals[0]),
+        (2, "rec", finals[1]),
+        (0, "conv", other[1]),
+        (3, "rec", finals[5]),
+    ]
     runs = {storage.data_ptr(): (lo, hi, [(g, name) for g, name, _ in run]) for storage, lo, hi, run in _runs(items)}
     # rows 0, 1, 3 (row 2 copied along: no wider than row 3) and 5 (row 4 along) are one run
-    assert runs == {storage(finals): (0, 768, [(1, "rec"), (2, "rec"), (0, "rec"), (3, "rec")]),
-                    storage(other): (10, 20, [(0, "conv")])}  # fmt: skip
+    assert runs == {
+        storage(finals): (0, 768, [(1, "rec"), (2, "rec"), (0, "rec"), (3, "rec")]),
+        storage(other): (10, 20, [(0, "conv")]),
+    }
     far = torch.zeros(RUN // 4 + 64)  # fp32: a run's most and 256 bytes
     (a, b) = _runs([(0, "x", far[:32]), (0, "y", far[-32:])])
     assert (a[1], a[2], b[1], b[2]) == (0, 128, far.nbytes - 128, far.nbytes)  # too far apart for one run

@@ -14,8 +14,10 @@ from gateway.serve import config_from_args
 from gateway.service import ServeConfig, build_service
 from tests.conftest import serve_args
 
-STEP = re.compile(r"step \d+: (\d+) prefill tokens in 1 parts, 0 decode rows: engine [\d.]+ ms, tasks [\d.]+ ms; "
-                  r"[\d.]+ ms since the last step")  # fmt: skip
+STEP = re.compile(
+    r"step \d+: (\d+) prefill tokens in 1 parts, 0 decode rows: engine [\d.]+ ms, tasks [\d.]+ ms; "
+    r"[\d.]+ ms since the last step"
+)
 FORWARD = re.compile(r"prefill forward of (\d+) tokens \(1 sequences, (\d+) captures\): [\d.]+ ms \(fit")
 
 

@@ -39,8 +39,11 @@ def layer(name: str) -> int:
 def test_order_is_llama_cpps():
     names = ["blk.10.attn_v.weight", "output.weight", "blk.2.ffn_up_exps.weight", "blk.2.attn_gate.weight"]
     assert sorted(names, key=quantize_order) == [
-        "output.weight", "blk.2.attn_gate.weight", "blk.2.ffn_up_exps.weight", "blk.10.attn_v.weight",
-    ]  # fmt: skip
+        "output.weight",
+        "blk.2.attn_gate.weight",
+        "blk.2.ffn_up_exps.weight",
+        "blk.10.attn_v.weight",
+    ]
 
 
 def test_full_35b_shape_gets_q6_k_where_q4_k_m_puts_it():
