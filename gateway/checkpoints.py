@@ -1,7 +1,8 @@
 """Checkpoint traffic between the requests and the store, on the engine worker: restore the deepest
 restorable anchor of a chain (found by `PrefixCache` over the live, queued, RAM and disk tiers),
 prefill the rest capturing a snapshot at every segment boundary (a state where the policy wants
-one), save the end of a generation, and precompute the history the next request will send."""
+one), save the end of a generation, precompute the history the next request will send, and say why
+a request's prefilled tokens were not restored (`gateway.prefill_reasons`)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from gateway.anchors import anchor_chain, boundaries
 from gateway.capture_policy import state_positions
 from gateway.live import LiveSequences
 from gateway.metrics import Metrics
+from gateway.prefill_reasons import PrefillReasons, SeenChains
 from gateway.prefix_cache import PrefixCache, Tier
 from gateway.render import Segment
 from gateway.scheduler import Scheduler
@@ -37,6 +39,7 @@ class Checkpoints:
         self.engine, self.store_queue, self.live = engine, store_queue, live
         self.metrics, self.policy, self.root, self.scheduler = metrics, policy, root, scheduler
         self.cache = PrefixCache(live, store_queue, store)
+        self.seen = SeenChains()  # what was computed: why a later prompt was not restored
 
     def restore(self, chain: Sequence[bytes], ends: Sequence[int], rewind: bool = True) -> tuple[SequenceState, int]:
         """A state at the end of the longest restorable prefix of `chain` (a fresh state when none)
@@ -65,6 +68,12 @@ class Checkpoints:
         self.metrics.add_tokens(continued=ends[depth - 1])  # its KV in place: only the states copied in
         return self.engine.rewind(kept, records[-1]), ends[depth - 1]
 
+    def explain(self, segments: Sequence[Segment], chain: Sequence[bytes], ends: Sequence[int],
+                restored: int) -> PrefillReasons:
+        """Why the tokens of `segments` after the first `restored` (what `restore` gave) are prefilled:
+        asked before `prefill` computes them."""
+        return self.seen.explain(segments, chain, ends, restored)
+
     def ready(self, chain: Sequence[bytes], ends: Sequence[int]) -> bool:
         """Whether `restore(chain, ends)` runs without waiting for the store queue: nothing of `chain`
         is on its way into the store, or a live sequence of it is continued in place (taken first)."""
@@ -77,15 +86,18 @@ class Checkpoints:
         """Prefill the tokens of `segments` after position `start` (where `state` is), capturing a
         checkpoint at each boundary after `start`; the checkpoints go to the store queue."""
         ids = [t for s in segments for t in s.token_ids][start:]
+        first = next(i for i, end in enumerate(ends) if end > start)
         if self.policy == "none":
             feed = Feed(state, ids)
             yield feed
+            self.seen.add(chain, ends[-1], contents=segments[first:])
             return cast(PrefillResult, feed.result)
-        first = next(i for i, end in enumerate(ends) if end > start)
         feed = Feed(state, ids, capture_at=ends[first:], state_at=state_positions(self.policy, segments, ends))
         yield feed
         result = cast(PrefillResult, feed.result)
         self.store_queue.put(chain[first:], chain[first - 1] if first else None, result.snapshots, result.ready)
+        states = [a for a, s in zip(chain[first:], result.snapshots, strict=True) if s.has_state]
+        self.seen.add(chain, ends[-1], states, contents=segments[first:])
         return result
 
     def save_generation_end(
@@ -109,6 +121,8 @@ class Checkpoints:
         yield feed
         tail = cast(PrefillResult, feed.result)
         self.store_queue.put(chain, parent, [*snapshots, *tail.snapshots], tail.ready)
+        states = [a for a, s in zip(chain, [*snapshots, *tail.snapshots], strict=True) if s.has_state]
+        self.seen.add([*prompt, *chain], ends[-1], states, contents=segments)
         self.live.keep(chain[-1], state, rewinds=prompt[-2:])  # a re-rendered answer; a retried prompt
 
     def schedule_precompute(self, segments: list[Segment]) -> Future:

@@ -2,7 +2,10 @@
 off the event loop, run the generation on the engine worker, and answer with SSE or JSON.
 
 Headers are sent once the first token is ready, so every response carries what was
-restored and computed: `x-cached-tokens`, `x-prefill-tokens`, `x-server-ttft-ms`, and where
+restored and computed: `x-cached-tokens`, `x-prefill-tokens`, why those were not restored
+(`x-prefill-reasons`: tokens per reason, `new=120, edited=4096`; with `edited`,
+`x-prefill-edited-at`: the index and kind of the prompt's first segment that differs, see
+gateway/prefill_reasons.py), `x-server-ttft-ms`, and where
 the time to the first token went (`server-timing`: plan, queue, restore, prefill, in ms); on a
 GPU or under a memory budget, `x-link-bytes`: the bytes copied host -> device meanwhile (restored
 checkpoints, offloaded experts; every sequence's in the steps it shared), from which a slower
@@ -118,11 +121,14 @@ async def generate(request: Request, protocol: ApiDialect) -> Response:
     headers = {
         "x-cached-tokens": str(first.cached_tokens),
         "x-prefill-tokens": str(first.prefill_tokens),
+        "x-prefill-reasons": first.prefill_reasons.header(),
         "x-server-ttft-ms": f"{1000 * first.ttft_s:.1f}",
         "server-timing": ", ".join(f"{name};dur={1000 * s:.1f}" for name, s in first.phases.items()),
     }
     if first.link_bytes is not None:
         headers["x-link-bytes"] = str(first.link_bytes)
+    if (edited_at := first.prefill_reasons.edited_at) is not None:
+        headers["x-prefill-edited-at"] = f"{edited_at[0]} {edited_at[1]}"
     model = rt.model_id  # the served name, never the client's text (any name the client sends is served)
     if conv.params.stream:
         run.stop_watching()  # the streaming response listens for the disconnect itself

@@ -25,6 +25,7 @@ from gateway.metrics import Metrics
 from gateway.parsers import QwenParser
 from gateway.parsers.stop import StopMatcher
 from gateway.plan import RestorePlan
+from gateway.prefill_reasons import PrefillReasons
 from gateway.render import Renderer, Segment
 from gateway.tokenizer import IncrementalDetokenizer
 
@@ -50,6 +51,7 @@ class Started:
     ttft_s: float
     phases: dict[str, float]  # seconds from request to first token, by phase (the Server-Timing header)
     link_bytes: int | None  # moved host -> device from the restore to the first token (Engine.link_bytes)
+    prefill_reasons: PrefillReasons  # why the prefilled tokens were not restored
 
 
 class Generation:
@@ -87,14 +89,16 @@ class Generation:
         linked = checkpoints.engine.link_bytes()
         state, cached = checkpoints.restore(plan.chain[:-1], plan.ends)
         t_restored = time.perf_counter()
+        reasons = checkpoints.explain(plan.segments, plan.chain, plan.ends, cached)
         result = yield from checkpoints.prefill(state, plan.segments, plan.chain, plan.ends, cached)
         t_first = time.perf_counter()
         phases = {"plan": self.planned_at - self.received_at, "queue": t_start - self.planned_at,
                   "restore": t_restored - t_start, "prefill": t_first - t_restored}
         moved = None if linked is None else cast(int, checkpoints.engine.link_bytes()) - linked
-        started = Started(cached, plan.prompt_len - cached, t_first - self.received_at, phases, moved)
+        started = Started(cached, plan.prompt_len - cached, t_first - self.received_at, phases, moved, reasons)
         self.metrics.observe_ttft(started.ttft_s, started.phases, cached, started.prefill_tokens)
         self.metrics.add_tokens(prefilled=started.prefill_tokens, reused=cached)
+        self.metrics.add_prefill_reasons(reasons.tokens)
         self.emit(started)
         self._send([Usage(plan.prompt_len, cached, started.prefill_tokens)])
         stops = StopMatcher(plan.conv.params.stop)

@@ -3,7 +3,7 @@
 
 Counted as requests come: requests by endpoint and status, tokens by kind (prefilled, restored
 from checkpoints as `reused`, `continued` in place from a live sequence, generated, precomputed),
-and histograms of the time to first token and its phases (queue, restore, prefill). Read at each
+prefilled tokens by why they were not restored (gateway/prefill_reasons.py), and histograms of the time to first token and its phases (queue, restore, prefill). Read at each
 scrape from their owners: the scheduler's queue and steps, memory by part, the checkpoint store's
 counters, the expert cache's (with offload) and the live sequences held. Each `Metrics` has its own
 registry: two servers in one process (tests) count apart.
@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.offload import hit_ratio
+from gateway.prefill_reasons import REASONS
 
 TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -85,6 +86,10 @@ class Metrics:
         self.tokens = Counter("ft_tokens", "Tokens by kind", ["kind"], registry=self.registry)
         for kind in TOKEN_KINDS:
             self.tokens.labels(kind)
+        self.prefill_reasons = Counter("ft_prefill_tokens_by_reason", "Prompt tokens prefilled, by why they "
+                                       "were not restored", ["reason"], registry=self.registry)
+        for reason in REASONS:
+            self.prefill_reasons.labels(reason)
         self.tool_markup = Counter("ft_tool_call_markup", "Tool-call markup the model wrote other than the "
                                    "template does: read as the call it meant, or passed on as text",
                                    ["outcome"], registry=self.registry)
@@ -108,6 +113,11 @@ class Metrics:
     def add_tokens(self, **counts: int) -> None:
         for kind, n in counts.items():
             self.tokens.labels(kind).inc(n)
+
+    def add_prefill_reasons(self, tokens: dict[str, int]) -> None:
+        """One request's prefilled tokens by reason (`PrefillReasons.tokens`)."""
+        for reason, n in tokens.items():
+            self.prefill_reasons.labels(reason).inc(n)
 
     def count_tool_markup(self, recovered: int, kept_as_text: int) -> None:
         """One answer's tool-call markup outside the template's form (`QwenParser` counts it)."""
