@@ -4,7 +4,8 @@ asked for, else a new `ft serve` started in the background on this machine.
 A started server runs in its own process group (the agent's Ctrl-C does not reach it), with its
 output in the ft home (`ft.servers.log_path`); it registers itself there once it listens
 (`ft ps`, `ft stop`). While it loads, the log's lines are shown; a server that exits first is an
-error quoting the end of its log.
+error quoting the end of its log. Launchers started together for one port start one server: the
+others wait for it, showing its log the same way (`ensure`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -109,20 +111,17 @@ def stop_running(wanted: Wanted) -> None:
         raise ServerStartError(f"--replace: the server at {wanted.url} (pid {record.pid}) did not stop")
 
 
-def start(wanted: Wanted, console: Console) -> subprocess.Popen:
-    """`ft serve` in the background, in its own session; returns once it answers."""
-    if not wanted.local:
-        raise ServerStartError(
-            f"no server at {wanted.url}; ft launch starts one only on this machine (start `ft serve` there)"
-        )
+def start(wanted: Wanted, console: Console, lock: int) -> subprocess.Popen:
+    """`ft serve` in the background, in its own session; it inherits `lock`, the port's start lock,
+    and holds it while it lives. Returns once it answers."""
     log = servers.log_path(wanted.port)
-    log.parent.mkdir(parents=True, exist_ok=True)
     child_env = dict(os.environ, PYTHONUNBUFFERED="1")
     if wanted.api_key is not None:
         child_env[env.API_KEY] = wanted.api_key  # not on the command line, where ps shows it
     with log.open("w", encoding="utf-8") as out:
         proc = subprocess.Popen(wanted.command(), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                env=child_env, start_new_session=True)
+                                env=child_env, start_new_session=True, pass_fds=(lock,))
+    servers.mark_starting(lock, proc.pid)
     console.print(f"starting ft serve on {wanted.url} (pid {proc.pid}, log {log})", highlight=False)
     try:
         wait_ready(proc, wanted.url, log, console)
@@ -134,12 +133,45 @@ def start(wanted: Wanted, console: Console) -> subprocess.Popen:
 
 
 def wait_ready(proc: subprocess.Popen, url: str, log: Path, console: Console) -> None:
-    """Show the server's log as it loads (its own lines in full, progress bars and other output
-    as a status line) until `/health` answers; a server that exits first is an error."""
+    """Show the server's log as it loads until `/health` answers; a server that exits first is an error."""
+
+    def ready() -> bool:
+        if proc.poll() is not None:
+            raise ServerStartError(f"ft serve exited with code {proc.returncode} (log {log}):\n{tail(log)}")
+        return answers(url)
+
+    show_log(log, console, ready)
+
+
+def follow(wanted: Wanted, console: Console) -> None:
+    """Wait for the server another launcher is starting on the port, its log shown as
+    `wait_ready` shows it, until it answers; a server that exits first is an error. Returns
+    without waiting when the start lock is let go before a server is named in it (that launcher
+    stopped before starting one): the caller may then start it."""
+    while (pid := servers.starting_pid(wanted.port)) is None:
+        if not servers.start_held(wanted.port) or answers(wanted.url):
+            return
+        time.sleep(0.05)
+    log = servers.log_path(wanted.port)
+    console.print(f"waiting for ft serve on {wanted.url}, started by another ft launch (pid {pid}, log {log})",
+                  highlight=False)
+
+    def ready() -> bool:
+        if not servers.alive(pid):
+            raise ServerStartError(f"ft serve (pid {pid}), started by another ft launch, exited before it answered "
+                                   f"(log {log}):\n{tail(log)}")
+        return answers(wanted.url)
+
+    show_log(log, console, ready)
+
+
+def show_log(log: Path, console: Console, ready: Callable[[], bool]) -> None:
+    """Show the log of a loading server (its own lines in full, progress bars and other output as
+    a status line) until `ready()`."""
     seen, failing = 0, False
     with console.status("ft serve: starting") as status:
         while True:
-            text = log.read_text(encoding="utf-8", errors="replace")
+            text = read_log(log)
             for line in text[seen:].replace("\r", "\n").splitlines():
                 failing = failing or line.startswith("Traceback")
                 if line.startswith(("ft serve", "  ")) and not failing:
@@ -147,20 +179,42 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, console: Console) ->
                 elif line.strip():
                     status.update(f"ft serve: {line.strip()[:120]}")
             seen = len(text)
-            if proc.poll() is not None:
-                tail = "\n".join(text.strip().splitlines()[-5:])
-                raise ServerStartError(f"ft serve exited with code {proc.returncode} (log {log}):\n{tail}")
-            if answers(url):
+            if ready():
                 return
             time.sleep(0.25)
 
 
+def read_log(log: Path) -> str:
+    try:
+        return log.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def tail(log: Path, lines: int = 5) -> str:
+    return "\n".join(read_log(log).strip().splitlines()[-lines:])
+
+
 def ensure(wanted: Wanted, console: Console, replace: bool = False) -> bool:
-    """Make a server answer at the URL serving the model asked for; True when one was started."""
-    if answers(wanted.url):
-        if not replace:
-            check_model(wanted)
-            return False
-        stop_running(wanted)
-    start(wanted, console)
-    return True
+    """Make a server answer at the URL serving the model asked for; True when this call started one.
+
+    Launchers of one port take turns through its start lock (`servers.start_lock`): one that finds
+    another starting a server, or a server so started still loading, waits for that server and uses
+    it as it would a running one; it never starts a second."""
+    while True:
+        if answers(wanted.url):
+            if not replace:
+                check_model(wanted)
+                return False
+            stop_running(wanted)
+            replace = False
+        if not wanted.local:
+            raise ServerStartError(
+                f"no server at {wanted.url}; ft launch starts one only on this machine (start `ft serve` there)"
+            )
+        with servers.start_lock(wanted.port) as lock:
+            if lock is None:
+                follow(wanted, console)
+            elif not answers(wanted.url):
+                start(wanted, console, lock)
+                return True

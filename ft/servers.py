@@ -4,12 +4,14 @@
 it started, its log file) once it listens, and removes it when it exits; `ft launch` starts
 servers in the background with their output in `servers/serve-PORT.log`; `ft ps` and `ft stop` read
 the records. A record whose process is gone (a server killed with SIGKILL) is stale and removed
-when read. This module imports nothing of the project but `ft.env`, so any layer may use it.
+when read. Launchers of one port take turns through `servers/serve-PORT.lock` (`start_lock`).
+This module imports nothing of the project but `ft.env`, so any layer may use it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -50,6 +52,57 @@ def record_path(port: int) -> Path:
 
 def log_path(port: int) -> Path:
     return folder() / f"serve-{port}.log"
+
+
+def lock_path(port: int) -> Path:
+    return folder() / f"serve-{port}.lock"
+
+
+@contextlib.contextmanager
+def start_lock(port: int) -> Iterator[int | None]:
+    """The port's start lock, taken without waiting: an open descriptor that holds it, or None
+    while another process holds it.
+
+    `ft launch` holds it while it starts a server, and the server it starts inherits the
+    descriptor and holds it for as long as it lives: a second launcher for the port finds it held
+    and waits for that server instead of starting another. The lock is the open file's (flock),
+    so the OS releases it once every process holding it is gone: a launcher or server that died
+    never blocks a start. The file names the pid of the server being started (`starting_pid`)."""
+    path = lock_path(port)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        fd = None
+    try:
+        if fd is not None:
+            os.ftruncate(fd, 0)  # the pid of a server that ended
+        yield fd
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def start_held(port: int) -> bool:
+    """Whether a launcher or a server it started holds the port's start lock."""
+    with start_lock(port) as fd:
+        return fd is None
+
+
+def mark_starting(lock: int, pid: int) -> None:
+    """Name `pid` in the start lock held through `lock` as the server being started."""
+    os.pwrite(lock, f"{pid}\n".encode(), 0)
+
+
+def starting_pid(port: int) -> int | None:
+    """The live server the port's start lock names (the one a launcher started), if any."""
+    try:
+        pid = int(lock_path(port).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return pid if alive(pid) else None
 
 
 def alive(pid: int) -> bool:
