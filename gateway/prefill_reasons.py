@@ -9,11 +9,13 @@ those tokens have no reason) to the end of the prompt, in this order:
 - `no_anchor`: on to the end of the prefix this server has computed before, where no state
   checkpoint was taken (the capture policy did not capture there; the prompt's last segment, whose
   logits start the answer, is never restored);
-- `edited`: from the first segment that differs from every chain computed before, when the request
-  re-sends history after it (a later segment, not a generation prompt, has the content of one
-  computed before: an earlier turn edited or rendered otherwise), to the end of the longer of that
-  history and the longest chain computed through the last shared anchor;
-- `new`: the rest, never computed here (a new turn; a session that only shares a system prompt).
+- `edited`: from the first segment that differs from every chain computed before, where a chain
+  computed before went on past the last shared anchor and the request re-sends history after the
+  divergence (a later segment, not a generation prompt, has the content of one computed before: an
+  earlier turn edited or rendered otherwise), to the end of the longer of that history and the
+  longest chain computed through the last shared anchor;
+- `new`: the rest, never computed here (a new turn, whatever its content; a session that only
+  shares a system prompt).
 
 Anchors and segment contents are remembered as they are computed (prompts prefilled, answers
 checkpointed, histories precomputed), the newest SEEN_LIMIT of each; forgotten ones, and those of
@@ -100,10 +102,8 @@ class SeenChains:
                 break
         resent = max((ends[i] for i in range(shared, n) if segments[i].kind != "generation_prompt"
                       and content_digest(segments[i]) in self._contents), default=shared_end)
-        edited_end = shared_end
-        if resent > shared_end:
-            reach = self._anchors[chain[shared - 1]].reach if shared else 0
-            edited_end = max(resent, min(reach, total))
+        reach = self._anchors[chain[shared - 1]].reach if shared else resent  # from the root: any chain went on
+        edited_end = max(resent, min(reach, total)) if resent > shared_end and reach > shared_end else shared_end
         cuts = [restored]
         for end in (stateful, shared_end, edited_end, total):
             cuts.append(max(cuts[-1], end))

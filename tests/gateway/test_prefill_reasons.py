@@ -78,8 +78,9 @@ def assistant_turn(answer: Answer, reasoning: str) -> dict:
     return out
 
 
-def run_tool_loop(server, user_text, commands, final="All done."):
-    """A session: one tool call per command, then a final answer. Returns its messages and answers."""
+def run_tool_loop(server, user_text, commands, final="All done.", output=None):
+    """A session: one tool call per command (its result `output`, else one of its own), then a final
+    answer. Returns its messages and answers."""
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user_text}]
     answers = []
     for i, command in enumerate([*commands, None]):
@@ -91,7 +92,8 @@ def run_tool_loop(server, user_text, commands, final="All done."):
         messages.append(assistant_turn(answer, reasoning))
         if command:
             call_id = answer.json["choices"][0]["message"]["tool_calls"][0]["id"]
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": f"output of {command} #{i}\n" * 20})
+            result = output or f"output of {command} #{i}\n" * 20
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": result})
     return messages, answers
 
 
@@ -128,6 +130,11 @@ def test_appending_a_tool_result_prefills_only_new_tokens(server):
     _, answers = run_tool_loop(server, "Fix the failing test.", ["ls", "pytest -x"])
     for answer in answers[1:]:
         assert answer.cached > 0 and answer.reasons == {"new": answer.prefilled}
+
+
+def test_a_tool_result_repeating_an_earlier_one_is_new_not_edited(server):
+    _, answers = run_tool_loop(server, "Run the tests until they pass.", ["pytest", "pytest"], output="3 failed\n" * 20)
+    assert answers[2].cached > 0 and answers[2].reasons == {"new": answers[2].prefilled}
 
 
 def test_a_second_session_under_the_same_system_prompt_is_new_not_edited(server):
