@@ -1,6 +1,6 @@
 """The HTTP client of `ft replay`, the benches and the tests: a streaming request sent and timed
 (the time to the first SSE event carrying model output, every event, the headers), our server's
-own headers and endpoints read (`x-prefill-tokens`, `server-timing`, the suffix floor, the
+own headers and endpoints read (`x-prefill-tokens`, `x-prefill-reasons`, `server-timing`, the suffix floor, the
 prefilled-tokens counter, /health's idle flag), for the three protocols."""
 
 from __future__ import annotations
@@ -33,6 +33,17 @@ class Measured:
     output_tokens: int
     server_timing: dict[str, float]
     link_bytes: int | None = None  # host -> device until the first token (`x-link-bytes`; a GPU's only)
+    prefill_reasons: dict[str, int] | None = None  # tokens prefilled by why not restored (`x-prefill-reasons`)
+
+
+def parse_prefill_reasons(header: str) -> dict[str, int]:
+    """`new=120, edited=4096` -> {"new": 120, "edited": 4096} (entries without a count skipped)."""
+    reasons = {}
+    for item in header.split(","):
+        name, _, count = item.strip().partition("=")
+        if name and count.isdigit():
+            reasons[name] = int(count)
+    return reasons
 
 
 def parse_server_timing(header: str) -> dict[str, float]:
@@ -138,6 +149,8 @@ def send(client: httpx.Client, req: TraceRequest) -> Measured:
         output_tokens=counts[-1] if counts else 0,
         server_timing=parse_server_timing(s.headers.get("server-timing", "")),
         link_bytes=int(s.headers["x-link-bytes"]) if "x-link-bytes" in s.headers else None,
+        prefill_reasons=parse_prefill_reasons(s.headers["x-prefill-reasons"]) if "x-prefill-reasons" in s.headers
+        else None,
     )
 
 

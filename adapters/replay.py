@@ -85,6 +85,7 @@ def replay_trace(
                 server_timing=m.server_timing,
                 fidelity=req.fidelity,
                 link_bytes=m.link_bytes,
+                prefill_reasons=m.prefill_reasons,
             )
         )
         context = prompt + m.output_tokens

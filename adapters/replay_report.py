@@ -5,6 +5,7 @@ approximately and why)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ class Summary(msgspec.Struct):
     seconds: float
     identical: int = 0  # requests whose body is what the client sent (adapters/trace.py)
     approximate: int = 0
+    prefill_reasons: dict[str, int] = msgspec.field(default_factory=dict)  # prefilled tokens by why not restored
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -72,7 +74,22 @@ def summarize(run: PolicyRun) -> Summary:
         seconds=run.seconds,
         identical=sum(r.fidelity == "identical" for r in rows),
         approximate=sum(r.fidelity != "identical" for r in rows),
+        prefill_reasons=sum_reasons(r.prefill_reasons for r in rows),
     )
+
+
+def sum_reasons(per_request: Iterable[dict[str, int] | None]) -> dict[str, int]:
+    """Tokens per reason over requests, in the order the reasons first appear."""
+    total: dict[str, int] = {}
+    for reasons in per_request:
+        for name, n in (reasons or {}).items():
+            total[name] = total.get(name, 0) + n
+    return total
+
+
+def why(reasons: dict[str, int] | None) -> str:
+    """`edited 4,000 · new 96`: the tokens prefilled by reason (the server's `x-prefill-reasons`)."""
+    return " · ".join(f"{name} {n:,}" for name, n in reasons.items() if n) if reasons else "–"
 
 
 def _ms(value: float | None) -> str:
@@ -80,13 +97,15 @@ def _ms(value: float | None) -> str:
 
 
 def request_table(runs: list[PolicyRun]) -> Table:
-    table = Table(title="Requests: client TTFT ms (tokens prefilled)")
+    """A row per request: per policy its client TTFT (tokens prefilled), then why those were prefilled."""
+    table = Table(title="Requests: client TTFT ms (tokens prefilled); why prefilled")
     sessions = len({r.session for r in runs[0].rows}) > 1
     for name in ("#", "session", "tool", "≈", "prompt", "new", "floor ms"):
         if name != "session" or sessions:
             table.add_column(name, justify="left" if name == "session" else "right")
     for run in runs:
         table.add_column(run.policy, justify="right")
+        table.add_column(f"{run.policy} why", justify="left")
     for i, row in enumerate(runs[0].rows):
         cells = [
             str(row.index),
@@ -97,7 +116,8 @@ def request_table(runs: list[PolicyRun]) -> Table:
             f"{row.new_tokens:,}",
             _ms(row.floor_ms),
         ]
-        cells += [f"{r.rows[i].client_ttft_ms:,.0f} ({r.rows[i].prefilled_tokens:,})" for r in runs]
+        for r in runs:
+            cells += [f"{r.rows[i].client_ttft_ms:,.0f} ({r.rows[i].prefilled_tokens:,})", why(r.rows[i].prefill_reasons)]
         table.add_row(*cells)
     return table
 
@@ -115,12 +135,13 @@ def summary_table(runs: list[PolicyRun], summaries: list[Summary]) -> Table:
         "server worst",
         "re-prefill ratio",
         "prefilled",
+        "why prefilled",
         "new",
         "identical",
         "time s",
     )
     for name in columns:
-        table.add_column(name, justify="left" if name == "policy" else "right")
+        table.add_column(name, justify="left" if name in ("policy", "why prefilled") else "right")
     for run, s in zip(runs, summaries, strict=True):
         table.add_row(
             run.policy,
@@ -133,6 +154,7 @@ def summary_table(runs: list[PolicyRun], summaries: list[Summary]) -> Table:
             _ms(s.server_worst_after_tool_ms),
             "–" if s.reprefill_ratio is None else f"{s.reprefill_ratio:.2f}",
             f"{s.prefilled_tokens:,}",
+            why(s.prefill_reasons),
             f"{s.new_tokens:,}",
             f"{s.identical}/{s.requests}",
             f"{s.seconds:.0f}",

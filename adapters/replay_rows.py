@@ -29,6 +29,7 @@ class Row(msgspec.Struct):
     server_timing: dict[str, float] | None = None  # the server's time to first token by phase (ms)
     fidelity: str = "identical"  # of the rebuilt request body (adapters/trace.py)
     link_bytes: int | None = None  # host -> device until the first token (the server's `x-link-bytes`)
+    prefill_reasons: dict[str, int] | None = None  # prefilled tokens by why not restored (`x-prefill-reasons`)
 
 
 class PolicyRun(msgspec.Struct):

@@ -148,6 +148,20 @@ def test_anchor_reprefills_less_than_prefix_less_than_none(report):
     assert all(r["prefilled_tokens"] == r["new_tokens"] for r in anchor_rows if r["after_tool_result"])
 
 
+def test_rows_say_why_their_tokens_were_prefilled(report):
+    data = json.loads((report / "r.json").read_text())
+    for policy in data["policies"].values():
+        rows = policy["rows"]
+        assert all(sum(r["prefill_reasons"].values()) == r["prefilled_tokens"] for r in rows)
+        assert sum(policy["summary"]["prefill_reasons"].values()) == policy["summary"]["prefilled_tokens"]
+        assert rows[0]["prefill_reasons"] == {"new": rows[0]["prefilled_tokens"]}  # a fresh server each
+    anchor, none = data["policies"]["anchor"]["rows"], data["policies"]["none"]["rows"]
+    assert all(r["prefill_reasons"] == {"new": r["prefilled_tokens"]} for r in anchor if r["after_tool_result"])
+    # no checkpoints: what the server computed before is prefilled again
+    assert none[1]["prefill_reasons"]["no_anchor"] == none[0]["prompt_tokens"]
+    assert all(r["prefill_reasons"]["no_anchor"] > 0 for r in none[1:])
+
+
 @pytest.fixture(scope="module")
 def server():
     s = start_server(preset="tiny", policy="anchor")
@@ -204,7 +218,10 @@ def test_replay_against_a_running_server(server, trace_file, tmp_path, capsys):
     assert main(["replay", str(trace_file), "--server", server.url, "--limit", "2", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["policies"]["server"]["rows"]
     assert len(rows) == 2 and rows[1]["after_tool_result"]
-    assert "Summary per policy" in capsys.readouterr().out
+    assert rows[1]["prefill_reasons"] == {"new": rows[1]["prefilled_tokens"]}
+    printed = capsys.readouterr().out
+    assert "Summary per policy" in printed and "server why" in printed
+    assert f"new {rows[1]['prefilled_tokens']:,}" in printed
 
 
 def test_malformed_trace_is_one_line(tmp_path, capsys):
@@ -257,3 +274,10 @@ def test_server_timing_header_parses():
         "prefill": 120.0,
     }
     assert parse_server_timing("") == {} and parse_server_timing("cache;desc=hit") == {}
+
+
+def test_prefill_reasons_header_parses():
+    from adapters.client import parse_prefill_reasons
+
+    assert parse_prefill_reasons("new=120, edited=4096,no_anchor=3") == {"new": 120, "edited": 4096, "no_anchor": 3}
+    assert parse_prefill_reasons("") == {} and parse_prefill_reasons("new") == {}
