@@ -127,14 +127,18 @@ def small_pair():
 
 
 @pytest.mark.parametrize("draw", range(3))
-def test_a_bf16_restore_stays_within_the_one_pass_runs_worst_position_and_a_shift_does_not(small_pair, draw):
-    """bf16 on the CPU: restore at a random capture then the suffix, every position within the one-pass bf16
-    run's worst position error against fp32 (`bf16_bounds`); the same restore fed the suffix one token late
-    (the context shifted by one) is beyond that bound somewhere: the bound has teeth, unlike one at the last
-    position only, where such a shift often looks like noise."""
+def test_a_bf16_restore_resumes_the_one_pass_run_and_a_shift_does_not(small_pair, draw):
+    """bf16 on the CPU, each position's relative error against fp32 (`bf16_bounds`): a restore at a random
+    capture then the suffix resumes where the one-pass bf16 run was (its first positions' errors are the
+    one pass's at the same positions), and over the whole suffix 99% of its positions stay within the one
+    pass's worst position (a routing flip moves a single position by 0.2-0.5, so the worst alone is a single
+    draw of that). The same restore fed the suffix one token late (the context shifted by one) is off at
+    once, far beyond the one pass's error at those positions: the checks have teeth."""
     from tests.engine.bf16_bounds import restore_and_shift, worst_position_bound
 
     case = restore_and_shift(*small_pair, draw)
-    bound = worst_position_bound(case["one_pass"])
-    assert case["right"].max().item() <= bound
-    assert case["shifted"].max().item() > bound
+    split, right, shifted = case["split"], case["right"], case["shifted"]
+    one_pass_here = case["one_pass"][split : split + 8]
+    assert (right[:8] <= one_pass_here[: len(right[:8])] + 0.01).all()
+    assert right.quantile(0.99).item() <= worst_position_bound(case["one_pass"])
+    assert shifted[:8].max().item() > one_pass_here.max().item() + 0.1
