@@ -21,6 +21,9 @@
 #       offload    the random 256-expert Q4_K_M at 8 GiB with the replay, at 12 and 24 GiB without, and
 #                  llama-server --n-cpu-moe on the same file and requests (bench/offload.py)
 #       tests      pytest: the engine's GPU tests
+#       serve      `ft serve` of the random Q4_K_M 35B-A3B file with no memory option, then with --gpu-memory 8:
+#                  the printed plan (--plan, then the server's own), `ft ps` (memory by part, peak reserved)
+#                  after `ft replay` of a committed session through it
 #       compare    the e64 decode per batch and K = 1 and 4 sessions (ours) on .base/ and on this tree,
 #                  alternating, then both side by side (bench/compare.py)
 #   bash bench/h200_session.sh poll SECONDS      # wait until done or SECONDS pass; the logs and JSON as $OUT/out.tgz
@@ -51,6 +54,19 @@ sessions_ft() { # TREE JSON: K = 1 and 4 sessions, ours alone, with TREE's serve
   # shellcheck disable=SC2086 # a list of paths
   (cd "$1" && PYTHONPATH=/tmp/site:$PWD python3 bench/llamacpp.py --preset $P-e64 --device cuda --dtype bf16 \
     --only ft --ft-arg=--ram-cache=48 --sessions 1,4 --parallel 4 --max-requests 16 --out "$2" $traces)
+}
+
+serve_replay() { # GGUF JSON [SERVE OPTION...]: the plan, then ft serve, ft replay of a committed session, ft ps
+  local gguf=$1 json=$2
+  shift 2
+  python3 -m ft serve --model "$gguf" --plan "$@"
+  python3 -m ft serve --model "$gguf" --port 1920 "$@" &
+  local server=$!
+  for _ in $(seq 600); do curl -sf http://127.0.0.1:1920/health >/dev/null && break; sleep 1; done
+  python3 -m ft replay --server http://127.0.0.1:1920 --no-floor --json "$json" traces/sessions/small-bugfix.claude.jsonl
+  python3 -m ft ps
+  python3 -m ft stop 1920
+  wait $server
 }
 
 case "${1:-}" in
@@ -108,6 +124,13 @@ print(random_gguf('$P', PEER_HOME / 'models'))"
       wait $builder 2>/dev/null
       step offload-llama python3 bench/offload.py --preset $P --q4-k-m --budgets '' --limit 24 --llama-server \
         --json $O/offload-llama.json
+      ;;
+    serve)
+      step serve-gguf python3 -c "from peer.gguf_random import random_gguf; from peer.llama_server import PEER_HOME; \
+print(random_gguf('$P', PEER_HOME / 'models'))"
+      gguf=$(tail -1 $O/serve-gguf.log)
+      step serve-default serve_replay "$gguf" $O/serve-default.json
+      step serve-8 serve_replay "$gguf" $O/serve-8.json --gpu-memory 8
       ;;
     tests) step tests python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m "not slow" \
       tests/engine/test_gpu.py tests/engine/test_gpu_quant.py tests/engine/test_offload_gpu.py \

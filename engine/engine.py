@@ -146,7 +146,8 @@ class Engine:
         """Resident bytes on the engine's device: the weights (each storage once: fused projections
         are views; weights kept quantized count their packed arrays, `QuantWeight.nbytes`) and the
         decode slots (KV and states of the sequences being decoded); on a GPU also all that torch's
-        allocator holds there (`device_reserved`: those parts and everything else)."""
+        allocator holds there (`device_reserved`: those parts and everything else) and the most it has
+        held since the process started (`device_peak_reserved`)."""
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                     for t in [*self.model.parameters(), *self.model.buffers()]}
         memory = {"weights": sum(storages.values()), "decode_slots": self.runner.nbytes}
@@ -159,6 +160,7 @@ class Engine:
             )
         if self.device.type == "cuda":
             memory["device_reserved"] = torch.cuda.memory_reserved(self.device)
+            memory["device_peak_reserved"] = torch.cuda.max_memory_reserved(self.device)
         return memory
 
     def held_bytes(self, states: Iterable[SequenceState]) -> int:

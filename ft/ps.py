@@ -18,7 +18,7 @@ from ft import servers
 GiB = 1 << 30
 SHORT = {"weights": "weights", "decode_slots": "slots", "live_sequences": "live", "ram_cache_budget": "ram≤",
          "expert_cache": "experts", "expert_staging": "staging", "expert_stream": "stream", "experts_host": "host-experts",
-         "device_reserved": "reserved", "workspace": "workspace"}
+         "device_reserved": "reserved", "device_peak_reserved": "peak", "workspace": "workspace"}
 
 
 @dataclass(frozen=True)
