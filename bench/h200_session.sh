@@ -57,6 +57,7 @@ sessions_ft() { # TREE JSON: K = 1 and 4 sessions, ours alone, with TREE's serve
 }
 
 serve_replay() { # GGUF JSON [SERVE OPTION...]: the plan, then ft serve, ft replay of a committed session, ft ps
+  export COLUMNS=200 # rich tables unwrapped in the log
   local gguf=$1 json=$2
   shift 2
   python3 -m ft serve --model "$gguf" --plan "$@"
