@@ -126,7 +126,9 @@ class Generation:
     def _decode(self, state: SequenceState, logits, stops: StopMatcher) -> Generator[Feed, None, tuple[list[int], FinishReason]]:
         """Sampled tokens, or the forced ones. Forced tokens after the first are fed in one feed
         (`--forced-decode prefill`, the default: same state, no per-token decode cost) or one
-        decode step each (`steps`: what generating them would have cost)."""
+        decode step each (`steps`: what generating them would have cost). In one feed, every
+        forced token is known at the first: the whole answer's events are sent in that step, and
+        the feed that moves the state over it follows."""
         plan, conv, tokenizer = self.plan, self.plan.conv, self.renderer.tokenizer
         tools = {t.name: t.parameters for t in conv.tools if t.kind == "function"}
         custom = [t.name for t in conv.tools if t.kind == "custom"]
@@ -148,14 +150,14 @@ class Generation:
             if ev.finish_reason is not None:
                 break
             if forced_in_one_feed:
-                if ev.index == 0:
-                    yield Feed(state, cast(list[int], forced)[:-1])
                 continue
             feed = Feed(state, [ev.token_id])
             yield feed
             logits = cast(PrefillResult, feed.result).logits
         self._send(stops.filter(parser.feed(detok.flush()) + parser.close()) + stops.flush())
         self.metrics.count_tool_markup(parser.recovered, parser.kept_as_text)
+        if forced_in_one_feed and len(generated) > 1:
+            yield Feed(state, generated[:-1])
         return generated, "stop" if ev.token_id in eos or ev.finish_reason == "stop" else "length"
 
     def _reasoning_tokens(self, generated: list[int]) -> int:
