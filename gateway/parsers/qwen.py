@@ -7,7 +7,8 @@ The generated text (after the prompt's ``<|im_start|>assistant\\n<think>\\n``) l
 
 Text may arrive split anywhere (even inside a tag). The parser holds back only what could
 still be the start of a tag or of whitespace the template strips, so its events do not
-depend on where the text was split. Malformed markup never raises.
+depend on where the text was split, and a call's start (a parameter's key) goes out with
+the ``>`` that closes ``<function=NAME>`` (``<parameter=P>``). Malformed markup never raises.
 
 Models also write calls the template would not (`recovery.py`). Where the intent is
 unambiguous the parser reads them as the call meant, and counts them in `recovered`:
@@ -200,8 +201,8 @@ class QwenParser:
         return True
 
     def _tag_name(self, opener: str, final: bool = False) -> tuple[str | None, str]:
-        """Parse ``WS <opener>NAME>`` plus one optional newline at the buffer start.
-        Returns (None, _) to wait for more text, ("", _) when malformed."""
+        """Parse ``WS <opener>NAME>`` at the buffer start: (NAME, the text after ``>``) as soon
+        as the ``>`` arrives. Returns (None, _) to wait for more text, ("", _) when malformed."""
         s = self._buf.lstrip()
         if not s.startswith(opener):
             return ("" if final or not opener.startswith(s) else None), ""
@@ -209,10 +210,9 @@ class QwenParser:
         name = s[len(opener) : j if j >= 0 else len(s)]
         if any(c.isspace() or c == "<" for c in name) or len(name) > MAX_NAME:
             return "", ""
-        if j < 0 or (j + 1 == len(s) and not final):
+        if j < 0:
             return ("" if final else None), ""
-        rest = s[j + 1 :]
-        return name, rest[1:] if rest.startswith("\n") else rest
+        return name, s[j + 1 :]
 
     def _start_call(self, name: str) -> None:
         custom = name in self._custom
@@ -278,7 +278,14 @@ class QwenParser:
             return True
         assert self._call is not None
         self._out += self._call.begin_param(name)
-        self._buf, self._state = rest, "value"
+        self._buf, self._state = rest, "value_start"
+        return True
+
+    def _step_value_start(self) -> bool:
+        """The newline the template writes after ``<parameter=P>`` is not the value's."""
+        if not self._buf:
+            return False
+        self._buf, self._state = self._buf.removeprefix("\n"), "value"
         return True
 
     def _step_value(self) -> bool:
@@ -346,6 +353,9 @@ class QwenParser:
 
     def _close_params(self) -> None:
         self._end_call()
+
+    def _close_value_start(self) -> None:
+        self._close_value()
 
     def _close_value(self) -> None:
         if self._value(final=True):
