@@ -19,7 +19,9 @@ those tokens have no reason) to the end of the prompt, in this order:
 
 Anchors and segment contents are remembered as they are computed (prompts prefilled, answers
 checkpointed, histories precomputed), the newest SEEN_LIMIT of each; forgotten ones, and those of
-before a restart, read as never computed (`new`).
+before a restart, read as never computed (`new`). Each is remembered under its tenant's scope
+(`gateway.anchors.Namespace.scope`): a request is explained by its own tenant's history only, so
+no reason tells it what another tenant sent (the same contents, a public prefix computed further).
 """
 
 from __future__ import annotations
@@ -54,9 +56,9 @@ class _Seen:
     state: bool  # a state checkpoint was taken here
 
 
-def content_digest(segment: Segment) -> bytes:
-    """A segment's kind and tokens, wherever it stands (an anchor hashed from no parent)."""
-    return next_anchor(b"", segment)
+def content_digest(segment: Segment, scope: bytes = b"") -> bytes:
+    """A segment's kind and tokens, wherever it stands in `scope`'s chains (an anchor hashed from `scope`)."""
+    return next_anchor(scope, segment)
 
 
 class SeenChains:
@@ -69,16 +71,16 @@ class SeenChains:
         self._contents: OrderedDict[bytes, None] = OrderedDict()
 
     def add(self, chain: Sequence[bytes], reach: int, states: Iterable[bytes] = (),
-            contents: Sequence[Segment] = ()) -> None:
-        """Remember `chain`, computed through token `reach`, a state checkpoint taken at each anchor of
-        `states`, and the `contents` of the segments computed."""
+            contents: Sequence[Segment] = (), scope: bytes = b"") -> None:
+        """Remember `chain`, computed through token `reach` by the tenant of `scope`, a state checkpoint
+        taken at each anchor of `states`, and the `contents` of the segments computed."""
         with_state = set(states)
         for anchor in chain:
-            old = self._anchors.pop(anchor, None)
-            self._anchors[anchor] = _Seen(max(reach, old.reach if old else 0),
-                                          anchor in with_state or (old is not None and old.state))
+            old = self._anchors.pop(scope + anchor, None)
+            self._anchors[scope + anchor] = _Seen(max(reach, old.reach if old else 0),
+                                                  anchor in with_state or (old is not None and old.state))
         for segment in contents:
-            digest = content_digest(segment)
+            digest = content_digest(segment, scope)
             self._contents.pop(digest, None)
             self._contents[digest] = None
         for kept in (self._anchors, self._contents):
@@ -86,10 +88,11 @@ class SeenChains:
                 kept.popitem(last=False)
 
     def explain(self, segments: Sequence[Segment], chain: Sequence[bytes], ends: Sequence[int],
-                restored: int) -> PrefillReasons:
+                restored: int, scope: bytes = b"") -> PrefillReasons:
         """Why the prompt of `segments` (anchors `chain`, token ends `ends`) was prefilled after its
-        first `restored` tokens. Changes nothing."""
+        first `restored` tokens, from what the tenant of `scope` computed. Changes nothing."""
         n, total = len(chain), ends[-1] if ends else 0
+        chain = [scope + anchor for anchor in chain]
         shared = next((i + 1 for i in range(n - 1, -1, -1) if chain[i] in self._anchors), 0)
         shared_end = ends[shared - 1] if shared else 0
         stateful = 0  # end of the deepest anchor that took a state (the last segment is never restored)
@@ -101,7 +104,7 @@ class SeenChains:
                 stateful = ends[i]
                 break
         resent = max((ends[i] for i in range(shared, n) if segments[i].kind != "generation_prompt"
-                      and content_digest(segments[i]) in self._contents), default=shared_end)
+                      and content_digest(segments[i], scope) in self._contents), default=shared_end)
         reach = self._anchors[chain[shared - 1]].reach if shared else resent  # from the root: any chain went on
         edited_end = max(resent, min(reach, total)) if resent > shared_end and reach > shared_end else shared_end
         cuts = [restored]
