@@ -13,7 +13,7 @@ from typing import cast
 
 from checkpoint_store import CheckpointStore
 from engine import Engine, Feed, PrefillResult, SequenceState
-from gateway.anchors import anchor_chain, boundaries
+from gateway.anchors import Namespace, anchor_chain, boundaries
 from gateway.capture_policy import state_positions
 from gateway.live import LiveSequences
 from gateway.metrics import Metrics
@@ -32,7 +32,8 @@ class Checkpoints:
     the engine, the store and its write queue, the live sequences, the metrics, the capture
     policy, the root anchor (what a precomputed history's chain hangs from) and the scheduler
     (precompute runs in its gaps and yields to its live work). A generation asks it for steps
-    instead of passing the whole server around. Engine worker only."""
+    instead of passing the whole server around. The steps that remember or chain take the
+    request's tenant `namespace` (gateway/tenants.py), by default the server's own. Engine worker only."""
 
     def __init__(self, engine: Engine, store: CheckpointStore, store_queue: StoreQueue, live: LiveSequences,
                  metrics: Metrics, policy: str, root: bytes, scheduler: Scheduler):
@@ -40,6 +41,7 @@ class Checkpoints:
         self.metrics, self.policy, self.root, self.scheduler = metrics, policy, root, scheduler
         self.cache = PrefixCache(live, store_queue, store)
         self.seen = SeenChains()  # what was computed: why a later prompt was not restored
+        self.home = Namespace(root)  # the server's own tenant: no key, or one unnamed key
 
     def restore(self, chain: Sequence[bytes], ends: Sequence[int], rewind: bool = True) -> tuple[SequenceState, int]:
         """A state at the end of the longest restorable prefix of `chain` (a fresh state when none)
@@ -69,10 +71,10 @@ class Checkpoints:
         return self.engine.rewind(kept, records[-1]), ends[depth - 1]
 
     def explain(self, segments: Sequence[Segment], chain: Sequence[bytes], ends: Sequence[int],
-                restored: int) -> PrefillReasons:
+                restored: int, namespace: Namespace | None = None) -> PrefillReasons:
         """Why the tokens of `segments` after the first `restored` (what `restore` gave) are prefilled:
         asked before `prefill` computes them."""
-        return self.seen.explain(segments, chain, ends, restored)
+        return self.seen.explain(segments, chain, ends, restored, (namespace or self.home).scope)
 
     def ready(self, chain: Sequence[bytes], ends: Sequence[int]) -> bool:
         """Whether `restore(chain, ends)` runs without waiting for the store queue: nothing of `chain`
@@ -81,28 +83,29 @@ class Checkpoints:
 
     def prefill(
         self, state: SequenceState, segments: Sequence[Segment], chain: Sequence[bytes], ends: Sequence[int],
-        start: int,
+        start: int, namespace: Namespace | None = None,
     ) -> Generator[Feed, None, PrefillResult]:
         """Prefill the tokens of `segments` after position `start` (where `state` is), capturing a
         checkpoint at each boundary after `start`; the checkpoints go to the store queue."""
+        scope = (namespace or self.home).scope
         ids = [t for s in segments for t in s.token_ids][start:]
         first = next(i for i, end in enumerate(ends) if end > start)
         if self.policy == "none":
             feed = Feed(state, ids)
             yield feed
-            self.seen.add(chain, ends[-1], contents=segments[first:])
+            self.seen.add(chain, ends[-1], contents=segments[first:], scope=scope)
             return cast(PrefillResult, feed.result)
         feed = Feed(state, ids, capture_at=ends[first:], state_at=state_positions(self.policy, segments, ends))
         yield feed
         result = cast(PrefillResult, feed.result)
         self.store_queue.put(chain[first:], chain[first - 1] if first else None, result.snapshots, result.ready)
         states = [a for a, s in zip(chain[first:], result.snapshots, strict=True) if s.has_state]
-        self.seen.add(chain, ends[-1], states, contents=segments[first:])
+        self.seen.add(chain, ends[-1], states, contents=segments[first:], scope=scope)
         return result
 
     def save_generation_end(
         self, state: SequenceState, segments: Sequence[Segment], start: int, prompt: Sequence[bytes],
-        generated: list[int],
+        generated: list[int], namespace: Namespace | None = None,
     ) -> Generator[Feed, None, None]:
         """Checkpoint a generation as the next request will render it (`segments`, a memo hit),
         after its prompt (`start` tokens, its chain `prompt`): KV deltas per generated segment,
@@ -122,20 +125,21 @@ class Checkpoints:
         tail = cast(PrefillResult, feed.result)
         self.store_queue.put(chain, parent, [*snapshots, *tail.snapshots], tail.ready)
         states = [a for a, s in zip(chain, [*snapshots, *tail.snapshots], strict=True) if s.has_state]
-        self.seen.add([*prompt, *chain], ends[-1], states, contents=segments)
+        self.seen.add([*prompt, *chain], ends[-1], states, contents=segments, scope=(namespace or self.home).scope)
         self.live.keep(chain[-1], state, rewinds=prompt[-2:])  # a re-rendered answer; a retried prompt
 
-    def schedule_precompute(self, segments: list[Segment]) -> Future:
+    def schedule_precompute(self, segments: list[Segment], namespace: Namespace | None = None) -> Future:
         """Precompute `segments` in the scheduler's gaps (a background task); its future gives
         the tokens computed."""
-        return self.scheduler.background(self.precompute(segments))
+        return self.scheduler.background(self.precompute(segments, namespace))
 
-    def precompute(self, segments: list[Segment]) -> Generator[Feed, None, int]:
+    def precompute(self, segments: list[Segment], namespace: Namespace | None = None) -> Generator[Feed, None, int]:
         """Prefill `segments` from the longest checkpointed prefix in passes of about
         PRECOMPUTE_STEP tokens (whole segments, a checkpoint at every boundary), stopping between
         passes as soon as live work waits (the scheduler runs it only in steps with no live work),
         and before the first while its prefix is still being stored. Returns the tokens computed."""
-        chain, ends = anchor_chain(segments, self.root), boundaries(segments)
+        namespace = namespace or self.home
+        chain, ends = namespace.chain(segments), boundaries(segments)
         # its prefix (the answer just given) may still be on its way into the store: waited for on
         # this thread, the only engine worker, but never in front of a request that arrives meanwhile
         stored = self.cache.settle(chain, stop=self.scheduler.live_waiting)
@@ -153,7 +157,7 @@ class Checkpoints:
             if self.scheduler.live_waiting():
                 log.info("precompute yielded to a live request at %d/%d tokens", done, ends[-1])
                 break
-            result = yield from self.prefill(state, segments[: i + 1], chain[: i + 1], ends[: i + 1], done)
+            result = yield from self.prefill(state, segments[: i + 1], chain[: i + 1], ends[: i + 1], done, namespace)
             computed, done = computed + end - done, end
             at_state = chain[i] if result.snapshots and result.snapshots[-1].has_state else None
         if at_state is not None:  # the last pass ended on a state checkpoint: continue from here

@@ -89,8 +89,8 @@ class Generation:
         linked = checkpoints.engine.link_bytes()
         state, cached = checkpoints.restore(plan.chain[:-1], plan.ends)
         t_restored = time.perf_counter()
-        reasons = checkpoints.explain(plan.segments, plan.chain, plan.ends, cached)
-        result = yield from checkpoints.prefill(state, plan.segments, plan.chain, plan.ends, cached)
+        reasons = checkpoints.explain(plan.segments, plan.chain, plan.ends, cached, plan.namespace)
+        result = yield from checkpoints.prefill(state, plan.segments, plan.chain, plan.ends, cached, plan.namespace)
         t_first = time.perf_counter()
         phases = {"plan": self.planned_at - self.received_at, "queue": t_start - self.planned_at,
                   "restore": t_restored - t_start, "prefill": t_first - t_restored}
@@ -113,9 +113,10 @@ class Generation:
         if message is not None:
             if keeps_generation_end(checkpoints.policy):
                 segments = self.renderer.generation_segments(generated, len(plan.conv.messages))
-                yield from checkpoints.save_generation_end(state, segments, plan.prompt_len, plan.chain, generated)
+                yield from checkpoints.save_generation_end(state, segments, plan.prompt_len, plan.chain, generated,
+                                                           plan.namespace)
             if precomputes(checkpoints.policy) and not message.tool_calls:
-                checkpoints.schedule_precompute(self._next_turn_segments(message))
+                checkpoints.schedule_precompute(self._next_turn_segments(message), plan.namespace)
         return self.events
 
     def _send(self, events: list[Event]) -> None:

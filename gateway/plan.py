@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import msgspec
 
 from engine import SamplingParams
-from gateway.anchors import anchor_chain, boundaries
+from gateway.anchors import Namespace, boundaries
 from gateway.conversation import Conversation, Message
 from gateway.errors import ContextLengthExceeded
 from gateway.memo import TokenMemo
@@ -27,6 +27,7 @@ class RestorePlan:
     sampling: SamplingParams
     forced_ids: list[int] | None
     memo_handle: str
+    namespace: Namespace  # the tenant's: what the answer's checkpoints and the next turn's hang from
 
     @property
     def prompt_len(self) -> int:
@@ -49,13 +50,16 @@ class RestorePlanner:
         self.replay, self.max_context = replay, max_context
         self.default_max_tokens, self.max_tokens_cap = default_max_tokens, max_tokens_cap
 
-    def plan(self, conv: Conversation) -> RestorePlan:
+    def plan(self, conv: Conversation, namespace: Namespace | None = None, memo: TokenMemo | None = None) -> RestorePlan:
+        """`namespace` and `memo`: the tenant's (gateway/tenants.py), by default the server's own."""
+        namespace = Namespace(self.root) if namespace is None else namespace
+        memo = self.memo if memo is None else memo  # (an empty memo is falsy)
         conv = normalize(conv, self.volatile_rules)
         if conv.forced_output is None and self.replay is not None and conv.tools:
             forced = self.replay.take()
             if forced is not None:
                 conv = msgspec.structs.replace(conv, forced_output=forced)
-        segments = self.renderer.render(conv, self.memo)
+        segments = self.renderer.render(conv, memo)
         prompt_ids = segment_ids(segments)
         max_context = self.max_context
         if len(prompt_ids) >= max_context:
@@ -73,5 +77,5 @@ class RestorePlanner:
             stop_token_ids=frozenset(self.renderer.tokenizer.eos_ids),
             vocab_limit=self.renderer.tokenizer.vocab_size,
         )
-        return RestorePlan(conv, segments, anchor_chain(segments, self.root), boundaries(segments), prompt_ids, sampling,
-                    forced_ids, self.memo.issue_handle())
+        return RestorePlan(conv, segments, namespace.chain(segments), boundaries(segments), prompt_ids, sampling,
+                    forced_ids, memo.issue_handle(), namespace)
