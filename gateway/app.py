@@ -3,7 +3,6 @@ raise typed errors; the handlers of gateway/errors.py answer them in the path's 
 
 from __future__ import annotations
 
-import hmac
 import time
 from contextlib import asynccontextmanager
 
@@ -22,6 +21,7 @@ from gateway.errors import EXCEPTION_HANDLERS, BadRequest, Unauthorized, error_r
 from gateway.render import segment_ids
 from gateway.service import Service
 from gateway.suffix_floor import suffix_floor
+from gateway.tenants import Tenant, Tenants
 from gateway.volatile import normalize
 
 OPEN_PATHS = ("/health", "/metrics")
@@ -29,22 +29,26 @@ KEY_HEADERS = (b"x-api-key", b"authorization")
 
 
 class ApiKey:
-    """With a key configured, every API path needs `Authorization: Bearer KEY` or `x-api-key`,
-    compared in constant time (raw bytes: a header that is not UTF-8 is a wrong key, not a crash)."""
+    """With keys configured, every API path needs `Authorization: Bearer KEY` or `x-api-key`, compared
+    with every key in constant time (raw bytes: a header that is not UTF-8 is a wrong key, not a crash).
+    The key's tenant (gateway/tenants.py) is the request's `state.tenant`: the server's own without keys.
+    Nothing else the client sends chooses it."""
 
-    def __init__(self, app: ASGIApp, key: str | None):
-        self.app, self.key = app, None if key is None else key.encode()
+    def __init__(self, app: ASGIApp, tenants: Tenants):
+        self.app, self.tenants = app, tenants
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or self.key is None or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
+        if not self.tenants.keyed:
+            return await self.app(_with_tenant(scope, self.tenants.default), receive, send)
         try:
             given = self.given(scope["headers"])
         except BadRequest as exc:
             return await error_response(error_style(scope["path"]), exc)(scope, receive, send)
-        if not hmac.compare_digest(given, self.key):
+        if (tenant := self.tenants.find(given)) is None:
             return await error_response(error_style(scope["path"]), Unauthorized())(scope, receive, send)
-        return await self.app(scope, receive, send)
+        return await self.app(_with_tenant(scope, tenant), receive, send)
 
     @staticmethod
     def given(headers: list[tuple[bytes, bytes]]) -> bytes:
@@ -61,6 +65,10 @@ class ApiKey:
         return token[7:].strip() if token[:7].lower() == b"bearer " else token.strip()
 
 
+def _with_tenant(scope: Scope, tenant: Tenant) -> Scope:
+    return {**scope, "state": {**scope.get("state", {}), "tenant": tenant}}
+
+
 async def messages(request: Request) -> Response:
     return await generate(request, ANTHROPIC)
 
@@ -75,8 +83,9 @@ async def chat_completions(request: Request) -> Response:
 
 async def count_tokens(request: Request) -> Response:
     rt: Service = request.app.state.runtime
+    tenant: Tenant = request.state.tenant
     conv = normalize(ANTHROPIC.parse(await read_json(request, body_limit(rt))), rt.volatile_rules)
-    segments = await anyio.to_thread.run_sync(rt.renderer.render, conv, rt.memo)
+    segments = await anyio.to_thread.run_sync(rt.renderer.render, conv, tenant.memo)
     return JSONResponse({"input_tokens": len(segment_ids(segments))})
 
 
@@ -116,11 +125,16 @@ async def recent(request: Request) -> Response:
 
 
 def create_app(rt: Service) -> Starlette:
-    """The app; `app.state.drain` is what the HTTP server calls when it starts shutting down."""
+    """The app; `app.state.drain` is what the HTTP server calls when it starts shutting down;
+    `app.state.tenants`, the keys' tenants (gateway/tenants.py)."""
+    folder = rt.config.disk_cache if rt.store.has_disk else None
+    tenants = Tenants.build(rt.config.api_key, rt.root, rt.memo, folder, rt.store.write_errors)
+
     @asynccontextmanager
     async def lifespan(app: Starlette):
         yield
         await anyio.to_thread.run_sync(rt.close)
+        tenants.close()
 
     routes = [
         Route("/v1/messages", messages, methods=["POST"]),
@@ -133,8 +147,9 @@ def create_app(rt: Service) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/ft/recent", recent, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(ApiKey, key=rt.config.api_key)],
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(ApiKey, tenants=tenants)],
                     exception_handlers=EXCEPTION_HANDLERS)
     app.state.runtime = rt
     app.state.drain = Drain()
+    app.state.tenants = tenants
     return app

@@ -18,6 +18,7 @@ from gateway.capture_policy import CAPTURE_POLICIES
 from gateway.http_server import ServerLimits
 from gateway.serve_prepare import prepare
 from gateway.service import GiB, ServeConfig, build_service
+from gateway.tenants import TenantKey, parse_keys
 
 KEY_ENV = env.API_KEY
 
@@ -79,7 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     key = parser.add_mutually_exclusive_group()
     key.add_argument("--api-key", help="require this key (Authorization: Bearer or x-api-key); visible in ps: "
                                        f"prefer --api-key-file or ${KEY_ENV}")
-    key.add_argument("--api-key-file", type=Path, metavar="FILE", help="require the key on the first line of FILE")
+    key.add_argument("--api-key-file", type=Path, metavar="FILE",
+                     help="require the key in FILE, or one of several: NAME:KEY a line, each name with checkpoints "
+                          "of its own (NAME:KEY:public also shares the system prompt and tools)")
     parser.add_argument("--record", type=Path, metavar="DIR", help="write every request and its timings as JSONL")
     parser.add_argument("--replay-outputs", type=Path, metavar="FILE",
                         help="JSONL of outputs to teacher-force for successive tool-carrying requests")
@@ -131,14 +134,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
-def api_key(args: argparse.Namespace) -> str | None:
-    """The key to require: --api-key, --api-key-file's first line, or $FT_API_KEY. An empty key
-    is an error (it would disable the check while looking like it set one)."""
+def api_key(args: argparse.Namespace) -> str | tuple[TenantKey, ...] | None:
+    """The keys to require: --api-key, --api-key-file (one unnamed key, or named tenants: see
+    gateway/tenants.py), or $FT_API_KEY. An empty key is an error (it would disable the check while
+    looking like it set one)."""
     if args.api_key is not None:
         key, source = args.api_key, "--api-key"
     elif args.api_key_file is not None:
-        lines = args.api_key_file.read_text(encoding="utf-8").splitlines()
-        key, source = (lines[0] if lines else ""), str(args.api_key_file)
+        keys = parse_keys(args.api_key_file.read_text(encoding="utf-8"), str(args.api_key_file))
+        if isinstance(keys, tuple) and keys:
+            return keys
+        key, source = keys or "", str(args.api_key_file)
     elif (from_env := env.api_key()) is not None:
         key, source = from_env, f"${KEY_ENV}"
     else:

@@ -27,6 +27,7 @@ from gateway.render import Renderer, load_renderer
 from gateway.replay_outputs import ReplayOutputs
 from gateway.scheduler import Scheduler
 from gateway.store_queue import StoreQueue
+from gateway.tenants import TenantKey
 from gateway.volatile import VolatileRules
 
 log = logging.getLogger("gateway")
@@ -45,7 +46,7 @@ class ServeConfig:
     disk_cache: Path | None = None
     disk_cache_gib: float = 64.0
     policy: str = "anchor"
-    api_key: str | None = None
+    api_key: str | tuple[TenantKey, ...] | None = None  # one unnamed key, or tenants (gateway/tenants.py)
     record_dir: Path | None = None
     replay_outputs: Path | None = None
     keep_volatile: bool = False
