@@ -30,6 +30,7 @@ from gateway.drain import Drain
 from gateway.errors import BadRequest, ClientGone, PayloadTooLarge, error_event, typed
 from gateway.events import Event, collect
 from gateway.generation import Answered, Generation, Started
+from gateway.memo import TokenMemo
 from gateway.record import RecordLine, Timings
 from gateway.service import Service
 from gateway.sse import SSE_HEADERS, SSE_MEDIA_TYPE, encode_stream
@@ -115,8 +116,9 @@ async def generate(request: Request, protocol: ApiDialect) -> Response:
     body = await read_json(request, body_limit(rt))
     conv = protocol.parse(body)
     check_max_tokens(body, conv.params.max_tokens, rt.engine.max_context)
-    plan = await anyio.to_thread.run_sync(rt.planner.plan, conv)
-    run = _Run(rt, plan, protocol, received, drain, request)
+    tenant = request.state.tenant  # the API key's (gateway/app.py ApiKey), never the client's say
+    plan = await anyio.to_thread.run_sync(rt.planner.plan, conv, tenant.namespace, tenant.memo)
+    run = _Run(rt, plan, protocol, received, drain, request, tenant.memo)
     first = await run.first()
     headers = {
         "x-cached-tokens": str(first.cached_tokens),
@@ -150,7 +152,8 @@ class _Run:
     is streamed, a task watches for the client leaving (the cancel flag then stops the generation
     at its next step); `interrupt` ends it early (gateway/drain.py)."""
 
-    def __init__(self, rt: Service, plan, protocol: ApiDialect, received: float, drain: Drain, request: Request):
+    def __init__(self, rt: Service, plan, protocol: ApiDialect, received: float, drain: Drain, request: Request,
+                 memo: TokenMemo):
         self.rt, self.plan, self.protocol, self.received, self.drain = rt, plan, protocol, received, drain
         planned = time.perf_counter()
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -163,7 +166,7 @@ class _Run:
             loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
         self.generation = Generation(
-            plan, rt.checkpoints, rt.renderer, rt.memo, rt.metrics, device=rt.engine.device,
+            plan, rt.checkpoints, rt.renderer, memo, rt.metrics, device=rt.engine.device,
             forced_decode=rt.config.forced_decode, emit=emit, cancel=self.cancel, received_at=received,
             planned_at=planned, call_id=call_ids(protocol))
         drain.check()
