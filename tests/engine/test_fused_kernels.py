@@ -23,7 +23,7 @@ def test_fused_kernels_in_triton_interpreter_process():
 
 
 from engine.ops import gates as reference  # noqa: E402
-from engine.ops.gpu import conv, gates, moe, norm, quant  # noqa: E402
+from engine.ops.gpu import conv, gates, moe, norm, tickets  # noqa: E402
 from engine.ops.moe import route  # noqa: E402
 from engine.ops.rope import norm_rope, rope_cos_sin  # noqa: E402
 
@@ -273,7 +273,7 @@ def test_fused_router_equals_the_gemm_and_the_route(rows, experts, top_k):
     assert weights.shape == ids.shape == (rows, top_k + 1) and (ids[:, -1] == experts).all()
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(weights, want_w, rtol=1e-5, atol=1e-6)
-    assert not quant.tickets(x.device).any()  # each row's ticket left at zero
+    assert not tickets.tickets(x.device).any()  # each row's ticket left at zero
     assert moe.router_fused._check((x, w, experts, top_k, True))
     if rows <= moe.ROUTER_ROWS:  # other launch settings: the same routing
         tiles = moe.RouterTiles(block_e=4, block_h=512, warps=1)
@@ -328,7 +328,7 @@ def test_moe_decode_kernels_skip_absent_experts(dtype):
         got = fn(x, weights, ids, gate_up, down)
         _close(got, want.to(dtype))
         assert not got[2].any()  # no expert at all: zeros
-    assert not quant.tickets(x.device).any()  # the down kernel's sums left their counters at zero
+    assert not tickets.tickets(x.device).any()  # the down kernel's sums left their counters at zero
 
 
 @in_this_process
@@ -358,7 +358,7 @@ def test_grouped_decode_experts_equal_the_loop(dtype, tokens):
     for _ in range(2):  # the second launch finds the tickets the first left
         got = moe._experts_triton(x, weights, ids, gate_up, down, tiles)
         _close_sums(got, want, torch_rounded)
-    assert not quant.tickets(x.device).any()
+    assert not tickets.tickets(x.device).any()
 
 
 @in_this_process
@@ -376,7 +376,7 @@ def test_small_gemm_equals_the_matmul(dtype, rows, n, split):
     got = dense.small_linear(x, w, split)
     want = (x.float() @ w.float().T).to(dtype)
     _close_sums(got, want)
-    assert not quant.tickets(x.device).any()
+    assert not tickets.tickets(x.device).any()
 
 
 @in_this_process
@@ -566,7 +566,7 @@ def test_fused_deltanet_decode_step_equals_its_four_kernels(dtype):
         _close(got, want)
         _close(conv_slots, want_conv)
         torch.testing.assert_close(rec_slots, want_rec, rtol=1e-5, atol=1e-5)
-        assert not quant.tickets(mixed.device).any()
+        assert not tickets.tickets(mixed.device).any()
         if dtype == torch.float32:
             _close_sums(got, reference_deltanet.decode_step(*args, torch_conv, torch_rec, index))
             torch.testing.assert_close(rec_slots, torch_rec, rtol=1e-5, atol=1e-5)

@@ -12,7 +12,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from engine.ops.gpu import fp8_prefill, gather, moe, quant  # noqa: E402
+from engine.ops.gpu import fp8_prefill, gather, gemm, gemv, moe, quant  # noqa: E402
 
 H200 = GPUTarget("cuda", 90, 32)
 GEMV = {
@@ -87,8 +87,8 @@ def test_gemv_compiles_with_its_split_sums(fmt, mode):
     each split's sums taken by its last program behind an acquire-release ticket."""
     grouped, x_per, top_k, glu, xmap = mode
     signature = {**GEMV, **{f"P{i}": t for i, t in enumerate(PARTS[fmt])}, **{f"Q{i}": t for i, t in enumerate(PARTS[fmt])}}
-    constexprs = quant.gemv_constexprs(fmt, 32, grouped, x_per, top_k, glu, xmap)
-    ptx = compile_for_h200(quant._gemv_kernel, signature, constexprs, GEMV_DIVISIBLE)
+    constexprs = gemv.gemv_constexprs(fmt, 32, grouped, x_per, top_k, glu, xmap)
+    ptx = compile_for_h200(gemv._gemv_kernel, signature, constexprs, GEMV_DIVISIBLE)
     assert ".entry _gemv_kernel" in ptx
     assert "atom.global.gpu.acq_rel.add" in ptx or "atom.acq_rel.gpu.global.add" in ptx, [
         line for line in ptx.splitlines() if "atom" in line
@@ -102,8 +102,8 @@ def test_gemv_of_two_formats_compiles():
         **{f"P{i}": t for i, t in enumerate(PARTS[quant.Q6_K])},
         **{f"Q{i}": t for i, t in enumerate(PARTS[quant.Q4_K])},
     }
-    constexprs = {**quant.gemv_constexprs(quant.Q6_K, 32, fmt2=quant.Q4_K), "STAGES": 3, "UNROLL": 2}
-    assert ".entry _gemv_kernel" in compile_for_h200(quant._gemv_kernel, signature, constexprs, GEMV_DIVISIBLE)
+    constexprs = {**gemv.gemv_constexprs(quant.Q6_K, 32, fmt2=quant.Q4_K), "STAGES": 3, "UNROLL": 2}
+    assert ".entry _gemv_kernel" in compile_for_h200(gemv._gemv_kernel, signature, constexprs, GEMV_DIVISIBLE)
 
 
 def test_bf16_decode_kernels_compile():
@@ -526,4 +526,4 @@ def test_tiled_gemm_finds_its_tiles_and_compiles(fmt, experts):
         "EXPERTS": "constexpr",
     }
     constexprs = {"FMT": fmt, "BM": 32, "BN": 64, "BK": 64, "IEEE": False, "EXPERTS": experts}
-    assert ".entry _gemm_kernel" in compile_for_h200(quant._gemm_kernel, signature, constexprs, ("N", "K"))
+    assert ".entry _gemm_kernel" in compile_for_h200(gemm._gemm_kernel, signature, constexprs, ("N", "K"))

@@ -1,7 +1,7 @@
-"""The quantized-weight Triton kernels (engine/ops/gpu/quant.py) against plain torch: the packed
-weight's reference dequantization equals `gguf`'s / the FP8 reference bit for bit, and the GEMV,
-GEMM and expert-grouped kernels equal `x @ dequantized.T`. Without a GPU they run in Triton's
-interpreter (TRITON_INTERPRET=1, numpy; slow, so the shapes are small); on a GPU natively."""
+"""The quantized-weight Triton kernels (engine/ops/gpu/quant.py's dispatch to gemv.py and gemm.py)
+against plain torch: the packed weight's reference dequantization equals `gguf`'s / the FP8 reference
+bit for bit, and the GEMV, GEMM and expert-grouped kernels equal `x @ dequantized.T`. Without a GPU they
+run in Triton's interpreter (TRITON_INTERPRET=1, numpy; slow, so the shapes are small); on a GPU natively."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def test_kernels_in_triton_interpreter_process():
     run_interpreted(__file__)
 
 
-from engine.ops.gpu import fp8_prefill, quant  # noqa: E402
+from engine.ops.gpu import fp8_prefill, gemv, quant, tickets  # noqa: E402
 from engine.quant import fp8  # noqa: E402
 from engine.quant.ggml import T  # noqa: E402
 from tests.engine.test_quant_gguf import random_blocks  # noqa: E402
@@ -311,7 +311,7 @@ def test_expert_decode_kernels_equal_per_assignment_matmuls(fmt):
         ]
     )
     close(got, want, dtype)
-    assert not quant.tickets(torch.device(DEVICE)).any()
+    assert not tickets.tickets(torch.device(DEVICE)).any()
     # the model's decode path, against the per-expert loop on the dequantized weights
     got = experts_quantized(dev[0], dev[3], dev[2], dev[1], dev[4]).cpu()
     close(got, experts_loop(x.float(), routing.float(), ids, gate_up_ref, down_ref), dtype)
@@ -320,7 +320,7 @@ def test_expert_decode_kernels_equal_per_assignment_matmuls(fmt):
 @in_this_process
 @pytest.mark.parametrize("mode", ["linear", "glu", "topk"])
 def test_every_split_a_gemv_may_run_with_gives_its_sums(mode):
-    """Every split a GEMV shape may run with (`quant._splits`) gives the same sums, taken by the
+    """Every split a GEMV shape may run with (`gemv._splits`) gives the same sums, taken by the
     last program of each split (its counter left at zero), launch after launch."""
     dtype = torch.bfloat16 if CUDA else torch.float32
     dev = torch.device(DEVICE)
@@ -353,30 +353,30 @@ def test_every_split_a_gemv_may_run_with_gives_its_sums(mode):
             args = (x.to(dev), w.to(dev), 1, 64, ids.flatten().to(dev))
             kw, top_k, sums = {"top_k": 4}, 4, 1
             want = sum(xr[j] @ ref[e].T for j, e in enumerate(ids[0].tolist()) if e >= 0)[None]
-    blocks = -(-args[3] // quant.gemv_block_n(args[3], grouped=mode != "linear"))
-    splits = quant._splits(1024, quant.GEMV_CHUNK[quant.Q4_K], top_k, blocks * sums)
+    blocks = -(-args[3] // gemv.gemv_block_n(args[3], grouped=mode != "linear"))
+    splits = gemv._splits(1024, quant.GEMV_CHUNK[quant.Q4_K], top_k, blocks * sums)
     assert splits[0] == top_k and len(splits) == 5  # 1024 columns: 1 .. 16 programs of 64 per assignment
     for split in splits:
         for _ in range(2):
-            got = quant._gemv(*args, **kw, split=split)
+            got = gemv._gemv(*args, **kw, split=split)
             close(got.cpu(), want, dtype)
-            assert not quant.tickets(dev).any()
+            assert not tickets.tickets(dev).any()
     with pytest.raises(ValueError, match="not one of"):
-        quant._gemv(*args, **kw, split=3 * top_k)
+        gemv._gemv(*args, **kw, split=3 * top_k)
 
 
 def test_the_split_fills_the_gpu_with_1024_programs():
     """A GEMV runs with the smallest split of at least 1,024 programs, else the largest; the
     candidates stop at MAX_PROGRAMS programs."""
-    assert quant._splits(2048, 64, 1, 386) == [1, 2, 4, 8, 16, 32]
-    assert quant._heuristic_split([1, 2, 4, 8, 16, 32], 386) == 4  # the DeltaNet input projection
-    assert quant._heuristic_split(quant._splits(512, 64, 8, 64), 64) == 16  # a token's experts, down
-    assert quant._splits(2048, 64, 1, 7760) == [1, 2, 4]  # the lm_head at 32 rows a program: 7,760 sums
-    assert quant._heuristic_split([1, 2, 4], 7760) == 1
+    assert gemv._splits(2048, 64, 1, 386) == [1, 2, 4, 8, 16, 32]
+    assert gemv._heuristic_split([1, 2, 4, 8, 16, 32], 386) == 4  # the DeltaNet input projection
+    assert gemv._heuristic_split(gemv._splits(512, 64, 8, 64), 64) == 16  # a token's experts, down
+    assert gemv._splits(2048, 64, 1, 7760) == [1, 2, 4]  # the lm_head at 32 rows a program: 7,760 sums
+    assert gemv._heuristic_split([1, 2, 4], 7760) == 1
     # rows a program: 64 for a plain GEMV of GEMV_WIDE_N outputs or more (the lm_head), not for experts
-    assert quant.gemv_block_n(248320) == max(quant.GEMV_BLOCK_N, 64)
-    assert quant.gemv_block_n(248320, grouped=True) == quant.GEMV_BLOCK_N
-    assert quant.gemv_block_n(2048) == min(quant.GEMV_BLOCK_N, 2048)
+    assert gemv.gemv_block_n(248320) == max(gemv.GEMV_BLOCK_N, 64)
+    assert gemv.gemv_block_n(248320, grouped=True) == gemv.GEMV_BLOCK_N
+    assert gemv.gemv_block_n(2048) == min(gemv.GEMV_BLOCK_N, 2048)
 
 
 @in_this_process
@@ -418,15 +418,15 @@ def test_two_formats_in_one_gemv_launch(first, second):
     x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(8)).to(dtype)
     want = x.float() @ torch.cat([ref_a, ref_b]).T
     a, b, xd = a.to(dev), b.to(dev), x.to(dev)
-    bn = quant.gemv_block_n(112)
+    bn = gemv.gemv_block_n(112)
     blocks = -(-72 // bn) + -(-40 // bn)
     chunk = max(quant.GEMV_CHUNK[a.fmt], quant.GEMV_CHUNK[b.fmt])
-    splits = quant._splits(1024, chunk, 1, blocks * 3)
+    splits = gemv._splits(1024, chunk, 1, blocks * 3)
     assert len(splits) >= 3
     for split in splits:
-        got = quant._gemv(xd, a, 3, 72, second=b, split=split)
+        got = gemv._gemv(xd, a, 3, 72, second=b, split=split)
         assert got.shape == (3, 112)
         close(got.cpu(), want, dtype)
-        assert not quant.tickets(dev).any()
+        assert not tickets.tickets(dev).any()
     close(quant.linear_pair(xd, a, b).cpu(), want, dtype)
     assert quant.linear_pair(torch.randn(5, 1024).to(dtype).to(dev), a, b) is None  # past decode rows: apart

@@ -13,12 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops.gpu import quant
+from engine.ops.gpu import tickets
 
 ROWS = 16  # rows of x at most: one tensor-core tile's
 BLOCK_N, BLOCK_K = 32, 256
 PROGRAMS = 264  # at least, where K allows: two an SM of an H200
-MAX_N = 16384  # outputs at most (their column blocks within the GEMV's tickets, `quant.TICKETS`)
+MAX_N = 16384  # outputs at most (their column blocks within the GEMV's tickets, `tickets.TICKETS`)
 
 
 @triton.jit
@@ -42,7 +42,7 @@ def _small_gemm_kernel(X, W, PART, OUT, COUNT, M, N, K, K_SPLIT, SPLIT: tl.const
     else:
         tl.store(PART + (s * MT + m[:, None]) * N + n[None, :], acc, mask=keep)
         ticket = COUNT + block
-        if quant.last_to_finish(ticket, SPLIT):
+        if tickets.last_to_finish(ticket, SPLIT):
             total = tl.zeros([MT, BN], tl.float32)
             for t in range(SPLIT):
                 total += tl.load(PART + (t * MT + m[:, None]) * N + n[None, :], mask=keep, other=0.0,
@@ -75,6 +75,6 @@ def small_linear(x: torch.Tensor, w: torch.Tensor, split: int | None = None) -> 
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     part = torch.empty(split, ROWS, n, dtype=torch.float32, device=x.device) if split > 1 else out
     _small_gemm_kernel[(triton.cdiv(n, BLOCK_N), split)](
-        x, w, part, out, quant.tickets(x.device), m, n, k, k // split, SPLIT=split, MT=ROWS, BN=BLOCK_N, BK=BLOCK_K,
+        x, w, part, out, tickets.tickets(x.device), m, n, k, k // split, SPLIT=split, MT=ROWS, BN=BLOCK_N, BK=BLOCK_K,
     )
     return out

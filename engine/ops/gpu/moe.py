@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from engine.ops.gpu import fp8_prefill, quant
+from engine.ops.gpu import fp8_prefill, quant, tickets
 from engine.ops.gpu.checked import Checked
 from engine.ops.moe import DECODE_ROWS, experts_loop, router_logits
 from engine.ops.moe import route as reference_route
@@ -219,7 +219,7 @@ def _down_kernel(A, W, IDS, RW, PART, OUT, COUNT, H, INTER, TOPK: tl.constexpr, 
                  BLOCK_I: tl.constexpr):
     """Program (assignment a = token * TOPK + j, n-block): the token's j-th expert's down projection,
     weighted; the last of the token's TOPK programs to finish sums them into OUT (a ticket per
-    (token, n-block) in COUNT, reset by that program: `quant.tickets`). The assignments vary
+    (token, n-block) in COUNT, reset by that program: `tickets.tickets`). The assignments vary
     fastest, so an expert two tokens chose is read for both in the same wave of programs (once
     from memory, then from L2), wherever it sits in each token's list."""
     slot, block = tl.program_id(0), tl.program_id(1)
@@ -234,7 +234,7 @@ def _down_kernel(A, W, IDS, RW, PART, OUT, COUNT, H, INTER, TOPK: tl.constexpr, 
         acc += tl.sum(tl.load(w + (n[:, None] * INTER + i[None, :])).to(tl.float32) * av[None, :], 1)
     tl.store(PART + slot * H + n, acc * tl.load(RW + slot).to(tl.float32))
     ticket = COUNT + token * tl.num_programs(1) + block
-    if quant.last_to_finish(ticket, TOPK):
+    if tickets.last_to_finish(ticket, TOPK):
         total = tl.zeros([BLOCK_N], tl.float32)
         for j in range(TOPK):
             total += tl.load(PART + (token * TOPK + j) * H + n, cache_modifier=".cg")
@@ -364,7 +364,7 @@ def _experts_triton(x, weights, ids, gate_up, down, tiles: DecodeTiles | None = 
     _up_kernel[(num_tokens * top_k, inter // block_i)](x, gate_up, ids, act, hidden, inter, TOPK=top_k, BLOCK_I=block_i, BLOCK_H=block_h)
     part = torch.empty(num_tokens, top_k, hidden, dtype=torch.float32, device=x.device)  # one row per chosen expert
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
-    _down_kernel[(num_tokens * top_k, hidden // block_n)](act, down, ids, weights, part, out, quant.tickets(x.device),
+    _down_kernel[(num_tokens * top_k, hidden // block_n)](act, down, ids, weights, part, out, tickets.tickets(x.device),
                                                          hidden, inter, TOPK=top_k, BLOCK_N=block_n, BLOCK_I=128)
     return out
 
@@ -381,7 +381,7 @@ def _experts_grouped_decode(x, weights, ids, gate_up, down, t: DecodeTiles):
     part = torch.empty(num_tokens, top_k, hidden, dtype=torch.float32, device=x.device)
     out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device)
     _down_grouped_kernel[(slots, hidden // t.down_n)](
-        act, down, ids, weights, part, out, quant.tickets(x.device), hidden, inter, num_tokens, **shape,
+        act, down, ids, weights, part, out, tickets.tickets(x.device), hidden, inter, num_tokens, **shape,
         BLOCK_N=t.down_n, BLOCK_I=t.down_i, num_warps=t.down_warps, num_stages=t.stages,
     )
     return out
@@ -495,7 +495,7 @@ def _router_kernel(X, R, LOGITS, W, IDS, COUNT, H, E, stride_r, TOPK: tl.constex
         acc += tl.sum(r * x[None, :], 1)
     tl.store(LOGITS + row * BE + e, acc.to(X.dtype.element_ty).to(tl.float32), mask=valid)
     ticket = COUNT + row
-    if quant.last_to_finish(ticket, tl.num_programs(0)):
+    if tickets.last_to_finish(ticket, tl.num_programs(0)):
         cols = tl.arange(0, BE)
         logits = tl.load(LOGITS + row * BE + cols, mask=cols < E, other=-float("inf"), cache_modifier=".cg")
         values, chosen, slots = _top_k(logits, cols, E, TOPK, RENORM, BE, BK)
@@ -543,7 +543,7 @@ def _router_triton(x: torch.Tensor, w: torch.Tensor, experts: int, top_k: int, r
     ids = torch.empty(rows, width, dtype=torch.long, device=x.device)
     if rows:
         _router_kernel[(triton.cdiv(experts + 1, block_e), rows)](
-            x, w, logits, weights, ids, quant.tickets(x.device), hidden, experts, w.stride(0), TOPK=top_k,
+            x, w, logits, weights, ids, tickets.tickets(x.device), hidden, experts, w.stride(0), TOPK=top_k,
             RENORM=renormalise, BE=be, BK=triton.next_power_of_2(width), BLOCK_E=block_e,
             BLOCK_H=min(t.block_h, hidden & -hidden), num_warps=t.warps,
         )

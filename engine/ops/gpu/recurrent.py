@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 import engine.ops.deltanet as reference
-from engine.ops.gpu import conv, quant
+from engine.ops.gpu import conv, tickets
 from engine.ops.gpu.checked import Checked
 
 BLOCK_V = 32  # value columns per program: a [Dk, 32] fp32 block of the state in registers
@@ -117,12 +117,12 @@ def _decode_step_kernel(
     out = OUT + (b * HV + h) * DV
     tl.store(out + dv, tl.sum(s * q[:, None], 0).to(OUT.dtype.element_ty))
     key_ticket = COUNT + b * HK + hk  # every program of the key head has read its q and k states
-    if quant.last_to_finish(key_ticket, GROUP * blocks):
+    if tickets.last_to_finish(key_ticket, GROUP * blocks):
         conv.store_state(state_c, cq, every_k, q_state, K, KP)
         conv.store_state(state_c, ck, every_k, k_state, K, KP)
         tl.atomic_xchg(key_ticket, 0)
     head_ticket = COUNT + rows * HK + b * HV + h  # every block of the head's output is stored
-    if quant.last_to_finish(head_ticket, blocks):
+    if tickets.last_to_finish(head_ticket, blocks):
         cols = tl.arange(0, DV)
         o = tl.load(out + cols, cache_modifier=".cg").to(tl.float32)
         rstd = tl.rsqrt(tl.sum(o * o, 0) / DV + eps)
@@ -143,7 +143,7 @@ def _triton_decode_step(mixed, z, a, b, neg_a, dt_bias, conv_weight, norm_weight
         rec_slots.dtype != torch.float32 or not rec_slots.is_contiguous() or not conv_slots.is_contiguous()
         or dk & (dk - 1) or dv & (dv - 1) or key < dk or key % dk or hv % (key // dk)
         or any(t.stride(-1) != 1 for t in (mixed, z, a, b)) or conv_weight.stride() != (width + 1, 1)
-        or rows * (key // dk + hv) > quant.TICKETS
+        or rows * (key // dk + hv) > tickets.TICKETS
     ):
         return unfused(mixed, z, a, b, neg_a, dt_bias, conv_weight, norm_weight, eps, conv_slots, rec_slots, index)
     out = torch.empty(rows, hv, dv, dtype=mixed.dtype, device=mixed.device)
@@ -151,7 +151,7 @@ def _triton_decode_step(mixed, z, a, b, neg_a, dt_bias, conv_weight, norm_weight
     if rows:
         _decode_step_kernel[(rows, hv, dv // block)](
             mixed, z, a, b, neg_a, dt_bias, conv_weight, conv_slots, rec_slots, index, norm_weight, out,
-            quant.tickets(mixed.device), mixed.stride(0), z.stride(0), a.stride(0), b.stride(0), channels, key,
+            tickets.tickets(mixed.device), mixed.stride(0), z.stride(0), a.stride(0), b.stride(0), channels, key,
             key // dk, hv, hv // (key // dk), dk**-0.5, eps, DK=dk, DV=dv, BV=block, K=width + 1,
             KP=triton.next_power_of_2(width + 1),
         )
