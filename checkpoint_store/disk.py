@@ -17,6 +17,12 @@ The environment is opened by ``environment.open_env`` (which checks it before ma
 Then every frame header is checked (not the payloads: those are checked on every read);
 frames with a bad header, a wrong fingerprint, a wrong length, or a state part without its
 KV part are deleted and logged.
+
+Processes of one model may share the folder (replicas on one host). Each keeps its own index:
+what it found when it opened the folder, what it wrote since, and what another process wrote
+since, looked up by anchor when a chain asks for it (``adopt``). Each evicts from its own index,
+so a record may go while another process still indexes it: that read is a miss
+(``MissingRecord``), never a wrong restore.
 """
 
 from __future__ import annotations
@@ -92,6 +98,7 @@ class DiskTier:
         self.lock = lock
         self.index = TierIndex()
         self.pinned: Counter[bytes] = Counter()
+        self.deleting: set[bytes] = set()  # records out of the index whose delete is not committed yet
         self.evictions = 0
         self.states_dropped = 0
         self.write_errors = write_errors
@@ -134,6 +141,36 @@ class DiskTier:
         if value is None:
             raise MissingRecord(f"{anchor.hex()} {part} is gone")
         return decode_frame(value, anchor, part, self.fingerprint)
+
+    def adopt(self, chain: list[bytes], clock: int) -> None:
+        """Index the records of ``chain`` that another process sharing the folder wrote since this
+        one opened it: the anchors not indexed here, in order, up to the first one without a KV
+        part on disk. A part whose header fails its check is left to the read or the next open."""
+        with self.lock:
+            unknown = [a for a in chain if a not in self.index and a not in self.deleting]
+        if not unknown:
+            return
+        found: list[list[tuple[RecordHeader, int]]] = []
+        with self.env.begin(buffers=True) as txn:
+            for anchor in unknown:
+                kv, state = (self._peek(txn, anchor, part) for part in (KV_PART, STATE_PART))
+                if kv is None:
+                    break
+                found.append([kv] if state is None else [kv, state])
+        with self.lock:
+            for parts in found:
+                if parts[0][0].anchor not in self.index and parts[0][0].anchor not in self.deleting:
+                    for header, nbytes in parts:
+                        self._index_part(header, nbytes, clock)
+
+    def _peek(self, txn: lmdb.Transaction, anchor: bytes, part: str) -> tuple[RecordHeader, int] | None:
+        value = txn.get(key(anchor, part))
+        if value is None:
+            return None
+        try:
+            return decode_header(value, anchor, part, self.fingerprint), self.footprint(len(value))
+        except CorruptRecord:
+            return None
 
     def footprint(self, nbytes: int) -> int:
         """Bytes a value of ``nbytes`` occupies in the map (overflow pages)."""
@@ -218,6 +255,7 @@ class DiskTier:
                 anchor, part = w.key[:-1], PART_OF[w.key[-1]]
                 if w.frame is None:
                     self.forget(anchor, part)
+                    self.deleting.discard(anchor)
                     continue
                 header = decode_header(memoryview(w.frame), anchor, part, self.fingerprint)
                 self._index_part(header, self.footprint(len(w.frame)), w.clock)
@@ -252,6 +290,7 @@ class DiskTier:
                 return False
             anchor, part = victim
             self.forget(anchor, part)
+            self.deleting.add(anchor)
             self.evictions += part == KV_PART
             self.states_dropped += part == STATE_PART
         try:
@@ -260,6 +299,9 @@ class DiskTier:
         except lmdb.Error as exc:  # the key stays until the next open finds it unindexed... or reused
             self.write_errors.record(exc, f"evicting {anchor.hex()}")
             return False
+        finally:
+            with self.lock:
+                self.deleting.discard(anchor)
         return True
 
     def pin(self, anchors: list[bytes]) -> None:

@@ -14,11 +14,19 @@ A damaged ``data.mdb`` is renamed ``data.mdb.damaged-<time>`` (kept for inspecti
 cache starts empty in the same folder; a folder that cannot be used at all (not a folder,
 read-only, no space to create the files) leaves the caller without a disk file (``None``):
 one warning each, never an exception. Files are created 0600, a new folder 0700.
+
+Several processes may share a folder (replicas of one model on one host): LMDB serializes their
+write transactions and gives each reader a snapshot. The check above runs only when no other
+process has the environment open (``in_use``): the file of a running server is being written, so
+its size and meta pages may disagree for a moment, and moving it aside (or deleting its lock file)
+under that server would split the cache in two. Openers of one folder take turns (``flock`` on the
+folder) from the check through ``lmdb.open``, so two servers starting together check it once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import signal
@@ -130,6 +138,24 @@ def damage(folder: Path) -> str | None:
     return meta_problem(data_file) or walk_problem(folder)
 
 
+def in_use(folder: Path) -> bool:
+    """Whether a process has the environment in ``folder`` open. LMDB holds a shared POSIX lock on
+    the first byte of ``lock.mdb`` while it does; ``/proc/locks`` lists it (read there, not probed
+    with ``fcntl``: closing a descriptor of the file would drop this process's own LMDB locks).
+    False where ``/proc/locks`` cannot be read."""
+    try:
+        stat = (folder / LOCK_FILE).stat()
+        locks = Path("/proc/locks").read_text()
+    except OSError:
+        return False
+    file_id = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
+    for line in locks.splitlines():
+        fields = line.split()
+        if len(fields) >= 8 and fields[1] == "POSIX" and fields[5] == file_id and fields[6] == "0":
+            return True
+    return False
+
+
 def move_aside(data_file: Path) -> Path:
     aside = data_file.with_name(f"{data_file.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
     data_file.rename(aside)
@@ -146,17 +172,18 @@ def open_env(
     folder = Path(folder)
     try:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        problem = damage(folder)
-        if problem is not None:
-            aside = move_aside(folder / DATA_FILE)
-            log.warning(
-                "%s: %s is damaged (%s); moved it aside to %s and starting with an empty cache",
-                what,
-                folder / DATA_FILE,
-                problem,
-                aside.name,
-            )
-        env = lmdb.open(str(folder), map_size=map_bytes, subdir=True, mode=0o600, **options)
+        with _openers_take_turns(folder):
+            problem = None if in_use(folder) else damage(folder)
+            if problem is not None:
+                aside = move_aside(folder / DATA_FILE)
+                log.warning(
+                    "%s: %s is damaged (%s); moved it aside to %s and starting with an empty cache",
+                    what,
+                    folder / DATA_FILE,
+                    problem,
+                    aside.name,
+                )
+            env = lmdb.open(str(folder), map_size=map_bytes, subdir=True, mode=0o600, **options)
     except (lmdb.Error, OSError) as exc:
         log.warning("%s: cannot use %s (%s); %s", what, folder, exc, without)
         return None
@@ -165,6 +192,16 @@ def open_env(
             (folder / name).chmod(0o600)
     env.reader_check()  # clear reader slots left by a killed process
     return env
+
+
+@contextlib.contextmanager
+def _openers_take_turns(folder: Path):
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # drops the flock
 
 
 def _signal_name(number: int) -> str:

@@ -141,8 +141,10 @@ class CheckpointStore:
         """How many leading anchors of ``chain`` can be restored (0: none).
 
         The last of them holds a state; every record before it holds its KV delta, starts
-        where its predecessor ends, and names it as parent; the first starts at 0.
+        where its predecessor ends, and names it as parent; the first starts at 0. Records another
+        process wrote to a shared disk folder count too (``DiskTier.adopt``).
         """
+        self._adopt(chain)
         with self._lock:
             best, prev = 0, None
             for i, anchor in enumerate(chain):
@@ -220,6 +222,15 @@ class CheckpointStore:
             )
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _adopt(self, chain: list[bytes]) -> None:
+        disk = self._disk
+        if disk is None:
+            return
+        try:
+            disk.adopt(chain, self._clock)
+        except lmdb.Error as exc:
+            self.read_errors.record(exc, "looking up records another process wrote")
 
     def _ram_covers(self, meta: RecordMeta, with_state: bool) -> bool:
         ram = self._ram.get(meta.anchor)
@@ -408,6 +419,8 @@ class CheckpointStore:
             self._pending.pop(anchor, None)
         if self._disk is not None and self._writer is not None:
             self._disk.forget(anchor, part)
+            if part == KV_PART:
+                self._disk.deleting.add(anchor)
             self._writer.submit(DeleteOp(anchor, None if part == KV_PART else part, "corrupt"))
 
     def _apply(self, ops: list[Op]) -> None:
