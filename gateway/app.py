@@ -125,8 +125,7 @@ async def recent(request: Request) -> Response:
 
 
 def create_app(rt: Service) -> Starlette:
-    """The app; `app.state.drain` is what the HTTP server calls when it starts shutting down;
-    `app.state.tenants`, the keys' tenants (gateway/tenants.py)."""
+    """The app; `app.state.drain` is what the HTTP server calls when it starts shutting down."""
     folder = rt.config.disk_cache if rt.store.has_disk else None
     tenants = Tenants.build(rt.config.api_key, rt.root, rt.memo, folder, rt.store.write_errors)
 
@@ -151,5 +150,4 @@ def create_app(rt: Service) -> Starlette:
                     exception_handlers=EXCEPTION_HANDLERS)
     app.state.runtime = rt
     app.state.drain = Drain()
-    app.state.tenants = tenants
     return app
