@@ -34,6 +34,10 @@ The disk copy never fails an answer: a folder that cannot be used or a damaged f
 aside, see `checkpoint_store.environment`) leaves a memo in memory only, an entry that fails
 its checksum is dropped (a miss), and a failed write (a full disk) is counted with the
 checkpoint store's write errors and logged once.
+
+Processes serving one model may share the file (replicas on one host, one disk cache): a lookup
+that misses in memory asks the file for the entries the others wrote since it last looked
+(`MemoFile.news`), so a session that moves to another replica keeps its generated ids.
 """
 
 from __future__ import annotations
@@ -109,19 +113,24 @@ class MemoFile:
         self.env = open_env(path, map_bytes, "token memo", "generated token ids are kept in memory only",
                             sync=True, metasync=True)
         self._seq = max((stored.seq for _, stored in self._rows()), default=-1) + 1
+        self._looked_at = self._last_txn()
 
-    def _rows(self) -> list[tuple[str, StoredEntry]]:
-        """Every sound entry; damaged ones are dropped from the file with one warning."""
+    def _rows(self, skip: frozenset[str] = frozenset()) -> list[tuple[str, StoredEntry]]:
+        """Every sound entry but those of `skip`; damaged ones are dropped from the file with one
+        warning."""
         if self.env is None:
             return []
         rows, damaged = [], []
         with self.env.begin() as txn:
-            for key, value in txn.cursor():
+            for key in txn.cursor().iternext(values=False):
                 try:
-                    stored = msgspec.msgpack.decode(value, type=StoredEntry)
+                    handle = key.decode()
+                    if handle in skip:
+                        continue
+                    stored = msgspec.msgpack.decode(txn.get(key), type=StoredEntry)
                     if stored.digest not in (None, _digest_of(stored.seq, stored.entry)):
                         raise ValueError("checksum mismatch")
-                    rows.append((key.decode(), stored))
+                    rows.append((handle, stored))
                 except (msgspec.DecodeError, ValueError):  # UnicodeDecodeError is a ValueError
                     damaged.append(key)
         if damaged:
@@ -132,6 +141,18 @@ class MemoFile:
     def entries(self) -> Iterator[tuple[str, MemoEntry]]:
         for handle, stored in sorted(self._rows(), key=lambda row: row[1].seq):
             yield handle, stored.entry
+
+    def news(self, known: frozenset[str]) -> list[tuple[str, MemoEntry]]:
+        """The entries not in `known` (written by another process sharing the file), oldest first;
+        [] at once if no transaction has committed since the last call."""
+        last = self._last_txn()
+        if last == self._looked_at:
+            return []
+        self._looked_at = last
+        return [(handle, stored.entry) for handle, stored in sorted(self._rows(known), key=lambda row: row[1].seq)]
+
+    def _last_txn(self) -> int:
+        return -1 if self.env is None else self.env.info()["last_txnid"]
 
     def write(self, put: tuple[str, MemoEntry] | None, drop: Sequence[str] = ()) -> None:
         if self.env is None:
@@ -219,14 +240,21 @@ class TokenMemo:
         return dropped
 
     def lookup(self, message: Message) -> list[int] | None:
-        """The generated ids of `message`, if known (see the module doc for the rules)."""
+        """The generated ids of `message`, if known (see the module doc for the rules); a miss in
+        memory asks the file for what other processes sharing it wrote since."""
         with self._lock:
             entry = self._find(message)
-            if entry is None:
-                self.misses += 1
-                return None
-            self.hits += 1
-            return list(entry.token_ids)
+            known = frozenset(self._by_handle) if entry is None else None
+        if known is not None and self.file is not None and (news := self.file.news(known)):
+            with self._lock:
+                dropped = [h for handle, new in news for h in self._insert(handle, new)]
+                entry = self._find(message)
+            if dropped and self._writer is not None:
+                self._writer.submit(self.file.write, None, dropped)
+        with self._lock:
+            self.hits += entry is not None
+            self.misses += entry is None
+        return None if entry is None else list(entry.token_ids)
 
     def __len__(self) -> int:
         return len(self._by_handle)
