@@ -16,6 +16,10 @@ chain there). Eviction keeps what restores best:
    extend (a system prompt and tool schema shared by every session and sub-agent). A
    restore touches every record of its chain, so recently used chains stay as a whole.
 
+``lru`` is the plain order to compare against: the least recently used record goes whole
+(KV and state), whatever it holds or extends; a parent's KV may go before its children's, so
+chains through it no longer restore from that tier.
+
 The scan is linear in the number of records; tiers hold thousands, not millions.
 """
 
@@ -29,6 +33,7 @@ from .record import KV_PART, STATE_PART
 
 TIP_BONUS = 32
 SHARE_BONUS = 64
+ORDERS = ("anchor", "lru")  # the order above; plain least recently used
 
 
 @dataclass
@@ -57,10 +62,16 @@ def state_score(entry: Entry, num_children: int) -> float:
 
 
 def pick_victim(
-    entries: Mapping[bytes, Entry], children: Mapping[bytes, int], keep: Iterable[bytes] = ()
+    entries: Mapping[bytes, Entry],
+    children: Mapping[bytes, int],
+    keep: Iterable[bytes] = (),
+    order: str = "anchor",
 ) -> tuple[bytes, str] | None:
-    """The (anchor, part) to evict next, or None when nothing may go; ``keep`` is spared."""
+    """The (anchor, part) to evict next in ``order`` (one of ORDERS), or None when nothing may go;
+    ``keep`` is spared."""
     spared = set(keep)
+    if order == "lru":
+        return least_recent(entries, spared)
     best: tuple[float, bytes, str] | None = None
     for anchor, entry in entries.items():
         if anchor in spared:
@@ -75,6 +86,13 @@ def pick_victim(
         if best is None or candidate[0] < best[0]:
             best = candidate
     return None if best is None else (best[1], best[2])
+
+
+def least_recent(entries: Mapping[bytes, Entry], spared: set[bytes]) -> tuple[bytes, str] | None:
+    """The whole record (its KV part: the state goes with it) used least recently."""
+    candidates = ((entry.last_used, anchor) for anchor, entry in entries.items() if anchor not in spared)
+    oldest = min(candidates, default=None)
+    return None if oldest is None else (oldest[1], KV_PART)
 
 
 class Children:

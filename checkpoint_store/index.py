@@ -6,14 +6,18 @@ headers when it opens) and ask it for eviction victims (see ``eviction``).
 
 from __future__ import annotations
 
-from .eviction import Children, Entry, pick_victim
+from .eviction import ORDERS, Children, Entry, pick_victim
 from .record import RecordMeta
 
 
 class TierIndex:
-    """Records of one tier; not thread-safe (the store's lock guards it)."""
+    """Records of one tier, evicted in ``order`` (``eviction.ORDERS``); not thread-safe (the store's
+    lock guards it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, order: str = "anchor") -> None:
+        if order not in ORDERS:
+            raise ValueError(f"eviction order {order!r} is not one of {', '.join(ORDERS)}")
+        self.order = order
         self.metas: dict[bytes, RecordMeta] = {}
         self.entries: dict[bytes, Entry] = {}
         self.children = Children()
@@ -55,4 +59,4 @@ class TierIndex:
             entry.last_used = max(entry.last_used, clock)
 
     def victim(self, keep: tuple[bytes, ...] = ()) -> tuple[bytes, str] | None:
-        return pick_victim(self.entries, self.children.counts, keep)
+        return pick_victim(self.entries, self.children.counts, keep, self.order)

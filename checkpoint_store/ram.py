@@ -21,11 +21,12 @@ class RamRecord:
 
 
 class RamTier:
-    """Records by anchor, never holding more than ``budget`` payload bytes."""
+    """Records by anchor, never holding more than ``budget`` payload bytes, evicted in ``eviction``'s
+    order (``eviction.ORDERS``)."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, eviction: str = "anchor") -> None:
         self.budget = budget
-        self.index = TierIndex()
+        self.index = TierIndex(eviction)
         self.records: dict[bytes, RamRecord] = {}
         self.evictions = 0
         self.states_dropped = 0

@@ -61,7 +61,7 @@ class CheckpointStore:
         self._lock = threading.RLock()
         self._clock = 0
         self._counters = Counters()
-        self._ram = RamTier(config.ram_bytes)
+        self._ram = RamTier(config.ram_bytes, config.eviction)
         self._pending: dict[bytes, PutOp] = {}
         self.write_errors = ErrorLog(log, "checkpoint cache write", WRITE_FAILED)
         self.read_errors = ErrorLog(log, "checkpoint read", "the restore is a miss (prefilled instead)")

@@ -46,6 +46,7 @@ class ServeConfig:
     disk_cache: Path | None = None
     disk_cache_gib: float = 64.0
     policy: str = "anchor"
+    eviction: str = "anchor"  # the RAM tier's eviction order (checkpoint_store/eviction.py ORDERS)
     api_key: str | tuple[TenantKey, ...] | None = None  # one unnamed key, or tenants (gateway/tenants.py)
     record_dir: Path | None = None
     replay_outputs: Path | None = None
@@ -152,6 +153,7 @@ def build_service(config: ServeConfig, engine: Engine | None = None) -> Service:
         disk_dir=config.disk_cache,
         disk_bytes=int(config.disk_cache_gib * GiB),
         fingerprint=engine.fingerprint,
+        eviction=config.eviction,
     ))
     root = root_anchor(engine.fingerprint, renderer.template_id)
     # the memo's ids belong to this model and template, as the checkpoints do
