@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import lmdb
 import torch
@@ -43,6 +45,19 @@ from .writer import DeleteOp, Op, PutOp, Writer
 
 log = logging.getLogger("checkpoint_store")
 WRITE_FAILED = "what it was writing is not cached on disk; answers are not affected"
+
+
+@dataclass(frozen=True)
+class Access:
+    """One use of a record part, as the RAM tier sees it: ``put`` (offered to the RAM tier, whether it
+    holds the part already or not) or ``get`` (read by a restore from ``source``: ``ram``, ``queue``,
+    the disk writer's, or ``disk``). ``nbytes``: the packed part's, 0 where read from disk."""
+
+    kind: str
+    anchor: bytes
+    part: str
+    nbytes: int
+    source: str = ""
 
 
 class PartMiss(Exception):
@@ -67,6 +82,9 @@ class CheckpointStore:
         self.read_errors = ErrorLog(log, "checkpoint read", "the restore is a miss (prefilled instead)")
         self._disk: DiskTier | None = None
         self._writer: Writer | None = None
+        # told of every Access in order (benchmarks log them); called under the store's lock, so quick
+        # and never calling the store
+        self.on_access: Callable[[Access], None] | None = None
         if config.disk_dir is not None:
             self._disk = DiskTier.open(
                 config.disk_dir, config.disk_bytes, config.fingerprint, self._lock, self.write_errors
@@ -105,6 +123,8 @@ class CheckpointStore:
             if in_ram and on_disk:
                 self._clock += 1
                 self._ram.touch(meta.anchor, self._clock)
+                held = self._ram.get(meta.anchor)
+                self._tell_put(meta.anchor, held.kv, held.state if with_state else None)
                 return
         kv = pack(parts[KV_PART])
         state = pack(parts[STATE_PART]) if with_state else None
@@ -113,6 +133,7 @@ class CheckpointStore:
             self._counters.puts += 1
             if not in_ram:
                 self._ram.put(meta, kv, state, self._clock)
+            self._tell_put(meta.anchor, kv, state)
             op = None if on_disk else self._queue_put(meta, kv, state)
         if op is not None and self._writer is not None:
             self._writer.submit(op)
@@ -297,7 +318,27 @@ class CheckpointStore:
                     self._disk.index.touch(loc.meta.anchor, self._clock)
             if self._disk is not None:
                 self._disk.pin(chain)
+            self._tell_gets(plan)
             return plan
+
+    def _tell_put(self, anchor: bytes, kv: Packed, state: Packed | None) -> None:
+        if self.on_access is not None:
+            self.on_access(Access("put", anchor, KV_PART, kv.nbytes))
+            if state is not None:
+                self.on_access(Access("put", anchor, STATE_PART, state.nbytes))
+
+    def _tell_gets(self, plan: list[Located]) -> None:
+        """Each part a restore reads and where from (caller holds the lock)."""
+        if self.on_access is None:
+            return
+        for i, loc in enumerate(plan):
+            ram = self._ram.get(loc.meta.anchor)
+            parts = [(KV_PART, loc.kv, ram.kv if ram else None)]
+            if i == len(plan) - 1:
+                parts.append((STATE_PART, loc.state, ram.state if ram else None))
+            for part, held, in_ram in parts:
+                source = "disk" if held is None else "ram" if held is in_ram else "queue"
+                self.on_access(Access("get", loc.meta.anchor, part, held.nbytes if held else 0, source))
 
     def _unpin(self, plan: list[Located]) -> None:
         if self._disk is not None:
