@@ -1,6 +1,7 @@
 """`ft ps`: the `ft serve` processes running on this machine (`ft.servers`), each with its model,
 port, memory by part, requests running and queued, cache hit ratio and uptime (read from its
-`/metrics`)."""
+`/metrics`). A router (`ft serve --replicas`) is listed with its workers' ports, and each worker with
+its router's port."""
 
 from __future__ import annotations
 
@@ -56,9 +57,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object per server instead of a table")
 
 
-def row(record: servers.ServerRecord, now: float) -> dict:
+def answers(url: str) -> bool:
     try:
-        samples = scrape(record.url)
+        httpx.get(f"{url}/health", timeout=5.0)
+    except httpx.HTTPError:
+        return False
+    return True
+
+
+def row(record: servers.ServerRecord, now: float, router: int | None = None) -> dict:
+    """What `ft ps` shows of one record; `router`: the port of the router this server works behind.
+    A router has no `/metrics` of its own (its workers' are theirs)."""
+    try:
+        samples = None if record.is_router else scrape(record.url)
     except httpx.HTTPError:
         samples = None
     memory = samples.by("ft_memory_bytes", "part") if samples else {}
@@ -70,7 +81,9 @@ def row(record: servers.ServerRecord, now: float) -> dict:
         "running": int(samples.get("ft_scheduler_running")) if samples else None,
         "queued": int(samples.get("ft_scheduler_queue_depth")) if samples else None,
         "cache_hit_ratio": None if ratio is None else round(ratio, 4),
-        "uptime_s": round(now - record.started), "answering": samples is not None,
+        "uptime_s": round(now - record.started),
+        "answering": answers(record.url) if record.is_router else samples is not None,
+        "kind": record.kind, "workers": list(record.workers), "router": router,
     }
 
 
@@ -82,7 +95,9 @@ def uptime(seconds: float) -> str:
 
 def run(args: argparse.Namespace) -> int:
     console = Console()
-    rows = [row(r, time.time()) for r in servers.running()]
+    running = servers.running()
+    router_of = {port: r.port for r in running if r.is_router for port in r.workers}
+    rows = [row(r, time.time(), router_of.get(r.port)) for r in running]
     if args.json:
         import json  # noqa: PLC0415
 
@@ -97,8 +112,14 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         memory = " ".join(f"{SHORT.get(part, part)} {gib:.2f}" for part, gib in r["memory_gib"].items()) or "-"
         busy = f"{r['running']}/{r['queued']}" if r["answering"] else "not answering"
+        if r["kind"] == "router":
+            memory = "router of " + ", ".join(map(str, r["workers"]))
+            busy = "-" if r["answering"] else "not answering"
+        elif r["router"] is not None:
+            memory += f" (behind {r['router']})"
         hits = "-" if r["cache_hit_ratio"] is None else f"{r['cache_hit_ratio']:.0%}"
-        table.add_row(str(r["port"]), str(r["pid"]), r["model"], memory, str(r["sessions"] or 0), busy, hits,
+        sessions = "-" if r["kind"] == "router" else str(r["sessions"] or 0)
+        table.add_row(str(r["port"]), str(r["pid"]), r["model"], memory, sessions, busy, hits,
                       uptime(r["uptime_s"]))
     console.print(table)
     return 0

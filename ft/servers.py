@@ -3,7 +3,8 @@
 `ft serve` writes `servers/serve-PORT.json` (its pid, address, the model as it was asked for, when
 it started, its log file) once it listens, and removes it when it exits; `ft launch` starts
 servers in the background with their output in `servers/serve-PORT.log`; `ft ps` and `ft stop` read
-the records. A record whose process is gone (a server killed with SIGKILL) is stale and removed
+the records. `ft serve --replicas N` writes one more record for its router (kind "router", the ports
+of its workers, the pid of the process that supervises them: stopping it stops the group). A record whose process is gone (a server killed with SIGKILL) is stale and removed
 when read. Launchers of one port take turns through `servers/serve-PORT.lock` (`start_lock`).
 This module imports nothing of the project but `ft.env`, so any layer may use it.
 """
@@ -26,7 +27,7 @@ from ft import env
 @dataclass(frozen=True)
 class ServerRecord:
     """One running server: `model` is what it was asked to serve (a path, a hub spec or a preset
-    name), `model_id` the id it reports."""
+    name), `model_id` the id it reports; a router (`kind`) also names its `workers`' ports."""
 
     pid: int
     host: str
@@ -34,6 +35,12 @@ class ServerRecord:
     model: str
     model_id: str
     started: float
+    kind: str = "server"
+    workers: tuple[int, ...] = ()
+
+    @property
+    def is_router(self) -> bool:
+        return self.kind == "router"
 
     @property
     def url(self) -> str:
@@ -127,8 +134,9 @@ def write(record: ServerRecord) -> Path:
 
 def read(path: Path) -> ServerRecord | None:
     try:
-        return ServerRecord(**json.loads(path.read_text(encoding="utf-8")))
-    except (OSError, ValueError, TypeError):
+        fields = json.loads(path.read_text(encoding="utf-8"))
+        return ServerRecord(**{**fields, "workers": tuple(fields.get("workers", ()))})
+    except (OSError, ValueError, TypeError, AttributeError):
         return None
 
 

@@ -1,5 +1,6 @@
 """`ft stop [PORT|all]`: stop running `ft serve` processes gracefully: answers in flight finish
-within the server's shutdown grace, the checkpoint store is flushed and closed, then it exits."""
+within the server's shutdown grace, the checkpoint store is flushed and closed, then it exits.
+A router (`ft serve --replicas`) stops its group: the router, then its workers."""
 
 from __future__ import annotations
 
@@ -17,7 +18,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def chosen(which: str | None) -> list[servers.ServerRecord]:
+    """The records to stop; a router's workers go with it (stopping the router stops them), so they
+    are not named again beside it."""
     running = servers.running()
+    grouped = {port for r in running if r.is_router for port in r.workers}
+    tops = [r for r in running if r.port not in grouped]
+    if which in ("all", None):
+        running = tops
     if which == "all":
         return running
     if which is None:
@@ -45,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     failed = 0
     for record in records:
         if servers.stop(record, args.timeout):
-            print(f"stopped the server on port {record.port} (pid {record.pid}, {record.model})")
+            what = f"router and its workers (ports {', '.join(map(str, record.workers))})" if record.is_router else "server"
+            print(f"stopped the {what} on port {record.port} (pid {record.pid}, {record.model})")
         else:
             print(f"ft stop: the server on port {record.port} (pid {record.pid}) did not exit within "
                   f"{args.timeout:g} s", file=sys.stderr)

@@ -132,6 +132,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "device's rest; on a GPU also its allocator retries and capture slabs pinned: a sync "
                              "per forward, so a diagnostic, not for serving)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--replicas", type=at_least(2), metavar="N",
+                        help="N servers of the model on the ports after --port, sharing one --disk-cache (default: a "
+                             "folder in the ft home), behind the smg router on --port (pip install smg), which keeps "
+                             "each agent session on one of them; stopped together (see gateway/replicas.py)")
 
 
 def api_key(args: argparse.Namespace) -> str | tuple[TenantKey, ...] | None:
@@ -199,6 +203,10 @@ def port_problem(host: str, port: int) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.replicas:
+        from gateway import replicas  # noqa: PLC0415
+
+        return replicas.run(args, add_arguments)
     from gateway.app import create_app  # noqa: PLC0415
     from gateway.http_server import make_server, raise_open_file_limit  # noqa: PLC0415
 
