@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,8 @@ class Engine:
             graph_rows=offload.graph_rows if offload is not None else None,
         )
         self.copies = StateCopies(self.config, self.device, self.dtype, self.runner, self.runtime)
+        self.states: weakref.WeakValueDictionary[int, SequenceState] = weakref.WeakValueDictionary()  # by id
+        self.kv_growth = 0  # sequences' own KV buffers regrown (`growth_events`)
         self.scheduler = Scheduler(
             Limits(self.engine_config.chunk_tokens, self.engine_config.decode_step_prefill,
                    slot_tokens=PREFILL_BUCKETS[-1], slot_tokens_alone=SLOT_PREFILL_ALONE),
@@ -199,7 +202,7 @@ class Engine:
     # -- sequences and their checkpoints
 
     def new_state(self) -> SequenceState:
-        return self.copies.new_state()
+        return self._held(self.copies.new_state())
 
     def kv_delta(self, state: SequenceState, start: int, end: int) -> Snapshot:
         """A KV-only snapshot of positions [start, end) of `state` (no DeltaNet state)."""
@@ -213,7 +216,11 @@ class Engine:
         """A state at the chain's end from a chain snapshot starting at 0 (see concat_chain), or
         from the chain itself (a list of consecutive snapshots: each KV delta is copied into place,
         never concatenated on the host). On a GPU the copies overlap the next prefill."""
-        return self.copies.restore([snapshot] if isinstance(snapshot, Snapshot) else list(snapshot))
+        return self._held(self.copies.restore([snapshot] if isinstance(snapshot, Snapshot) else list(snapshot)))
+
+    def _held(self, state: SequenceState) -> SequenceState:
+        self.states[id(state)] = state  # growth ahead reads the lengths of those still alive
+        return state
 
     def rewind(self, state: SequenceState, record: Snapshot) -> SequenceState:
         """`state` put back at `record.end`, where its tokens so far ran through the chain that
@@ -295,6 +302,7 @@ class Engine:
         spans = [feed.span(count) for feed, count in parts]
         threshold = self.engine_config.step_log_ms
         timer = StepTimer(self, threshold) if threshold is not None else None
+        self.kv_growth += sum(any(c.growth(count) for c in feed.state.kv.values()) for feed, count in parts)
         self._fit_budget(parts, spans)
         if timer is not None:
             timer.mark("fit")
@@ -381,6 +389,46 @@ class Engine:
         feed.result = PrefillResult(logits, snapshots)
         if self.runtime is not None and snapshots:
             feed.result.ready = self.runtime.fence().synchronize
+
+    # -- growth ahead of need
+
+    @property
+    def growth_events(self) -> dict[str, int]:
+        """Buffers grown and graphs captured so far, by kind: the decode slots reallocated
+        (`slot_growth`), a sequence's own KV buffer regrown (`kv_growth`: by a prefill forward that
+        outgrew it, or ahead of one), CUDA graphs captured (`graph_capture`), and on a GPU the
+        pinned slabs captures are cut from (`slab_growth`) and the allocator's retries
+        (`allocator_retry`: each frees its cached blocks, synchronising the device). Warm-up makes
+        the first of them; a request's own steps should add none after it (`grow_ahead`)."""
+        events = {**self.runner.events, "kv_growth": self.kv_growth, "slab_growth": 0, "allocator_retry": 0}
+        if self.runtime is not None:
+            events["slab_growth"] = self.runtime.capture_slabs
+            events["allocator_retry"] = torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0)
+        return events
+
+    def grow_ahead(self) -> bool:
+        """One bounded piece of growth ahead of need, for the sequences still held (kept live
+        between requests: the next request may extend any of them), run by the worker while no
+        step is due: the decode slots' capacity for the longest plus the runner's `headroom`, or
+        one graph a growth dropped, or (without offload, whose budget counts a forward's KV growth)
+        the KV buffer of one sequence outside the slots, with as much headroom. False when there
+        was nothing to do."""
+        states = list(self.states.values())
+        if self.runner.grow_ahead([s.length for s in states]):
+            return True
+        if self.offload is not None:
+            return False
+        for state in states:
+            room = min(state.length + self.runner.headroom, self.max_context)
+            caches = list(state.kv.values())
+            if self.runner.bound(state) or all(cache.k.shape[0] >= room for cache in caches):
+                continue
+            state.wait_all()  # a restore's copies into the buffer land first
+            for cache in caches:
+                cache.reserve(room)
+            self.kv_growth += 1
+            return True
+        return False
 
     # -- the expert offload's budget
 

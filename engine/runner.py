@@ -37,6 +37,7 @@ from engine.state import SequenceState
 MIN_CAPACITY = {"cuda": 4096, "cpu": 256}  # tokens per slot at first; doubles as sequences grow
 GRAPH_CAPACITY = 16384  # at first when graphs run and no budget counts it: a growth recaptures every graph
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)  # token counts of the captured prefills
+HEADROOM_SHARE = 4  # growth ahead keeps a capacity's quarter (at least the largest bucket) past every sequence
 
 
 def bucket(n: int) -> int:
@@ -89,7 +90,9 @@ class Runner:
         self.steps = 0
         self.graphs: dict[tuple[str, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.warmed: set[tuple[str, int]] = set()  # graphs captured before (their kernels are compiled)
+        self.dropped: set[tuple[str, int]] = set()  # graphs a growth dropped: captured again ahead of use
         self.pool = None
+        self.events = {"slot_growth": 0, "graph_capture": 0}  # buffers made and graphs captured so far
 
     @torch.no_grad()
     def decode(self, states: Sequence[SequenceState], tokens: Sequence[int]) -> torch.Tensor:
@@ -146,8 +149,43 @@ class Runner:
                 self._graph("prefill", rows)
 
     def drop_graphs(self) -> None:
-        """Forget the captured graphs (they hold tensors that are gone): captured again at next use."""
+        """Forget the captured graphs (they hold tensors that are gone): each is captured again at
+        its next use, a decode graph ahead of it where the worker is idle first (`grow_ahead`)."""
+        self.dropped = {key for key in self.graphs if key[0] == "decode"}
         self.graphs, self.pool = {}, None
+
+    @property
+    def headroom(self) -> int:
+        """Tokens past a sequence's end that growth ahead keeps room for: the largest prefill
+        bucket (a short prefill reserves its whole bucket), or a quarter of the capacity."""
+        return max(PREFILL_BUCKETS[-1], self.capacity // HEADROOM_SHARE)
+
+    def grow_ahead(self, lengths: Sequence[int]) -> bool:
+        """One bounded piece of growth ahead of need, for sequences of `lengths` tokens that may
+        come back (run while no step is due): the capacity for the longest plus `headroom` (up to
+        the model's context; the slots' owners are bound again at once), else one graph a growth
+        dropped. False when there was nothing to do."""
+        if self.buffers is None:
+            return False
+        longest = min(max(lengths, default=0) + self.headroom, self.c.max_position_embeddings)
+        if longest > self.capacity:
+            owners = [(slot, self._owner(slot), self.used[slot]) for slot in range(self.slots)]
+            self._allocate(self.slots, bucket(longest))
+            for slot, state, used in owners:
+                if state is not None:
+                    self._bind(slot, state)
+                    self.used[slot] = used
+            return True
+        while self.dropped:
+            kind, rows = self.dropped.pop()
+            if self.use_graph and (kind, rows) not in self.graphs and (kind == "prefill" or self._graphed(rows)):
+                self._graph(kind, rows)
+                return True
+        return False
+
+    def bound(self, state: SequenceState) -> bool:
+        """Whether `state` is its slot's owner (its KV lives in the slot buffers)."""
+        return any(self._owner(slot) is state for slot in range(self.slots))
 
     def holds(self, tensor: torch.Tensor) -> bool:
         """Whether `tensor` lives in the slot buffers (its memory is reused by the next sequence
@@ -220,6 +258,7 @@ class Runner:
                 logits = self._forward(kind, rows)
             self.pool = graph.pool()
             self.graphs[kind, rows] = (graph, logits)
+            self.events["graph_capture"] += 1
         return self.graphs[kind, rows]
 
     @staticmethod
@@ -244,7 +283,9 @@ class Runner:
         self.before_allocate(slots, capacity)
         for slot in range(self.slots):
             self._release(slot)
+        self.dropped |= set(self.graphs)
         self.buffers, self.views, self.graphs, self.pool = None, [], {}, None  # freed before the new ones exist
+        self.events["slot_growth"] += 1
         c, dev, n = self.c, self.device, slots + 1
         kv_shape = (n, capacity, c.num_key_value_heads, c.head_dim)
         self.buffers = SlotBuffers(

@@ -177,17 +177,22 @@ class _ScrapeCollector(Collector):
 
 def scheduler_families(stats: dict[str, int]) -> Iterator[Metric]:
     """`ft_scheduler_*`: queue depth and running as gauges, step counts as counters, and the engine
-    steps live requests waited (`queue_steps_bucket{le}`, cumulative)."""
+    steps live requests waited (`queue_steps_bucket{le}`, cumulative); `ft_growth_events`: the
+    engine's buffers grown and graphs captured by kind (`Engine.growth_events`)."""
     buckets = GaugeMetricFamily("ft_scheduler_queue_steps_bucket", "Live requests that waited at most le engine steps",
                                 labels=["le"])
+    growth = CounterMetricFamily("ft_growth_events", "Engine buffers grown and graphs captured, by kind", labels=["kind"])
     for name, value in stats.items():
         if name.startswith("queue_steps_bucket"):
             buckets.add_metric([name.split('"')[1]], value)
+        elif name.startswith("growth_events"):
+            growth.add_metric([name.split('"')[1]], value)
         elif name.endswith("_total"):
             yield CounterMetricFamily(f"ft_scheduler_{name.removesuffix('_total')}", f"Scheduler {name}", value=value)
         else:
             yield GaugeMetricFamily(f"ft_scheduler_{name}", f"Scheduler {name}", value=value)
     yield buckets
+    yield growth
 
 
 def expert_cache_families(counts: dict[str, int]) -> Iterator[Metric]:

@@ -8,7 +8,8 @@ prefill starts at the next step instead of after the other sessions' answers. Re
 one whose client left before it started is dropped; one that is not `ready` (what it restores is still
 on its way into the store) lets those behind it go first, so no wait of its blocks the worker.
 Background tasks (precompute) run only in steps with no live work. Plain jobs (`submit`) run alone
-between steps.
+between steps. With nothing else to do, the worker grows the engine's buffers ahead of need
+(`Engine.grow_ahead`, one bounded piece at a time), so that a request grows none in its own steps.
 
 Only this thread touches the engine; the event loop never blocks on model work.
 """
@@ -82,6 +83,8 @@ class Scheduler:
         self._jobs: deque[tuple[Callable[[], Any], Future]] = deque()
         self._wake = threading.Condition()
         self._busy = False  # a step or job is running
+        self._ahead = False  # work ran since the engine last had nothing to grow ahead
+        self._grows_ahead = True  # off after a failure: requests grow what they need themselves
         self.steps_total = self.step_sequences_total = self.step_tokens_total = 0
         self.queue_steps = Histogram(QUEUE_STEP_BUCKETS)  # engine steps each live request waited (the worker's)
         self._step_end = time.perf_counter()
@@ -140,16 +143,18 @@ class Scheduler:
     def stats(self) -> dict[str, int]:
         """For /metrics: requests waiting and running, what the steps ran (mean batch size =
         step_sequences_total / steps_total), and how many steps live requests waited before they started
-        (a cumulative histogram: `queue_steps_bucket{le="N"}`)."""
+        (a cumulative histogram: `queue_steps_bucket{le="N"}`), and the engine's growth events by
+        kind (`growth_events{kind="slot_growth"}`: `Engine.growth_events`)."""
         stats = {"queue_depth": len(self._waiting), "running": len(self._running), "steps_total": self.steps_total,
                  "step_sequences_total": self.step_sequences_total, "step_tokens_total": self.step_tokens_total}
         stats.update({f'queue_steps_bucket{{le="{le}"}}': n for le, n in self.queue_steps.cumulative()})
+        stats.update({f'growth_events{{kind="{kind}"}}': n for kind, n in self.engine.growth_events.items()})
         return stats
 
     @property
     def idle(self) -> bool:
-        """No task or job queued or running."""
-        return not (self._busy or self._waiting or self._running or self._background or self._jobs)
+        """No task or job queued or running, nothing left to grow ahead."""
+        return not (self._busy or self._ahead or self._waiting or self._running or self._background or self._jobs)
 
     def close(self, timeout: float = 30.0) -> None:
         """Finish queued and running live work, cut background work short, stop the thread."""
@@ -163,23 +168,38 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not (self._jobs or self._waiting or self._running or self._background or self._closing):
+                while not (self._jobs or self._waiting or self._running or self._background or self._closing
+                           or self._ahead):
                     self._wake.wait()
                 if self._closing and not (self._jobs or self._waiting or self._running):
                     for task in self._background:
                         task.drop()
                     self._background.clear()
                     return
+                work = bool(self._jobs or self._waiting or self._running or self._background)
                 self._busy = True
+                self._ahead = self._ahead or work  # what this work holds may need room next
             try:
-                self._run_jobs()
-                self._admit()
-                self._step()
+                if work:
+                    self._run_jobs()
+                    self._admit()
+                    self._step()
+                else:
+                    self._grow_ahead()
             finally:
                 self._busy = False
             if self._waiting and not (self._running or self._background or self._jobs or self._closing):
                 with self._wake:  # none of the waiting tasks is ready: ask again shortly, not in a spin
                     self._wake.wait(READY_POLL)
+
+    def _grow_ahead(self) -> None:
+        """One piece of the engine's growth ahead of need. A failure (e.g. a memory budget that
+        cannot hold the headroom) is logged once and turns it off: a request grows what it needs."""
+        try:
+            self._ahead = self._grows_ahead and self.engine.grow_ahead()
+        except Exception:  # noqa: BLE001 (the worker goes on)
+            log.exception("growth ahead of need failed: off from now on")
+            self._ahead = self._grows_ahead = False
 
     def _run_jobs(self) -> None:
         while self._jobs:
