@@ -113,13 +113,18 @@ def starting_pid(port: int) -> int | None:
 
 
 def alive(pid: int) -> bool:
+    """Whether `pid` runs: a process that exited and waits for its parent to reap it (a zombie) does not."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8").rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc here: the signal's answer stands
+    return state != "Z"
 
 
 def write(record: ServerRecord) -> Path:
