@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -25,6 +27,7 @@ from gateway.embedded import serve_process
 from tests.adapters.test_server_start import console
 from tests.conftest import free_port
 
+README = Path(__file__).resolve().parents[2] / "README.md"
 WAIT = 180
 SYSTEM = "You are a careful coding agent. Keep answers short and exact. " * 8
 
@@ -129,3 +132,10 @@ def test_workers_get_the_serve_flags_given_but_the_groups_own() -> None:
                               "--keep-volatile", "--max-queue", "5", "--disk-cache", "/tmp/x"])
     assert replicas.forwarded(args, serve.add_arguments) == ["--preset", "small", "--keep-volatile",
                                                               "--max-queue", "5"]
+
+
+def test_the_router_is_started_as_readme_documents() -> None:
+    (line,) = re.findall(r"^\s*(smg launch .*)$", README.read_text(), re.MULTILINE)
+    argv = shlex.split(line)
+    at = argv.index(replicas.ROUTING[0])
+    assert tuple(argv[at:at + len(replicas.ROUTING)]) == replicas.ROUTING
