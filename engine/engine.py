@@ -411,8 +411,9 @@ class Engine:
         between requests: the next request may extend any of them), run by the worker while no
         step is due: the decode slots' capacity for the longest plus the runner's `headroom`, or
         one graph a growth dropped, or (without offload, whose budget counts a forward's KV growth)
-        the KV buffer of one sequence outside the slots, with as much headroom. False when there
-        was nothing to do."""
+        the KV buffer of one sequence outside the slots, with as much headroom (at least doubled,
+        as a forward grows it: a precompute between its steps regrows it rarely). False when
+        there was nothing to do."""
         states = list(self.states.values())
         if self.runner.grow_ahead([s.length for s in states]):
             return True
@@ -425,7 +426,7 @@ class Engine:
                 continue
             state.wait_all()  # a restore's copies into the buffer land first
             for cache in caches:
-                cache.reserve(room)
+                cache.reserve(min(max(room, 2 * cache.k.shape[0]), self.max_context))
             self.kv_growth += 1
             return True
         return False

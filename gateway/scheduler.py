@@ -8,8 +8,9 @@ prefill starts at the next step instead of after the other sessions' answers. Re
 one whose client left before it started is dropped; one that is not `ready` (what it restores is still
 on its way into the store) lets those behind it go first, so no wait of its blocks the worker.
 Background tasks (precompute) run only in steps with no live work. Plain jobs (`submit`) run alone
-between steps. With nothing else to do, the worker grows the engine's buffers ahead of need
-(`Engine.grow_ahead`, one bounded piece at a time), so that a request grows none in its own steps.
+between steps. With no live work, the worker first grows the engine's buffers ahead of need
+(`Engine.grow_ahead`, one bounded piece at a time, before background steps), so that a request
+grows none in its own steps.
 
 Only this thread touches the engine; the event loop never blocks on model work.
 """
@@ -176,16 +177,17 @@ class Scheduler:
                         task.drop()
                     self._background.clear()
                     return
-                work = bool(self._jobs or self._waiting or self._running or self._background)
+                # growth ahead goes before background work (a precompute may take many steps)
+                grow = self._ahead and not (self._jobs or self._waiting or self._running)
                 self._busy = True
-                self._ahead = self._ahead or work  # what this work holds may need room next
+                self._ahead = True  # what the work about to run holds may need room next
             try:
-                if work:
+                if grow:
+                    self._grow_ahead()
+                else:
                     self._run_jobs()
                     self._admit()
                     self._step()
-                else:
-                    self._grow_ahead()
             finally:
                 self._busy = False
             if self._waiting and not (self._running or self._background or self._jobs or self._closing):
