@@ -243,6 +243,7 @@ class Scheduler:
         plan = self.engine.scheduler.schedule(feeds, background=not self._running)
         if plan.empty:
             return
+        grown = self.engine.growth_events if self.step_log_ms is not None else None
         start = time.perf_counter()
         try:
             self.engine.run(plan)
@@ -260,20 +261,24 @@ class Scheduler:
         for task in tasks:
             if task.feed is not None and task.feed.result is not None and not task.advance():
                 self._discard(task)
-        self._log_step(plan, start, stepped)
+        self._log_step(plan, start, stepped, grown)
 
-    def _log_step(self, plan: StepPlan, start: float, stepped: float) -> None:
+    def _log_step(self, plan: StepPlan, start: float, stepped: float, grown: dict[str, int] | None) -> None:
         """`step_log_ms`: a step slower than that, split into the engine's step, resuming its tasks
         (sampling, checkpoint hand-offs, the next feed) and the worker's time before it since the
-        last step (jobs, admissions: restores)."""
+        last step (jobs, admissions: restores), with the engine's growth events inside it (`grown`:
+        `Engine.growth_events` before it)."""
         end, before = time.perf_counter(), start - self._step_end
         self._step_end = end
         if self.step_log_ms is None or (end - start) * 1e3 < self.step_log_ms:
             return
         prefills = [count for feed, count in plan.parts if feed.is_prefill]
+        events = self.engine.growth_events
+        growth = ", ".join(f"{kind} {n - grown[kind]}" for kind, n in events.items() if grown and n != grown[kind])
         log.info("step %d: %d prefill tokens in %d parts, %d decode rows: engine %.1f ms, tasks %.1f ms; "
-                 "%.1f ms since the last step", self.steps_total, sum(prefills), len(prefills),
-                 len(plan.parts) - len(prefills), (stepped - start) * 1e3, (end - stepped) * 1e3, before * 1e3)
+                 "%.1f ms since the last step%s", self.steps_total, sum(prefills), len(prefills),
+                 len(plan.parts) - len(prefills), (stepped - start) * 1e3, (end - stepped) * 1e3, before * 1e3,
+                 f"; grew: {growth}" if growth else "")
 
     def _discard(self, task: Task) -> None:
         (self._running if task in self._running else self._background).remove(task)
