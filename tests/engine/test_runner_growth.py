@@ -82,3 +82,25 @@ def test_sequences_no_longer_held_ask_for_no_growth(engine):
     turn(engine, state, 1000, FIRST)
     del state
     assert grow_all(engine) == 0 and engine.runner.capacity == capacity
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_graphs_a_growth_ahead_drops_are_captured_again_before_the_next_turn(preset_dirs):
+    """On a GPU the slots' growth drops every graph: growth ahead captures each again, one piece
+    each, so the turn that crosses the old capacity (a short prefill on its slot, then decode
+    steps) captures and allocates nothing."""
+    engine = Engine.load(preset_dirs["tiny"], device="cuda")
+    engine.runner.min_capacity = 1024  # a capacity these turns cross (a GPU's default holds 16K tokens)
+    warm_up(engine)
+    graphs = set(engine.runner.graphs)
+    assert engine.runner.capacity == 1024 and ("prefill", 512) in graphs and ("decode", 1) in graphs
+    state = engine.new_state()
+    turn(engine, state, 1000, 700)
+    before = engine.growth_events
+    assert grow_all(engine) == 1 + len(graphs)  # the slots, then each graph
+    assert since(engine, before) == {"slot_growth": 1, "graph_capture": len(graphs)}
+    assert set(engine.runner.graphs) == graphs and engine.runner.capacity == 2048
+    before = engine.growth_events
+    turn(engine, state, 2000, 400)  # 704 + 400 tokens: past the capacity warm-up left
+    assert since(engine, before) == {}
