@@ -24,7 +24,7 @@
 #       serve      `ft serve` of the random Q4_K_M 35B-A3B file with no memory option, then with --gpu-memory 8:
 #                  the printed plan (--plan, then the server's own), `ft ps` (memory by part, peak reserved)
 #                  after `ft replay` of a committed session through it
-#       compare    the e64 decode per batch and K = 1 and 4 sessions (ours) on .base/ and on this tree,
+#       compare    the e64 decode per batch and K = 1 and 4 sessions (ours; $MAX_REQUESTS of each, default 16) on .base/ and on this tree,
 #                  alternating, then both side by side (bench/compare.py)
 #   bash bench/h200_session.sh poll SECONDS      # wait until done or SECONDS pass; the logs and JSON as $OUT/out.tgz
 #   bash bench/h200_session.sh prepare [COMMIT]  # here, before the lease (above)
@@ -53,7 +53,7 @@ sessions_ft() { # TREE JSON: K = 1 and 4 sessions, ours alone, with TREE's serve
   for t in $TRACES; do traces="$traces $W/repo/$t"; done
   # shellcheck disable=SC2086 # a list of paths
   (cd "$1" && PYTHONPATH=/tmp/site:$PWD python3 bench/llamacpp.py --preset $P-e64 --device cuda --dtype bf16 \
-    --only ft --ft-arg=--ram-cache=48 --sessions 1,4 --parallel 4 --max-requests 16 --out "$2" $traces)
+    --only ft --ft-arg=--ram-cache=48 --sessions 1,4 --parallel 4 --max-requests ${MAX_REQUESTS:-16} --out "$2" $traces)
 }
 
 serve_replay() { # GGUF JSON [SERVE OPTION...]: the plan, then ft serve, ft replay of a committed session, ft ps
