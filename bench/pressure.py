@@ -88,8 +88,8 @@ def run_once(engine: Any, args: argparse.Namespace, sessions: list[Session], pol
 
     run = Run(policy, ram_bytes)
     with tempfile.TemporaryDirectory(prefix="ft-pressure-") as disk:
-        config = ServeConfig(preset=args.preset, engine=EngineConfig(device=args.device), eviction=policy,
-                             ram_cache_gib=(ram_bytes + 1) / GiB, disk_cache=Path(disk),
+        config = ServeConfig(model_dir=args.model, preset=args.preset, engine=EngineConfig(device=args.device),
+                             eviction=policy, ram_cache_gib=(ram_bytes + 1) / GiB, disk_cache=Path(disk),
                              disk_cache_gib=args.disk_gib, live_sequences=args.live)
         with serve_in_thread(config, engine) as server:
             server.runtime.store.on_access = run.log.append
@@ -217,6 +217,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="RAM tier budgets as shares of the working set (default 0.25 0.5 1)")
     p.add_argument("--live", type=int, metavar="N", help="live sequences kept on the device (default N/4, at least 1)")
     p.add_argument("--preset", default="tiny", help="model preset served in this process (default tiny)")
+    p.add_argument("--model", type=Path, metavar="DIR", help="a model folder to serve instead of the preset")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--disk-gib", type=float, default=4.0, help="disk tier's cap (default 4)")
@@ -228,6 +229,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console  # noqa: PLC0415
 
+    from engine.engine_config import EngineConfig  # noqa: PLC0415
     from gateway.service import ServeConfig, load_engine  # noqa: PLC0415
 
     args = parse_args(argv)
@@ -236,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(args.threads)
     traces = load_traces(args.traces)
-    engine = load_engine(ServeConfig(preset=args.preset, engine=_engine_config(args.device)))
+    engine = load_engine(ServeConfig(model_dir=args.model, preset=args.preset, engine=EngineConfig(device=args.device)))
     console = Console(width=200)
     results = []
     for n in args.sessions:
@@ -252,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                         "working_set_bytes": working_set, "first_pass": first, "runs": runs})
     console.print(table(results))
     if args.json:
-        meta = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"), "preset": args.preset,
+        meta = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
+                "model": str(args.model) if args.model else args.preset,
                 "device": args.device, "threads": args.threads, "traces": [str(p) for p in args.traces]}
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
         console.print(f"wrote {args.json}")
@@ -262,18 +265,13 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def _engine_config(device: str) -> Any:
-    from engine.engine_config import EngineConfig  # noqa: PLC0415
-
-    return EngineConfig(device=device)
-
-
 def table(results: list[dict[str, Any]]) -> Any:
     from rich.table import Table  # noqa: PLC0415
 
-    t = Table(title="Sessions under memory pressure (hit: restored / restorable tokens; RAM hit: bytes read from RAM)")
+    t = Table(title="Sessions under memory pressure (hit: tokens restored / restorable; RAM hit: bytes restores "
+                    "read from RAM; Belady: the offline optimum's on the same run's accesses)")
     for name in ("N", "RAM", "policy", "hit", "RAM hit", "Belady", "re-prefill", "TTFT tool p50/p99 ms",
-                 "TTFT user p50/p99 ms", "read MiB ram/queue/disk", "evicted", "pins broken"):
+                 "TTFT user p50/p99 ms", "read MiB ram/queue/disk", "evicted records+states", "pins broken"):
         t.add_column(name, justify="left" if name == "policy" else "right")
     for result in results:
         for run in result["runs"]:
