@@ -2,15 +2,18 @@
 cache behind the real smg router. Sessions sent to the router's port are answered, each on one worker
 and restoring its own history; `ft ps` lists the router and its workers; `ft launch` takes the router
 as the server of its model; `ft stop PORT` stops all three, and a single `ft serve` on the same disk
-cache afterwards restores the sessions from what the workers flushed."""
+cache afterwards restores the sessions from what the workers flushed. A worker killed outright is
+logged while the router sends its sessions to the other; Ctrl-C stops the router and the rest."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -47,6 +50,22 @@ def turn(url: str, sid: str, history: list[dict], number: int) -> httpx.Response
     return response
 
 
+def started(home: Path, port: int, *argv: str) -> tuple[subprocess.Popen, servers.ServerRecord]:
+    """`ft serve --replicas 2 --preset tiny --port PORT ARGV` with its output in home/group.log, once its
+    router record is written (the workers answer and smg has registered them)."""
+    with (home / "group.log").open("w") as out:
+        group = subprocess.Popen([sys.executable, "-m", "ft", "serve", "--replicas", "2", "--preset", "tiny",
+                                  "--port", str(port), "--log-level", "warning", *argv],
+                                 stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + WAIT
+    while (router := servers.at_port(port)) is None:
+        if group.poll() is not None or time.monotonic() > deadline:
+            group.kill()
+            raise AssertionError((home / "group.log").read_text())
+        time.sleep(0.2)
+    return group, router
+
+
 @pytest.fixture
 def home(tmp_path, monkeypatch, ft_home) -> Path:
     """The ft home in the test's folder (the session's presets shared, written once)."""
@@ -60,16 +79,9 @@ def home(tmp_path, monkeypatch, ft_home) -> Path:
 @pytest.mark.skipif(shutil.which("smg") is None, reason="smg (pip install smg) is not installed")
 def test_replicas_serve_behind_the_router_and_stop_together(home) -> None:
     port, disk = free_port(), home / "shared-ckpt"
-    out = (home / "group.log").open("w")
-    group = subprocess.Popen([sys.executable, "-m", "ft", "serve", "--replicas", "2", "--preset", "tiny", "--port",
-                              str(port), "--disk-cache", str(disk), "--log-level", "warning"],
-                             stdout=out, stderr=subprocess.STDOUT)
+    group, router = started(home, port, "--disk-cache", str(disk))
     single = None
     try:
-        deadline = time.monotonic() + WAIT
-        while (router := servers.at_port(port)) is None:
-            assert group.poll() is None and time.monotonic() < deadline, (home / "group.log").read_text()
-            time.sleep(0.2)
         assert router.is_router and len(router.workers) == 2
 
         histories: dict[str, list[dict]] = {"s1": [], "s2": []}
@@ -115,7 +127,31 @@ def test_replicas_serve_behind_the_router_and_stop_together(home) -> None:
             if proc is not None and proc.poll() is None:
                 proc.terminate()
                 proc.wait(60)
-        out.close()
+
+
+@pytest.mark.skipif(shutil.which("smg") is None, reason="smg (pip install smg) is not installed")
+def test_a_dead_worker_is_logged_and_ctrl_c_stops_the_group(home) -> None:
+    port = free_port()
+    group, router = started(home, port)
+    try:
+        assert (home / "replicas" / f"disk-cache-{port}").is_dir()  # the default shared disk cache
+        workers = {r.port: r for r in servers.running() if r.port in router.workers}
+        victim, survivor = router.workers
+        os.kill(workers[victim].pid, signal.SIGKILL)
+        deadline = time.monotonic() + WAIT
+        while f"worker on port {victim} exited" not in (home / "group.log").read_text():
+            assert time.monotonic() < deadline and group.poll() is None, (home / "group.log").read_text()
+            time.sleep(0.2)
+        for sid in ("s1", "s2", "s3"):  # the router sends every session to the survivor
+            assert turn(router.url, sid, [], 1).headers["x-smg-routed-worker-id"] == f"http://127.0.0.1:{survivor}"
+        group.send_signal(signal.SIGINT)  # a terminal's Ctrl-C reaches the supervisor alone
+        assert group.wait(WAIT) == 0
+        assert not servers.alive(workers[survivor].pid) and servers.running() == []
+        assert "stopping the router" in (home / "group.log").read_text()
+    finally:
+        if group.poll() is None:
+            group.kill()
+            group.wait(60)
 
 
 def test_a_router_without_smg_names_the_package(monkeypatch, tmp_path) -> None:
