@@ -14,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
+from adapters.server_start import answers
 from ft import servers
 
 GiB = 1 << 30
@@ -55,14 +56,6 @@ def scrape(url: str, timeout: float = 5.0) -> Samples:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object per server instead of a table")
-
-
-def answers(url: str) -> bool:
-    try:
-        httpx.get(f"{url}/health", timeout=5.0)
-    except httpx.HTTPError:
-        return False
-    return True
 
 
 def row(record: servers.ServerRecord, now: float, router: int | None = None) -> dict:

@@ -5,7 +5,6 @@ subprocess (`serve_process`) where a test or bench needs the real process (signa
 from __future__ import annotations
 
 import dataclasses
-import socket
 import subprocess
 import sys
 import threading
@@ -18,13 +17,8 @@ import uvicorn
 from engine import Engine
 from gateway.app import create_app
 from gateway.http_server import ServerLimits, make_server
+from gateway.ports import free_port
 from gateway.service import ServeConfig, Service, build_service
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def serve_process(args: list[str], preexec_fn=None, timeout: float = 180) -> tuple[subprocess.Popen, str]:

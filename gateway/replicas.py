@@ -22,7 +22,6 @@ import ctypes
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -34,6 +33,7 @@ from pathlib import Path
 import httpx
 
 from ft import env, servers
+from gateway.ports import free_port, port_problem
 
 # README's routing: a session's header onto the ring of workers, else the request's first characters
 ROUTING = ("--policy", "prefix_hash", "--routing-key-headers", "x-claude-code-session-id", "session-id", "x-session-id")
@@ -79,25 +79,9 @@ def forwarded(args: argparse.Namespace, add_arguments: Callable[[argparse.Argume
     return argv
 
 
-def bindable(host: str, port: int) -> bool:
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, port))
-    except OSError:
-        return False
-    return True
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((WORKER_HOST, 0))
-        return s.getsockname()[1]
-
-
 def worker_ports(port: int, n: int) -> list[int]:
     """`port`+1 .. `port`+n where free on the workers' host, a free port in place of each that is not."""
-    return [p if p < 65536 and bindable(WORKER_HOST, p) else free_port() for p in range(port + 1, port + n + 1)]
+    return [p if p < 65536 and port_problem(WORKER_HOST, p) is None else free_port(WORKER_HOST) for p in range(port + 1, port + n + 1)]
 
 
 def die_with_parent() -> None:
@@ -213,8 +197,8 @@ def run(args: argparse.Namespace, add_arguments: Callable[[argparse.ArgumentPars
         if args.plan:
             raise ValueError("--plan plans one server: leave out --replicas")
         smg = smg_binary()
-        if not bindable(args.host, args.port):
-            raise OSError(f"cannot listen on {args.host}:{args.port}: in use or not an address here")
+        if (problem := port_problem(args.host, args.port)) is not None:
+            raise OSError(f"cannot listen on {args.host}:{args.port}: {problem}")
         disk = args.disk_cache or env.home() / "replicas" / f"disk-cache-{args.port}"
         flags = forwarded(args, add_arguments)
         for port in worker_ports(args.port, args.replicas):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -16,6 +15,7 @@ from engine.engine_config import EngineConfig
 from ft import env, servers
 from gateway.capture_policy import CAPTURE_POLICIES
 from gateway.http_server import ServerLimits
+from gateway.ports import port_problem
 from gateway.serve_prepare import prepare
 from gateway.service import GiB, ServeConfig, build_service
 from gateway.tenants import TenantKey, parse_keys
@@ -189,17 +189,6 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         forced_decode=args.forced_decode, model_name=args.served_model_name, live_sequences=args.live_sequences,
         max_queue=args.max_queue,
     )
-
-
-def port_problem(host: str, port: int) -> str | None:
-    """Why `host:port` cannot be bound (in use, bad address), checked before the model loads."""
-    try:
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((host, port))
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    return None
 
 
 def run(args: argparse.Namespace) -> int:

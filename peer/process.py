@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 
-from gateway.embedded import free_port
+from gateway.ports import free_port
 
 __all__ = ["HealthyProcess", "free_port"]
 

@@ -9,7 +9,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from gateway.embedded import EmbeddedServer, free_port, serve_in_thread
+from gateway.embedded import EmbeddedServer, serve_in_thread
+from gateway.ports import free_port
 
 __all__ = ["free_port", "serve_args", "start_server"]
 

@@ -29,8 +29,9 @@ import httpx
 import pytest
 
 from gateway.conversation import Message
-from gateway.embedded import free_port, serve_process
+from gateway.embedded import serve_process
 from gateway.memo import MemoFile, TokenMemo
+from gateway.ports import free_port
 
 pytestmark = pytest.mark.skipif(shutil.which("smg") is None, reason="smg (pip install smg) is not installed")
 
