@@ -112,8 +112,8 @@ class MemoFile:
         self.errors = errors or ErrorLog(log, "token memo write", "the ids stay in memory only")
         self.env = open_env(path, map_bytes, "token memo", "generated token ids are kept in memory only",
                             sync=True, metasync=True)
-        self._seq = max((stored.seq for _, stored in self._rows()), default=-1) + 1
         self._looked_at = self._last_txn()
+        self._seq = max((stored.seq for _, stored in self._rows()), default=-1) + 1
 
     def _rows(self, skip: frozenset[str] = frozenset()) -> list[tuple[str, StoredEntry]]:
         """Every sound entry but those of `skip`; damaged ones are dropped from the file with one
@@ -142,9 +142,14 @@ class MemoFile:
         for handle, stored in sorted(self._rows(), key=lambda row: row[1].seq):
             yield handle, stored.entry
 
+    def changed(self) -> bool:
+        """Whether another process sharing the file may have written since `news` last looked (a
+        transaction committed that was not this process's own)."""
+        return self._last_txn() != self._looked_at
+
     def news(self, known: frozenset[str]) -> list[tuple[str, MemoEntry]]:
         """The entries not in `known` (written by another process sharing the file), oldest first;
-        [] at once if no transaction has committed since the last call."""
+        [] at once if nothing changed since the last call."""
         last = self._last_txn()
         if last == self._looked_at:
             return []
@@ -153,6 +158,12 @@ class MemoFile:
 
     def _last_txn(self) -> int:
         return -1 if self.env is None else self.env.info()["last_txnid"]
+
+    def _own(self, txn_id: int) -> None:
+        """This process committed transaction `txn_id`: with nothing else committed since `news`
+        looked, there is still nothing new to read (a single server never scans its own writes)."""
+        if self._looked_at == txn_id - 1:
+            self._looked_at = txn_id
 
     def write(self, put: tuple[str, MemoEntry] | None, drop: Sequence[str] = ()) -> None:
         if self.env is None:
@@ -165,6 +176,8 @@ class MemoFile:
                     stored = StoredEntry(self._seq, put[1], _digest_of(self._seq, put[1]))
                     txn.put(put[0].encode(), msgspec.msgpack.encode(stored))
                     self._seq += 1
+                mine = txn.id()
+            self._own(mine)
         except lmdb.Error as exc:
             self.errors.record(exc, "token memo")
 
@@ -173,6 +186,8 @@ class MemoFile:
             with self.env.begin(write=True) as txn:
                 for key in keys:
                     txn.delete(key)
+                mine = txn.id()
+            self._own(mine)
         except lmdb.Error as exc:
             self.errors.record(exc, "token memo")
 
@@ -244,8 +259,9 @@ class TokenMemo:
         memory asks the file for what other processes sharing it wrote since."""
         with self._lock:
             entry = self._find(message)
-            known = frozenset(self._by_handle) if entry is None else None
-        if known is not None and self.file is not None and (news := self.file.news(known)):
+            changed = entry is None and self.file is not None and self.file.changed()
+            known = frozenset(self._by_handle) if changed else None  # a copy only when the file moved on
+        if known is not None and (news := self.file.news(known)):
             with self._lock:
                 dropped = [h for handle, new in news for h in self._insert(handle, new)]
                 entry = self._find(message)

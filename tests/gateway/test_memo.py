@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import lmdb
 import msgspec
 
 from checkpoint_store.error_log import ErrorLog
 from gateway.conversation import Message, ToolCall
-from gateway.memo import MemoFile, TokenMemo, content_hash
+from gateway.memo import MemoEntry, MemoFile, TokenMemo, content_hash
 
 CALL = ToolCall(id="c1", name="bash", arguments={"b": 1, "a": [1, 2]})
 MSG = Message(role="assistant", reasoning="think", content="text", tool_calls=(CALL,))
@@ -191,3 +193,22 @@ def test_disk_writes_run_on_their_own_thread_in_order_and_written_says_when(tmp_
     done.result(10)
     assert [h for h, _ in file.entries()] == handles[1:]
     memo.close()
+
+
+def test_a_memo_file_reads_back_only_what_another_process_wrote(tmp_path):
+    """A lookup miss asks the file for news only after a transaction not its own: a server's own
+    writes leave nothing to scan; another process's entry (a replica sharing the folder) is news."""
+    mine = MemoFile(tmp_path / "memo")
+    entry = MemoEntry((1, 2, 3), "c", "b")
+    mine.write(("h1", entry))
+    mine.write(None, drop=["h1"])
+    assert not mine.changed() and mine.news(frozenset()) == []
+    other = (
+        "import sys; from gateway.memo import MemoEntry, MemoFile; "
+        "f = MemoFile(sys.argv[1]); f.write(('h2', MemoEntry((1, 2, 3), 'c', 'b'))); f.close()"
+    )
+    subprocess.run([sys.executable, "-c", other, str(tmp_path / "memo")], check=True)
+    assert mine.changed()
+    assert mine.news(frozenset()) == [("h2", entry)]
+    assert not mine.changed()
+    mine.close()
