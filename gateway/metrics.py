@@ -3,9 +3,10 @@
 
 Counted as requests come: requests by endpoint and status, tokens by kind (prefilled, restored
 from checkpoints as `reused`, `continued` in place from a live sequence, generated, precomputed),
-prefilled tokens by why they were not restored (gateway/prefill_reasons.py), and histograms of the time to first token and its phases (queue, restore, prefill). Read at each
-scrape from their owners: the scheduler's queue and steps (and the engine's growth events), memory by part, the checkpoint store's
-counters, the expert cache's (with offload) and the live sequences held. Each `Metrics` has its own
+prefilled tokens by why they were not restored (gateway/prefill_reasons.py), and histograms of the
+time to first token and its phases (queue, restore, prefill). Read at each scrape from their
+owners: the scheduler's queue and steps (and the engine's growth events), memory by part, the
+checkpoint store's counters, the expert cache's (with offload) and the live sequences held. Each `Metrics` has its own
 registry: two servers in one process (tests) count apart.
 """
 
