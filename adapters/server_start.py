@@ -137,7 +137,7 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, console: Console) ->
 
     def ready() -> bool:
         if proc.poll() is not None:
-            raise ServerStartError(f"ft serve exited with code {proc.returncode} (log {log}):\n{tail(log)}")
+            raise ServerStartError(f"ft serve exited with code {proc.returncode} (log {log}):\n{servers.log_tail(log)}")
         return answers(url)
 
     show_log(log, console, ready)
@@ -159,7 +159,7 @@ def follow(wanted: Wanted, console: Console) -> None:
     def ready() -> bool:
         if not servers.alive(pid):
             raise ServerStartError(f"ft serve (pid {pid}), started by another ft launch, exited before it answered "
-                                   f"(log {log}):\n{tail(log)}")
+                                   f"(log {log}):\n{servers.log_tail(log)}")
         return answers(wanted.url)
 
     show_log(log, console, ready)
@@ -171,7 +171,7 @@ def show_log(log: Path, console: Console, ready: Callable[[], bool]) -> None:
     seen, failing = 0, False
     with console.status("ft serve: starting") as status:
         while True:
-            text = read_log(log)
+            text = servers.read_log(log)
             for line in text[seen:].replace("\r", "\n").splitlines():
                 failing = failing or line.startswith("Traceback")
                 if line.startswith(("ft serve", "  ")) and not failing:
@@ -182,17 +182,6 @@ def show_log(log: Path, console: Console, ready: Callable[[], bool]) -> None:
             if ready():
                 return
             time.sleep(0.25)
-
-
-def read_log(log: Path) -> str:
-    try:
-        return log.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return ""
-
-
-def tail(log: Path, lines: int = 5) -> str:
-    return "\n".join(read_log(log).strip().splitlines()[-lines:])
 
 
 def ensure(wanted: Wanted, console: Console, replace: bool = False) -> bool:

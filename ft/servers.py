@@ -3,9 +3,10 @@
 `ft serve` writes `servers/serve-PORT.json` (its pid, address, the model as it was asked for, when
 it started, its log file) once it listens, and removes it when it exits; `ft launch` starts
 servers in the background with their output in `servers/serve-PORT.log`; `ft ps` and `ft stop` read
-the records. `ft serve --replicas N` writes one more record for its router (kind "router", the ports
-of its workers, the pid of the process that supervises them: stopping it stops the group). A record whose process is gone (a server killed with SIGKILL) is stale and removed
-when read. Launchers of one port take turns through `servers/serve-PORT.lock` (`start_lock`).
+the records. `ft serve --replicas N` writes one more record for its router (kind "router", the
+ports of its workers, the pid of the process that supervises them: stopping it stops the group). A
+record whose process is gone (a server killed with SIGKILL) is stale and removed when read.
+Launchers of one port take turns through `servers/serve-PORT.lock` (`start_lock`).
 This module imports nothing of the project but `ft.env`, so any layer may use it.
 """
 
@@ -59,6 +60,19 @@ def record_path(port: int) -> Path:
 
 def log_path(port: int) -> Path:
     return folder() / f"serve-{port}.log"
+
+
+def read_log(log: Path) -> str:
+    """A server's log so far ("" before it exists)."""
+    try:
+        return log.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def log_tail(log: Path, lines: int = 5) -> str:
+    """The last `lines` lines of a server's log: what an error about a server that stopped quotes."""
+    return "\n".join(read_log(log).strip().splitlines()[-lines:])
 
 
 def lock_path(port: int) -> Path:

@@ -81,7 +81,8 @@ def forwarded(args: argparse.Namespace, add_arguments: Callable[[argparse.Argume
 
 def worker_ports(port: int, n: int) -> list[int]:
     """`port`+1 .. `port`+n where free on the workers' host, a free port in place of each that is not."""
-    return [p if p < 65536 and port_problem(WORKER_HOST, p) is None else free_port(WORKER_HOST) for p in range(port + 1, port + n + 1)]
+    wanted = range(port + 1, port + n + 1)
+    return [p if p < 65536 and port_problem(WORKER_HOST, p) is None else free_port(WORKER_HOST) for p in wanted]
 
 
 def die_with_parent() -> None:
@@ -99,13 +100,6 @@ def spawn(command: list[str], log: Path) -> subprocess.Popen:
                                 preexec_fn=die_with_parent)
 
 
-def tail(log: Path, lines: int = 8) -> str:
-    try:
-        return "\n".join(log.read_text(encoding="utf-8", errors="replace").strip().splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
 def wait_for(ready: Callable[[], bool], procs: list[tuple[str, subprocess.Popen, Path]], stop: threading.Event) -> None:
     """Until `ready()`; a process of `procs` that exits first is an error quoting its log, a stop asked
     meanwhile an InterruptedError."""
@@ -114,7 +108,7 @@ def wait_for(ready: Callable[[], bool], procs: list[tuple[str, subprocess.Popen,
         for name, proc, log in procs:
             if proc.poll() is not None:
                 raise ChildProcessError(f"{name} exited with code {proc.returncode} before it answered (log {log}):\n"
-                                   f"{tail(log)}")
+                                   f"{servers.log_tail(log, 8)}")
         if stop.wait(0.25):
             raise InterruptedError("stopped while starting")
         if time.monotonic() > deadline:
