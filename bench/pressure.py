@@ -44,6 +44,7 @@ from adapters.replay import load_traces
 from adapters.replay_report import percentile
 from adapters.trace import TraceRequest
 from checkpoint_store.store import Access
+from ft.ps import scrape
 
 GiB, MiB = 1 << 30, 1 << 20
 ORDERS = ("anchor", "lru")
@@ -152,9 +153,10 @@ def prompt_tokens_of(protocol: str, events: list[dict[str, Any]]) -> int:
 
 
 def _store_metrics(url: str) -> dict[str, float]:
-    text = httpx.get(url + "/metrics", timeout=30).text
-    pairs = (line.split() for line in text.splitlines() if line.startswith("ft_store_") and "{" not in line)
-    return {name.removeprefix("ft_store_"): float(value) for name, value in pairs}
+    """The server's `ft_store_*` samples without labels (read as `ft ps` reads them)."""
+    samples = scrape(url, timeout=30)
+    return {name.removeprefix("ft_store_"): value for (name, labels), value in samples.values.items()
+            if name.startswith("ft_store_") and not labels}
 
 
 # -- figures -------------------------------------------------------------------------------------
