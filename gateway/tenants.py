@@ -33,7 +33,7 @@ from gateway.memo import MemoFile, TokenMemo
 log = logging.getLogger("gateway.tenants")
 SECRET_FILE = "tenant-secret"
 SECRET_BYTES = 32
-SALT_DOMAIN = b"ft-tenant-v1\x00"
+TENANT_DOMAIN = b"ft-tenant-v1\x00"  # what a tenant's salt is derived under (anchors.SALT_DOMAIN folds it)
 PUBLIC_FLAG = ":public"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -114,7 +114,7 @@ def _create(path: Path, replace: bool = False) -> bytes:
 
 
 def tenant_salt(secret: bytes, name: str) -> bytes:
-    return hmac.new(secret, SALT_DOMAIN + name.encode(), hashlib.sha256).digest()[:16]
+    return hmac.new(secret, TENANT_DOMAIN + name.encode(), hashlib.sha256).digest()[:16]
 
 
 def key_digest(key: bytes) -> bytes:
