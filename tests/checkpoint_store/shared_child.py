@@ -2,8 +2,9 @@
 
 Run by test_shared_folder.py: ``python shared_child.py DIR DISK_BYTES``. Commands:
 ``put NAME FIRST COUNT`` writes records FIRST..FIRST+COUNT-1 of chain NAME and flushes them;
-``load NAME COUNT`` restores the longest prefix of the chain's first COUNT records it can.
-Each answers one line: ``ok`` or ``loaded N same|differs``; ``exit`` closes the store.
+``load NAME COUNT`` restores the longest prefix of the chain's first COUNT records it can;
+``stats`` tells the disk tier's evictions. Each answers one line: ``ok``, ``loaded N same|differs``
+or ``evictions N states_dropped M``; ``exit`` closes the store.
 """
 
 import sys
@@ -47,6 +48,9 @@ def main(disk_dir: str, disk_bytes: int) -> None:
                 print("ok", flush=True)
             elif command == "load":
                 print(load(store, args[0], int(args[1])), flush=True)
+            elif command == "stats":
+                stats = store.stats()
+                print(f"evictions {stats.disk_evictions} states_dropped {stats.disk_states_dropped}", flush=True)
             else:
                 break
 
