@@ -21,6 +21,11 @@ moment it is called: the writer thread may evict disk records to make room for q
 puts before a following ``load_chain``, which then misses (``load_longest`` retries with
 what is left). Once ``load_chain`` has planned a chain, its disk records are pinned
 against eviction until it returns.
+
+Pins: ``pin`` spares records of the RAM tier from eviction (a session's continuation while its
+tool runs) until ``unpin``, or until a ``put`` cannot make room otherwise: the put breaks the pin
+(counted in ``pins_broken``). ``promote`` (a prefetch) brings a chain up from disk into RAM and
+never breaks a pin.
 """
 
 from __future__ import annotations
@@ -50,8 +55,9 @@ WRITE_FAILED = "what it was writing is not cached on disk; answers are not affec
 @dataclass(frozen=True)
 class Access:
     """One use of a record part, as the RAM tier sees it: ``put`` (offered to the RAM tier, whether it
-    holds the part already or not) or ``get`` (read by a restore from ``source``: ``ram``, ``queue``,
-    the disk writer's, or ``disk``). ``nbytes``: the packed part's, 0 where read from disk."""
+    holds the part already or not), ``get`` (read by a restore from ``source``: ``ram``, ``queue``,
+    the disk writer's, or ``disk``) or ``promote`` (brought up into the RAM tier by a prefetch from
+    ``source``). ``nbytes``: the packed part's, 0 where a restore read it from disk."""
 
     kind: str
     anchor: bytes
@@ -151,6 +157,120 @@ class CheckpointStore:
         if self._disk is not None:
             self._disk.close()
             self._disk = None
+
+    # -- pins and prefetch -------------------------------------------------------------------
+
+    def pin(self, anchor: bytes) -> None:
+        """Spare ``anchor``'s record in the RAM tier from eviction (held now or put later) until
+        ``unpin``, or until a put can make room no other way (a broken pin, counted)."""
+        with self._lock:
+            self._ram.pinned.add(bytes(anchor))
+
+    def unpin(self, anchor: bytes) -> None:
+        with self._lock:
+            self._ram.pinned.discard(bytes(anchor))
+
+    @property
+    def pins_broken(self) -> int:
+        """RAM pins a put broke to make room."""
+        with self._lock:
+            return self._ram.pins_broken
+
+    def promote(self, chain: list[bytes], stop: Callable[[], bool] = lambda: False) -> int:
+        """Bring the restorable prefix of ``chain`` up into the RAM tier (a prefetch): the KV part of
+        each of its records and the state part of the last, read from disk (or taken from the disk
+        writer's queue) where RAM lacks them, deepest first (a record whose child is held is never
+        the next KV eviction). Each part is read outside the lock; ``stop`` is asked before each
+        record. Never evicts a pinned record: it stops where the RAM tier cannot hold the next record
+        otherwise, or at a part that fails its checks (a later restore's miss). Returns the parts
+        brought up. Raises nothing."""
+        depth = self.longest_restorable(chain)
+        if self._disk is None or depth == 0:
+            return 0
+        with self._lock:
+            self._clock += 1  # what is brought up counts as used now: its next request is due
+        moved = 0
+        for i in range(depth - 1, -1, -1):
+            if stop():
+                break
+            parts = self._promote(chain[i], with_state=i == depth - 1)
+            if parts is None:
+                break
+            moved += parts
+        return moved
+
+    def longest_in_ram(self, chain: list[bytes]) -> int:
+        """How many leading anchors of ``chain`` the RAM tier alone restores (as ``longest_restorable``,
+        reading nothing from disk or the writer's queue). Changes nothing."""
+        with self._lock:
+            best, prev = 0, None
+            for i, anchor in enumerate(chain):
+                held = self._ram.get(anchor)
+                if held is None or not follows(held.meta, prev):
+                    break
+                prev = held.meta
+                best = i + 1 if held.state is not None else best
+            return best
+
+    def _promote(self, anchor: bytes, with_state: bool) -> int | None:
+        """One record's missing parts into the RAM tier: how many, or None where promoting stops."""
+        with self._lock:
+            loc = self._locate(anchor)
+            if loc is None or self._disk is None:
+                return None
+            held = self._ram.get(anchor)
+            held = held if held is not None and held.meta == loc.meta else None
+            need = [] if held is not None else [KV_PART]
+            if with_state and (held is None or held.state is None):
+                need.append(STATE_PART)
+            if not need:
+                return 0
+            self._disk.pin([anchor])
+        try:
+            read = self._read_parts(loc, need)
+        finally:
+            with self._lock:
+                if self._disk is not None:
+                    self._disk.unpin([anchor])
+        if read is None:
+            return None
+        with self._lock:
+            now = self._locate(anchor)
+            if now is None or now.meta != loc.meta:
+                return None
+            kv = read.get(KV_PART, held.kv if held else None)
+            state = read.get(STATE_PART, held.state if held and with_state else None)
+            if kv is None or not self._ram.put(loc.meta, kv, state, self._clock, break_pins=False):
+                return None
+            if self.on_access is not None:
+                queued = {KV_PART: loc.kv, STATE_PART: loc.state}
+                for part, packed in read.items():
+                    source = "disk" if queued[part] is None else "queue"
+                    self.on_access(Access("promote", anchor, part, packed.nbytes, source))
+            return len(read)
+
+    def _read_parts(self, loc: Located, parts: list[str]) -> dict[str, Packed] | None:
+        """Packed copies of ``loc``'s ``parts``: the writer queue's where it holds them, else read and
+        checked from disk; None when one cannot be read (corrupt, gone, or replaced meanwhile)."""
+        queued = {KV_PART: loc.kv, STATE_PART: loc.state}
+        out = {p: packed for p in parts if (packed := queued[p]) is not None}
+        missing = [p for p in parts if p not in out]
+        if not missing:
+            return out
+        disk = self._disk
+        if disk is None:
+            return None
+        try:
+            with disk.read_txn() as txn:
+                for part in missing:
+                    header, views = disk.read(txn, loc.meta.anchor, part)
+                    if header.meta != loc.meta:
+                        return None
+                    out[part] = pack(views)
+        except (CorruptRecord, MissingRecord, lmdb.Error) as exc:
+            log.info("checkpoint store: not promoting %s: %s", loc.meta.anchor.hex(), exc)
+            return None
+        return out
 
     # -- matching --------------------------------------------------------------------------
 
