@@ -26,9 +26,10 @@ from engine.copies import StateCopies
 from engine.engine_config import EngineConfig
 from engine.feed import Feed, PrefillResult
 from engine.load import load_folder
-from engine.loader import build_model, fingerprint, place
+from engine.loader import EXPERT_STACK, build_model, fingerprint, place
 from engine.model import HybridForCausalLM
 from engine.ops import Kernels, kernels_for
+from engine.parallel import ExpertParallel
 from engine.runner import GRAPH_CAPACITY, PREFILL_BUCKETS, Runner, starting_capacity
 from engine.sampling import Decoding, SamplingParams, TokenEvent
 from engine.scheduler import SLOT_PREFILL_ALONE, Limits, Scheduler, StepPlan
@@ -93,7 +94,7 @@ class Engine:
         config = configured(config, choices)
         target = config.torch_device
         if not config.offloaded:
-            model, fp = load_folder(model_dir, target, config.dtype, config.keep_quantized)
+            model, fp = load_folder(model_dir, target, config.dtype, config.keep_quantized, config.expert_parallel)
             return cls(model, fp, Path(model_dir), config=config)
         from engine.gguf_loader import is_gguf  # noqa: PLC0415 (it imports the loader)
 
@@ -127,6 +128,8 @@ class Engine:
         if not env.materialise():
             return cls.load(ensure_preset(name), config)
         build_on = "cpu" if config.offloaded else config.device
+        if config.expert_parallel is not None:
+            return cls(*materialised_shard(name, build_on, config.dtype, config.expert_parallel), config=config)
         model_config, _, state_dict = presets.materialise(name, build_on, config.dtype)
         model, fp = build_model(model_config, state_dict), fingerprint(model_config, state_dict)
         del state_dict  # the model holds the tensors: an offload frees each layer's stacks once pinned
@@ -490,6 +493,24 @@ def ensure_preset(name: str) -> Path:
     if not (folder / "config.json").is_file():
         presets.write_preset(name, folder)
     return folder
+
+
+def materialised_shard(
+    name: str, device: str, dtype: torch.dtype | None, parallel: ExpertParallel
+) -> tuple[HybridForCausalLM, str]:
+    """Preset `name` generated in memory with this rank's experts alone (each layer's stacks
+    made whole one at a time, then cut) and the whole model's fingerprint."""
+    is_stack = EXPERT_STACK.match
+    model_config, _, state_dict = presets.materialise(name, device, dtype, only=lambda n: not is_stack(n))
+    shard = parallel.shard(model_config.num_experts)
+    with torch.device("meta"):
+        stacks = [n for n in HybridForCausalLM(model_config).state_dict() if is_stack(n)]
+    for stack in stacks:
+        whole = presets.materialise(name, device, dtype, only=lambda n, stack=stack: n == stack)[2][stack]
+        state_dict[stack] = shard.take(whole)
+        del whole
+    model = build_model(model_config, state_dict, shard)
+    return model, shard.agree(fingerprint(model_config, state_dict, shard))
 
 
 def host_transfers(config: ModelConfig, device: torch.device, dtype: torch.dtype):

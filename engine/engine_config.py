@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.parallel import ExpertParallel
+
 # tokens per prefill forward by device type: a GPU's GEMMs keep its tensor cores busier the more rows they take
 DEFAULT_CHUNK = {"cuda": 8192, "cpu": 4096}
 
@@ -37,6 +39,9 @@ class EngineConfig:
       Triton kernels; None: on a GPU, and for offloaded experts on a GPU.
     - `step_log_ms`: log every prefill forward (and, in the gateway, every step) slower than
       this many ms, split by part; a sync after each forward: a diagnostic, not a serving mode.
+    - `expert_parallel`: this process's rank in a `torch.distributed` group that splits the routed
+      experts (`engine.parallel`: the group is initialised before loading); None: one process
+      holds them all. Not with a memory budget (offloaded experts).
     """
 
     device: str = "cpu"
@@ -48,6 +53,7 @@ class EngineConfig:
     gpu_memory_gib: float | None = None
     keep_quantized: bool | None = None
     step_log_ms: float | None = None
+    expert_parallel: ExpertParallel | None = None
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
@@ -56,6 +62,8 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk: expected at least 1 token, got {self.prefill_chunk}")
         if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
             raise ValueError(f"gpu_memory_gib: expected a size > 0, got {self.gpu_memory_gib}")
+        if self.expert_parallel is not None and self.offloaded:
+            raise ValueError("expert_parallel: the routed experts are split over ranks or offloaded, not both")
 
     @property
     def torch_device(self) -> torch.device:

@@ -5,6 +5,7 @@ writes them); in memory they are stacked (`mlp.experts.gate_up_proj` [E, 2I, H],
 `mlp.experts.down_proj` [E, H, I]). Multimodal checkpoints keep the text model under
 `model.language_model.`; vision and MTP weights are ignored. FP8 checkpoints (Qwen's `-FP8`
 releases) are dequantized at load; `engine.load.load_folder` sends a `.gguf` model to `engine.gguf_loader`.
+Under expert parallel (`engine.parallel`) a rank reads its own experts' tensors alone.
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.model import HybridForCausalLM
+from engine.model import HybridForCausalLM, SparseMoe
+from engine.parallel import ExpertShard
 from engine.quant import fp8 as fp8_quant
 from engine.weights import aligned, cat_rows, one_way, stack
 
 IGNORED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
 EXPERT_KEY = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+EXPERT_TENSOR = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(.+)$")  # a weight, or its FP8 scale
+EXPERT_STACK = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
 
 
 class CheckpointError(ValueError):
@@ -46,21 +50,45 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def read_state_dict(folder: Path, dtype: torch.dtype | None, keep_quantized: bool = False) -> dict[str, Any]:
+def read_state_dict(
+    folder: Path, dtype: torch.dtype | None, keep_quantized: bool = False, shard: ExpertShard | None = None
+) -> dict[str, Any]:
     """Every tensor of the text model; FP8 checkpoints (`engine.quant.fp8`) are dequantized to
     `dtype`, by default the checkpoint's own (`dtype` / `torch_dtype` in config.json), or with
-    `keep_quantized` packed (`QuantWeight`, engine/ops/gpu/quant.py) standing for that dtype."""
-    return state_dict_of(_checkpoint_tensors(folder), fp8_pairing(folder, dtype, keep_quantized), dtype)
+    `keep_quantized` packed (`QuantWeight`, engine/ops/gpu/quant.py) standing for that dtype.
+    With `shard`, of the routed experts only the shard's (numbered from 0)."""
+    tensors = _checkpoint_tensors(folder) if shard is None else _shard_tensors(folder, shard)
+    return state_dict_of(tensors, fp8_pairing(folder, dtype, keep_quantized), dtype)
 
 
-def _checkpoint_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """The text model's tensors of an HF folder, under our names, one at a time."""
+def _checkpoint_names(folder: Path) -> Iterator[tuple[Any, str, str]]:
+    """(the open file, the name in it, our name) of each text model tensor of an HF folder."""
     for path in safetensors_files(folder):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 name_out = name.replace("model.language_model.", "model.", 1)
                 if not name_out.startswith(IGNORED_PREFIXES):
-                    yield name_out, f.get_tensor(name)
+                    yield f, name, name_out
+
+
+def _checkpoint_tensors(folder: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The text model's tensors of an HF folder, under our names, one at a time."""
+    for f, name, name_out in _checkpoint_names(folder):
+        yield name_out, f.get_tensor(name)
+
+
+def _shard_tensors(folder: Path, shard: ExpertShard) -> Iterator[tuple[str, torch.Tensor]]:
+    """`_checkpoint_tensors` with the routed experts of `shard` alone, renumbered from 0: the
+    others' per-expert tensors are not read, a stacked one is read in the shard's rows only."""
+    for f, name, name_out in _checkpoint_names(folder):
+        if (match := EXPERT_TENSOR.match(name_out)) is not None:
+            prefix, expert, rest = match.group(1), int(match.group(2)), match.group(3)
+            if shard.holds(expert):
+                yield f"{prefix}.{expert - shard.first}.{rest}", f.get_tensor(name)
+        elif EXPERT_STACK.match(name_out):
+            yield name_out, f.get_slice(name)[shard.first : shard.first + shard.count]
+        else:
+            yield name_out, f.get_tensor(name)
 
 
 def state_dict_of(
@@ -129,11 +157,16 @@ def stack_experts(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def build_model(config: ModelConfig, state_dict: dict[str, Any]) -> HybridForCausalLM:
+def build_model(config: ModelConfig, state_dict: dict[str, Any], shard: ExpertShard | None = None) -> HybridForCausalLM:
     """Check names and shapes against the architecture, then adopt the tensors without copying.
-    A `QuantWeight` (a weight kept quantized) takes its parameter's place under the same name."""
+    A `QuantWeight` (a weight kept quantized) takes its parameter's place under the same name.
+    With `shard`, the expert stacks hold that shard's experts (`SparseMoe.shard_experts`)."""
     with torch.device("meta"):
         model = HybridForCausalLM(config)
+        if shard is not None:
+            for module in model.modules():
+                if isinstance(module, SparseMoe):
+                    module.shard_experts(shard)
     expected = {name: p.shape for name, p in model.state_dict().items()}
     if config.tie_word_embeddings and "lm_head.weight" not in state_dict and "model.embed_tokens.weight" in state_dict:
         state_dict = {**state_dict, "lm_head.weight": state_dict["model.embed_tokens.weight"]}
@@ -206,12 +239,17 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     return start, start + (last + 1) * t.element_size()
 
 
-def fingerprint(config: ModelConfig, state_dict: dict[str, Any]) -> str:
-    """Stable id of config + weights: names, shapes, dtypes and the first bytes of every tensor."""
+def fingerprint(config: ModelConfig, state_dict: dict[str, Any], shard: ExpertShard | None = None) -> str:
+    """Stable id of config + weights: names, shapes, dtypes and the first bytes of every tensor.
+    With `shard`, the expert stacks count as the whole model's: rank 0's shard, whose stacks start
+    with expert 0 as the whole ones do, gives the fingerprint of the model (`ExpertShard.agree`)."""
     h = xxhash.xxh3_128(repr(config).encode())
     for name in sorted(state_dict):
         weight = state_dict[name]
-        h.update(f"{name}:{tuple(weight.shape)}:{weight.dtype}".encode())
+        shape = tuple(weight.shape)
+        if shard is not None and EXPERT_STACK.match(name):
+            shape = (shard.num_experts, *shape[1:])
+        h.update(f"{name}:{shape}:{weight.dtype}".encode())
         parts = (weight,) if isinstance(weight, torch.Tensor) else weight.parts  # kept quantized: its arrays
         for tensor in parts:
             head = tensor.detach().flatten()[:256].float().cpu()

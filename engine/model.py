@@ -16,6 +16,7 @@ from engine.config import ModelConfig
 from engine.ops import Kernels, moe_experts_quantized
 from engine.ops.deltanet import decode_mix
 from engine.ops.rope import rope_cos_sin
+from engine.parallel import ExpertShard
 
 
 class OffloadedExperts(Protocol):
@@ -175,16 +176,18 @@ class Weight(nn.Module):
 
 
 class Experts(nn.Module):
-    """Stacked expert weights: gate_up_proj [E, 2I, H], down_proj [E, H, I]; with the shared expert
-    folded in (`SparseMoe.fold_shared`), views of `gate_up_all` and `down_all`, which end with it."""
+    """Stacked expert weights: gate_up_proj [E, 2I, H], down_proj [E, H, I] (E: `count`, by default
+    all of the model's); with the shared expert folded in (`SparseMoe.fold_shared`), views of
+    `gate_up_all` and `down_all`, which end with it."""
 
     gate_up_proj: torch.Tensor
     down_proj: torch.Tensor
 
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, count: int | None = None):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.zeros(c.num_experts, 2 * c.moe_intermediate_size, c.hidden_size))
-        self.down_proj = nn.Parameter(torch.zeros(c.num_experts, c.hidden_size, c.moe_intermediate_size))
+        count = c.num_experts if count is None else count
+        self.gate_up_proj = nn.Parameter(torch.zeros(count, 2 * c.moe_intermediate_size, c.hidden_size))
+        self.down_proj = nn.Parameter(torch.zeros(count, c.hidden_size, c.moe_intermediate_size))
 
 
 class RMSNorm(nn.Module):
@@ -394,7 +397,9 @@ class MLP(nn.Module):
 
 class SparseMoe(nn.Module):
     """Routed experts and a shared expert. With `offload` set (engine/offload/), the routed
-    experts live there instead of in `experts`, and run on its device slots."""
+    experts live there instead of in `experts`, and run on its device slots. With `shard` set
+    (expert parallel, `engine.parallel`), `experts` holds this rank's share and the routed outputs
+    are summed over the ranks."""
 
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -402,6 +407,7 @@ class SparseMoe(nn.Module):
         self.gate = Weight(c.num_experts, c.hidden_size)
         self.experts: Experts | None = Experts(c)
         self.offload: OffloadedExperts | None = None
+        self.shard: ExpertShard | None = None
         self.shared_expert = MLP(c.hidden_size, c.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False)
         self.folded = False  # the shared expert is expert E of the routed stacks (`fold_shared`)
@@ -414,6 +420,10 @@ class SparseMoe(nn.Module):
         # gate and up (2 x I) + router (E) + the output gate (1): an odd width, padded to 8 outputs
         fuse(self, "in_proj", [shared.gate_proj, shared.up_proj, self.gate, self.shared_expert_gate], align=8)
 
+    def shard_experts(self, shard: ExpertShard) -> None:
+        """Hold experts [shard.first, shard.first + shard.count) only (new stacks, before loading)."""
+        self.experts, self.shard = Experts(self.c, shard.count), shard
+
     def fold_shared(self) -> None:
         """Make the shared expert one more routed expert, E, at the end of the stacks (its weights
         then views of them). The router (`kernels.router`: with the shared expert's gate, one plain
@@ -421,9 +431,12 @@ class SparseMoe(nn.Module):
         expert launches runs the nine a token reads: decode loses the shared expert's own GEMVs or
         GEMMs, its activation and the gated add. Only where it has the routed experts' size and kind
         (a quantized model: their format), the router is plain and the experts are in the layer (not
-        offloaded); else nothing changes. The new stacks cost one layer's memory while built."""
+        offloaded) and held whole (not sharded: every rank would add it to the sum); else nothing
+        changes. The new stacks cost one layer's memory while built."""
         c, shared, experts = self.c, self.shared_expert, self.experts
-        if self.folded or experts is None or c.shared_expert_intermediate_size != c.moe_intermediate_size:
+        if self.folded or experts is None or self.shard is not None:
+            return
+        if c.shared_expert_intermediate_size != c.moe_intermediate_size:
             return
         if not all(isinstance(m.weight, torch.Tensor) for m in (self.gate, self.shared_expert_gate)):
             return  # a quantized router: `kernels.router` takes plain weights (no file so far quantizes it)
@@ -453,9 +466,13 @@ class SparseMoe(nn.Module):
         run = partial(routed_experts, kernels)
         if self.offload is not None:  # the stacks of its device slots, whichever kind they are
             routed = self.offload.run(x, weights, ids, run)
-        else:
+        elif self.shard is None:
             assert self.experts is not None
             routed = run(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
+        else:  # this rank's experts (the others' assignments at -1), then the sum over the ranks
+            assert self.experts is not None
+            stacks = (self.experts.gate_up_proj, self.experts.down_proj)
+            routed = self.shard.combine(run(x, weights, self.shard.local(ids), *stacks, partial=True))
         shared = matmul(kernels.silu_mul(gate, up), self.shared_expert.down_proj.weight)
         return kernels.add_sigmoid_mul(routed, shared_gate, shared)
 

@@ -1,0 +1,191 @@
+"""Expert parallel on gloo: 2 and 4 processes on this machine, each holding its share of the
+routed experts (`engine.parallel`), give the single process's logits (fp32, 1e-5) for a prefill with
+captures, batched decode through the engine's step loop, and restores: of a snapshot taken at
+the same world size, and of one the single process took (the state is replicated, so a restore
+at another world size is exact). Rank 0's snapshots are the single process's."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from checkpoint_store import Snapshot
+from engine import Engine
+from engine.engine_config import EngineConfig
+from engine.engine import materialised_shard
+from engine.feed import Feed
+from engine.load import load_folder
+from engine.parallel import ExpertParallel, ExpertParallelError
+from gateway.ports import LOOPBACK, free_port
+
+TOL = 1e-5
+PRESETS = ("tiny", "tiny-next")
+WORLDS = (2, 4)
+# small prefill chunks: the prompts take several steps, decode rows ride in prefill forwards and run alone
+CONFIG = EngineConfig(dtype=torch.float32, prefill_chunk=32, max_running=4)
+PROMPTS = [[(1000 + 37 * i * (s + 1)) % 240_000 for i in range(n)] for s, n in enumerate((60, 23, 41))]
+CAPTURES = [10, 25, 60]  # of PROMPTS[0]
+RESTORED_AT = 1  # the chain up to CAPTURES[1]
+FED = [[11, 12, 13, 14], [21, 22], [31, 32, 33]]  # decode tokens after each prompt (teacher-forced)
+
+
+def batched_decode(engine: Engine) -> list[torch.Tensor]:
+    """The prompts prefilled and their FED tokens decoded together, one `Engine.run` of the
+    scheduler's plan a step; per sequence the logits after its prompt and after each fed token."""
+    feeds = {i: Feed(engine.new_state(), prompt) for i, prompt in enumerate(PROMPTS)}
+    logits: list[list[torch.Tensor]] = [[] for _ in PROMPTS]
+    while feeds:
+        engine.run(engine.scheduler.schedule(list(feeds.values())))
+        for i, feed in list(feeds.items()):
+            if feed.result is None:
+                continue
+            logits[i].append(feed.result.logits)
+            fed = FED[i][len(logits[i]) - 1 : len(logits[i])]
+            if fed:
+                feeds[i] = Feed(feed.state, fed)
+            else:
+                del feeds[i]
+    return [torch.stack(out) for out in logits]
+
+
+def continued(engine: Engine, chain: list[Snapshot]) -> torch.Tensor:
+    """PROMPTS[0] and FED[0] from a restore of `chain`: the logits after the prompt and each token."""
+    state = engine.restore(chain)
+    prefilled = engine.prefill(state, PROMPTS[0][chain[-1].end :]).logits
+    return torch.cat([prefilled[None], engine.feed(state, FED[0])])
+
+
+def scenario(engine: Engine, theirs: list[Snapshot]) -> dict:
+    """What each test compares, from one engine; `theirs`: the single process's snapshots of PROMPTS[0]."""
+    first = engine.prefill(engine.new_state(), PROMPTS[0], capture_at=CAPTURES)
+    experts = engine.model.model.layers[0].mlp.experts
+    return {
+        "fingerprint": engine.fingerprint,
+        "experts": experts.gate_up_proj.detach().clone(),
+        "prefill": first.logits,
+        "snapshots": first.snapshots,
+        "decode": batched_decode(engine),
+        "restore": continued(engine, first.snapshots[: RESTORED_AT + 1]),
+        "restore_theirs": continued(engine, theirs[: RESTORED_AT + 1]),
+    }
+
+
+def _rank(rank: int, world: int, port: int, dirs: dict[str, str], references: str, out: str) -> None:
+    torch.set_num_threads(1)  # the ranks share this machine's cores
+    dist.init_process_group("gloo", init_method=f"tcp://{LOOPBACK}:{port}", rank=rank, world_size=world)
+    try:
+        theirs = torch.load(references, weights_only=False)  # our own file: Snapshots
+        results = {}
+        for preset, folder in dirs.items():
+            engine = Engine.load(folder, CONFIG, expert_parallel=ExpertParallel.of_group())
+            results[preset] = scenario(engine, theirs[preset])
+            model, fp = materialised_shard(preset, "cpu", torch.float32, ExpertParallel.of_group())
+            results[preset]["materialised"] = fp, model.model.layers[0].mlp.experts.gate_up_proj.clone()
+        torch.save(results, Path(out) / f"{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def reference(preset_dirs) -> dict[str, dict]:
+    """The single process's results (no group)."""
+    out = {}
+    for preset in PRESETS:
+        engine = Engine.load(preset_dirs[preset], CONFIG)
+        theirs = engine.prefill(engine.new_state(), PROMPTS[0], capture_at=CAPTURES).snapshots
+        out[preset] = scenario(engine, theirs)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(preset_dirs, reference, tmp_path_factory):
+    """`ranks(world)`: each rank's results, the world's processes spawned once."""
+    runs: dict[int, list[dict]] = {}
+    folder = tmp_path_factory.mktemp("expert_parallel")
+    references = folder / "references.pt"
+    torch.save({preset: reference[preset]["snapshots"] for preset in PRESETS}, references)
+
+    def run(world: int) -> list[dict]:
+        if world not in runs:
+            out = folder / str(world)
+            out.mkdir()
+            dirs = {preset: preset_dirs[preset] for preset in PRESETS}
+            mp.spawn(_rank, args=(world, free_port(), dirs, str(references), str(out)), nprocs=world)
+            runs[world] = [torch.load(out / f"{rank}.pt", weights_only=False) for rank in range(world)]
+        return runs[world]
+
+    return run
+
+
+def _close(ours, theirs) -> None:
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=TOL)
+
+
+def _same_snapshots(ours: list[Snapshot], theirs: list[Snapshot]) -> None:
+    assert [(s.start, s.end, sorted(s.tensors)) for s in ours] == [(s.start, s.end, sorted(s.tensors)) for s in theirs]
+    for mine, other in zip(ours, theirs, strict=True):
+        for name, tensor in mine.tensors.items():
+            assert tensor.dtype == other.tensors[name].dtype
+            _close(tensor, other.tensors[name])
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_each_rank_holds_its_experts_and_the_whole_models_fingerprint(ranks, reference, preset, world):
+    """Loaded from the folder, and generated in memory (`FT_MATERIALISE`'s path) on the CPU,
+    whose random draws are the folder's."""
+    whole, fp = reference[preset]["experts"], reference[preset]["fingerprint"]
+    count = whole.shape[0] // world
+    for rank, results in enumerate(ranks(world)):
+        mine = whole[rank * count : (rank + 1) * count]
+        assert torch.equal(results[preset]["experts"], mine) and results[preset]["fingerprint"] == fp
+        assert results[preset]["materialised"][0] == fp and torch.equal(results[preset]["materialised"][1], mine)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_prefill_with_captures_gives_the_single_process_logits_and_snapshots(ranks, reference, preset, world):
+    theirs = reference[preset]
+    for results in ranks(world):
+        _close(results[preset]["prefill"], theirs["prefill"])
+        _same_snapshots(results[preset]["snapshots"], theirs["snapshots"])
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_batched_decode_through_the_step_loop_gives_the_single_process_logits(ranks, reference, preset, world):
+    assert [len(out) for out in reference[preset]["decode"]] == [1 + len(fed) for fed in FED]
+    for results in ranks(world):
+        for ours, theirs in zip(results[preset]["decode"], reference[preset]["decode"], strict=True):
+            _close(ours, theirs)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_snapshot_restores_exactly_at_its_world_size_and_at_another(ranks, reference, preset, world):
+    """Restored from its own rank's snapshot, and from the single process's: the single
+    process's continuation, itself that of the whole prefill."""
+    theirs = reference[preset]
+    _close(theirs["restore"][0], theirs["prefill"])
+    for results in ranks(world):
+        _close(results[preset]["restore"], theirs["restore"])
+        _close(results[preset]["restore_theirs"], theirs["restore"])
+
+
+def test_a_world_that_does_not_split_the_experts_evenly_is_refused():
+    with pytest.raises(ExpertParallelError, match="8 experts do not split evenly over 3 ranks"):
+        ExpertParallel(0, 3).shard(8)
+    with pytest.raises(ExpertParallelError, match="rank 2 outside a world of 2"):
+        ExpertParallel(2, 2)
+
+
+def test_expert_parallel_refuses_gguf_and_offload(tmp_path):
+    with pytest.raises(ExpertParallelError, match="not GGUF models"):
+        load_folder(tmp_path / "model.gguf", torch.device("cpu"), parallel=ExpertParallel(0, 2))
+    with pytest.raises(ValueError, match="split over ranks or offloaded"):
+        dataclasses.replace(CONFIG, expert_parallel=ExpertParallel(0, 2), gpu_memory_gib=4.0)
