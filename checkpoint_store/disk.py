@@ -264,8 +264,7 @@ class DiskTier:
         if header.part == KV_PART:
             self.index.add(header.meta, nbytes, 0, clock)
         elif self.index.metas.get(header.anchor) == header.meta:
-            self.index.set_state(header.anchor, nbytes)
-            self.index.touch(header.anchor, clock)
+            self.index.set_state(header.anchor, nbytes, clock)
 
     def forget(self, anchor: bytes, part: str) -> None:
         """Drop a part from the index (the caller holds ``lock``; the key is deleted elsewhere)."""

@@ -4,17 +4,17 @@ A tier holds records, each a KV part (small, needed by every later record of its
 and optionally a state part (about 61 MiB for the 35B-A3B shape, needed only to *end* a
 chain there). Eviction keeps what restores best:
 
-1. **States go before KV.** A state part may be dropped from any record; the record's KV
-   stays, so chains through it still restore (at a later state).
-2. **KV goes leaf-first.** A record's KV is evicted only once it holds no state and no
+1. **KV goes leaf-first.** A record's KV is evicted only once it holds no state and no
    record in the same tier names it as parent, so eviction never opens a hole inside a
-   chain the tier still holds.
-3. **Among candidates, the lowest score goes first**, where a score is the record's last
-   use on the tier's logical clock (one tick per put or restore) plus bonuses:
-   ``TIP_BONUS`` for the state of a chain tip (the next turn of a session resumes
-   there), and ``SHARE_BONUS * log2(children)`` for a record that two or more records
-   extend (a system prompt and tool schema shared by every session and sub-agent). A
-   restore touches every record of its chain, so recently used chains stay as a whole.
+   chain the tier still holds. A state part may go from any record; the record's KV stays,
+   so chains through it still restore (at a later state).
+2. **Among those candidates, the part least likely to be read again per byte goes first:** the
+   lowest hit density (``hit_density``) for its class (KV or state, of a chain's tip, an inner
+   record or a shared prefix, by the children it has had: a shared prefix whose sessions have all
+   gone is still one) at its age (ticks of the tier's clock, one per put or restore,
+   since its last use), learned from the hits and evictions the tier has seen. A restore
+   touches every record of its chain, so a chain ages and is kept as a whole; ties go to the
+   least recently used.
 
 ``lru`` is the plain order to compare against: the least recently used record goes whole
 (KV and state), whatever it holds or extends; a parent's KV may go before its children's, so
@@ -25,14 +25,12 @@ The scan is linear in the number of records; tiers hold thousands, not millions.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from .hit_density import HitDensity, role
 from .record import KV_PART, STATE_PART
 
-TIP_BONUS = 32
-SHARE_BONUS = 64
 ORDERS = ("anchor", "lru")  # the order above; plain least recently used
 
 
@@ -44,6 +42,12 @@ class Entry:
     kv_bytes: int
     state_bytes: int  # 0 when the tier holds no state for this record
     last_used: int
+    fanout: int = 0  # the most records of the tier that named it as parent at once
+
+    @property
+    def role(self) -> str:
+        """Its place in its chains (``hit_density.role``), by the children it has had, not those left."""
+        return role(self.fanout)
 
     @property
     def has_state(self) -> bool:
@@ -54,38 +58,35 @@ class Entry:
         return self.kv_bytes + self.state_bytes
 
 
-def state_score(entry: Entry, num_children: int) -> float:
-    bonus = float(TIP_BONUS if num_children == 0 else 0)
-    if num_children >= 2:
-        bonus += SHARE_BONUS * math.log2(num_children)
-    return entry.last_used + bonus
-
-
 def pick_victim(
     entries: Mapping[bytes, Entry],
     children: Mapping[bytes, int],
+    density: HitDensity,
+    clock: int,
     keep: Iterable[bytes] = (),
     order: str = "anchor",
 ) -> tuple[bytes, str] | None:
-    """The (anchor, part) to evict next in ``order`` (one of ORDERS), or None when nothing may go;
-    ``keep`` is spared."""
+    """The (anchor, part) to evict next in ``order`` (one of ORDERS) at ``clock``, or None when nothing
+    may go; ``keep`` is spared."""
     spared = set(keep)
     if order == "lru":
         return least_recent(entries, spared)
-    best: tuple[float, bytes, str] | None = None
+    best: tuple[float, int, bytes, str] | None = None
     for anchor, entry in entries.items():
         if anchor in spared:
             continue
         num_children = children.get(anchor, 0)
         if entry.has_state:
-            candidate = (state_score(entry, num_children), anchor, STATE_PART)
+            part = STATE_PART
         elif num_children == 0:
-            candidate = (float(entry.last_used), anchor, KV_PART)
+            part = KV_PART
         else:
             continue
-        if best is None or candidate[0] < best[0]:
+        score = density.density((part, entry.role), clock - entry.last_used)
+        candidate = (score, entry.last_used, anchor, part)
+        if best is None or candidate[:2] < best[:2]:
             best = candidate
-    return None if best is None else (best[1], best[2])
+    return None if best is None else (best[2], best[3])
 
 
 def least_recent(entries: Mapping[bytes, Entry], spared: set[bytes]) -> tuple[bytes, str] | None:

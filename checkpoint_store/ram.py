@@ -66,8 +66,8 @@ class RamTier:
         self.index.add(meta, kv.nbytes, state_bytes, clock)
         return state_bytes > 0 or state is None
 
-    def touch(self, anchor: bytes, clock: int) -> None:
-        self.index.touch(anchor, clock)
+    def touch(self, anchor: bytes, clock: int, with_state: bool = False) -> None:
+        self.index.touch(anchor, clock, with_state)
 
     def remove(self, anchor: bytes) -> None:
         self.records.pop(anchor, None)

@@ -432,10 +432,10 @@ class CheckpointStore:
             if not plan or not plan[-1].has_state:
                 self._counters.restore_misses += 1
                 return None
-            for loc in plan:
-                self._ram.touch(loc.meta.anchor, self._clock)
+            for loc in plan:  # the state read is the last record's
+                self._ram.touch(loc.meta.anchor, self._clock, with_state=loc is plan[-1])
                 if self._disk is not None:
-                    self._disk.index.touch(loc.meta.anchor, self._clock)
+                    self._disk.index.touch(loc.meta.anchor, self._clock, with_state=loc is plan[-1])
             if self._disk is not None:
                 self._disk.pin(chain)
             self._tell_gets(plan)
