@@ -1,13 +1,14 @@
 """The offline optimum of a RAM tier over a run's access log: Belady, by bytes, fractional.
 
-The log is every record part offered to the RAM tier (`put`) and every part a restore read
-(`get`), in order (`CheckpointStore.on_access`). A cache of `budget` bytes that may take in a part
-at any access of it and give up any bytes at any time keeps, after each access, the bytes whose
-next use comes soonest: parts are split into bytes, each a unit item sharing its part's accesses,
-and for unit items farthest-next-use is optimal (Belady). The bytes of gets it holds, over all get
-bytes, bound the byte hit ratio of any eviction order at that budget on that log: a real tier takes
-parts in only when they are put, whole, so what it holds at each get is one of the choices this
-cache had.
+The log is every record part offered to the RAM tier (`put`), brought up into it by a prefetch
+(`promote`) and read by a restore (`get`), in order (`CheckpointStore.on_access`). A cache of
+`budget` bytes that may take in a part at any access of it and give up any bytes at any time keeps,
+after each access, the bytes whose next use comes soonest: parts are split into bytes, each a unit
+item sharing its part's accesses, and for unit items farthest-next-use is optimal (Belady). A use
+is a get: a part whose next access is a put or a promotion comes in again there, so until then it is
+worth nothing held. The bytes of gets it holds, over all get bytes, bound the byte hit ratio of any
+eviction order at that budget on that log: a real tier takes parts in only when they are put or
+promoted, whole, so what it holds at each get is one of the choices this cache had.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def belady_hits(log: Sequence[Access], budget: int) -> tuple[float, int]:
     """(bytes of gets held, bytes of gets) of the optimal `budget`-byte cache over `log`."""
     sizes = part_sizes(log)
     keys = [(a.anchor, a.part) for a in log]
-    next_use = _next_uses(keys)
+    next_use = _next_needs(keys, [a.kind == "get" for a in log])
     held: dict[Key, float] = {}  # bytes held of each part
     when: dict[Key, float] = {}  # its next use
     farthest: list[tuple[float, Key]] = []  # (-next use, part), stale entries skipped
@@ -56,11 +57,13 @@ def belady_hits(log: Sequence[Access], budget: int) -> tuple[float, int]:
     return hit, wanted
 
 
-def _next_uses(keys: Sequence[Key]) -> list[float]:
-    """For each access, the index of the next access of the same part (inf: none)."""
+def _next_needs(keys: Sequence[Key], is_get: Sequence[bool]) -> list[float]:
+    """For each access, the index of the next access of the same part if that one is a get; inf where
+    it is a put or a promotion (the part comes in again there, whatever was held) or there is none."""
     out = [math.inf] * len(keys)
     seen: dict[Key, int] = {}
     for i in range(len(keys) - 1, -1, -1):
-        out[i] = seen.get(keys[i], math.inf)
+        following = seen.get(keys[i])
+        out[i] = following if following is not None and is_get[following] else math.inf
         seen[keys[i]] = i
     return out

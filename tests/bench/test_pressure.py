@@ -46,6 +46,12 @@ def test_belady_keeps_what_is_used_soonest():
     assert belady_hits(log, 0) == (0.0, 40)
 
 
+def test_belady_drops_what_comes_in_again_before_it_is_read():
+    # B is promoted again before any read of it: holding it meanwhile is worth nothing, A is read
+    log = [put(b"A", 10), put(b"B", 10), Access("promote", b"B", "kv", 10, "disk"), get(b"A")]
+    assert belady_hits(log, 10) == (10.0, 10)
+
+
 def test_belady_keeps_part_of_a_part_at_the_boundary():
     log = [put(b"A", 10), put(b"B", 10), get(b"A"), get(b"B")]
     assert belady_hits(log, 15) == (15.0, 20)  # all of A, half of B: the fractional bound
