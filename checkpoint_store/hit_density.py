@@ -19,7 +19,8 @@ parent links: ``tip`` (no child: a session resumes at its last answer), ``inner`
 old turn, its state needed only by a request that edits the history there) and ``shared`` (two or
 more children: a system prompt and tools every session and sub-agent extend). Until a class has
 seen an event (every class, until the tier has seen a hit), its density is its ``PRIOR`` (relative
-to the tier's overall density); then its counts alone. Counts halve every ``HALF_LIFE`` events, so the estimate follows a change of workload.
+to the tier's overall density); then its counts alone. Counts halve every ``HALF_LIFE`` events, so
+the estimate follows a change of workload.
 """
 
 from __future__ import annotations
@@ -90,7 +91,9 @@ class HitDensity:
         ages = [bucket_age(b) for b in range(NUM_BUCKETS)]
         middles = [bucket_age(b + 0.5) for b in range(NUM_BUCKETS)]  # an event's age within its bucket
         total_hits = sum(sum(h) for h in self.hits.values())
-        total_life = sum(a * (h + e) for c in PRIOR for a, h, e in zip(middles, self.hits[c], self.evictions[c], strict=True))
+        total_life = sum(
+            a * (h + e) for c in PRIOR for a, h, e in zip(middles, self.hits[c], self.evictions[c], strict=True)
+        )
         overall = total_hits / total_life if total_hits and total_life else 1.0
         table = {}
         for cls, prior in PRIOR.items():
