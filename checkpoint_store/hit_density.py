@@ -92,7 +92,7 @@ class HitDensity:
         middles = [bucket_age(b + 0.5) for b in range(NUM_BUCKETS)]  # an event's age within its bucket
         total_hits = sum(sum(h) for h in self.hits.values())
         total_life = sum(
-            a * (h + e) for c in PRIOR for a, h, e in zip(middles, self.hits[c], self.evictions[c], strict=True)
+            age * (self.hits[c][b] + self.evictions[c][b]) for c in PRIOR for b, age in enumerate(middles)
         )
         overall = total_hits / total_life if total_hits and total_life else 1.0
         table = {}
