@@ -199,6 +199,16 @@ class CheckpointStore:
             moved += parts
         return moved
 
+    def touch(self, chain: list[bytes]) -> None:
+        """Count the records of ``chain`` the store holds as used now (as a restore of it would), in
+        both tiers: e.g. a live sequence of the chain, continued without restoring it, is let go."""
+        with self._lock:
+            self._clock += 1
+            for anchor in chain:
+                self._ram.touch(anchor, self._clock)
+                if self._disk is not None:
+                    self._disk.index.touch(anchor, self._clock)
+
     def longest_in_ram(self, chain: list[bytes]) -> int:
         """How many leading anchors of ``chain`` the RAM tier alone restores (as ``longest_restorable``,
         reading nothing from disk or the writer's queue). Changes nothing."""

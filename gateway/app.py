@@ -114,7 +114,7 @@ async def health(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     rt: Service = request.app.state.runtime
     text = rt.metrics.render(rt.store.stats(), rt.scheduler.stats(), rt.memory(), rt.engine.offload_stats(),
-                             live_sequences=len(rt.live))
+                             live_sequences=len(rt.live), pins=rt.pin_counts())
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 

@@ -1,8 +1,10 @@
 """Checkpoint traffic between the requests and the store, on the engine worker: restore the deepest
 restorable anchor of a chain (found by `PrefixCache` over the live, queued, RAM and disk tiers),
 prefill the rest capturing a snapshot at every segment boundary (a state where the policy wants
-one), save the end of a generation, precompute the history the next request will send, and say why
-a request's prefilled tokens were not restored (`gateway.prefill_reasons`)."""
+one), save the end of a generation (pinned while the tool it calls runs: gateway/retention.py),
+precompute the history the next request will send, store what a dropped live sequence holds that
+the store lost (`spill`), and say why a request's prefilled tokens were not restored
+(`gateway.prefill_reasons`)."""
 
 from __future__ import annotations
 
@@ -15,11 +17,12 @@ from checkpoint_store import CheckpointStore
 from engine import Engine, Feed, PrefillResult, SequenceState
 from gateway.anchors import Namespace, anchor_chain, boundaries
 from gateway.capture_policy import state_positions
-from gateway.live import LiveSequences
+from gateway.live import Kept, LiveSequences
 from gateway.metrics import Metrics
 from gateway.prefill_reasons import PrefillReasons, SeenChains
 from gateway.prefix_cache import PrefixCache, Tier
 from gateway.render import Segment
+from gateway.retention import Retention
 from gateway.scheduler import Scheduler
 from gateway.store_queue import StoreQueue
 
@@ -30,18 +33,25 @@ PRECOMPUTE_STEP = 2048  # tokens per background pass: big enough for the GPU, sm
 class Checkpoints:
     """The checkpoint steps of every request, built once per server from exactly what they touch:
     the engine, the store and its write queue, the live sequences, the metrics, the capture
-    policy, the root anchor (what a precomputed history's chain hangs from) and the scheduler
-    (precompute runs in its gaps and yields to its live work). A generation asks it for steps
+    policy, the root anchor (what a precomputed history's chain hangs from), the scheduler
+    (precompute runs in its gaps and yields to its live work) and the pins' `retention`. A generation asks it for steps
     instead of passing the whole server around. The steps that remember or chain take the
     request's tenant `namespace` (gateway/tenants.py), by default the server's own. Engine worker only."""
 
     def __init__(self, engine: Engine, store: CheckpointStore, store_queue: StoreQueue, live: LiveSequences,
-                 metrics: Metrics, policy: str, root: bytes, scheduler: Scheduler):
-        self.engine, self.store_queue, self.live = engine, store_queue, live
+                 metrics: Metrics, policy: str, root: bytes, scheduler: Scheduler, retention: Retention):
+        self.engine, self.store, self.store_queue, self.live = engine, store, store_queue, live
         self.metrics, self.policy, self.root, self.scheduler = metrics, policy, root, scheduler
+        self.retention = retention
         self.cache = PrefixCache(live, store_queue, store)
         self.seen = SeenChains()  # what was computed: why a later prompt was not restored
         self.home = Namespace(root)  # the server's own tenant: no key, or one unnamed key
+
+    def arrive(self, chain: Sequence[bytes], session: str | None = None) -> str:
+        """A request that restores `chain` starts: the pin of the answer it continues ends (its tool
+        time observed). Returns its session: the client's `session`, else the pinned answer's, else
+        one named by `chain` (gateway/pins.py)."""
+        return self.retention.resume(list(chain), session)
 
     def restore(self, chain: Sequence[bytes], ends: Sequence[int], rewind: bool = True) -> tuple[SequenceState, int]:
         """A state at the end of the longest restorable prefix of `chain` (a fresh state when none)
@@ -104,14 +114,17 @@ class Checkpoints:
         return result
 
     def save_generation_end(
-        self, state: SequenceState, segments: Sequence[Segment], start: int, prompt: Sequence[bytes],
-        generated: list[int], namespace: Namespace | None = None,
+        self, state: SequenceState, segments: Sequence[Segment], prompt: Sequence[bytes], prompt_ends: Sequence[int],
+        generated: list[int], namespace: Namespace | None = None, pin_session: str | None = None,
     ) -> Generator[Feed, None, None]:
         """Checkpoint a generation as the next request will render it (`segments`, a memo hit),
-        after its prompt (`start` tokens, its chain `prompt`): KV deltas per generated segment,
-        the state after the end-of-turn token (fed here). The sequence stays live there, and may
-        be rewound to its prompt's last message or its end by a request that shares no more of it
-        (the answer rendered otherwise, e.g. its reasoning dropped; the same prompt sent again)."""
+        after its prompt (its chain `prompt`, its anchors' token ends `prompt_ends`): KV deltas per
+        generated segment, the state after the end-of-turn token (fed here). The sequence stays live
+        there, and may be rewound to its prompt's last message or its end by a request that shares no
+        more of it (the answer rendered otherwise, e.g. its reasoning dropped; the same prompt sent
+        again). With `pin_session` (an answer that ends in a tool call: its session), its end is pinned
+        while the tool runs (`Retention.pin`)."""
+        start = prompt_ends[-1]
         ends = [start + e for e in boundaries(segments)]
         if not ends or ends[-1] != state.length + 1:
             log.debug("generation end not checkpointed: %s != %s", ends[-1:] or None, state.length + 1)
@@ -126,7 +139,11 @@ class Checkpoints:
         self.store_queue.put(chain, parent, [*snapshots, *tail.snapshots], tail.ready)
         states = [a for a, s in zip(chain, [*snapshots, *tail.snapshots], strict=True) if s.has_state]
         self.seen.add([*prompt, *chain], ends[-1], states, contents=segments, scope=(namespace or self.home).scope)
-        self.live.keep(chain[-1], state, rewinds=prompt[-2:])  # a re-rendered answer; a retried prompt
+        whole = [*prompt, *chain]
+        if pin_session is not None:
+            self.retention.pin(whole, pin_session)
+        # rewinds: a re-rendered answer; a retried prompt
+        self.live.keep(whole, [*prompt_ends, *ends], state, rewinds=prompt[-2:], for_request=True)
 
     def schedule_precompute(self, segments: list[Segment], namespace: Namespace | None = None) -> Future:
         """Precompute `segments` in the scheduler's gaps (a background task); its future gives
@@ -159,8 +176,26 @@ class Checkpoints:
                 break
             result = yield from self.prefill(state, segments[: i + 1], chain[: i + 1], ends[: i + 1], done, namespace)
             computed, done = computed + end - done, end
-            at_state = chain[i] if result.snapshots and result.snapshots[-1].has_state else None
+            at_state = i if result.snapshots and result.snapshots[-1].has_state else None
         if at_state is not None:  # the last pass ended on a state checkpoint: continue from here
-            self.live.keep(at_state, state)
+            self.live.keep(chain[:at_state + 1], ends[:at_state + 1], state)
         self.metrics.add_tokens(precomputed=computed)
         return computed
+
+    def spill(self, kept: Kept) -> None:
+        """A live sequence dropped (not handed to a request): what the store no longer holds of its
+        chain (evicted from a RAM-only store, or from the disk; a put that failed) is stored from the
+        sequence first, so its state goes down a tier instead of being lost: the KV deltas from the
+        first record the store lacks, and the state at its end. Nothing when the store restores the
+        whole chain or some of it is still queued. Engine worker only (`LiveSequences.spill`)."""
+        chain, ends = list(kept.chain), list(kept.ends)
+        if self.policy == "none" or self.store_queue.holds(chain) or self.store.longest_restorable(chain) == len(chain):
+            return
+        self.store.touch(chain)  # used until now, in place: what it keeps is not the next to go
+        first = next((i for i, a in enumerate(chain) if not self.store.has_kv(a)), len(chain) - 1)
+        starts = [0, *ends[:-1]]
+        snapshots = [self.engine.kv_delta(kept.state, starts[i], ends[i]) for i in range(first, len(chain) - 1)]
+        snapshots.append(self.engine.snapshot(kept.state, starts[-1]))  # the KV and the state at its end
+        for i in reversed(range(first, len(chain))):  # deepest first: a record whose child is held is no eviction leaf
+            self.store_queue.put(chain[i:i + 1], chain[i - 1] if i else None, snapshots[i - first:i - first + 1])
+        log.info("a dropped live sequence stored %d records the store had lost", len(snapshots))

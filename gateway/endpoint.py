@@ -118,7 +118,7 @@ async def generate(request: Request, protocol: ApiDialect) -> Response:
     check_max_tokens(body, conv.params.max_tokens, rt.engine.max_context)
     tenant = request.state.tenant  # the API key's (gateway/app.py ApiKey), never the client's say
     plan = await anyio.to_thread.run_sync(rt.planner.plan, conv, tenant.namespace, tenant.memo)
-    run = _Run(rt, plan, protocol, received, drain, request, tenant.memo)
+    run = _Run(rt, plan, protocol, received, drain, request, tenant.memo, session_id(request, body))
     first = await run.first()
     headers = {
         "x-cached-tokens": str(first.cached_tokens),
@@ -153,7 +153,7 @@ class _Run:
     at its next step); `interrupt` ends it early (gateway/drain.py)."""
 
     def __init__(self, rt: Service, plan, protocol: ApiDialect, received: float, drain: Drain, request: Request,
-                 memo: TokenMemo):
+                 memo: TokenMemo, session: str | None):
         self.rt, self.plan, self.protocol, self.received, self.drain = rt, plan, protocol, received, drain
         planned = time.perf_counter()
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -168,7 +168,7 @@ class _Run:
         self.generation = Generation(
             plan, rt.checkpoints, rt.renderer, memo, rt.metrics, device=rt.engine.device,
             forced_decode=rt.config.forced_decode, emit=emit, cancel=self.cancel, received_at=received,
-            planned_at=planned, call_id=call_ids(protocol))
+            planned_at=planned, call_id=call_ids(protocol), session=session)
         drain.check()
         future = rt.scheduler.start(self.generation.steps(), self.cancel, lambda: self.generation.answered,
                                     ready=self.generation.ready)
@@ -264,7 +264,8 @@ SESSION_HEADERS = ("x-claude-code-session-id", "session-id", "x-session-id")
 
 def session_id(request: Request, body: dict) -> str | None:
     """The client's session id where it sends one (Claude Code, Codex, OpenCode headers; Codex's
-    `prompt_cache_key`), so interleaved sessions in one recording can be told apart."""
+    `prompt_cache_key`), so interleaved sessions in one recording can be told apart and a session's
+    tool times drawn on for its pins (gateway/pins.py)."""
     for name in SESSION_HEADERS:
         if value := request.headers.get(name):
             return value

@@ -64,15 +64,18 @@ class Generation:
 
     It is given exactly what it reads of the server, so its dependencies show: `checkpoints` (the
     steps that touch the store), the `renderer` and `memo` (parsing the output, rendering the next
-    turn), the `metrics`, the engine's `device` (sampling) and `forced_decode` (see `_decode`)."""
+    turn), the `metrics`, the engine's `device` (sampling) and `forced_decode` (see `_decode`). `session`:
+    the client's session id, where it sends one (the session of an answer's pin, gateway/pins.py)."""
 
     def __init__(self, plan: RestorePlan, checkpoints: Checkpoints, renderer: Renderer, memo: TokenMemo, metrics: Metrics,
                  *, device: torch.device, forced_decode: str, emit: Callable[[Started | Event | Answered], None],
-                 cancel: threading.Event, received_at: float, planned_at: float, call_id: Callable[[], str]):
+                 cancel: threading.Event, received_at: float, planned_at: float, call_id: Callable[[], str],
+                 session: str | None = None):
         self.plan, self.checkpoints, self.renderer, self.memo, self.metrics = plan, checkpoints, renderer, memo, metrics
         self.device, self.forced_decode = device, forced_decode
         self.emit, self.cancel = emit, cancel
         self.received_at, self.planned_at, self.call_id = received_at, planned_at, call_id
+        self.session = session  # the client's id for it, where it sends one
         self.events: list[Event] = []
         self.answered = False  # the answer is sent; what remains checkpoints its end
         self.memo_written: Future | None = None  # the memo's disk write of this answer's ids
@@ -87,6 +90,7 @@ class Generation:
         plan, checkpoints = self.plan, self.checkpoints
         t_start = time.perf_counter()
         linked = checkpoints.engine.link_bytes()
+        session = checkpoints.arrive(plan.chain[:-1], self.session)
         state, cached = checkpoints.restore(plan.chain[:-1], plan.ends)
         t_restored = time.perf_counter()
         reasons = checkpoints.explain(plan.segments, plan.chain, plan.ends, cached, plan.namespace)
@@ -113,8 +117,9 @@ class Generation:
         if message is not None:
             if keeps_generation_end(checkpoints.policy):
                 segments = self.renderer.generation_segments(generated, len(plan.conv.messages))
-                yield from checkpoints.save_generation_end(state, segments, plan.prompt_len, plan.chain, generated,
-                                                           plan.namespace)
+                yield from checkpoints.save_generation_end(
+                    state, segments, plan.chain, plan.ends, generated, plan.namespace,
+                    pin_session=session if message.tool_calls else None)  # pinned while its tool runs
             if precomputes(checkpoints.policy) and not message.tool_calls:
                 checkpoints.schedule_precompute(self._next_turn_segments(message), plan.namespace)
         return self.events

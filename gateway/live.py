@@ -1,50 +1,75 @@
-"""Live sequences: states the engine worker left at a checkpoint, continued in place by the
-request that extends them: the top tier of `gateway.prefix_cache.PrefixCache`."""
+"""Live sequences: states the worker left at a checkpoint, continued in place by the request that
+extends them: the top tier of `gateway.prefix_cache.PrefixCache`."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from engine import SequenceState
+from gateway.pins import Pins
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A kept sequence: its state, the anchors of its tokens (its own last) with their token ends,
+    and the earlier anchors it may be rewound to."""
+
+    state: SequenceState
+    chain: tuple[bytes, ...]
+    ends: tuple[int, ...]
+    rewinds: frozenset[bytes]
 
 
 class LiveSequences:
     """Sequences the worker left at a state checkpoint (an answer's end, a precompute's end),
     oldest first, at most `limit`: each is exactly what restoring its anchor's record gives, so
     a request that extends one continues it in place. Several are kept because clients interleave
-    sessions (a title or sub-agent request between two turns of the main loop). Worker thread only,
-    but for `states()`."""
+    sessions (a title or sub-agent request between two turns of the main loop).
 
-    def __init__(self, limit: int):
-        self.limit = limit
-        # each kept state with the anchors before its own that a request may rewind it to
-        self._by_anchor: OrderedDict[bytes, tuple[SequenceState, frozenset[bytes]]] = OrderedDict()
+    Beyond `limit` the oldest goes, a sequence `pins` holds last: only for the sequence a live
+    request leaves (`keep(..., for_request=True)`), counted as a broken pin. Every sequence dropped
+    (not handed to a request) is given to `spill`, which stores what the store no longer holds of it:
+    its state goes down a tier, never lost while the store has room. Worker thread only, but for
+    `states()`."""
 
-    def keep(self, anchor: bytes, state: SequenceState, rewinds: Sequence[bytes] = ()) -> None:
-        """Call right after a checkpoint with a state was captured at `state`'s current position.
-        `rewinds`: earlier anchors of the sequence's own tokens (its last turn's: what a client
-        that edits that turn still shares) where `take_rewind` may hand it over."""
-        if self.limit <= 0:
-            return
-        self._by_anchor[anchor] = (state, frozenset(rewinds))
+    def __init__(self, limit: int, pins: Pins | None = None, spill: Callable[[Kept], None] = lambda kept: None):
+        self.limit, self.pins, self.spill = limit, pins, spill
+        self._by_anchor: OrderedDict[bytes, Kept] = OrderedDict()
+
+    def keep(self, chain: Sequence[bytes], ends: Sequence[int], state: SequenceState, rewinds: Sequence[bytes] = (),
+             for_request: bool = False) -> None:
+        """Call right after a checkpoint with a state was captured at `state`'s current position, the
+        end of `chain` (`ends`: its anchors' token ends). `rewinds`: earlier anchors of the sequence's
+        own tokens (its last turn's: what a client that edits that turn still shares) where
+        `take_rewind` may hand it over. `for_request`: a live request's, for which a pin may break."""
+        kept = Kept(state, tuple(chain), tuple(ends), frozenset(rewinds))
+        anchor = kept.chain[-1]
+        self._by_anchor[anchor] = kept
         self._by_anchor.move_to_end(anchor)
-        while len(self._by_anchor) > self.limit:
-            self._by_anchor.popitem(last=False)
+        while len(self._by_anchor) > max(self.limit, 0):
+            self.drop(self._victim(anchor, for_request))
+
+    def drop(self, anchor: bytes) -> None:
+        """Let the sequence at `anchor` go (if one is kept there), down to the store (`spill`)."""
+        kept = self._by_anchor.pop(anchor, None)
+        if kept is not None:
+            self.spill(kept)
 
     def deepest(self, chain: Sequence[bytes], ends: Sequence[int], deeper_than: int = 0) -> int:
         """How many leading anchors of `chain` reach the deepest kept sequence at an anchor of
         `chain` past its first `deeper_than - 1`, at that anchor's end (0: none). Changes nothing."""
         for i in range(len(chain) - 1, max(deeper_than - 1, 0) - 1, -1):
             kept = self._by_anchor.get(chain[i])
-            if kept is not None and kept[0].length == ends[i]:
+            if kept is not None and kept.state.length == ends[i]:
                 return i + 1
         return 0
 
     def take(self, anchor: bytes) -> SequenceState:
         """The sequence kept at `anchor`, handed over: the request moves it on. Raises KeyError when
         none is kept there."""
-        return self._by_anchor.pop(anchor)[0]
+        return self._by_anchor.pop(anchor).state
 
     def take_rewind(self, anchor: bytes) -> SequenceState | None:
         """The newest kept sequence that may be rewound to `anchor` (its tokens run through it),
@@ -52,15 +77,29 @@ class LiveSequences:
         an answer's reasoning once a new user message follows: the next request shares the answer's
         sequence up to the message before it, where its KV still lies in place."""
         for key in reversed(self._by_anchor):
-            state, rewinds = self._by_anchor[key]
-            if anchor in rewinds:
+            kept = self._by_anchor[key]
+            if anchor in kept.rewinds:
                 del self._by_anchor[key]
-                return state
+                return kept.state
         return None
 
     def states(self) -> list[SequenceState]:
         """The kept states (a copy of the list: any thread may ask, e.g. for the memory report)."""
-        return [state for state, _ in self._by_anchor.values()]
+        return [kept.state for kept in list(self._by_anchor.values())]
+
+    def __contains__(self, anchor: bytes) -> bool:
+        return anchor in self._by_anchor
 
     def __len__(self) -> int:
         return len(self._by_anchor)
+
+    def _victim(self, newest: bytes, for_request: bool) -> bytes:
+        """The oldest unpinned sequence but `newest`; else, for a request, the oldest pinned one (a
+        broken pin); else `newest` itself."""
+        others = [a for a in self._by_anchor if a != newest]
+        pinned = {a for a in others if self.pins is not None and self.pins.holds_live(a)}
+        victim = next((a for a in others if a not in pinned), None)
+        if victim is None and for_request and others and self.pins is not None:
+            victim = others[0]
+            self.pins.broke(victim)
+        return newest if victim is None else victim

@@ -6,7 +6,8 @@ from checkpoints as `reused`, `continued` in place from a live sequence, generat
 prefilled tokens by why they were not restored (gateway/prefill_reasons.py), and histograms of the
 time to first token and its phases (queue, restore, prefill). Read at each scrape from their
 owners: the scheduler's queue and steps (and the engine's growth events), memory by part, the
-checkpoint store's counters, the expert cache's (with offload) and the live sequences held. Each `Metrics` has its own
+checkpoint store's counters, the expert cache's (with offload), the live sequences held, and the pins
+held and broken (`ft_pins_active`, `ft_pins_broken_total{tier}`: gateway/pins.py). Each `Metrics` has its own
 registry: two servers in one process (tests) count apart.
 """
 
@@ -68,6 +69,15 @@ class RecentRequest:
     phases: dict[str, float]
 
 
+@dataclass(frozen=True)
+class PinCounts:
+    """Pins held now, and pins broken so far for a live request's memory, by tier (`device`: a live
+    sequence dropped; `ram`: a record the store's RAM tier evicted)."""
+
+    active: int
+    broken: dict[str, int]
+
+
 @dataclass
 class Gauges:
     """What the server reads from its parts at each scrape (`Metrics.render`'s arguments)."""
@@ -77,6 +87,7 @@ class Gauges:
     memory: dict[str, int] | None = None
     expert_cache: dict[str, int] | None = None
     live_sequences: int | None = None
+    pins: PinCounts | None = None
 
 
 class Metrics:
@@ -141,11 +152,12 @@ class Metrics:
             return [asdict(r) for r in self._recent]
 
     def render(self, store_stats: msgspec.Struct, scheduler_stats: dict[str, int], memory: dict[str, int],
-               expert_cache: dict[str, int] | None = None, live_sequences: int | None = None) -> str:
+               expert_cache: dict[str, int] | None = None, live_sequences: int | None = None,
+               pins: PinCounts | None = None) -> str:
         """The exposition text. `expert_cache`: the engine's offload counters (`Engine.offload_stats`),
         None without offload."""
         with self._lock:
-            self._gauges = Gauges(store_stats, scheduler_stats, memory, expert_cache, live_sequences)
+            self._gauges = Gauges(store_stats, scheduler_stats, memory, expert_cache, live_sequences, pins)
             return generate_latest(self.registry).decode()
 
 
@@ -170,6 +182,8 @@ class _ScrapeCollector(Collector):
         if g.live_sequences is not None:
             yield GaugeMetricFamily("ft_live_sequences", "Sequences kept on the device between requests",
                                     value=g.live_sequences)
+        if g.pins is not None:
+            yield from pin_families(g.pins)
         if g.expert_cache is not None:
             yield from expert_cache_families(g.expert_cache)
         if g.store is not None:
@@ -194,6 +208,14 @@ def scheduler_families(stats: dict[str, int]) -> Iterator[Metric]:
             yield GaugeMetricFamily(f"ft_scheduler_{name}", f"Scheduler {name}", value=value)
     yield buckets
     yield growth
+
+
+def pin_families(pins: PinCounts) -> Iterator[Metric]:
+    yield GaugeMetricFamily("ft_pins_active", "Sessions whose state is pinned while their tool runs", value=pins.active)
+    broken = CounterMetricFamily("ft_pins_broken", "Pins broken for a live request's memory, by tier", labels=["tier"])
+    for tier, n in pins.broken.items():
+        broken.add_metric([tier], n)
+    yield broken
 
 
 def expert_cache_families(counts: dict[str, int]) -> Iterator[Metric]:

@@ -20,11 +20,13 @@ from gateway.anchors import root_anchor
 from gateway.checkpoints import Checkpoints
 from gateway.live import LiveSequences
 from gateway.memo import MemoFile, TokenMemo
-from gateway.metrics import Metrics
+from gateway.metrics import Metrics, PinCounts
+from gateway.pins import PinConfig, Pins
 from gateway.plan import RestorePlanner
 from gateway.recorder import Recorder
 from gateway.render import Renderer, load_renderer
 from gateway.replay_outputs import ReplayOutputs
+from gateway.retention import Retention
 from gateway.scheduler import Scheduler
 from gateway.store_queue import StoreQueue
 from gateway.tenants import TenantKey
@@ -56,6 +58,7 @@ class ServeConfig:
     max_tokens_cap: int | None = None
     forced_decode: str = "prefill"  # "prefill" | "steps" (see gateway/generation.py)
     live_sequences: int = 4  # sequences kept after their answer, continued in place (0: always restore)
+    pins: PinConfig = PinConfig()  # a session's state kept while its tool runs (gateway/pins.py)
     max_queue: int = 64  # requests waiting beyond the engine's max_running; more are answered `overloaded`
     model_name: str | None = None
 
@@ -78,15 +81,20 @@ class Service:
     planner: RestorePlanner = field(init=False)  # a request's plan, off the event loop
     checkpoints: Checkpoints = field(init=False)  # every request's checkpoint steps (worker only)
     live: LiveSequences = field(init=False)  # sequences kept on the device between requests (worker only)
+    pins: Pins = field(init=False)  # answers that ended in a tool call, kept while the tool runs
+    retention: Retention = field(init=False)  # what the pins keep, prefetched and expired off the worker
 
     def __post_init__(self) -> None:
         self.scheduler = Scheduler(self.engine, self.config.max_queue)
         self.store_queue = StoreQueue(self.store)
         self.planner = RestorePlanner(self.renderer, self.memo, self.root, self.volatile_rules, self.replay,
                                self.engine.max_context, self.config.default_max_tokens, self.config.max_tokens_cap)
-        self.live = LiveSequences(self.config.live_sequences)  # sequences left at a state checkpoint
+        self.pins = Pins(self.config.pins)
+        self.live = LiveSequences(self.config.live_sequences, self.pins)  # sequences left at a state checkpoint
+        self.retention = Retention(self.pins, self.store, self.store_queue, self.live, self.scheduler)
         self.checkpoints = Checkpoints(self.engine, self.store, self.store_queue, self.live, self.metrics,
-                                       self.config.policy, self.root, self.scheduler)
+                                       self.config.policy, self.root, self.scheduler, self.retention)
+        self.live.spill = self.checkpoints.spill  # a dropped sequence's state goes down to the store
 
     @property
     def idle(self) -> bool:
@@ -106,11 +114,16 @@ class Service:
             memory["workspace"] = max(0, reserved - on_device)
         return memory
 
+    def pin_counts(self) -> PinCounts:
+        """Pins held now and pins broken so far, by tier (the live tier on the device; the store's RAM)."""
+        return PinCounts(self.pins.active, {"device": self.pins.broken_live, "ram": self.store.pins_broken})
+
     @property
     def volatile_rules(self) -> VolatileRules:
         return VolatileRules(billing_header="keep" if self.config.keep_volatile else "drop")
 
     def close(self) -> None:
+        self.retention.close()
         self.scheduler.close()
         self.store_queue.close()
         self.store.flush()

@@ -87,7 +87,7 @@ def test_the_prefix_cache_answers_the_deepest_anchor_and_its_tier(runtime, monke
     assert on_worker(lambda: cache.ready(chain, ends))
     state, cached = on_worker(lambda: rt.checkpoints.restore(chain, ends))
     assert cached == ends[-1]
-    on_worker(lambda: rt.live.keep(chain[-1], state))
+    on_worker(lambda: rt.live.keep(chain, ends, state))
     hit = on_worker(lambda: cache.find(chain, ends))
     assert hit == Hit(len(chain), Tier.LIVE)
     assert on_worker(lambda: cache.take_live(chain, hit)) is state
