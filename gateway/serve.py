@@ -12,12 +12,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from engine.engine_config import EngineConfig
+from engine.parallel import ExpertParallel
 from ft import env, servers
 from gateway.capture_policy import CAPTURE_POLICIES
 from gateway.http_server import ServerLimits
-from gateway.ports import port_problem
+from gateway.ports import LOOPBACK, free_port, port_problem
 from gateway.serve_prepare import prepare
-from gateway.service import GiB, ServeConfig, build_service
+from gateway.service import GiB, ServeConfig, Service, build_service
 from gateway.tenants import TenantKey, parse_keys
 
 KEY_ENV = env.API_KEY
@@ -44,6 +45,14 @@ def at_least(low: int) -> Callable[[str], int]:
 positive = at_least(1)
 
 
+def gpu_list(text: str) -> list[int]:
+    """argparse type: GPU indices, comma-separated, at least two, each once."""
+    parts = text.split(",")
+    if not all(p.strip().isdigit() for p in parts) or len(set(parts)) != len(parts) or len(parts) < 2:
+        raise argparse.ArgumentTypeError(f"expected two or more GPU indices like 0,1, got {text!r}")
+    return [int(p) for p in parts]
+
+
 def gib(text: str) -> float:
     """argparse type: a size in GiB > 0."""
     try:
@@ -68,6 +77,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="device memory budget: everything on the device where it fits, else the routed experts "
                              "stay in host memory and the device holds the dense weights, the decode slots and an "
                              "expert cache within it (default: the device's free memory, less a margin)")
+    ranks = parser.add_mutually_exclusive_group()
+    ranks.add_argument("--gpus", type=gpu_list, metavar="LIST",
+                       help="expert parallel over these GPUs (0,1 or 0,1,2,3), one process each (NCCL): each holds its "
+                            "share of the routed experts, the rest of the model replicated; the number of GPUs must "
+                            "divide the experts. The memory plan is not made for several GPUs: each must hold the dense "
+                            "weights and its experts (no --gpu-memory, no --plan)")
+    ranks.add_argument("--ranks", type=at_least(2), metavar="N",
+                       help="expert parallel over N processes on the CPU (gloo), as --gpus splits the experts over "
+                            "GPUs: the same engine code on one machine, for tests")
     parser.add_argument("--plan", action="store_true",
                         help="print how the model would fit (--gpu-memory, or the GPU's free memory) and exit: "
                              "nothing is loaded, no GPU is needed")
@@ -171,11 +189,21 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
                         shutdown_grace_s=args.shutdown_grace)
 
 
+def rank_devices(args: argparse.Namespace) -> list[str]:
+    """Each rank's device under expert parallel (--gpus: one GPU a rank, --ranks: the CPU); one device without."""
+    if args.gpus:
+        return [f"cuda:{gpu}" for gpu in args.gpus]
+    return ["cpu"] * args.ranks if args.ranks else [args.device or "cpu"]
+
+
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """How the engine runs the model, from the flags (built once, handed to the engine)."""
+    """How the engine runs the model, from the flags (built once, handed to the engine); under
+    expert parallel, rank 0's."""
+    devices = rank_devices(args)
     return EngineConfig(
-        device=args.device or "cpu", max_running=args.max_running or EngineConfig.max_running, gpu_memory_gib=args.gpu_memory,
+        device=devices[0], max_running=args.max_running or EngineConfig.max_running, gpu_memory_gib=args.gpu_memory,
         decode_step_prefill=args.decode_step_prefill, step_log_ms=args.step_log,
+        expert_parallel=ExpertParallel(0, len(devices)) if len(devices) > 1 else None,
     )
 
 
@@ -196,9 +224,6 @@ def run(args: argparse.Namespace) -> int:
         from gateway import replicas  # noqa: PLC0415
 
         return replicas.run(args, add_arguments)
-    from gateway.app import create_app  # noqa: PLC0415
-    from gateway.http_server import make_server, raise_open_file_limit  # noqa: PLC0415
-
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = args.model or args.preset or "tiny"
     try:
@@ -214,12 +239,46 @@ def run(args: argparse.Namespace) -> int:
     if (problem := port_problem(config.host, config.port)) is not None:
         print(f"ft serve: cannot listen on {config.host}:{config.port}: {problem}", file=sys.stderr)
         return 2
-    print(f"ft serve: loading {spec} on {config.engine.device}, then warming up", flush=True)
+    devices = rank_devices(args)
+    print(f"ft serve: loading {spec} on {', '.join(devices)}, then warming up", flush=True)
+    ranks, runtime = None, None  # ranks: under expert parallel, rank 0's engine and the others' processes
     try:
-        runtime = build_service(config)
+        if config.engine.expert_parallel is not None:
+            ranks = start_ranks(config, devices)
+        runtime = build_service(config, ranks[0] if ranks else None)
     except (ValueError, KeyError, OSError) as exc:
         print(f"ft serve: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if ranks is not None and runtime is None:  # no service: the other ranks stop too
+            stop_ranks(ranks)
+    try:
+        return _serve(args, config, limits, runtime, spec)
+    finally:
+        if ranks is not None:
+            stop_ranks(ranks)
+
+
+def start_ranks(config: ServeConfig, devices: list[str]):
+    """Rank 0's engine here, loaded with the other ranks' in their processes (`engine.parallel_worker`)."""
+    from engine import parallel_worker  # noqa: PLC0415
+
+    backend = "nccl" if devices[0].startswith("cuda") else "gloo"
+    rank_spec = parallel_worker.RankSpec(config.model_dir, config.preset, config.engine,
+                                         f"tcp://{LOOPBACK}:{free_port()}", backend)
+    return parallel_worker.start(rank_spec, devices)
+
+
+def stop_ranks(ranks) -> None:
+    from engine import parallel_worker  # noqa: PLC0415
+
+    parallel_worker.stop(*ranks)
+
+
+def _serve(args: argparse.Namespace, config: ServeConfig, limits: ServerLimits, runtime: Service, spec: str) -> int:
+    from gateway.app import create_app  # noqa: PLC0415
+    from gateway.http_server import make_server, raise_open_file_limit  # noqa: PLC0415
+
     url = f"http://{config.host}:{config.port}"
     print(f"ft serve: model {runtime.model_id!r} ({runtime.engine.config.arch}, {runtime.engine.device}), "
           f"policy {config.policy}, listening on {url}", flush=True)

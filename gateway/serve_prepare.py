@@ -39,7 +39,10 @@ def missing_gpu_packages() -> list[str]:
 
 
 def budget(args: argparse.Namespace) -> fit.Budget | None:
-    """--gpu-memory, else the GPU's free memory less a margin; None on the CPU."""
+    """--gpu-memory, else the GPU's free memory less a margin; None on the CPU and over several
+    GPUs (expert parallel: no plan)."""
+    if args.gpus:
+        return None
     if args.gpu_memory is not None:
         return fit.Budget(int(args.gpu_memory * GiB), "--gpu-memory")
     if torch.device(args.device).type == "cuda" and torch.cuda.is_available():
@@ -65,6 +68,18 @@ def memory_plan(args: argparse.Namespace) -> fit.MemoryPlan | None:
     return plan
 
 
+def expert_parallel(args: argparse.Namespace) -> None:
+    """--gpus and --ranks: the device is rank 0's; what they cannot run with is an error."""
+    if args.gpus:
+        if args.gpu_memory is not None or args.plan:
+            raise ValueError("--gpus: the memory plan is for one device (no --gpu-memory, no --plan with it)")
+        args.device = f"cuda:{args.gpus[0]}"
+    elif args.ranks:
+        if args.device not in (None, "cpu") or args.gpu_memory is not None:
+            raise ValueError("--ranks: processes on the CPU (--gpus for GPUs)")
+        args.device = "cpu"
+
+
 def prepare(args: argparse.Namespace) -> bool:
     """Fill what the flags left open, in place: `args.model` becomes a local path (the repo spec
     the served name), `args.device` a device, the memory choices the plan's. True for --plan:
@@ -74,6 +89,7 @@ def prepare(args: argparse.Namespace) -> bool:
         args.model = model_path(spec)
         if args.served_model_name is None and not Path(spec).expanduser().exists():
             args.served_model_name = spec
+    expert_parallel(args)
     if args.device is None:
         args.device = "cuda" if args.plan else default_device()
     if torch.device(args.device).type == "cuda" and not args.plan and (missing := missing_gpu_packages()):
