@@ -16,8 +16,8 @@ import torch.multiprocessing as mp
 
 from checkpoint_store import Snapshot
 from engine import Engine
-from engine.engine_config import EngineConfig
 from engine.engine import materialised_shard
+from engine.engine_config import EngineConfig
 from engine.feed import Feed
 from engine.load import load_folder
 from engine.parallel import ExpertParallel, ExpertParallelError
