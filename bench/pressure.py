@@ -17,7 +17,8 @@ offline optimum over each run's own access log (`bench/belady.py`). Per run:
 - client TTFT p50/p99 of requests after a tool result and at user turns;
 - bytes moved per tier: parts read from RAM, the disk writer's queue and disk (the access log),
   `ft_store_bytes_restored` and evictions from /metrics;
-- pins broken: 0 (the store has no pins yet).
+- pins broken: pins of a session's state while its tool runs that a live request's memory broke, in
+  the live tier and the RAM tier together (`ft_pins_broken_total`).
 
     python bench/pressure.py traces/sessions --sessions 8 16 32 --device cuda --json out.json
     python bench/pressure.py traces/sessions --sessions 4 --turns 4 --time-scale 0.01 --threads 1
@@ -75,6 +76,7 @@ class Run:
     rows: list[Row] = field(default_factory=list)
     log: list[Access] = field(default_factory=list)
     store: dict[str, float] = field(default_factory=dict)  # ft_store_* of /metrics at the end
+    pins_broken: dict[str, float] = field(default_factory=dict)  # ft_pins_broken_total by tier at the end
     errors: list[str] = field(default_factory=list)
 
 
@@ -102,6 +104,7 @@ def run_once(engine: Any, args: argparse.Namespace, sessions: list[Session], pol
                 t.join()
             server.wait_idle()
             run.store = _store_metrics(server.url)
+            run.pins_broken = scrape(server.url, timeout=30).by("ft_pins_broken_total", "tier")
             server.runtime.store.on_access = None
     return run
 
@@ -198,7 +201,7 @@ def summarize(run: Run) -> dict[str, Any]:
         "put_bytes": sum(a.nbytes for a in run.log if a.kind == "put"),
         "read_bytes": read,
         "store_metrics": run.store,
-        "pins_broken": 0,  # the store has no pins yet
+        "pins_broken": int(sum(run.pins_broken.values())),
         "rows": [vars(r) for r in rows],
     }
 
