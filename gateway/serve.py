@@ -16,6 +16,7 @@ from engine.parallel import ExpertParallel
 from ft import env, servers
 from gateway.capture_policy import CAPTURE_POLICIES
 from gateway.http_server import ServerLimits
+from gateway.pins import PinConfig
 from gateway.ports import LOOPBACK, free_port, port_problem
 from gateway.serve_prepare import prepare
 from gateway.service import GiB, ServeConfig, Service, build_service
@@ -125,6 +126,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill tokens a step carries beside sequences that are decoding: a long prompt goes "
                              "in chunks of N while others decode, so their tokens keep coming at a short step's pace "
                              "(default: the step's whole token budget)")
+    parser.add_argument("--pin-ttl-max", type=count, default=int(PinConfig.ttl_max_s), metavar="SECONDS",
+                        help="longest time an answer that ends in a tool call keeps its session's state pinned in "
+                             "the live and RAM tiers (and prefetched from disk) while the tool runs; each session's "
+                             "pin lasts the 90th percentile of its own tool times up to this (default 300; 0: no pins)")
     parser.add_argument("--max-queue", type=count, default=64, metavar="N",
                         help="requests that may wait beyond --max-running; more are answered with the protocol's "
                              "overloaded error (default 64)")
@@ -215,7 +220,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         policy=args.policy, api_key=api_key(args), record_dir=args.record, replay_outputs=args.replay_outputs,
         keep_volatile=args.keep_volatile, default_max_tokens=args.max_tokens, max_tokens_cap=args.max_tokens_cap,
         forced_decode=args.forced_decode, model_name=args.served_model_name, live_sequences=args.live_sequences,
-        max_queue=args.max_queue,
+        max_queue=args.max_queue, pins=PinConfig(ttl_max_s=float(args.pin_ttl_max)),
     )
 
 

@@ -11,6 +11,8 @@ import pytest
 from engine import Engine
 from gateway.live import LiveSequences
 from gateway.pins import TTL_FLOOR_S, PinConfig, Pins
+from gateway.serve import config_from_args
+from tests.conftest import serve_args
 
 
 class Clock:
@@ -102,3 +104,9 @@ def test_beyond_the_limit_a_request_breaks_a_pin_a_precompute_does_not(engine):
     assert live.take(c).length == 0 and c not in live
     live.drop(c)  # handed over: nothing to let go
     assert spilled[-1] == b
+
+
+def test_ft_serve_pin_ttl_max_sets_the_cap_and_0_turns_pins_off():
+    assert config_from_args(serve_args()).pins == PinConfig()
+    assert config_from_args(serve_args("--pin-ttl-max", "120")).pins.ttl_max_s == 120
+    assert not config_from_args(serve_args("--pin-ttl-max", "0")).pins.enabled
