@@ -3,7 +3,9 @@ of position ranges, the DeltaNet states at capture points) and restores in.
 
 On a GPU the copies run on the device runtime's copy stream (`runtime`, `engine.ops.gpu`); on
 the CPU they are plain tensor copies. A decode slot's tensors are reused by the next sequence
-bound to it, so what is read from a slot is copied before the slot can change hands."""
+bound to it, so what is read from a slot is copied before the slot can change hands. Under head
+split (`engine.head_split`) the states hold this rank's heads: snapshots leave whole (gathered)
+and are cut to this rank's heads on the way in."""
 
 from __future__ import annotations
 
@@ -14,15 +16,16 @@ import torch
 
 from checkpoint_store.snapshot import Snapshot
 from engine.config import ModelConfig
+from engine.head_split import HeadShard
 from engine.runner import Runner
 from engine.state import KVCache, SequenceState
 
 
 class StateCopies:
     def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype, runner: Runner,
-                 runtime: Any | None = None):
+                 runtime: Any | None = None, heads: HeadShard | None = None):
         self.config, self.device, self.dtype = config, device, dtype
-        self.runner, self.runtime = runner, runtime
+        self.runner, self.runtime, self.heads = runner, runtime, heads
 
     def new_state(self) -> SequenceState:
         c = self.config
@@ -59,7 +62,18 @@ class StateCopies:
             if state_at is None or end in state_at:
                 tensors.update(captured[end])
             snapshots.append(Snapshot(start, end, tensors))
-        return snapshots
+        return self._whole(snapshots)
+
+    def _whole(self, snapshots: list[Snapshot]) -> list[Snapshot]:
+        """Under head split, every rank's heads of `snapshots` joined (their host copies landed first)."""
+        if self.heads is None:
+            return snapshots
+        if self.runtime is not None:
+            self.runtime.sync()
+        return self.heads.gather(snapshots)
+
+    def _local(self, snapshot: Snapshot) -> Snapshot:
+        return snapshot if self.heads is None else self.heads.local(snapshot)
 
     def kv_views(self, state: SequenceState, start: int, end: int) -> dict[str, torch.Tensor]:
         """The KV of positions [start, end) of every attention layer, [end - start, Hkv, D] each."""
@@ -74,20 +88,21 @@ class StateCopies:
     def kv_delta(self, state: SequenceState, start: int, end: int) -> Snapshot:
         if not 0 <= start <= end <= state.length:
             raise ValueError(f"KV range [{start}, {end}) outside the state's {state.length} tokens")
-        return Snapshot(start, end, self.to_host(self.kv_views(state, start, end)))
+        return self._whole([Snapshot(start, end, self.to_host(self.kv_views(state, start, end)))])[0]
 
     def snapshot(self, state: SequenceState, start: int) -> Snapshot:
         state.wait_all()
         tensors = self.to_host({**self.kv_views(state, start, state.length), **self.states(state)})
         if self.runtime is not None:
             self.runtime.sync()
-        return Snapshot(start, state.length, tensors)
+        return self._whole([Snapshot(start, state.length, tensors)])[0]
 
     def restore(self, chain: Sequence[Snapshot]) -> SequenceState:
         if not chain or chain[0].start != 0 or not chain[-1].has_state:
             raise ValueError("restore needs a chain from position 0 that ends with a state")
         if any(a.end != b.start for a, b in zip(chain, chain[1:], strict=False)):
             raise ValueError("chain has a hole")
+        chain = [self._local(part) for part in chain]
         if self.runtime is not None:
             return self.runtime.restore(self.new_state(), chain)
         state = self.new_state()
@@ -100,6 +115,7 @@ class StateCopies:
     def rewind(self, state: SequenceState, record: Snapshot) -> SequenceState:
         if not record.has_state or record.end > state.length:
             raise ValueError("rewind needs a record with a state at or before the sequence's end")
+        record = self._local(record)
         if self.runtime is not None:
             return self.runtime.restore(state, [Snapshot(record.end, record.end, record.without_kv().tensors)])
         for cache in state.kv.values():

@@ -25,6 +25,7 @@ from engine.config import ModelConfig
 from engine.copies import StateCopies
 from engine.engine_config import EngineConfig
 from engine.feed import Feed, PrefillResult
+from engine.head_split import HeadShard
 from engine.load import load_folder
 from engine.loader import EXPERT_STACK, build_model, fingerprint, place
 from engine.model import HybridForCausalLM
@@ -71,7 +72,7 @@ class Engine:
             capacity=GRAPH_CAPACITY if graphs and offload is None else None,
             graph_rows=offload.graph_rows if offload is not None else None,
         )
-        self.copies = StateCopies(self.config, self.device, self.dtype, self.runner, self.runtime)
+        self.copies = StateCopies(self.config, self.device, self.dtype, self.runner, self.runtime, model.heads)
         self.states: weakref.WeakValueDictionary[int, SequenceState] = weakref.WeakValueDictionary()  # by id
         self.kv_growth = 0  # sequences' own KV buffers regrown (`growth_events`)
         self.scheduler = Scheduler(
@@ -94,7 +95,8 @@ class Engine:
         config = configured(config, choices)
         target = config.torch_device
         if not config.offloaded:
-            model, fp = load_folder(model_dir, target, config.dtype, config.keep_quantized, config.expert_parallel)
+            model, fp = load_folder(model_dir, target, config.dtype, config.keep_quantized, config.expert_parallel,
+                                    config.head_split)
             return cls(model, fp, Path(model_dir), config=config)
         from engine.gguf_loader import is_gguf  # noqa: PLC0415 (it imports the loader)
 
@@ -129,7 +131,8 @@ class Engine:
             return cls.load(ensure_preset(name), config)
         build_on = "cpu" if config.offloaded else config.device
         if config.expert_parallel is not None:
-            return cls(*materialised_shard(name, build_on, config.dtype, config.expert_parallel), config=config)
+            parallel = config.expert_parallel
+            return cls(*materialised_shard(name, build_on, config.dtype, parallel, config.head_split), config=config)
         model_config, _, state_dict = presets.materialise(name, build_on, config.dtype)
         model, fp = build_model(model_config, state_dict), fingerprint(model_config, state_dict)
         del state_dict  # the model holds the tensors: an offload frees each layer's stacks once pinned
@@ -496,10 +499,11 @@ def ensure_preset(name: str) -> Path:
 
 
 def materialised_shard(
-    name: str, device: str, dtype: torch.dtype | None, parallel: ExpertParallel
+    name: str, device: str, dtype: torch.dtype | None, parallel: ExpertParallel, split_heads: bool = False
 ) -> tuple[HybridForCausalLM, str]:
     """Preset `name` generated in memory with this rank's experts alone (each layer's stacks
-    made whole one at a time, then cut) and the whole model's fingerprint."""
+    made whole one at a time, then cut), with `split_heads` its share of the heads, and the whole
+    model's fingerprint."""
     is_stack = EXPERT_STACK.match
     model_config, _, state_dict = presets.materialise(name, device, dtype, only=lambda n: not is_stack(n))
     shard = parallel.shard(model_config.num_experts)
@@ -509,7 +513,8 @@ def materialised_shard(
         whole = presets.materialise(name, device, dtype, only=lambda n, stack=stack: n == stack)[2][stack]
         state_dict[stack] = shard.take(whole)
         del whole
-    model = build_model(model_config, state_dict, shard)
+    heads = HeadShard.of(parallel, model_config) if split_heads else None
+    model = build_model(model_config, state_dict, shard, heads)
     return model, shard.agree(fingerprint(model_config, state_dict, shard))
 
 

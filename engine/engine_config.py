@@ -42,6 +42,8 @@ class EngineConfig:
     - `expert_parallel`: this process's rank in a `torch.distributed` group that splits the routed
       experts (`engine.parallel`: the group is initialised before loading); None: one process
       holds them all. Not with a memory budget (offloaded experts).
+    - `head_split`: under expert parallel, the attention and DeltaNet layers split by heads over
+      the ranks too (`engine.head_split`); False: replicated on every rank.
     """
 
     device: str = "cpu"
@@ -54,6 +56,7 @@ class EngineConfig:
     keep_quantized: bool | None = None
     step_log_ms: float | None = None
     expert_parallel: ExpertParallel | None = None
+    head_split: bool = False
 
     def __post_init__(self) -> None:
         if self.max_running < 1:
@@ -64,6 +67,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_gib: expected a size > 0, got {self.gpu_memory_gib}")
         if self.expert_parallel is not None and self.offloaded:
             raise ValueError("expert_parallel: the routed experts are split over ranks or offloaded, not both")
+        if self.head_split and self.expert_parallel is None:
+            raise ValueError("head_split: the heads are split over the ranks of expert parallel, and there are none")
 
     @property
     def torch_device(self) -> torch.device:

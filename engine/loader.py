@@ -22,6 +22,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.head_split import HeadShard
 from engine.model import HybridForCausalLM, SparseMoe
 from engine.parallel import ExpertShard
 from engine.quant import fp8 as fp8_quant
@@ -157,10 +158,16 @@ def stack_experts(raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def build_model(config: ModelConfig, state_dict: dict[str, Any], shard: ExpertShard | None = None) -> HybridForCausalLM:
+def build_model(
+    config: ModelConfig, state_dict: dict[str, Any], shard: ExpertShard | None = None, heads: HeadShard | None = None
+) -> HybridForCausalLM:
     """Check names and shapes against the architecture, then adopt the tensors without copying.
     A `QuantWeight` (a weight kept quantized) takes its parameter's place under the same name.
-    With `shard`, the expert stacks hold that shard's experts (`SparseMoe.shard_experts`)."""
+    With `shard`, the expert stacks hold that shard's experts (`SparseMoe.shard_experts`); with
+    `heads`, the attention and DeltaNet layers that share of their heads (cut from the whole
+    model's `state_dict`, which is left as it is)."""
+    if heads is not None:
+        config, state_dict = heads.local_config, heads.take(state_dict)
     with torch.device("meta"):
         model = HybridForCausalLM(config)
         if shard is not None:
@@ -188,6 +195,8 @@ def build_model(config: ModelConfig, state_dict: dict[str, Any], shard: ExpertSh
     tensors = {name: t for name, t in state_dict.items() if name not in packed}
     model.load_state_dict(tensors, assign=True, strict=not packed)  # strict: the names were checked above
     model.requires_grad_(False).fuse_projections()
+    if heads is not None:
+        model.split_heads(heads)
     return model.eval()
 
 

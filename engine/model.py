@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.batch import Batch, Mixed, SlotBatch, SlotPrefill, Span, Spans
 from engine.config import ModelConfig
+from engine.head_split import HeadShard
 from engine.ops import Kernels, moe_experts_quantized
 from engine.ops.deltanet import decode_mix
 from engine.ops.rope import rope_cos_sin
@@ -527,6 +528,7 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoe(c)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.heads: HeadShard | None = None  # head split: this rank's heads, their outputs summed over the ranks
 
     def forward(self, x, h, rope, batch: Batch, kernels: Kernels):
         """The residual stream x and the previous layer's output h (added here, fused into the
@@ -537,6 +539,8 @@ class DecoderLayer(nn.Module):
             h = self.self_attn(normed, rope, batch, self.layer, kernels)
         else:
             h, captured = self.linear_attn(normed, batch, self.layer, kernels)
+        if self.heads is not None:
+            h = self.heads.combine(h)
         x, normed = self.post_attention_layernorm(x, h, kernels)
         return x, self.mlp(normed, kernels), captured
 
@@ -557,6 +561,13 @@ class HybridForCausalLM(nn.Module):
         self.config = c
         self.model = Backbone(c)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.heads: HeadShard | None = None  # head split (`engine.head_split`): `config` is the rank's share
+
+    def split_heads(self, heads: HeadShard) -> None:
+        """Mark a model built of `heads.local_config` as `heads`' share: each layer sums its heads' outputs over the ranks."""
+        self.heads = heads
+        for layer in cast(list[DecoderLayer], self.model.layers):
+            layer.heads = heads
 
     def forward(
         self, ids: torch.Tensor, batch: Batch | list[Span], kernels: Kernels,

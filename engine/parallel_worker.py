@@ -4,8 +4,9 @@ all-reduces then meet, `engine.parallel`).
 
 The calls mirrored are `MIRRORED`: those that make a sequence's state, change it, or run a
 forward (`Engine.prefill`, `decode`, `feed`, `generate` and `step` all go through `run`).
-Reads (`snapshot`, `kv_delta`, `memory`) run on rank 0 alone: the states are replicated, so
-rank 0's are every rank's. Rank 0 names each state and feed it sends by a number; a follower
+Reads (`snapshot`, `kv_delta`, `memory`) run on rank 0 alone where the states are replicated
+(rank 0's are every rank's); under head split (`engine.head_split`) `snapshot` and `kv_delta`
+are mirrored too (every rank's heads are gathered into the whole snapshot). Rank 0 names each state and feed it sends by a number; a follower
 keeps its own under the same number, and forgets it when rank 0's is collected (told with the
 next call). A call crosses as one `broadcast_object_list` of (method, arguments, numbers
 forgotten); a restore carries its snapshots, a step its plan by feed numbers and the feeds
@@ -45,7 +46,7 @@ from engine.state import SequenceState
 from engine.warmup import warm_up
 
 log = logging.getLogger(__name__)
-MIRRORED = ("new_state", "restore", "rewind", "run", "grow_ahead")
+MIRRORED = ("new_state", "restore", "rewind", "run", "grow_ahead", "snapshot", "kv_delta")
 # the calls cross on a gloo group of their own, where a follower waits while the server is idle:
 # no timeout a quiet night could reach (the forwards' all-reduces keep the default group's)
 IDLE_TIMEOUT = datetime.timedelta(days=365)
@@ -212,6 +213,18 @@ class MirroredEngine(Engine):
                 self._send("rewind", number, record.without_kv(), into)
             return rewound
 
+    def snapshot(self, state: SequenceState, start: int) -> Snapshot:
+        with self._lock:
+            if self.mirroring and self.engine_config.head_split:
+                self._send("snapshot", self._number(state), start)
+            return super().snapshot(state, start)
+
+    def kv_delta(self, state: SequenceState, start: int, end: int) -> Snapshot:
+        with self._lock:
+            if self.mirroring and self.engine_config.head_split:
+                self._send("kv_delta", self._number(state), start, end)
+            return super().kv_delta(state, start, end)
+
     def grow_ahead(self) -> bool:
         with self._lock:
             if self.mirroring:
@@ -271,6 +284,12 @@ class Follower:
 
     def grow_ahead(self) -> None:
         self.engine.grow_ahead()
+
+    def snapshot(self, number: int, start: int) -> None:
+        self.engine.snapshot(self.held[number], start)  # its part of the gather; rank 0 keeps the snapshot
+
+    def kv_delta(self, number: int, start: int, end: int) -> None:
+        self.engine.kv_delta(self.held[number], start, end)
 
     def run(self, new: list[tuple], layout: tuple) -> None:
         for number, state, made, start, done in new:

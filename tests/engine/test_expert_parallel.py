@@ -2,7 +2,10 @@
 routed experts (`engine.parallel`), give the single process's logits (fp32, 1e-5) for a prefill with
 captures, batched decode through the engine's step loop, and restores: of a snapshot taken at
 the same world size, and of one the single process took (the state is replicated, so a restore
-at another world size is exact). Rank 0's snapshots are the single process's."""
+at another world size is exact). Rank 0's snapshots are the single process's. The same with the
+attention and DeltaNet layers split by heads (`engine.head_split`, 2 processes: the tiny presets'
+2 KV and 2 DeltaNet key heads split over 2 ranks, not 4), whose snapshots are gathered whole and
+restore in one process."""
 
 from __future__ import annotations
 
@@ -16,16 +19,19 @@ import torch.multiprocessing as mp
 
 from checkpoint_store import Snapshot
 from engine import Engine
+from engine.config import ModelConfig
 from engine.engine import materialised_shard
 from engine.engine_config import EngineConfig
 from engine.feed import Feed
+from engine.head_split import HeadShard
 from engine.load import load_folder
 from engine.parallel import ExpertParallel, ExpertParallelError
 from gateway.ports import LOOPBACK, free_port
 
 TOL = 1e-5
 PRESETS = ("tiny", "tiny-next")
-WORLDS = (2, 4)
+MODES = [(2, False), (4, False), (2, True)]  # (world, split_heads)
+MODE_IDS = ["2", "4", "2-heads"]
 # small prefill chunks: the prompts take several steps, decode rows ride in prefill forwards and run alone
 CONFIG = EngineConfig(dtype=torch.float32, prefill_chunk=32, max_running=4)
 PROMPTS = [[(1000 + 37 * i * (s + 1)) % 240_000 for i in range(n)] for s, n in enumerate((60, 23, 41))]
@@ -67,6 +73,7 @@ def scenario(engine: Engine, theirs: list[Snapshot]) -> dict:
     return {
         "fingerprint": engine.fingerprint,
         "experts": experts.gate_up_proj.detach().clone(),
+        "kv_heads": {layer: cache.k.shape[1] for layer, cache in engine.new_state().kv.items()},
         "prefill": first.logits,
         "snapshots": first.snapshots,
         "decode": batched_decode(engine),
@@ -75,16 +82,16 @@ def scenario(engine: Engine, theirs: list[Snapshot]) -> dict:
     }
 
 
-def _rank(rank: int, world: int, port: int, dirs: dict[str, str], references: str, out: str) -> None:
+def _rank(rank: int, world: int, split_heads: bool, port: int, dirs: dict[str, str], references: str, out: str) -> None:
     torch.set_num_threads(1)  # the ranks share this machine's cores
     dist.init_process_group("gloo", init_method=f"tcp://{LOOPBACK}:{port}", rank=rank, world_size=world)
     try:
         theirs = torch.load(references, weights_only=False)  # our own file: Snapshots
         results = {}
         for preset, folder in dirs.items():
-            engine = Engine.load(folder, CONFIG, expert_parallel=ExpertParallel.of_group())
+            engine = Engine.load(folder, CONFIG, expert_parallel=ExpertParallel.of_group(), head_split=split_heads)
             results[preset] = scenario(engine, theirs[preset])
-            model, fp = materialised_shard(preset, "cpu", torch.float32, ExpertParallel.of_group())
+            model, fp = materialised_shard(preset, "cpu", torch.float32, ExpertParallel.of_group(), split_heads)
             results[preset]["materialised"] = fp, model.model.layers[0].mlp.experts.gate_up_proj.clone()
         torch.save(results, Path(out) / f"{rank}.pt")
     finally:
@@ -92,11 +99,16 @@ def _rank(rank: int, world: int, port: int, dirs: dict[str, str], references: st
 
 
 @pytest.fixture(scope="module")
-def reference(preset_dirs) -> dict[str, dict]:
-    """The single process's results (no group)."""
+def single(preset_dirs) -> dict[str, Engine]:
+    """The single process's engines (no group)."""
+    return {preset: Engine.load(preset_dirs[preset], CONFIG) for preset in PRESETS}
+
+
+@pytest.fixture(scope="module")
+def reference(single) -> dict[str, dict]:
+    """The single process's results."""
     out = {}
-    for preset in PRESETS:
-        engine = Engine.load(preset_dirs[preset], CONFIG)
+    for preset, engine in single.items():
         theirs = engine.prefill(engine.new_state(), PROMPTS[0], capture_at=CAPTURES).snapshots
         out[preset] = scenario(engine, theirs)
     return out
@@ -104,20 +116,20 @@ def reference(preset_dirs) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def ranks(preset_dirs, reference, tmp_path_factory):
-    """`ranks(world)`: each rank's results, the world's processes spawned once."""
-    runs: dict[int, list[dict]] = {}
+    """`ranks(world, split_heads)`: each rank's results, the world's processes spawned once."""
+    runs: dict[tuple[int, bool], list[dict]] = {}
     folder = tmp_path_factory.mktemp("expert_parallel")
     references = folder / "references.pt"
     torch.save({preset: reference[preset]["snapshots"] for preset in PRESETS}, references)
 
-    def run(world: int) -> list[dict]:
-        if world not in runs:
-            out = folder / str(world)
+    def run(world: int, split_heads: bool = False) -> list[dict]:
+        if (world, split_heads) not in runs:
+            out = folder / f"{world}-{split_heads}"
             out.mkdir()
             dirs = {preset: preset_dirs[preset] for preset in PRESETS}
-            mp.spawn(_rank, args=(world, free_port(), dirs, str(references), str(out)), nprocs=world)
-            runs[world] = [torch.load(out / f"{rank}.pt", weights_only=False) for rank in range(world)]
-        return runs[world]
+            mp.spawn(_rank, args=(world, split_heads, free_port(), dirs, str(references), str(out)), nprocs=world)
+            runs[world, split_heads] = [torch.load(out / f"{rank}.pt", weights_only=False) for rank in range(world)]
+        return runs[world, split_heads]
 
     return run
 
@@ -134,47 +146,53 @@ def _same_snapshots(ours: list[Snapshot], theirs: list[Snapshot]) -> None:
             _close(tensor, other.tensors[name])
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize(("world", "split_heads"), MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("preset", PRESETS)
-def test_each_rank_holds_its_experts_and_the_whole_models_fingerprint(ranks, reference, preset, world):
+def test_each_rank_holds_its_experts_and_the_whole_models_fingerprint(ranks, reference, preset, world, split_heads):
     """Loaded from the folder, and generated in memory (`FT_MATERIALISE`'s path) on the CPU,
-    whose random draws are the folder's."""
+    whose random draws are the folder's; under head split a state holds the rank's KV heads."""
     whole, fp = reference[preset]["experts"], reference[preset]["fingerprint"]
     count = whole.shape[0] // world
-    for rank, results in enumerate(ranks(world)):
+    kv_heads = {layer: n // world if split_heads else n for layer, n in reference[preset]["kv_heads"].items()}
+    for rank, results in enumerate(ranks(world, split_heads)):
         mine = whole[rank * count : (rank + 1) * count]
         assert torch.equal(results[preset]["experts"], mine) and results[preset]["fingerprint"] == fp
         assert results[preset]["materialised"][0] == fp and torch.equal(results[preset]["materialised"][1], mine)
+        assert results[preset]["kv_heads"] == kv_heads
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize(("world", "split_heads"), MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("preset", PRESETS)
-def test_a_prefill_with_captures_gives_the_single_process_logits_and_snapshots(ranks, reference, preset, world):
+def test_a_prefill_with_captures_gives_the_single_process_logits_and_snapshots(ranks, reference, preset, world,
+                                                                               split_heads):
     theirs = reference[preset]
-    for results in ranks(world):
+    for results in ranks(world, split_heads):
         _close(results[preset]["prefill"], theirs["prefill"])
         _same_snapshots(results[preset]["snapshots"], theirs["snapshots"])
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize(("world", "split_heads"), MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("preset", PRESETS)
-def test_batched_decode_through_the_step_loop_gives_the_single_process_logits(ranks, reference, preset, world):
+def test_batched_decode_through_the_step_loop_gives_the_single_process_logits(ranks, reference, preset, world,
+                                                                              split_heads):
     assert [len(out) for out in reference[preset]["decode"]] == [1 + len(fed) for fed in FED]
-    for results in ranks(world):
+    for results in ranks(world, split_heads):
         for ours, theirs in zip(results[preset]["decode"], reference[preset]["decode"], strict=True):
             _close(ours, theirs)
 
 
-@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize(("world", "split_heads"), MODES, ids=MODE_IDS)
 @pytest.mark.parametrize("preset", PRESETS)
-def test_a_snapshot_restores_exactly_at_its_world_size_and_at_another(ranks, reference, preset, world):
-    """Restored from its own rank's snapshot, and from the single process's: the single
-    process's continuation, itself that of the whole prefill."""
+def test_a_snapshot_restores_exactly_at_its_world_size_and_at_another(ranks, reference, single, preset, world,
+                                                                      split_heads):
+    """Restored from its own rank's snapshot, from the single process's, and (the ranks' snapshots)
+    in the single process: the single process's continuation, itself that of the whole prefill."""
     theirs = reference[preset]
     _close(theirs["restore"][0], theirs["prefill"])
-    for results in ranks(world):
+    for results in ranks(world, split_heads):
         _close(results[preset]["restore"], theirs["restore"])
         _close(results[preset]["restore_theirs"], theirs["restore"])
+        _close(continued(single[preset], results[preset]["snapshots"][: RESTORED_AT + 1]), theirs["restore"])
 
 
 def test_a_world_that_does_not_split_the_experts_evenly_is_refused():
@@ -182,6 +200,14 @@ def test_a_world_that_does_not_split_the_experts_evenly_is_refused():
         ExpertParallel(0, 3).shard(8)
     with pytest.raises(ExpertParallelError, match="rank 2 outside a world of 2"):
         ExpertParallel(2, 2)
+
+
+def test_a_world_that_does_not_split_the_heads_evenly_is_refused(preset_dirs):
+    config = ModelConfig.from_folder(preset_dirs["tiny"])
+    with pytest.raises(ExpertParallelError, match="2 KV heads do not split evenly over 4 ranks"):
+        HeadShard.of(ExpertParallel(0, 4), config)
+    with pytest.raises(ValueError, match="head_split: the heads are split over the ranks of expert parallel"):
+        dataclasses.replace(CONFIG, head_split=True)
 
 
 def test_expert_parallel_refuses_gguf_and_offload(tmp_path):
