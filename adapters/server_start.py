@@ -144,7 +144,7 @@ def wait_ready(proc: subprocess.Popen, url: str, log: Path, console: Console) ->
 
 
 def follow(wanted: Wanted, console: Console) -> None:
-    """Wait for the server another launcher is starting on the port, its log shown as
+    """Wait for the server another launcher (or `ft serve` by hand) is starting on the port, its log shown as
     `wait_ready` shows it, until it answers; a server that exits first is an error. Returns
     without waiting when the start lock is let go before a server is named in it (that launcher
     stopped before starting one): the caller may then start it."""
@@ -153,13 +153,13 @@ def follow(wanted: Wanted, console: Console) -> None:
             return
         time.sleep(0.05)
     log = servers.log_path(wanted.port)
-    console.print(f"waiting for ft serve on {wanted.url}, started by another ft launch (pid {pid}, log {log})",
-                  highlight=False)
+    console.print(f"waiting for ft serve on {wanted.url}, which another ft launch or a hand started (pid {pid}, "
+                  f"log {log})", highlight=False)
 
     def ready() -> bool:
         if not servers.alive(pid):
-            raise ServerStartError(f"ft serve (pid {pid}), started by another ft launch, exited before it answered "
-                                   f"(log {log}):\n{servers.log_tail(log)}")
+            raise ServerStartError(f"ft serve (pid {pid}), started by another ft launch or a hand, exited before it "
+                                   f"answered (log {log}):\n{servers.log_tail(log)}")
         return answers(wanted.url)
 
     show_log(log, console, ready)

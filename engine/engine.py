@@ -103,19 +103,20 @@ class Engine:
         dtype = config.dtype
         if dtype is None and target.type != "cpu" and is_gguf(model_dir):
             dtype = torch.bfloat16  # what a GGUF dequantizes to on a GPU (load_gguf's default there)
-        model, fp = load_folder(model_dir, torch.device("cpu"), dtype, config.quantized_on_load)
+        model, fp = load_folder(model_dir, torch.device("cpu"), dtype, config.quantized_on_load, config.expert_parallel)
         return cls.offloaded(model, fp, config, Path(model_dir))
 
     @classmethod
     def offloaded(cls, model: HybridForCausalLM, fp: str, config: EngineConfig, model_dir: Path | None = None) -> Engine:
         """An engine for `model` (on the host) with its routed experts offloaded within
-        `config.gpu_memory_gib`."""
+        `config.gpu_memory_gib`: those it holds (under expert parallel, its rank's share)."""
         assert config.gpu_memory_gib is not None
         device = config.torch_device
         plan = expert_offload.plan(
             model.config, expert_offload.dense_bytes(model), int(config.gpu_memory_gib * expert_offload.GiB),
             model.lm_head.weight.dtype, sequences=config.decode_slots, capacity=starting_capacity(device),
-            tokens=config.chunk_tokens, expert_bytes=expert_offload.expert_bytes(model))
+            tokens=config.chunk_tokens, expert_bytes=expert_offload.expert_bytes(model),
+            experts=expert_offload.held_experts(model))
         offload = expert_offload.install(model, device, plan)
         if device.type == "cuda":
             offload.calibrate()
@@ -132,7 +133,8 @@ class Engine:
         build_on = "cpu" if config.offloaded else config.device
         if config.expert_parallel is not None:
             parallel = config.expert_parallel
-            return cls(*materialised_shard(name, build_on, config.dtype, parallel, config.head_split), config=config)
+            model, fp = materialised_shard(name, build_on, config.dtype, parallel, config.head_split)
+            return cls.offloaded(model, fp, config) if config.offloaded else cls(model, fp, config=config)
         model_config, _, state_dict = presets.materialise(name, build_on, config.dtype)
         model, fp = build_model(model_config, state_dict), fingerprint(model_config, state_dict)
         del state_dict  # the model holds the tensors: an offload frees each layer's stacks once pinned

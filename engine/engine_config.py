@@ -41,7 +41,7 @@ class EngineConfig:
       this many ms, split by part; a sync after each forward: a diagnostic, not a serving mode.
     - `expert_parallel`: this process's rank in a `torch.distributed` group that splits the routed
       experts (`engine.parallel`: the group is initialised before loading); None: one process
-      holds them all. Not with a memory budget (offloaded experts).
+      holds them all. With a memory budget, each rank offloads its own experts within it.
     - `head_split`: under expert parallel, the attention and DeltaNet layers split by heads over
       the ranks too (`engine.head_split`); False: replicated on every rank.
     """
@@ -65,8 +65,6 @@ class EngineConfig:
             raise ValueError(f"prefill_chunk: expected at least 1 token, got {self.prefill_chunk}")
         if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
             raise ValueError(f"gpu_memory_gib: expected a size > 0, got {self.gpu_memory_gib}")
-        if self.expert_parallel is not None and self.offloaded:
-            raise ValueError("expert_parallel: the routed experts are split over ranks or offloaded, not both")
         if self.head_split and self.expert_parallel is None:
             raise ValueError("head_split: the heads are split over the ranks of expert parallel, and there are none")
 

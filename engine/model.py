@@ -399,8 +399,8 @@ class MLP(nn.Module):
 class SparseMoe(nn.Module):
     """Routed experts and a shared expert. With `offload` set (engine/offload/), the routed
     experts live there instead of in `experts`, and run on its device slots. With `shard` set
-    (expert parallel, `engine.parallel`), `experts` holds this rank's share and the routed outputs
-    are summed over the ranks."""
+    (expert parallel, `engine.parallel`), `experts` (or `offload`) holds this rank's share and the
+    routed outputs are summed over the ranks."""
 
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -465,15 +465,15 @@ class SparseMoe(nn.Module):
         gate, up, router, shared_gate = matmul_split(x, self.in_proj, splits)  # without the padding's outputs
         weights, ids = kernels.route(router, c.num_experts_per_tok, c.norm_topk_prob, x.dtype)
         run = partial(routed_experts, kernels)
+        if self.shard is not None:  # this rank's experts (the others' assignments at -1), then the sum over the ranks
+            ids, run = self.shard.local(ids), partial(run, partial=True)
         if self.offload is not None:  # the stacks of its device slots, whichever kind they are
             routed = self.offload.run(x, weights, ids, run)
-        elif self.shard is None:
+        else:
             assert self.experts is not None
             routed = run(x, weights, ids, self.experts.gate_up_proj, self.experts.down_proj)
-        else:  # this rank's experts (the others' assignments at -1), then the sum over the ranks
-            assert self.experts is not None
-            stacks = (self.experts.gate_up_proj, self.experts.down_proj)
-            routed = self.shard.combine(run(x, weights, self.shard.local(ids), *stacks, partial=True))
+        if self.shard is not None:
+            routed = self.shard.combine(routed)
         shared = matmul(kernels.silu_mul(gate, up), self.shared_expert.down_proj.weight)
         return kernels.add_sigmoid_mul(routed, shared_gate, shared)
 

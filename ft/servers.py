@@ -106,6 +106,41 @@ def start_lock(port: int) -> Iterator[int | None]:
             os.close(fd)
 
 
+def claim_start(port: int) -> bool:
+    """For `ft serve` itself: whether this process holds the port's start lock, for as long as it
+    lives (the descriptor is never closed); False while another launcher or server holds it.
+
+    A server that `ft launch` started inherited the launcher's descriptor. A server started by hand
+    takes the lock and names itself in it, so a launcher arriving while it loads waits for it
+    (`follow`) instead of starting a second one that could not bind; the log file a launcher shows
+    says where its output goes instead. Without /proc an inherited descriptor cannot be told from
+    another launcher's lock, and the start goes on."""
+    path = lock_path(port)
+    proc = Path("/proc/self/fd")
+    if any(_names(fd, path) for fd in (proc.iterdir() if proc.is_dir() else ())):
+        return True
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return not proc.is_dir()
+    os.ftruncate(fd, 0)
+    mark_starting(fd, os.getpid())
+    log_path(port).write_text(f"ft serve (pid {os.getpid()}) was started by hand: its output goes to its own "
+                              "terminal\n", encoding="utf-8")
+    return True
+
+
+def _names(fd: Path, path: Path) -> bool:
+    """Whether the open descriptor `fd` (a /proc/self/fd entry) is the file at `path`."""
+    try:
+        return os.readlink(fd) == str(path.resolve())
+    except OSError:  # the listing's own descriptor, closed since
+        return False
+
+
 def start_held(port: int) -> bool:
     """Whether a launcher or a server it started holds the port's start lock."""
     with start_lock(port) as fd:

@@ -244,6 +244,11 @@ def run(args: argparse.Namespace) -> int:
     if (problem := port_problem(config.host, config.port)) is not None:
         print(f"ft serve: cannot listen on {config.host}:{config.port}: {problem}", file=sys.stderr)
         return 2
+    if not servers.claim_start(config.port):
+        pid = servers.starting_pid(config.port)
+        print(f"ft serve: an ft launch is starting a server on port {config.port}"
+              f"{f' (pid {pid})' if pid else ''}: use that one, or pass another --port", file=sys.stderr)
+        return 2
     devices = rank_devices(args)
     print(f"ft serve: loading {spec} on {', '.join(devices)}, then warming up", flush=True)
     ranks, runtime = None, None  # ranks: under expert parallel, rank 0's engine and the others' processes

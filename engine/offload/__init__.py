@@ -9,7 +9,7 @@
 - `stats`: what the caches did (`OffloadStats`).
 """
 
-from engine.offload.install import expert_bytes, expert_store, install, quantized_store
+from engine.offload.install import expert_bytes, expert_store, held_experts, install, quantized_store
 from engine.offload.plan import (
     BudgetError,
     GiB,
@@ -38,6 +38,7 @@ __all__ = [
     "dense_bytes",
     "expert_bytes",
     "expert_store",
+    "held_experts",
     "hit_ratio",
     "install",
     "kv_bytes",

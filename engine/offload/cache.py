@@ -151,12 +151,15 @@ class ExpertCache:
         assemble: Callable[[Parts], tuple[Any, ...]] = tuple,
         mapped: Parts | None = None,
         staging: Parts | None = None,
+        partial: bool = False,
     ):
         """`mapped`: the host parts as the device reads them in place (`ExpertOffload`'s
         `in_place`), or None: every expert a forward runs is copied into a slot first. `staging`:
         with `mapped`, device rows of the parts that the experts a step reads from host memory
         are gathered into before they run, one per assignment (None, or a step of more
-        assignments than rows: they run where they lie)."""
+        assignments than rows: they run where they lie). `partial`: the ids a forward passes may
+        hold -1, no expert (another rank's, `engine.parallel`): nothing runs, is fetched or is
+        counted for it."""
         self.host, self.assemble, self.stats, self.lane = host, assemble, stats, lane
         self.device = device
         self.num_experts = host[0].shape[0]
@@ -171,10 +174,11 @@ class ExpertCache:
         self.costs: tuple[float, float, float] | None = None  # see `split`
         self.expert_in = [-1] * slots  # the expert each slot holds
         self.slot_of = [-1] * self.num_experts  # the slot holding each expert
-        self.slot_of_host = np.full(self.num_experts, -1, dtype=np.int64)  # the same, to copy in
-        self.slot_table = torch.full(
-            (self.num_experts,), -1, dtype=torch.long, device=device
-        )  # slot_of on the device
+        # the same, to copy in, and on the device; one more entry, -1 for good: an id of -1 (no
+        # expert) indexes it, so the table maps it to no slot
+        self.slot_of_host = np.full(self.num_experts + 1, -1, dtype=np.int64)
+        self.slot_table = torch.full((self.num_experts + 1,), -1, dtype=torch.long, device=device)
+        self.partial = partial
         self.last_used = [0] * slots
         self.uses = [0] * self.num_experts  # forwards that routed to each expert
         self.copied = [None] * slots  # event: the copy into each slot
@@ -235,7 +239,7 @@ class ExpertCache:
             self.read = [self.lane.record()] * self.slots
         if self.next is not None and self.prefetch_next:
             self.next.prefetch(self.prefetch_next)  # before this layer's routing is read: overlaps it
-        counts = torch.bincount(ids.flatten(), minlength=self.num_experts).tolist()  # the one host sync
+        counts = self._counts(ids)  # the one host sync
         groups, on_host = self.prepare(counts)
         if not on_host and len(groups) == 1:
             self._load(groups[0], busy=[])
@@ -245,8 +249,9 @@ class ExpertCache:
             return out
         # assignments sorted by (group, expert): each group's rows are one range of `order`
         ordered = [e for g in [*groups, on_host] for e in g]
-        rank = torch.empty(self.num_experts, dtype=torch.long)
+        rank = torch.empty(self.num_experts + 1, dtype=torch.long)  # the last: no expert (-1), after every group
         rank[ordered] = torch.arange(len(ordered))
+        rank[-1] = len(ordered)
         order = torch.argsort(
             self._staged(rank).to(ids.device, non_blocking=True)[ids.flatten()], stable=True
         )
@@ -295,14 +300,18 @@ class ExpertCache:
         slot = self.slot_table[ids]
         resident = slot >= 0
         flat = ids.flatten()
-        self.counters[0].index_add_(0, flat, torch.ones_like(flat))
+        uses = torch.ones_like(flat)
+        if self.partial:  # no expert (-1): counted as none on expert 0
+            flat, uses = flat.clamp(min=0), (flat >= 0).long()
+        self.counters[0].index_add_(0, flat, uses)
         self.counters[1].index_add_(0, flat, resident.flatten().long())
         far_ids = torch.where(resident, -1, ids)
         far_weights = self.mapped_weights
         if self.stage_reads and ids.numel() <= len(self.rows):  # row j holds assignment j's expert
             assert self.staging is not None and self.staged_weights is not None
             self.gather(self.staging, self.mapped, far_ids)
-            far_ids = torch.where(resident, -1, self.rows[: ids.numel()].view(ids.shape))
+            near_or_none = far_ids < 0 if self.partial else resident  # no row gathered for either
+            far_ids = torch.where(near_or_none, -1, self.rows[: ids.numel()].view(ids.shape))
             far_weights = self.staged_weights
         near = moe_experts(x, weights, slot, *self.weights)
         far = moe_experts(x, weights, far_ids, *far_weights)
@@ -382,6 +391,12 @@ class ExpertCache:
                 ]
             i += n
         return pairs
+
+    def _counts(self, ids: torch.Tensor) -> list[int]:
+        """The assignments routed to each expert, those to no expert (-1, `partial`) left out."""
+        if self.partial:
+            return torch.bincount(ids.flatten() + 1, minlength=self.num_experts + 1).tolist()[1:]
+        return torch.bincount(ids.flatten(), minlength=self.num_experts).tolist()
 
     def prepare(self, counts: list[int]) -> tuple[list[list[int]], list[int]]:
         """From the rows routed to each expert: device groups of the experts needed (resident

@@ -36,6 +36,11 @@ def expert_bytes(model: HybridForCausalLM) -> int:
     return sum(p[0].nbytes for p in expert_store(model, 0)[0])
 
 
+def held_experts(model: HybridForCausalLM) -> int:
+    """Routed experts a layer holds: all the model's, or an expert-parallel rank's share (`engine.parallel`)."""
+    return expert_store(model, 0)[0][0].shape[0]
+
+
 def quantized_store(gate_up: Any, down: Any) -> tuple[tuple[torch.Tensor, ...], Callable]:
     """Quantized stacks (`QuantWeight`s of engine/ops/gpu/quant.py, whose `parts` lead with the
     expert) as one expert store for `ExpertCache`: every part in one tuple, and the `assemble`
@@ -142,7 +147,8 @@ def install(
                     torch.empty((plan.rows, *p.shape[1:]), dtype=p.dtype, device=device) for p in parts
                 )
             stage = staging[layout]
-        cache = ExpertCache(parts, plan.slots, device, stats, lane, assemble, reads, stage)
+        # a rank's share: the others' assignments come as -1
+        cache = ExpertCache(parts, plan.slots, device, stats, lane, assemble, reads, stage, layer.mlp.shard is not None)
         layer.mlp.offload = caches[layer.layer] = cache
         layer.mlp.experts = None
     offload = ExpertOffload(caches, stats, plan, model.config, outside)

@@ -36,8 +36,9 @@ def _size(n: int) -> str:
 class OffloadPlan:
     """How a device budget is spent (bytes): dense weights, decode slots, a forward's workspace
     (with `rows` staging rows of experts a decode step reads from host memory, `stages`), and
-    `slots` experts of `expert_bytes` in each of `layers` MoE layers. `workspace` is a full chunk's
-    (`chunk` tokens), `small` what the shortest chunks allocate (0 until measured)."""
+    `slots` experts of `expert_bytes` in each of `layers` MoE layers, of the `experts` a layer holds
+    (all the model's, or an expert-parallel rank's share, `engine.parallel`). `workspace` is a full
+    chunk's (`chunk` tokens), `small` what the shortest chunks allocate (0 until measured)."""
 
     budget: int
     dense: int
@@ -50,6 +51,7 @@ class OffloadPlan:
     stream: int = 0  # bytes of the buffers long chunks stream experts through (engine/offload/stream.py), or 0
     chunk: int = 1
     small: int = 0
+    experts: int = 0
 
     def workspace_for(self, tokens: int) -> int:
         """A `tokens`-token forward's workspace: the shortest chunks' plus the full chunk's pro rata,
@@ -117,17 +119,23 @@ def dense_bytes(model: HybridForCausalLM) -> int:
     return sum(storages.values()) - routed
 
 
-def streams(c: ModelConfig, slots: int) -> bool:
-    """Whether `plan` streams long chunks' experts with `slots` resident a layer: most of a layer's experts
-    are not resident, so long chunks stream them whole, through buffers that cost a few slots
+def least_slots(c: ModelConfig, experts: int) -> int:
+    """The fewest expert slots a layer of `experts` may have: top_k (a token's experts resident at
+    once), or all of them where a rank holds fewer."""
+    return min(c.num_experts_per_tok, experts)
+
+
+def streams(c: ModelConfig, slots: int, experts: int) -> bool:
+    """Whether `plan` streams long chunks' experts with `slots` of a layer's `experts` resident: most
+    of them are not resident, so long chunks stream them whole, through buffers that cost a few slots
     (engine/offload/stream.py)."""
-    return c.num_experts_per_tok <= slots < c.num_experts // 2
+    return least_slots(c, experts) <= slots < experts // 2
 
 
 def budget_for(c: ModelConfig, p: OffloadPlan, slots: int) -> int:
     """The smallest budget `plan` splits into `slots` experts per layer with p's other parts (dense
     weights, decode slots, workspace), the stream buffers it reserves at that many included."""
-    stream = stream_bytes(c.num_experts, p.expert_bytes) if streams(c, slots) else 0
+    stream = stream_bytes(p.experts, p.expert_bytes) if streams(c, slots, p.experts) else 0
     return dataclasses.replace(p, stream=stream).budget_for(slots)
 
 
@@ -140,13 +148,16 @@ def plan(
     capacity: int,
     tokens: int,
     expert_bytes: int | None = None,
+    experts: int | None = None,
 ) -> OffloadPlan:
     """Split `budget` bytes: the dense parts, the decode slots of `sequences` sequences of
     `capacity` tokens, the workspace of a `tokens`-token chunk, and the rest as expert slots of
     `expert_bytes` (default: a `dtype` expert; quantized experts pass their own size), evenly per
-    MoE layer (at most every expert). Raises `BudgetError` naming the numbers when the rest is not
-    top_k experts per layer."""
-    layers = c.num_hidden_layers
+    MoE layer (at most every expert of the `experts` a layer holds: default all, under expert
+    parallel the rank's share). Raises `BudgetError` naming the numbers when the rest is not
+    top_k experts per layer (`least_slots`)."""
+    layers, experts = c.num_hidden_layers, experts or c.num_experts
+    least = least_slots(c, experts)
     size = torch.empty(0, dtype=dtype).element_size()
     expert = expert_bytes or 3 * c.moe_intermediate_size * c.hidden_size * size
     states = state_bytes(c, dtype, sequences, capacity)
@@ -159,19 +170,20 @@ def plan(
             "embeddings, attention, DeltaNet, shared experts, routers, norms, lm_head)"
         )
     rest = budget - dense - states - workspace
-    slots = min(c.num_experts, max(rest, 0) // (expert * layers))
-    stream = stream_bytes(c.num_experts, expert)
+    slots = min(experts, max(rest, 0) // (expert * layers))
+    stream = stream_bytes(experts, expert)
     streamed = max(rest - stream, 0) // (expert * layers)
-    if streams(c, streamed):
+    if streams(c, streamed, experts):
         slots = streamed
     else:
         stream = 0
-    if slots < c.num_experts_per_tok:
-        need = dense + states + workspace + c.num_experts_per_tok * expert * layers
+    if slots < least:
+        need = dense + states + workspace + least * expert * layers
         raise BudgetError(
             f"--gpu-memory {_size(budget)} leaves room for {slots} experts per layer, fewer than top_k = "
-            f"{c.num_experts_per_tok}: dense weights {_size(dense)} + decode slots {_size(states)} ({sequences} "
-            f"sequences x {capacity} tokens) + workspace {_size(workspace)} + {c.num_experts_per_tok} x {layers} "
+            f"{least}: dense weights {_size(dense)} + decode slots {_size(states)} ({sequences} "
+            f"sequences x {capacity} tokens) + workspace {_size(workspace)} + {least} x {layers} "
             f"experts of {expert:,} bytes need {_size(need)}"
         )
-    return OffloadPlan(budget, dense, states, workspace, expert, layers, slots, rows, stream, chunk=tokens)
+    return OffloadPlan(budget, dense, states, workspace, expert, layers, slots, rows, stream, chunk=tokens,
+                       experts=experts)

@@ -60,7 +60,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.offload.cache import IN_PLACE_ROWS, ExpertCache
-from engine.offload.plan import BudgetError, OffloadPlan, _size
+from engine.offload.plan import BudgetError, OffloadPlan, _size, least_slots
 from engine.offload.policy import ExpertCachePolicy, Link, measure_link
 from engine.offload.stats import OffloadStats
 from engine.offload.stream import ExpertStream
@@ -84,6 +84,7 @@ class ExpertOffload:
         for cache, following in zip(order, [*order[1:], None], strict=True):
             cache.next = following
         self.device = order[0].device
+        self.experts = order[0].num_experts  # a layer's: all the model's, or an expert-parallel rank's share
         self.peak_before = 0  # peak reserved bytes before the calibration reset the allocator's peaks
         # device memory the process held before this engine's (another engine in the same process,
         # as in the tests): the budget is this engine's, on top of it
@@ -133,7 +134,7 @@ class ExpertOffload:
     @property
     def holds_all(self) -> bool:
         """Whether every expert has a slot: nothing is fetched, so decode may be graph-captured."""
-        return self.plan.slots >= self.config.num_experts
+        return self.plan.slots >= self.experts
 
     @property
     def graph_rows(self) -> int | None:
@@ -296,10 +297,10 @@ class ExpertOffload:
             self._shrink(self.plan.slots - math.ceil(over / per_slot), why)
 
     def _shrink(self, slots: int, why: str) -> None:
-        if slots < self.config.num_experts_per_tok:
+        if slots < (least := least_slots(self.config, self.experts)):
             raise BudgetError(
                 f"--gpu-memory {_size(self.plan.budget)}: {why} leave room for {max(slots, 0)} experts per "
-                f"layer, fewer than top_k = {self.config.num_experts_per_tok}"
+                f"layer, fewer than top_k = {least}"
             )
         if slots >= self.plan.slots:
             return

@@ -1,7 +1,7 @@
 """How `ft launch` finds or starts its server (adapters/server_start.py), with the real `ft serve`
 of the `tiny` preset on a loopback port and the ft home in the test's folder: launchers started
-together for one port start one server and share it, and what a dead launcher or server left
-behind (its record, its start lock) does not block a start."""
+together for one port start one server and share it, a launcher waits for an `ft serve` started by
+hand, and what a dead launcher or server left behind (its record, its start lock) does not block a start."""
 
 from __future__ import annotations
 
@@ -115,3 +115,27 @@ def test_what_a_dead_launcher_and_server_left_does_not_block_a_start(port):
     assert "waiting for" not in out.file.getvalue()
     record = servers.at_port(port)
     assert record is not None and record.pid != holder.pid and serve_children(port) == [record.pid]
+
+
+def test_a_launcher_waits_for_a_server_started_by_hand_and_a_hand_start_for_a_launcher(port):
+    url = f"http://127.0.0.1:{port}"
+    serve = [sys.executable, "-m", "ft", "serve", "--preset", "tiny", "--port", str(port), *SERVE]
+    by_hand = subprocess.Popen(serve, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while servers.starting_pid(port) != by_hand.pid:  # it holds the port's start lock while it loads
+            assert by_hand.poll() is None and time.monotonic() < deadline, by_hand.stderr.read()
+            time.sleep(0.05)
+        out = console()
+        assert server_start.ensure(Wanted(url, "tiny", ("--preset", "tiny", *SERVE)), out) is False
+        assert "waiting for ft serve" in out.file.getvalue() and "started by hand" in out.file.getvalue()
+        assert serve_children(port) == [by_hand.pid]
+
+    finally:
+        by_hand.terminate()
+        by_hand.wait(60)
+
+    with servers.start_lock(port) as lock:  # a launcher holds the lock: a start by hand is refused
+        assert lock is not None
+        refused = subprocess.run(serve, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and f"starting a server on port {port}" in refused.stderr

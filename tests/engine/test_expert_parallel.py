@@ -25,7 +25,9 @@ from engine.engine_config import EngineConfig
 from engine.feed import Feed
 from engine.head_split import HeadShard
 from engine.load import load_folder
+from engine.offload import GiB, budget_for, dense_bytes, plan
 from engine.parallel import ExpertParallel, ExpertParallelError
+from engine.runner import starting_capacity
 from gateway.ports import LOOPBACK, free_port
 
 TOL = 1e-5
@@ -38,6 +40,10 @@ PROMPTS = [[(1000 + 37 * i * (s + 1)) % 240_000 for i in range(n)] for s, n in e
 CAPTURES = [10, 25, 60]  # of PROMPTS[0]
 RESTORED_AT = 1  # the chain up to CAPTURES[1]
 FED = [[11, 12, 13, 14], [21, 22], [31, 32, 33]]  # decode tokens after each prompt (teacher-forced)
+# offload at world 2: 2 of a rank's 4 experts (tiny's 8, top 2) resident; the single process's
+# reference keeps 6 of 8 (with fewer, long chunks stream every expert): neither streams, so both take
+# the same path (fetch or read in place) for every forward and count each expert's uses alike
+OFFLOAD_WORLD, OFFLOAD_SLOTS = 2, {1: 6, 2: 2}
 
 
 def batched_decode(engine: Engine) -> list[torch.Tensor]:
@@ -82,6 +88,30 @@ def scenario(engine: Engine, theirs: list[Snapshot]) -> dict:
     }
 
 
+def offload_gib(folder: str, world: int) -> float:
+    """The budget that leaves `OFFLOAD_SLOTS[world]` of a rank's experts per layer on the device
+    (half an expert spare), from the plan's own parts."""
+    model, _ = load_folder(folder, torch.device("cpu"), torch.float32)
+    c = model.config
+    p = plan(c, dense_bytes(model), 1 << 50, torch.float32, CONFIG.decode_slots, starting_capacity(torch.device("cpu")),
+             CONFIG.chunk_tokens, experts=c.num_experts // world)
+    return (budget_for(c, p, OFFLOAD_SLOTS[world]) + p.expert_bytes // 2) / GiB
+
+
+def offloaded(engine: Engine) -> dict:
+    """A prefill with captures and batched decode (`batched_decode`) under offload, and what the
+    expert cache counted: per layer and expert, the forwards that fetched for it and the assignments
+    read in place or from a slot."""
+    first = engine.prefill(engine.new_state(), PROMPTS[0], capture_at=CAPTURES)
+    decode = batched_decode(engine)
+    offload = engine.offload
+    assert offload is not None
+    stats = engine.offload_stats()
+    return {"prefill": first.logits, "snapshots": first.snapshots, "decode": decode, "stats": stats,
+            "slots": offload.plan.slots, "held": offload.experts, "host_bytes": offload.host_bytes,
+            "uses": [cache.uses for cache in offload.order], "assigned": offload.seen[:, 0].tolist()}
+
+
 def _rank(rank: int, world: int, split_heads: bool, port: int, dirs: dict[str, str], references: str, out: str) -> None:
     torch.set_num_threads(1)  # the ranks share this machine's cores
     dist.init_process_group("gloo", init_method=f"tcp://{LOOPBACK}:{port}", rank=rank, world_size=world)
@@ -93,6 +123,10 @@ def _rank(rank: int, world: int, split_heads: bool, port: int, dirs: dict[str, s
             results[preset] = scenario(engine, theirs[preset])
             model, fp = materialised_shard(preset, "cpu", torch.float32, ExpertParallel.of_group(), split_heads)
             results[preset]["materialised"] = fp, model.model.layers[0].mlp.experts.gate_up_proj.clone()
+            if world == OFFLOAD_WORLD and not split_heads:  # each rank offloads its own experts within its budget
+                budget = offload_gib(folder, world)
+                engine = Engine.load(folder, CONFIG, expert_parallel=ExpertParallel.of_group(), gpu_memory_gib=budget)
+                results[preset]["offload"] = offloaded(engine)
         torch.save(results, Path(out) / f"{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -195,6 +229,48 @@ def test_a_snapshot_restores_exactly_at_its_world_size_and_at_another(ranks, ref
         _close(continued(single[preset], results[preset]["snapshots"][: RESTORED_AT + 1]), theirs["restore"])
 
 
+@pytest.fixture(scope="module")
+def offload_reference(preset_dirs) -> dict[str, dict]:
+    """The single process offloaded (`OFFLOAD_SLOTS[1]`)."""
+    budgets = {preset: offload_gib(preset_dirs[preset], 1) for preset in PRESETS}
+    return {preset: offloaded(Engine.load(preset_dirs[preset], CONFIG, gpu_memory_gib=budgets[preset]))
+            for preset in PRESETS}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_offload_on_each_rank_gives_the_single_process_logits(ranks, reference, preset):
+    """Each rank offloads its own experts within its budget, fewer resident than it holds: a prefill
+    with captures and batched decode give the logits and snapshots of the single process without offload."""
+    theirs = reference[preset]
+    for results in ranks(OFFLOAD_WORLD):
+        ours = results[preset]["offload"]
+        assert (ours["slots"], ours["held"]) == (OFFLOAD_SLOTS[OFFLOAD_WORLD], 4)
+        _close(ours["prefill"], theirs["prefill"])
+        _same_snapshots(ours["snapshots"], theirs["snapshots"])
+        for mine, other in zip(ours["decode"], theirs["decode"], strict=True):
+            _close(mine, other)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_each_rank_fetches_and_counts_its_own_experts_alone(ranks, offload_reference, preset):
+    """Rank r's cache holds experts [4r, 4r + 4) in host memory, half the single process's bytes; the
+    uses it counted for its expert j (forwards that fetched for it, assignments read in place or from
+    a slot) are the single process's for expert 4r + j, and the experts needed on the ranks add up to
+    the single process's: the other ranks' assignments were never fetched or counted."""
+    single = offload_reference[preset]
+    ranked = [results[preset]["offload"] for results in ranks(OFFLOAD_WORLD)]
+    assert single["slots"] == OFFLOAD_SLOTS[1]
+    assert sum(r["stats"]["fetched"] for r in ranked) > 0 and sum(r["stats"]["mapped"] for r in ranked) > 0
+    for rank, ours in enumerate(ranked):
+        mine = slice(rank * ours["held"], (rank + 1) * ours["held"])
+        assert 2 * ours["host_bytes"] == single["host_bytes"]
+        assert ours["uses"] == [uses[mine] for uses in single["uses"]]
+        assert ours["assigned"] == [assigned[mine] for assigned in single["assigned"]]
+    for phase in ("prefill", "decode"):
+        needed = f"phase_needed_{phase}"
+        assert sum(r["stats"][needed] for r in ranked) == single["stats"][needed] > 0
+
+
 def test_a_world_that_does_not_split_the_experts_evenly_is_refused():
     with pytest.raises(ExpertParallelError, match="8 experts do not split evenly over 3 ranks"):
         ExpertParallel(0, 3).shard(8)
@@ -210,8 +286,6 @@ def test_a_world_that_does_not_split_the_heads_evenly_is_refused(preset_dirs):
         dataclasses.replace(CONFIG, head_split=True)
 
 
-def test_expert_parallel_refuses_gguf_and_offload(tmp_path):
+def test_expert_parallel_refuses_gguf(tmp_path):
     with pytest.raises(ExpertParallelError, match="not GGUF models"):
         load_folder(tmp_path / "model.gguf", torch.device("cpu"), parallel=ExpertParallel(0, 2))
-    with pytest.raises(ValueError, match="split over ranks or offloaded"):
-        dataclasses.replace(CONFIG, expert_parallel=ExpertParallel(0, 2), gpu_memory_gib=4.0)

@@ -309,7 +309,7 @@ def test_mapped_decode_reads_misses_from_host_and_refresh_swaps_hot_experts_in(s
     assert cache.refresh(uses(ids), limit=1) == 1 and cache.slot_of[3] >= 0  # the hottest, into an empty slot
     assert cache.refresh(uses(step((3, 5), (5, 1))), limit=1) == 1 and cache.slot_of[5] >= 0
     assert cache.counters[1].tolist() == [0, 0, 0, 1, 0, 0, 0, 0]  # 3 was resident for the second step
-    assert cache.slot_table.tolist() == cache.slot_of
+    assert cache.slot_table.tolist()[:-1] == cache.slot_of
     # 1 is hotter than the coldest resident (3), but not by more than SWAP_MARGIN: no swap yet
     assert cache.refresh(uses(step((1, 6))), limit=1) == 0
     assert cache.refresh(uses(step((1, 6), (1, 7))), limit=2) == 1 and cache.slot_of[1] >= 0

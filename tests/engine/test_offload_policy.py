@@ -249,7 +249,7 @@ def test_decode_slots_growing_shrink_the_expert_cache(preset_dirs, tiny):
     assert (out["plain"] - out["offload"]).abs().max().item() <= TOL
     for cache in offload.caches.values():  # the hottest experts stayed resident through the shrink
         assert -1 not in cache.expert_in
-        assert cache.slot_table.tolist() == cache.slot_of
+        assert cache.slot_table.tolist()[:-1] == cache.slot_of
 
 
 def test_growth_beyond_the_budget_is_a_clear_error(preset_dirs, tiny):
