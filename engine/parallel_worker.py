@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint_store.snapshot import Snapshot
+from engine import split_choice
 from engine.engine import Engine
 from engine.engine_config import EngineConfig
 from engine.feed import Feed
@@ -63,6 +64,7 @@ class RankSpec:
     config: EngineConfig
     init_method: str  # tcp://host:port of rank 0's store
     backend: str  # "gloo" (CPU) or "nccl" (GPUs)
+    choose_split: bool = False  # time replicated and head split at warm-up, keep the faster (`engine.split_choice`)
 
     @property
     def parallel(self) -> ExpertParallel:
@@ -87,12 +89,15 @@ def join(spec: RankSpec) -> dist.ProcessGroup:
 
 
 def load(cls: type[Engine], spec: RankSpec) -> Engine:
-    """This rank's engine, warmed up (every rank at once: warm-up's forwards meet in their all-reduces)."""
+    """This rank's engine, warmed up (every rank at once: warm-up's forwards meet in their
+    all-reduces); with `spec.choose_split`, replicated or head split, whichever ran faster."""
     if spec.model_dir is not None:
         engine = cls.load(spec.model_dir, spec.config)
     else:
         engine = cls.from_preset(spec.preset, spec.config)
     warm_up(engine)
+    if spec.choose_split and not spec.config.head_split:
+        engine = split_choice.choose(engine)
     return engine
 
 
