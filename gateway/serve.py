@@ -87,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     ranks.add_argument("--ranks", type=at_least(2), metavar="N",
                        help="expert parallel over N processes on the CPU (gloo), as --gpus splits the experts over "
                             "GPUs: the same engine code on one machine, for tests")
+    parser.add_argument("--split", choices=["auto", "heads", "replicated"], default="auto",
+                        help="under --gpus or --ranks, the attention and DeltaNet layers: split by heads over the ranks, "
+                             "replicated on each, or auto (default): both timed at warm-up on one short prefill and a "
+                             "few decode steps, the faster kept and logged (replicated where the heads do not divide)")
     parser.add_argument("--plan", action="store_true",
                         help="print how the model would fit (--gpu-memory, or the GPU's free memory) and exit: "
                              "nothing is loaded, no GPU is needed")
@@ -209,6 +213,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         device=devices[0], max_running=args.max_running or EngineConfig.max_running, gpu_memory_gib=args.gpu_memory,
         decode_step_prefill=args.decode_step_prefill, step_log_ms=args.step_log,
         expert_parallel=ExpertParallel(0, len(devices)) if len(devices) > 1 else None,
+        head_split=len(devices) > 1 and args.split == "heads",
     )
 
 
@@ -254,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
     ranks, runtime = None, None  # ranks: under expert parallel, rank 0's engine and the others' processes
     try:
         if config.engine.expert_parallel is not None:
-            ranks = start_ranks(config, devices)
+            ranks = start_ranks(config, devices, choose_split=args.split == "auto")
         runtime = build_service(config, ranks[0] if ranks else None)
     except (ValueError, KeyError, OSError) as exc:
         print(f"ft serve: {exc}", file=sys.stderr)
@@ -269,14 +274,19 @@ def run(args: argparse.Namespace) -> int:
             stop_ranks(ranks)
 
 
-def start_ranks(config: ServeConfig, devices: list[str]):
-    """Rank 0's engine here, loaded with the other ranks' in their processes (`engine.parallel_worker`)."""
+def start_ranks(config: ServeConfig, devices: list[str], choose_split: bool = False):
+    """Rank 0's engine here, loaded with the other ranks' in their processes (`engine.parallel_worker`);
+    `choose_split`: replicated or head split, whichever runs faster (`engine.split_choice`)."""
     from engine import parallel_worker  # noqa: PLC0415
 
     backend = "nccl" if devices[0].startswith("cuda") else "gloo"
     rank_spec = parallel_worker.RankSpec(config.model_dir, config.preset, config.engine,
-                                         f"tcp://{LOOPBACK}:{free_port()}", backend)
-    return parallel_worker.start(rank_spec, devices)
+                                         f"tcp://{LOOPBACK}:{free_port()}", backend, choose_split)
+    ranks = parallel_worker.start(rank_spec, devices)
+    layers = "split by heads" if ranks[0].engine_config.head_split else "replicated"
+    why = "the faster at warm-up (--log-level info: both timings)" if choose_split else "--split"
+    print(f"ft serve: attention and DeltaNet layers {layers} over {len(devices)} ranks ({why})", flush=True)
+    return ranks
 
 
 def stop_ranks(ranks) -> None:

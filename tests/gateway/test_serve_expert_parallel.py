@@ -1,6 +1,8 @@
 """`ft serve --ranks 2`: the experts of `tiny` split over two gloo processes (rank 0 serving and
 mirroring every engine call, `engine.parallel_worker`) answer greedily as one process does, a
-turn that continues a conversation included; SIGTERM ends both processes cleanly."""
+turn that continues a conversation included, with the attention and DeltaNet layers split by heads
+(--split heads) or chosen by timing both at warm-up (the default, logged); SIGTERM ends both
+processes cleanly."""
 
 from __future__ import annotations
 
@@ -46,17 +48,20 @@ def test_two_ranks_answer_as_one_process_and_stop_on_sigterm():
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
-    proc, url = serve_process(["--preset", "tiny", "--ranks", "2"])
-    try:
-        followers = children(proc)
-        assert len(followers) == 1
-        assert answers(url) == single
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(60)
-    log = proc.stdout.read() if proc.stdout else ""
-    assert code == 0, log
-    assert not any(Path(f"/proc/{pid}").exists() for pid in followers)  # reaped by rank 0 before it left
+    for split in ("auto", "heads"):
+        proc, url = serve_process(["--preset", "tiny", "--ranks", "2", "--split", split])
+        try:
+            followers = children(proc)
+            assert len(followers) == 1
+            assert answers(url) == single
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(60)
+        log = proc.stdout.read() if proc.stdout else ""
+        assert code == 0, log
+        layers = "split by heads" if split == "heads" else ""  # auto: whichever was faster
+        assert f"attention and DeltaNet layers {layers}" in log and ("at warm-up" in log) == (split == "auto"), log
+        assert not any(Path(f"/proc/{pid}").exists() for pid in followers)  # reaped by rank 0 before it left
 
 
 def test_the_flags_give_rank_0_its_config_and_refuse_what_they_cannot_run_with():
@@ -68,10 +73,13 @@ def test_the_flags_give_rank_0_its_config_and_refuse_what_they_cannot_run_with()
     config = config_from_args(on_gpus).engine
     assert (config.device, config.expert_parallel) == ("cuda:2", ExpertParallel(0, 2))
     assert config_from_args(serve_args()).engine.expert_parallel is None
+    assert config_from_args(serve_args("--ranks", "2", "--split", "heads")).engine.head_split
+    assert not config_from_args(serve_args("--ranks", "2")).engine.head_split  # auto: chosen at warm-up
     for argv in (["--gpus", "0"], ["--gpus", "0,0"], ["--gpus", "0,1", "--ranks", "2"], ["--ranks", "1"]):
         with pytest.raises(SystemExit):
             serve_args(*argv)
     for argv, problem in ((["--ranks", "2", "--device", "cuda"], "--ranks: processes on the CPU"),
-                          (["--gpus", "0,1", "--gpu-memory", "20"], "--gpus: the memory plan is for one device")):
+                          (["--gpus", "0,1", "--gpu-memory", "20"], "--gpus: the memory plan is for one device"),
+                          (["--split", "heads"], "--split heads: the heads are split over the ranks")):
         with pytest.raises(ValueError, match=problem):
             expert_parallel(serve_args(*argv))
