@@ -4,11 +4,14 @@ decode slots and context from what remains; the checkpoint RAM tier from free ho
 
 The result gives `EngineConfig` its `max_running` and `gpu_memory_gib` and `ft serve` its RAM
 cache, and says what it chose and what it traded, part by part. A model that cannot fit is a
-`FitError` naming the numbers and what would make it fit.
+`FitError` naming the numbers and what would make it fit. Under expert parallel (`fit_ranks`) each
+GPU has a plan of its own: the dense weights and its share of the experts, resident or offloaded
+within its budget.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -17,6 +20,8 @@ import torch
 from engine.engine_config import DEFAULT_CHUNK, EngineConfig
 from engine.footprint import Footprint
 from engine.offload import BudgetError, kv_bytes, plan, state_bytes, workspace_bytes
+from engine.offload.plan import least_slots
+from engine.parallel import ExpertParallel
 from engine.runner import starting_capacity
 
 GiB = 1 << 30
@@ -53,6 +58,26 @@ class MemoryPlan:
     context: int  # tokens each running sequence can reach within the budget
     ram_cache: int
     traded: tuple[str, ...] = ()
+    device: str = "cuda"
+    parallel: ExpertParallel | None = None  # expert parallel: this GPU's rank, holding its share of the experts
+
+    @property
+    def world(self) -> int:
+        return 1 if self.parallel is None else self.parallel.world
+
+    @property
+    def experts_held(self) -> int:
+        """Routed experts a layer holds (all, or the rank's share)."""
+        return self.footprint.config.num_experts // self.world
+
+    @property
+    def experts_bytes(self) -> int:
+        """Bytes of the routed experts held, all layers."""
+        return self.footprint.experts // self.world
+
+    @property
+    def loaded(self) -> int:
+        return self.footprint.dense + self.experts_bytes
 
     @property
     def experts_device(self) -> int:
@@ -69,22 +94,55 @@ class MemoryPlan:
         """`EngineConfig.gpu_memory_gib`: the budget when experts are offloaded or the user set one."""
         return None if self.resident and self.budget.source != "--gpu-memory" else self.budget.bytes / GiB
 
-    def engine_config(self, device: str) -> EngineConfig:
-        return EngineConfig(device=device, max_running=self.max_running, gpu_memory_gib=self.gpu_memory_gib)
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(device=self.device, max_running=self.max_running, gpu_memory_gib=self.gpu_memory_gib,
+                            expert_parallel=self.parallel)
 
     def lines(self) -> list[str]:
-        """The plan as `ft serve` prints it."""
-        c, fp = self.footprint.config, self.footprint
+        """The plan as `ft serve` prints it (under expert parallel, one GPU's: `ParallelPlan.lines`)."""
         how = ("everything resident" if self.resident else
-               f"experts offloaded: {self.expert_slots} of {c.num_experts} per layer on the device, all "
-               f"{fp.experts / GiB:.2f} GiB in host memory")
-        out = [f"plan: {fp.source} ({fp.total / GiB:.2f} GiB loaded) in {self.budget.bytes / GiB:.2f} GiB "
+               f"experts offloaded: {self.expert_slots} of {self.experts_held} per layer on the device, all "
+               f"{self.experts_bytes / GiB:.2f} GiB in host memory")
+        what = self.footprint.source if self.parallel is None else f"{self.device} (rank {self.parallel.rank})"
+        out = [f"plan: {what} ({self.loaded / GiB:.2f} GiB loaded) in {self.budget.bytes / GiB:.2f} GiB "
                f"({self.budget.source}): {how}"]
         out += [f"  {name:<15} {n / GiB:8.2f} GiB" for name, n in self.parts.items() if n]
         out.append(f"  {'free':<15} {(self.budget.bytes - sum(self.parts.values())) / GiB:8.2f} GiB")
-        out.append(f"  {self.max_running} sequences decoded together, each up to {self.context:,} tokens of context; "
-                   f"checkpoint RAM cache {self.ram_cache / GiB:.2f} GiB")
+        ram = f"; checkpoint RAM cache {self.ram_cache / GiB:.2f} GiB" if self.parallel is None else ""
+        out.append(f"  {self.max_running} sequences decoded together, each up to {self.context:,} tokens of "
+                   f"context{ram}")
         out += [f"  traded: {t}" for t in self.traded]
+        return out
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """Expert parallel's plan: one `MemoryPlan` a GPU, in rank order, and how the model would fit
+    the first GPU's budget alone (None: it would not)."""
+
+    ranks: tuple[MemoryPlan, ...]
+    alone: MemoryPlan | None
+
+    def lines(self) -> list[str]:
+        """The plans as `ft serve` prints them: the split, each GPU's, and the one GPU they compare with."""
+        first = self.ranks[0]
+        fp, world = first.footprint, first.world
+        gpus = torch.device(first.device).type == "cuda"
+        out = [f"plan: {fp.source} ({fp.total / GiB:.2f} GiB loaded) over {world} {'GPUs' if gpus else 'CPU processes'}, "
+               f"expert parallel: each "
+               f"holds the dense weights ({fp.dense / GiB:.2f} GiB) and {first.experts_held} of the "
+               f"{fp.config.num_experts} routed experts of each layer ({first.experts_bytes / GiB:.2f} GiB); "
+               f"{first.max_running} sequences decoded together; checkpoint RAM cache {first.ram_cache / GiB:.2f} GiB"]
+        for rank in self.ranks:
+            out += rank.lines()
+        one = f"on one {'GPU' if gpus else 'device'} of {first.budget.bytes / GiB:.2f} GiB"
+        if self.alone is None:
+            out.append(f"{one} it does not fit")
+        elif not self.alone.resident:
+            out.append(f"{one} its experts are offloaded ({self.alone.expert_slots} of {fp.config.num_experts} "
+                       f"per layer on the device)")
+        else:
+            out.append(f"{one} everything is resident too")
         return out
 
 
@@ -115,76 +173,118 @@ def ram_cache(host_free: int, held_on_host: int) -> int:
 
 
 def fit(fp: Footprint, budget: Budget, device: str = "cuda", max_running: int | None = None,
-        host_free: int | None = None, ram_cache_bytes: int | None = None) -> MemoryPlan:
+        host_free: int | None = None, ram_cache_bytes: int | None = None,
+        parallel: ExpertParallel | None = None) -> MemoryPlan:
     """The plan for `fp` within `budget`: everything resident when it fits with `MIN_CONTEXT` tokens
     for each running sequence, else the experts offloaded; `max_running` (None: `DEFAULT_RUNNING`,
-    halved while the experts need the room) sequences; the RAM tier from `host_free` unless given."""
+    halved while the experts need the room) sequences; the RAM tier from `host_free` unless given.
+    With `parallel`, the plan of that rank's GPU, which holds its share of the experts."""
     host_free = host_available() if host_free is None else host_free
     running = [max_running] if max_running else [DEFAULT_RUNNING >> i for i in range(DEFAULT_RUNNING.bit_length())]
     chunk = DEFAULT_CHUNK.get(torch.device(device).type, 4096)
-    resident = _resident(fp, budget, device, running[0], chunk)
+    world = 1 if parallel is None else parallel.world
+    where = dict(device=device, parallel=parallel)
+    resident = _resident(fp, budget, device, running[0], chunk, world)
     if resident is not None:
         ram = ram_cache_bytes if ram_cache_bytes is not None else ram_cache(host_free, 0)
-        return MemoryPlan(**resident, ram_cache=ram)
+        return MemoryPlan(**resident, ram_cache=ram, **where)
     failure = None
     for n in running:
         try:
-            offloaded = _offloaded(fp, budget, device, n, chunk)
+            offloaded = _offloaded(fp, budget, device, n, chunk, world)
         except BudgetError as exc:
             failure = exc
             continue
-        traded = (f"experts offloaded: all {fp.experts / GiB:.2f} GiB do not fit beside the dense weights with "
-                  f"{MIN_CONTEXT:,} tokens of context for {running[0]} sequences",)
+        held = fp.experts // world
+        traded = (f"experts offloaded: {'all' if world == 1 else 'its'} {held / GiB:.2f} GiB do not fit beside the "
+                  f"dense weights with {MIN_CONTEXT:,} tokens of context for {running[0]} sequences",)
         if n != running[0]:
             traded += (f"{n} sequences decoded together instead of {running[0]}, for experts' room",)
-        ram = ram_cache_bytes if ram_cache_bytes is not None else ram_cache(host_free, fp.experts)
-        return MemoryPlan(**offloaded, ram_cache=ram, traded=traded)
-    raise FitError(_cannot_fit(fp, budget, device, failure))
+        ram = ram_cache_bytes if ram_cache_bytes is not None else ram_cache(host_free, held)
+        return MemoryPlan(**offloaded, ram_cache=ram, traded=traded, **where)
+    raise FitError(_cannot_fit(fp, budget, device, failure, world))
 
 
-def _resident(fp: Footprint, budget: Budget, device: str, running: int, chunk: int) -> dict | None:
+def fit_ranks(fp: Footprint, budgets: list[Budget], devices: list[str], max_running: int | None = None,
+              host_free: int | None = None, ram_cache_bytes: int | None = None) -> ParallelPlan:
+    """Expert parallel's plan: rank r on `devices[r]` within `budgets[r]` holds the dense weights and
+    its share of the experts, resident or offloaded (`fit` of each). Every rank runs every sequence,
+    so all decode the fewest sequences any rank's plan allows; the RAM tier is planned once, beside
+    the experts every offloading rank holds in host memory. A rank that cannot fit is a `FitError`."""
+    host_free = host_available() if host_free is None else host_free
+    world = len(devices)
+
+    def each(running: int | None) -> list[MemoryPlan]:
+        plans = []
+        for rank, (budget, device) in enumerate(zip(budgets, devices, strict=True)):
+            try:
+                plans.append(fit(fp, budget, device, running, host_free, 0, ExpertParallel(rank, world)))
+            except FitError as exc:
+                raise FitError(f"{device} (rank {rank} of {world}): {exc}") from exc
+        return plans
+
+    plans = each(max_running)
+    running = min(p.max_running for p in plans)
+    if any(p.max_running != running for p in plans):
+        fewer = f"{running} sequences decoded together: the most every GPU's plan allows"
+        plans = [dataclasses.replace(p, traded=(*p.traded, fewer)) for p in each(running)]
+    held = sum(p.experts_bytes for p in plans if not p.resident)
+    ram = ram_cache_bytes if ram_cache_bytes is not None else ram_cache(host_free, held)
+    try:
+        alone = fit(fp, budgets[0], devices[0], max_running, host_free, ram)
+    except FitError:
+        alone = None
+    return ParallelPlan(tuple(dataclasses.replace(p, ram_cache=ram) for p in plans), alone)
+
+
+def _resident(fp: Footprint, budget: Budget, device: str, running: int, chunk: int, world: int = 1) -> dict | None:
     c, slots = fp.config, EngineConfig(max_running=running).decode_slots
     capacity = starting_capacity(torch.device(device))
     states = state_bytes(c, fp.dtype, slots, capacity)
     workspace = workspace_bytes(c, fp.dtype, chunk, slots)
-    left = budget.bytes - fp.total - states - workspace
+    left = budget.bytes - fp.dense - fp.experts // world - states - workspace
     per_token = kv_bytes(c, fp.dtype, 1) * (slots + 1)
     if left < per_token * MIN_CONTEXT:
         return None
     context = min(c.max_position_embeddings, capacity + left // per_token)
     return dict(footprint=fp, budget=budget, resident=True, max_running=running, decode_slots=states,
-                workspace=workspace, expert_slots=c.num_experts, stream=0, context=context)
+                workspace=workspace, expert_slots=c.num_experts // world, stream=0, context=context)
 
 
-def _offloaded(fp: Footprint, budget: Budget, device: str, running: int, chunk: int) -> dict:
+def _offloaded(fp: Footprint, budget: Budget, device: str, running: int, chunk: int, world: int = 1) -> dict:
     c, slots = fp.config, EngineConfig(max_running=running).decode_slots
     capacity = starting_capacity(torch.device(device))
+    experts = c.num_experts // world
     p = plan(c, fp.dense, budget.bytes, fp.dtype, sequences=slots, capacity=capacity, tokens=chunk,
-             expert_bytes=fp.expert)
+             expert_bytes=fp.expert, experts=experts)
     # the decode slots grow into the expert cache (engine.offload.runtime's make_room) down to top_k experts a layer
-    spare = (p.slots - c.num_experts_per_tok) * fp.expert * c.num_hidden_layers
+    spare = (p.slots - least_slots(c, experts)) * fp.expert * c.num_hidden_layers
     context = min(c.max_position_embeddings, capacity + spare // (kv_bytes(c, fp.dtype, 1) * (slots + 1)))
     return dict(footprint=fp, budget=budget, resident=False, max_running=running, decode_slots=p.states,
                 workspace=p.workspace, expert_slots=p.slots, stream=p.stream, context=context)
 
 
-def smallest_budget(fp: Footprint, device: str) -> int:
-    """The least device memory the offload plan accepts for one sequence (top_k experts a layer), in
-    steps of 1/10 GiB."""
+def smallest_budget(fp: Footprint, device: str, world: int = 1) -> int:
+    """The least device memory the offload plan accepts for one sequence (top_k experts a layer, of a
+    rank's share under expert parallel over `world` GPUs), in steps of 1/10 GiB."""
     low, high = 0, math.ceil((fp.total + 16 * GiB) / (GiB / 10))
+    chunk = DEFAULT_CHUNK.get(torch.device(device).type, 4096)
     while low < high:
         mid = (low + high) // 2
         try:
-            _offloaded(fp, Budget(mid * GiB // 10, ""), device, 1, DEFAULT_CHUNK.get(torch.device(device).type, 4096))
+            _offloaded(fp, Budget(mid * GiB // 10, ""), device, 1, chunk, world)
             high = mid
         except BudgetError:
             low = mid + 1
     return low * GiB // 10
 
 
-def _cannot_fit(fp: Footprint, budget: Budget, device: str, failure: Exception | None) -> str:
-    need = smallest_budget(fp, device)
+def _cannot_fit(fp: Footprint, budget: Budget, device: str, failure: Exception | None, world: int = 1) -> str:
+    need = smallest_budget(fp, device, world)
+    experts = f"its routed experts {fp.experts / GiB:.2f} GiB"
+    if world > 1:
+        experts += f" ({fp.experts // world / GiB:.2f} GiB on each of {world} GPUs)"
     return (f"{fp.source} does not fit {budget.bytes / GiB:.2f} GiB ({budget.source}): its dense weights are "
-            f"{fp.dense / GiB:.2f} GiB and its routed experts {fp.experts / GiB:.2f} GiB; with the experts offloaded "
+            f"{fp.dense / GiB:.2f} GiB and {experts}; with the experts offloaded "
             f"it needs {need / GiB:.1f} GiB on the device for one sequence ({failure}). Options: a device with more "
             f"free memory or --gpu-memory {need / GiB:.1f} or more; a smaller quant of the model; --device cpu")

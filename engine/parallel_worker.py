@@ -71,10 +71,6 @@ class RankSpec:
         assert self.config.expert_parallel is not None
         return self.config.expert_parallel
 
-    def of_rank(self, rank: int, device: str) -> RankSpec:
-        return replace(self, config=replace(self.config, device=device,
-                                            expert_parallel=ExpertParallel(rank, self.parallel.world)))
-
 
 def join(spec: RankSpec) -> dist.ProcessGroup:
     """Join the group as `spec`'s rank (on the CPU the ranks share the cores); returns the group
@@ -101,14 +97,15 @@ def load(cls: type[Engine], spec: RankSpec) -> Engine:
     return engine
 
 
-def start(spec: RankSpec, devices: Sequence[str]) -> tuple[MirroredEngine, list[subprocess.Popen]]:
-    """Rank 0 (`spec`) here, ranks 1.. as processes of this host (rank r on `devices[r]`): rank
-    0's engine, loaded and warmed up with theirs, mirroring; and the followers' processes."""
+def start(spec: RankSpec, configs: Sequence[EngineConfig]) -> tuple[MirroredEngine, list[subprocess.Popen]]:
+    """Rank 0 (`spec`) here, ranks 1.. as processes of this host, rank r as `configs[r - 1]` says
+    (its device, its budget, `expert_parallel` naming it): rank 0's engine, loaded and warmed up
+    with theirs, mirroring; and the followers' processes."""
     followers = []
-    for rank in range(1, spec.parallel.world):
+    for config in configs:
         proc = subprocess.Popen([sys.executable, "-m", "engine.parallel_worker"], stdin=subprocess.PIPE)
         assert proc.stdin is not None
-        proc.stdin.write(pickle.dumps(spec.of_rank(rank, devices[rank])))
+        proc.stdin.write(pickle.dumps(replace(spec, config=config)))
         proc.stdin.close()
         followers.append(proc)
     try:

@@ -18,7 +18,7 @@ from gateway.capture_policy import CAPTURE_POLICIES
 from gateway.http_server import ServerLimits
 from gateway.pins import PinConfig
 from gateway.ports import LOOPBACK, free_port, port_problem
-from gateway.serve_prepare import prepare
+from gateway.serve_prepare import prepare, rank_devices
 from gateway.service import GiB, ServeConfig, Service, build_service
 from gateway.tenants import TenantKey, parse_keys
 
@@ -77,13 +77,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory", type=gib, metavar="GiB",
                         help="device memory budget: everything on the device where it fits, else the routed experts "
                              "stay in host memory and the device holds the dense weights, the decode slots and an "
-                             "expert cache within it (default: the device's free memory, less a margin)")
+                             "expert cache within it (default: the device's free memory, less a margin); under "
+                             "--gpus or --ranks, each one's")
     ranks = parser.add_mutually_exclusive_group()
     ranks.add_argument("--gpus", type=gpu_list, metavar="LIST",
                        help="expert parallel over these GPUs (0,1 or 0,1,2,3), one process each (NCCL): each holds its "
                             "share of the routed experts, the rest of the model replicated; the number of GPUs must "
-                            "divide the experts. The memory plan is not made for several GPUs: each must hold the dense "
-                            "weights and its experts (no --gpu-memory, no --plan)")
+                            "divide the experts. Each GPU has a memory plan of its own (--plan prints them): its "
+                            "experts resident, or offloaded within its budget with an expert cache of its own")
     ranks.add_argument("--ranks", type=at_least(2), metavar="N",
                        help="expert parallel over N processes on the CPU (gloo), as --gpus splits the experts over "
                             "GPUs: the same engine code on one machine, for tests")
@@ -91,6 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="under --gpus or --ranks, the attention and DeltaNet layers: split by heads over the ranks, "
                              "replicated on each, or auto (default): both timed at warm-up on one short prefill and a "
                              "few decode steps, the faster kept and logged (replicated where the heads do not divide)")
+    parser.set_defaults(rank_gpu_memory=None)  # each rank's budget under expert parallel: its plan's (serve_prepare)
     parser.add_argument("--plan", action="store_true",
                         help="print how the model would fit (--gpu-memory, or the GPU's free memory) and exit: "
                              "nothing is loaded, no GPU is needed")
@@ -198,21 +200,15 @@ def limits_from_args(args: argparse.Namespace) -> ServerLimits:
                         shutdown_grace_s=args.shutdown_grace)
 
 
-def rank_devices(args: argparse.Namespace) -> list[str]:
-    """Each rank's device under expert parallel (--gpus: one GPU a rank, --ranks: the CPU); one device without."""
-    if args.gpus:
-        return [f"cuda:{gpu}" for gpu in args.gpus]
-    return ["cpu"] * args.ranks if args.ranks else [args.device or "cpu"]
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """How the engine runs the model, from the flags (built once, handed to the engine); under
-    expert parallel, rank 0's."""
+def engine_config_from_args(args: argparse.Namespace, rank: int = 0) -> EngineConfig:
+    """How the engine runs the model, from the flags and the memory plan (built once, handed to the
+    engine); under expert parallel, rank `rank`'s: its device and its plan's budget."""
     devices = rank_devices(args)
+    budgets = args.rank_gpu_memory or [args.gpu_memory] * len(devices)
     return EngineConfig(
-        device=devices[0], max_running=args.max_running or EngineConfig.max_running, gpu_memory_gib=args.gpu_memory,
+        device=devices[rank], max_running=args.max_running or EngineConfig.max_running, gpu_memory_gib=budgets[rank],
         decode_step_prefill=args.decode_step_prefill, step_log_ms=args.step_log,
-        expert_parallel=ExpertParallel(0, len(devices)) if len(devices) > 1 else None,
+        expert_parallel=ExpertParallel(rank, len(devices)) if len(devices) > 1 else None,
         head_split=len(devices) > 1 and args.split == "heads",
     )
 
@@ -220,6 +216,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(
         model_dir=args.model, preset=args.preset or "tiny", engine=engine_config_from_args(args),
+        rank_engines=tuple(engine_config_from_args(args, rank) for rank in range(1, len(rank_devices(args)))),
         host=args.host, port=args.port,
         ram_cache_gib=args.ram_cache, disk_cache=args.disk_cache, disk_cache_gib=args.disk_cache_size,
         policy=args.policy, api_key=api_key(args), record_dir=args.record, replay_outputs=args.replay_outputs,
@@ -259,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
     ranks, runtime = None, None  # ranks: under expert parallel, rank 0's engine and the others' processes
     try:
         if config.engine.expert_parallel is not None:
-            ranks = start_ranks(config, devices, choose_split=args.split == "auto")
+            ranks = start_ranks(config, choose_split=args.split == "auto")
         runtime = build_service(config, ranks[0] if ranks else None)
     except (ValueError, KeyError, OSError) as exc:
         print(f"ft serve: {exc}", file=sys.stderr)
@@ -274,15 +271,17 @@ def run(args: argparse.Namespace) -> int:
             stop_ranks(ranks)
 
 
-def start_ranks(config: ServeConfig, devices: list[str], choose_split: bool = False):
-    """Rank 0's engine here, loaded with the other ranks' in their processes (`engine.parallel_worker`);
-    `choose_split`: replicated or head split, whichever runs faster (`engine.split_choice`)."""
+def start_ranks(config: ServeConfig, choose_split: bool = False):
+    """Rank 0's engine here, loaded with the other ranks' in their processes (`engine.parallel_worker`),
+    each with its own config (`config.rank_engines`); `choose_split`: replicated or head split,
+    whichever runs faster (`engine.split_choice`)."""
     from engine import parallel_worker  # noqa: PLC0415
 
+    devices = [config.engine.device, *(engine.device for engine in config.rank_engines)]
     backend = "nccl" if devices[0].startswith("cuda") else "gloo"
     rank_spec = parallel_worker.RankSpec(config.model_dir, config.preset, config.engine,
                                          f"tcp://{LOOPBACK}:{free_port()}", backend, choose_split)
-    ranks = parallel_worker.start(rank_spec, devices)
+    ranks = parallel_worker.start(rank_spec, config.rank_engines)
     layers = "split by heads" if ranks[0].engine_config.head_split else "replicated"
     why = "the faster at warm-up (--log-level info: both timings)" if choose_split else "--split"
     print(f"ft serve: attention and DeltaNet layers {layers} over {len(devices)} ranks ({why})", flush=True)
@@ -310,7 +309,7 @@ def _serve(args: argparse.Namespace, config: ServeConfig, limits: ServerLimits, 
         print(f"  {memory['device_reserved'] / GiB:.2f} GiB reserved on {runtime.engine.device} in all, "
               f"{memory['workspace'] / GiB:.2f} GiB of it workspace (activations, CUDA graphs, free blocks)", flush=True)
     if (offload := runtime.engine.offload) is not None:
-        print(f"  expert offload: {offload.plan.slots} of {runtime.engine.config.num_experts} experts per layer "
+        print(f"  expert offload: {offload.plan.slots} of {offload.experts} experts per layer "
               f"resident ({memory['expert_cache'] / GiB:.2f} GiB on {runtime.engine.device}), all "
               f"{memory['experts_host'] / GiB:.2f} GiB in host memory; budget {config.engine.gpu_memory_gib:g} GiB", flush=True)
     print(f"  Claude Code:  ft launch claude --server {url}\n  Codex:        ft launch codex --server {url}\n"

@@ -1,7 +1,8 @@
 """What `ft serve` settles before it loads anything: the model's files (a Hugging Face repo id is
 resolved and downloaded by `ft.hub`), the device (the GPU when there is one), and the memory plan
 (`engine.fit`): on a GPU, resident or offloaded experts, the sequences decoded together and the
-checkpoint RAM tier, printed before loading; on the CPU, the RAM tier from the host's free memory."""
+checkpoint RAM tier, printed before loading; on the CPU, the RAM tier from the host's free memory.
+Under expert parallel (--gpus, --ranks) each rank's device has a plan of its own."""
 
 from __future__ import annotations
 
@@ -38,22 +39,28 @@ def missing_gpu_packages() -> list[str]:
     return [package for module, package in GPU_PACKAGES.items() if importlib.util.find_spec(module) is None]
 
 
-def budget(args: argparse.Namespace) -> fit.Budget | None:
-    """--gpu-memory, else the GPU's free memory less a margin; None on the CPU and over several
-    GPUs (expert parallel: no plan)."""
+def rank_devices(args: argparse.Namespace) -> list[str]:
+    """Each rank's device under expert parallel (--gpus: one GPU a rank, --ranks: the CPU); one device without."""
     if args.gpus:
-        return None
+        return [f"cuda:{gpu}" for gpu in args.gpus]
+    return ["cpu"] * args.ranks if args.ranks else [args.device or "cpu"]
+
+
+def budgets(args: argparse.Namespace, devices: list[str]) -> list[fit.Budget] | None:
+    """Each device's: --gpu-memory, else a GPU's free memory less a margin; None on the CPU."""
     if args.gpu_memory is not None:
-        return fit.Budget(int(args.gpu_memory * GiB), "--gpu-memory")
-    if torch.device(args.device).type == "cuda" and torch.cuda.is_available():
-        return fit.device_budget(args.device)
+        return [fit.Budget(int(args.gpu_memory * GiB), "--gpu-memory")] * len(devices)
+    if torch.device(devices[0]).type == "cuda" and torch.cuda.is_available():
+        return [fit.device_budget(device) for device in devices]
     return None
 
 
-def memory_plan(args: argparse.Namespace) -> fit.MemoryPlan | None:
-    """The device plan (None on the CPU without --gpu-memory); fills --max-running, --gpu-memory
-    and --ram-cache where they were left open."""
-    given = budget(args)
+def memory_plan(args: argparse.Namespace) -> fit.MemoryPlan | fit.ParallelPlan | None:
+    """The device plan, or under expert parallel each rank's (None on the CPU without --gpu-memory);
+    fills --max-running, --gpu-memory (`rank_gpu_memory`: each rank's) and --ram-cache where they
+    were left open."""
+    devices = rank_devices(args)
+    given = budgets(args, devices)
     ram = None if args.ram_cache is None else int(args.ram_cache * GiB)
     if given is None:
         if args.plan:
@@ -63,19 +70,23 @@ def memory_plan(args: argparse.Namespace) -> fit.MemoryPlan | None:
         args.max_running = args.max_running or fit.DEFAULT_RUNNING
         return None
     model = footprint.of(args.model, args.preset or "tiny", args.device)
-    plan = fit.fit(model, given, args.device, args.max_running, ram_cache_bytes=ram)
-    args.max_running, args.gpu_memory, args.ram_cache = plan.max_running, plan.gpu_memory_gib, plan.ram_cache / GiB
+    if len(devices) == 1:
+        plan = fit.fit(model, given[0], args.device, args.max_running, ram_cache_bytes=ram)
+        plans = [plan]
+    else:
+        plan = fit.fit_ranks(model, given, devices, args.max_running, ram_cache_bytes=ram)
+        plans = list(plan.ranks)
+    args.max_running, args.ram_cache = plans[0].max_running, plans[0].ram_cache / GiB
+    args.gpu_memory, args.rank_gpu_memory = plans[0].gpu_memory_gib, [p.gpu_memory_gib for p in plans]
     return plan
 
 
 def expert_parallel(args: argparse.Namespace) -> None:
     """--gpus and --ranks: the device is rank 0's; what they cannot run with is an error."""
     if args.gpus:
-        if args.gpu_memory is not None or args.plan:
-            raise ValueError("--gpus: the memory plan is for one device (no --gpu-memory, no --plan with it)")
         args.device = f"cuda:{args.gpus[0]}"
     elif args.ranks:
-        if args.device not in (None, "cpu") or args.gpu_memory is not None:
+        if args.device not in (None, "cpu"):
             raise ValueError("--ranks: processes on the CPU (--gpus for GPUs)")
         args.device = "cpu"
     elif args.split == "heads":

@@ -42,6 +42,7 @@ class ServeConfig:
     model_dir: Path | None = None
     preset: str = "tiny"
     engine: EngineConfig = EngineConfig()  # how the engine runs the model: device, max_running, budgets
+    rank_engines: tuple[EngineConfig, ...] = ()  # expert parallel: ranks 1.. (`engine` is rank 0's), each its own plan's
     host: str = "127.0.0.1"
     port: int = 1919
     ram_cache_gib: float = 4.0

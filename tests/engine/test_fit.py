@@ -105,3 +105,51 @@ def test_the_footprint_read_from_files_is_what_loading_holds():
     assert (fp.dense, fp.expert) == (footprint.of_preset("tiny").dense, footprint.of_preset("tiny").expert)
     weights = Engine.load(folder).memory()["weights"]
     assert abs(weights - fp.total) < 0.001 * weights  # buffers beside the parameters: the rest
+
+
+RANK = re.compile(r"^plan: (cuda:\d) \(rank (\d)\) \(([\d.]+) GiB loaded\) in ([\d.]+) GiB \(--gpu-memory\): (.*)$")
+
+
+def rank_blocks(out: str) -> list[dict]:
+    """Each GPU's plan as `ft serve --plan --gpus` prints it: device, rank, what it chose and its parts."""
+    blocks: list[dict] = []
+    for line in out.splitlines():
+        if m := RANK.match(line):
+            blocks.append({"device": m[1], "rank": int(m[2]), "budget": float(m[4]), "how": m[5], "parts": {}})
+        elif blocks and (part := PART.match(line)):
+            blocks[-1]["parts"][part[1]] = float(part[2])
+    return blocks
+
+
+@pytest.mark.parametrize("gib", [8, 12, 24])
+def test_plan_over_two_gpus_gives_each_its_own_parts_within_its_budget(q4_k_m_index, capsys, gib):
+    """`--plan --gpus 0,1`: one plan a GPU (the dense weights and half the experts, resident or offloaded
+    with an expert cache of its own), the numbers those `fit.fit_ranks` computes, and against one GPU
+    of the same size (`fit.fit`): at 24 GiB every expert resident where one GPU offloads; at 12 and 8
+    GiB the two offload too (a GPU's half of the experts, 9.73 GiB, with the dense weights, decode
+    slots and workspace needs 13.5), keeping a larger share of their experts on the device."""
+    assert main(["serve", "--plan", "--model", str(q4_k_m_index), "--gpus", "0,1", "--gpu-memory", str(gib)]) == 0
+    out = capsys.readouterr().out
+    blocks = rank_blocks(out)
+    budget = fit.Budget(gib * fit.GiB, "--gpu-memory")
+    fp = footprint.of(q4_k_m_index, PRESET, "cuda")
+    computed = fit.fit_ranks(fp, [budget, budget], ["cuda:0", "cuda:1"])
+    alone = fit.fit(fp, budget, "cuda")
+    assert [(b["device"], b["rank"]) for b in blocks] == [("cuda:0", 0), ("cuda:1", 1)]
+    for block, plan in zip(blocks, computed.ranks, strict=True):
+        assert sum(block["parts"].values()) <= gib == block["budget"]
+        assert block["parts"] == {name: pytest.approx(n / fit.GiB, abs=0.006) for name, n in plan.parts.items() if n}
+        assert block["parts"]["dense weights"] == pytest.approx(1.50, abs=0.01)  # replicated
+        assert ("everything resident" in block["how"]) == plan.resident
+        assert plan.experts_held == 128 and plan.experts_bytes == fp.experts // 2
+    shares = [plan.expert_slots / plan.experts_held for plan in computed.ranks]
+    one = out.splitlines()[-1]
+    assert one.startswith(f"on one GPU of {gib:.2f} GiB") and ("everything is resident too" in one) == alone.resident
+    if gib == 24:
+        assert all(plan.resident for plan in computed.ranks) and not alone.resident
+        assert all(b["parts"]["routed experts"] == pytest.approx(19.45 / 2, abs=0.01) for b in blocks)
+    if gib <= 12:  # each GPU offloads its experts too, but keeps a larger share of them on the device
+        assert not any(plan.resident for plan in computed.ranks)
+        assert min(shares) > alone.expert_slots / fp.config.num_experts
+    if gib == 8:
+        assert all(plan.expert_slots < plan.experts_held for plan in computed.ranks)
