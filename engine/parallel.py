@@ -1,12 +1,17 @@
 """Expert parallel: the routed experts of every MoE layer split across the ranks of a
-`torch.distributed` group (NCCL on GPUs, gloo on the CPU), everything else replicated.
+`torch.distributed` group (NCCL on GPUs, gloo on the CPU); the attention and DeltaNet layers
+replicated or split by heads; everything else replicated.
 
-Rank r of W holds experts [r * E / W, (r + 1) * E / W). Attention, DeltaNet, the router, the shared
-expert, the embeddings and the head run on every rank over the same tokens, so every rank routes
-alike; each runs its own experts (the others' assignments at -1: no expert, `engine.ops.moe`) and
-one all-reduce sums the routed outputs. The sequences' states are then the same on every rank: a
-snapshot of any rank is the single process's, and one taken at one world size restores at another.
-The collectives go over the default process group, which the caller sets up before loading.
+Rank r of W holds experts [r * E / W, (r + 1) * E / W). The router, the shared expert, the
+embeddings and the head run on every rank over the same tokens, so every rank routes alike; each
+runs its own experts (the others' assignments at -1: no expert, `engine.ops.moe`) and one
+all-reduce sums the routed outputs. With the attention and DeltaNet layers replicated, the
+sequences' states are the same on every rank: a snapshot of any rank is the single process's.
+Split by heads (`engine.head_split`), each rank's states hold its heads, and snapshots are
+gathered whole as they leave the engine and cut to the rank's heads on restore (not per-rank
+snapshots): either way the gateway stores one snapshot, the single process's, which restores at
+any world size and in either mode. The collectives go over the default process group, which the
+caller sets up before loading.
 """
 
 from __future__ import annotations
