@@ -43,7 +43,7 @@ class EngineConfig:
       experts (`engine.parallel`: the group is initialised before loading); None: one process
       holds them all. With a memory budget, each rank offloads its own experts within it.
     - `head_split`: under expert parallel, the attention and DeltaNet layers split by heads over
-      the ranks too (`engine.head_split`); False: replicated on every rank.
+      the ranks too (`engine.head_split`); False: replicated on every rank. Not with a memory budget.
     """
 
     device: str = "cpu"
@@ -67,6 +67,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_gib: expected a size > 0, got {self.gpu_memory_gib}")
         if self.head_split and self.expert_parallel is None:
             raise ValueError("head_split: the heads are split over the ranks of expert parallel, and there are none")
+        if self.head_split and self.offloaded:
+            raise ValueError("head_split: not with offloaded experts (a memory budget): run the layers replicated")
 
     @property
     def torch_device(self) -> torch.device:

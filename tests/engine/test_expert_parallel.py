@@ -284,6 +284,8 @@ def test_a_world_that_does_not_split_the_heads_evenly_is_refused(preset_dirs):
         HeadShard.of(ExpertParallel(0, 4), config)
     with pytest.raises(ValueError, match="head_split: the heads are split over the ranks of expert parallel"):
         dataclasses.replace(CONFIG, head_split=True)
+    with pytest.raises(ValueError, match="head_split: not with offloaded experts"):
+        dataclasses.replace(CONFIG, expert_parallel=ExpertParallel(0, 2), head_split=True, gpu_memory_gib=4.0)
 
 
 def test_expert_parallel_refuses_gguf(tmp_path):
