@@ -28,7 +28,9 @@ def part_sizes(log: Sequence[Access]) -> dict[Key, int]:
 
 
 def belady_hits(log: Sequence[Access], budget: int) -> tuple[float, int]:
-    """(bytes of gets held, bytes of gets) of the optimal `budget`-byte cache over `log`."""
+    """(bytes of gets held, bytes of gets) of the optimal `budget`-byte cache over `log` (its puts,
+    promotions and gets; pins bind only a real tier)."""
+    log = [a for a in log if a.kind in ("put", "promote", "get")]
     sizes = part_sizes(log)
     keys = [(a.anchor, a.part) for a in log]
     next_use = _next_needs(keys, [a.kind == "get" for a in log])

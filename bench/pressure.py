@@ -22,6 +22,7 @@ offline optimum over each run's own access log (`bench/belady.py`). Per run:
 
     python bench/pressure.py traces/sessions --sessions 8 16 32 --device cuda --json out.json
     python bench/pressure.py traces/sessions --sessions 4 --turns 4 --time-scale 0.01 --threads 1
+    python bench/pressure.py traces/sessions --sessions 16 --logs /tmp/logs   # then bench/pressure_replay.py
 """
 
 from __future__ import annotations
@@ -162,6 +163,15 @@ def _store_metrics(url: str) -> dict[str, float]:
             if name.startswith("ft_store_") and not labels}
 
 
+def write_log(path: Path, log: list[Access]) -> None:
+    """One access a line: its fields, anchors in hex."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for a in log:
+            fields = vars(a) | {"anchor": a.anchor.hex(), "parent": a.parent.hex() if a.parent else None}
+            f.write(json.dumps(fields) + "\n")
+
+
 # -- figures -------------------------------------------------------------------------------------
 
 
@@ -228,6 +238,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--disk-gib", type=float, default=4.0, help="disk tier's cap (default 4)")
     p.add_argument("--seed", type=int, default=0, help="seed of the drawn tool times (default 0)")
     p.add_argument("--json", type=Path, metavar="OUT", help="write every figure and request as JSON")
+    p.add_argument("--logs", type=Path, metavar="DIR",
+                   help="write each run's access log as JSON lines (bench/pressure_replay.py replays them)")
     return p.parse_args(argv)
 
 
@@ -253,8 +265,13 @@ def main(argv: list[str] | None = None) -> int:
                                   args.draw_tool_time)
         first = summarize(run_once(engine, sized, sessions, "anchor", int(UNBOUNDED_GIB * GiB)))
         working_set = first["working_set_bytes"]
-        runs = [summarize(run_once(engine, sized, sessions, policy, int(share * working_set)))
-                | {"ram_share": share} for share in args.ram for policy in ORDERS]
+        runs = []
+        for share in args.ram:
+            for policy in ORDERS:
+                run = run_once(engine, sized, sessions, policy, int(share * working_set))
+                if args.logs:
+                    write_log(args.logs / f"n{n}-{policy}-{share:g}.jsonl", run.log)
+                runs.append(summarize(run) | {"ram_share": share})
         results.append({"sessions": n, "subagents": sum(s.parent is not None for s in sessions), "live": live,
                         "working_set_bytes": working_set, "first_pass": first, "runs": runs})
     console.print(table(results))

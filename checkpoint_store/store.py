@@ -57,13 +57,20 @@ class Access:
     """One use of a record part, as the RAM tier sees it: ``put`` (offered to the RAM tier, whether it
     holds the part already or not), ``get`` (read by a restore from ``source``: ``ram``, ``queue``,
     the disk writer's, or ``disk``) or ``promote`` (brought up into the RAM tier by a prefetch from
-    ``source``). ``nbytes``: the packed part's, 0 where a restore read it from disk."""
+    ``source``). ``nbytes``: the packed part's, 0 where a restore read it from disk. A put names its
+    record's place (``parent``, ``start``, ``end``) and ``segment`` kind (``kinds``), so that an offline
+    replay of the log rebuilds chains; ``pin``, ``unpin`` and ``idle`` (nbytes 0) tell the RAM tier's pins
+    and idle sessions."""
 
     kind: str
     anchor: bytes
     part: str
     nbytes: int
     source: str = ""
+    parent: bytes | None = None
+    start: int = 0
+    end: int = 0
+    segment: str = ""
 
 
 class PartMiss(Exception):
@@ -112,8 +119,10 @@ class CheckpointStore:
 
     # -- writing ---------------------------------------------------------------------------
 
-    def put(self, anchor: bytes, parent: bytes | None, snapshot: Snapshot) -> None:
+    def put(self, anchor: bytes, parent: bytes | None, snapshot: Snapshot, kind: str = "") -> None:
         """Store ``snapshot`` (KV delta of ``[start, end)``, optional state at ``end``) at ``anchor``.
+        ``kind``: what the record's segment is to its sessions (``kinds``; "" unknown), which the RAM
+        tier's eviction order reads.
 
         The tensors are copied; the caller may reuse them at once. Raises ``ValueError``
         for a malformed snapshot (KV rows that do not match ``end - start``).
@@ -130,7 +139,7 @@ class CheckpointStore:
                 self._clock += 1
                 self._ram.touch(meta.anchor, self._clock)
                 held = self._ram.get(meta.anchor)
-                self._tell_put(meta.anchor, held.kv, held.state if with_state else None)
+                self._tell_put(meta, held.kv, held.state if with_state else None, kind)
                 return
         kv = pack(parts[KV_PART])
         state = pack(parts[STATE_PART]) if with_state else None
@@ -138,8 +147,8 @@ class CheckpointStore:
             self._clock += 1
             self._counters.puts += 1
             if not in_ram:
-                self._ram.put(meta, kv, state, self._clock)
-            self._tell_put(meta.anchor, kv, state)
+                self._ram.put(meta, kv, state, self._clock, kind=kind)
+            self._tell_put(meta, kv, state, kind)
             op = None if on_disk else self._queue_put(meta, kv, state)
         if op is not None and self._writer is not None:
             self._writer.submit(op)
@@ -165,10 +174,22 @@ class CheckpointStore:
         ``unpin``, or until a put can make room no other way (a broken pin, counted)."""
         with self._lock:
             self._ram.pinned.add(bytes(anchor))
+            if self.on_access is not None:
+                self.on_access(Access("pin", bytes(anchor), KV_PART, 0))
 
     def unpin(self, anchor: bytes) -> None:
         with self._lock:
             self._ram.pinned.discard(bytes(anchor))
+            if self.on_access is not None:
+                self.on_access(Access("unpin", bytes(anchor), KV_PART, 0))
+
+    def idle(self, anchor: bytes) -> None:
+        """The session whose tip is ``anchor`` waits on a person (its tool outlived its pin): its chain
+        goes first in the RAM tier, from the tip back, until a restore uses it (``kinds.IDLE``)."""
+        with self._lock:
+            self._ram.index.idle(bytes(anchor))
+            if self.on_access is not None:
+                self.on_access(Access("idle", bytes(anchor), KV_PART, 0))
 
     @property
     def pins_broken(self) -> int:
@@ -451,11 +472,12 @@ class CheckpointStore:
             self._tell_gets(plan)
             return plan
 
-    def _tell_put(self, anchor: bytes, kv: Packed, state: Packed | None) -> None:
+    def _tell_put(self, meta: RecordMeta, kv: Packed, state: Packed | None, kind: str) -> None:
         if self.on_access is not None:
-            self.on_access(Access("put", anchor, KV_PART, kv.nbytes))
+            place = (meta.parent, meta.start, meta.end, kind)
+            self.on_access(Access("put", meta.anchor, KV_PART, kv.nbytes, "", *place))
             if state is not None:
-                self.on_access(Access("put", anchor, STATE_PART, state.nbytes))
+                self.on_access(Access("put", meta.anchor, STATE_PART, state.nbytes, "", *place))
 
     def _tell_gets(self, plan: list[Located]) -> None:
         """Each part a restore reads and where from (caller holds the lock)."""

@@ -13,7 +13,7 @@ from collections.abc import Generator, Sequence
 from concurrent.futures import Future
 from typing import cast
 
-from checkpoint_store import CheckpointStore
+from checkpoint_store import CheckpointStore, kinds
 from engine import Engine, Feed, PrefillResult, SequenceState
 from gateway.anchors import Namespace, anchor_chain, boundaries
 from gateway.capture_policy import state_positions
@@ -93,10 +93,12 @@ class Checkpoints:
 
     def prefill(
         self, state: SequenceState, segments: Sequence[Segment], chain: Sequence[bytes], ends: Sequence[int],
-        start: int, namespace: Namespace | None = None,
+        start: int, namespace: Namespace | None = None, resumes_at_end: bool = False,
     ) -> Generator[Feed, None, PrefillResult]:
         """Prefill the tokens of `segments` after position `start` (where `state` is), capturing a
-        checkpoint at each boundary after `start`; the checkpoints go to the store queue."""
+        checkpoint at each boundary after `start`; the checkpoints go to the store queue.
+        `resumes_at_end`: the next request resumes at its end once the user writes (a precomputed
+        history), not after an answer to it."""
         scope = (namespace or self.home).scope
         ids = [t for s in segments for t in s.token_ids][start:]
         first = next(i for i, end in enumerate(ends) if end > start)
@@ -108,7 +110,8 @@ class Checkpoints:
         feed = Feed(state, ids, capture_at=ends[first:], state_at=state_positions(self.policy, segments, ends))
         yield feed
         result = cast(PrefillResult, feed.result)
-        self.store_queue.put(chain[first:], chain[first - 1] if first else None, result.snapshots, result.ready)
+        self.store_queue.put(chain[first:], chain[first - 1] if first else None, result.snapshots, result.ready,
+                             record_kinds(segments[first:], kinds.IDLE if resumes_at_end else None))
         states = [a for a, s in zip(chain[first:], result.snapshots, strict=True) if s.has_state]
         self.seen.add(chain, ends[-1], states, contents=segments[first:], scope=scope)
         return result
@@ -136,7 +139,8 @@ class Checkpoints:
         feed = Feed(state, generated[-1:], capture_at=[ends[-1]], kv_start=starts[-1])
         yield feed
         tail = cast(PrefillResult, feed.result)
-        self.store_queue.put(chain, parent, [*snapshots, *tail.snapshots], tail.ready)
+        self.store_queue.put(chain, parent, [*snapshots, *tail.snapshots], tail.ready,
+                             record_kinds(segments, kinds.TIP if pin_session is not None else kinds.IDLE))
         states = [a for a, s in zip(chain, [*snapshots, *tail.snapshots], strict=True) if s.has_state]
         self.seen.add([*prompt, *chain], ends[-1], states, contents=segments, scope=(namespace or self.home).scope)
         whole = [*prompt, *chain]
@@ -174,7 +178,8 @@ class Checkpoints:
             if self.scheduler.live_waiting():
                 log.info("precompute yielded to a live request at %d/%d tokens", done, ends[-1])
                 break
-            result = yield from self.prefill(state, segments[: i + 1], chain[: i + 1], ends[: i + 1], done, namespace)
+            result = yield from self.prefill(state, segments[: i + 1], chain[: i + 1], ends[: i + 1], done, namespace,
+                                             resumes_at_end=True)
             computed, done = computed + end - done, end
             at_state = i if result.snapshots and result.snapshots[-1].has_state else None
         if at_state is not None:  # the last pass ended on a state checkpoint: continue from here
@@ -199,3 +204,13 @@ class Checkpoints:
         for i in reversed(range(first, len(chain))):  # deepest first: a record whose child is held is no eviction leaf
             self.store_queue.put(chain[i:i + 1], chain[i - 1] if i else None, snapshots[i - first:i - first + 1])
         log.info("a dropped live sequence stored %d records the store had lost", len(snapshots))
+
+
+def record_kinds(segments: Sequence[Segment], end: str | None = None) -> list[str]:
+    """Each segment's record kind for the store (`checkpoint_store.kinds`): a system prompt or tool
+    list is a shared prefix, any other message a turn; with `end`, the last one's kind (where its
+    session resumes: `kinds.TIP` after a tool, `kinds.IDLE` after its user)."""
+    out = [kinds.PREFIX if s.kind in ("system", "tools") else kinds.TURN for s in segments]
+    if end is not None and out:
+        out[-1] = end
+    return out

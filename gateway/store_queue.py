@@ -19,7 +19,7 @@ STOP_POLL = 0.002  # seconds between a waiter's `stop` checks (background work w
 class StoreQueue:
     def __init__(self, store: CheckpointStore):
         self.store = store
-        self._items: deque[tuple[list[bytes], bytes | None, list[Snapshot], Callable[[], None]]] = deque()
+        self._items: deque[tuple[list[bytes], bytes | None, list[Snapshot], Callable[[], None], list[str]]] = deque()
         self._queued: Counter[bytes] = Counter()  # anchor -> puts queued or running
         self._cond = threading.Condition()
         self._closing = False
@@ -28,13 +28,13 @@ class StoreQueue:
         self._thread.start()
 
     def put(self, anchors: Sequence[bytes], parent: bytes | None, snapshots: list[Snapshot],
-            ready: Callable[[], None] = lambda: None) -> None:
+            ready: Callable[[], None] = lambda: None, kinds: Sequence[str] = ()) -> None:
         """Store `snapshots` under `anchors`, a chain after `parent`, once `ready()` returns
-        (their host copies are complete)."""
+        (their host copies are complete); `kinds`: each record's (`CheckpointStore.put`)."""
         if not snapshots:
             return
         with self._cond:
-            self._items.append((list(anchors), parent, snapshots, ready))
+            self._items.append((list(anchors), parent, snapshots, ready, list(kinds) or [""] * len(snapshots)))
             self._queued.update(anchors)
             self._cond.notify_all()
 
@@ -79,11 +79,11 @@ class StoreQueue:
                 self._cond.wait_for(lambda: self._items or self._closing)
                 if not self._items:
                     return
-                anchors, parent, snapshots, ready = self._items[0]
+                anchors, parent, snapshots, ready, kinds = self._items[0]
             try:
                 ready()
-                for anchor, snapshot in zip(anchors, snapshots, strict=True):
-                    self.store.put(anchor, parent, snapshot)
+                for anchor, snapshot, kind in zip(anchors, snapshots, kinds, strict=True):
+                    self.store.put(anchor, parent, snapshot, kind)
                     parent = anchor
             except Exception as exc:  # noqa: BLE001 (a lost checkpoint is a later miss, never a failed answer)
                 self.store.write_errors.record(exc, f"storing {len(anchors)} checkpoints", trace=True)
