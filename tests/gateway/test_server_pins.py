@@ -137,3 +137,36 @@ def test_a_live_sequence_dropped_after_the_store_lost_its_records_stores_them_fi
         assert restored > 0 and reasons.startswith("new=") and "," not in reasons
     finally:
         server.stop()
+
+
+def test_a_tool_that_outlives_its_ttl_finds_its_state_on_disk_once_ram_needs_the_room(tmp_path):
+    """Device, then RAM, then disk: a's pin runs out (its live sequence goes down to RAM, its chain marked
+    idle), then other sessions' checkpoints fill the small RAM tier, and a's chain is the one that goes down
+    to the disk tier (the real LMDB), never lost: a's next request restores it from disk."""
+    config = ServeConfig(preset="tiny", live_sequences=1, ram_cache_gib=0.5 / 1024, disk_cache=tmp_path,
+                         disk_cache_gib=1.0, pins=PinConfig(ttl_default_s=60.0))
+    server = serve_in_thread(config)
+    try:
+        rt, clock = server.runtime, Clock()
+        rt.pins.clock = clock
+        a = Session(server, "a")
+        a.step()
+        (pin,) = rt.pins.held()
+        clock.now += 61
+        for job in rt.retention.sweep():
+            job.result(timeout=60)
+        assert pin.tip not in rt.live and rt.store.state_tier(pin.tip) == "ram"
+        others = [Session(server, name) for name in "bcd"]
+        for other in others:
+            other.step()
+            clock.now += 61
+            for job in rt.retention.sweep():
+                job.result(timeout=60)
+        assert rt.store.stats().ram_evictions > 0
+        assert rt.store.state_tier(pin.tip) == "disk"  # down a tier, not dropped
+        disk_hits = rt.store.stats().disk_hits
+        restored, reasons = a.step()
+        assert restored > 0 and reasons.startswith("new=") and "," not in reasons  # only the tool's result
+        assert rt.store.stats().disk_hits > disk_hits
+    finally:
+        server.stop()
