@@ -18,9 +18,11 @@ class (part, segment kind):
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import sys
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +33,7 @@ from checkpoint_store.record import KV_PART, STATE_PART, RecordMeta
 from checkpoint_store.store import Access
 
 Key = tuple[bytes, str]
-MARKS = ("pin", "unpin", "idle")  # accesses that move no bytes
+MARKS = ("pin", "unpin")  # accesses that move no bytes
 
 
 @dataclass(frozen=True)
@@ -51,14 +53,13 @@ def read_log(path: Path) -> list[Access]:
     return out
 
 
-def replay(log: list[Access], budget: int, order: str, with_kinds: bool = True) -> dict:
-    """The RAM tier's hits over `log` at `budget` in `order`, and its regrets; without `with_kinds`,
-    as if no put named its record's kind."""
+def replay(log: list[Access], budget: int, order: str) -> dict:
+    """The RAM tier's hits over `log` at `budget` in `order`, and its regrets."""
     sizes, metas, kinds = part_sizes(log), {}, {}
     for a in log:
         if a.kind == "put":
             metas[a.anchor] = RecordMeta(a.anchor, a.parent, a.start, a.end)
-            kinds[a.anchor] = a.segment if with_kinds else ""
+            kinds[a.anchor] = a.segment
     ram = RamTier(budget, order)
     restore_no = _restore_numbers(log)
     next_read = _next_reads(log)
@@ -77,10 +78,8 @@ def replay(log: list[Access], budget: int, order: str, with_kinds: bool = True) 
     i = 0
     while i < len(log):
         position, a = i, log[i]
-        if a.kind in MARKS:
-            if a.kind == "idle":
-                ram.index.idle(a.anchor)
-            else:
+        if a.kind not in ("put", "promote", "get"):
+            if a.kind in MARKS:
                 (ram.pinned.add if a.kind == "pin" else ram.pinned.discard)(a.anchor)
             i += 1
             continue
@@ -95,7 +94,7 @@ def replay(log: list[Access], budget: int, order: str, with_kinds: bool = True) 
             if a.part == STATE_PART:  # a promotion of the state alone
                 state, kv = Sized(sizes.get((a.anchor, STATE_PART), a.nbytes)), held.kv if held else kv
             before = {p for p in (KV_PART, STATE_PART) if _holds(ram, a.anchor, p)}
-            ram.put(metas[a.anchor], kv, state, clock, break_pins=a.kind == "put", kind=kinds[a.anchor])
+            ram.put(metas[a.anchor], kv, state, clock, break_pins=a.kind == "put")
             for p in (KV_PART, STATE_PART):
                 if p not in before and _holds(ram, a.anchor, p) and next_read[(i, p)] is None:
                     regrets["admitted_unread"][_cls(p, kinds, a.anchor)] += sizes.get((a.anchor, p), 0)
@@ -112,8 +111,9 @@ def replay(log: list[Access], budget: int, order: str, with_kinds: bool = True) 
             if g.part == STATE_PART:
                 break
         i = j
+    next_after = _next_after(log)
     for at, (anchor, part) in evicted:
-        later = _next_of(log, at, anchor, part)
+        later = next_after(at, anchor, part)
         if later is not None and log[later].kind == "get":
             cls = _cls(part, kinds, anchor)
             regrets["evicted_read"][cls] += sizes.get((anchor, part), 0)
@@ -156,11 +156,19 @@ def _next_reads(log: list[Access]) -> dict[tuple[int, str], int | None]:
     return out
 
 
-def _next_of(log: list[Access], at: int, anchor: bytes, part: str) -> int | None:
-    for k in range(at + 1, len(log)):
-        if log[k].anchor == anchor and log[k].part == part and log[k].kind not in MARKS:
-            return k
-    return None
+def _next_after(log: list[Access]) -> Callable[[int, bytes, str], int | None]:
+    """A lookup: the index of a part's first access after a position (marks aside), or None."""
+    positions: dict[Key, list[int]] = defaultdict(list)
+    for k, a in enumerate(log):
+        if a.kind not in MARKS:
+            positions[(a.anchor, a.part)].append(k)
+
+    def after(at: int, anchor: bytes, part: str) -> int | None:
+        found = positions.get((anchor, part), [])
+        k = bisect.bisect_right(found, at)
+        return found[k] if k < len(found) else None
+
+    return after
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,14 +176,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("logs", nargs="+", type=Path)
     p.add_argument("--order", nargs="+", default=["anchor", "lru"])
     p.add_argument("--share", type=float, help="budget as a share of the log's parts (default: from the name)")
-    p.add_argument("--no-kinds", action="store_true", help="replay as if no put named its record's kind")
     args = p.parse_args(argv)
     for path in args.logs:
         log = read_log(path)
         share = args.share or float(path.stem.rsplit("-", 1)[1])
         budget = int(share * sum(part_sizes(log).values()))
         for order in args.order:
-            r = replay(log, budget, order, with_kinds=not args.no_kinds)
+            r = replay(log, budget, order)
             print(f"{path.name} {order}: RAM hit {r['ram_hit']:.3f}, Belady {r['belady']:.3f}")
             for name, counts in r["regrets"].items():
                 top = ", ".join(f"{c} {n / 2**20:.1f} MiB" for c, n in counts.most_common(6))

@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from .hit_density import IDLE_ROLE, HitDensity, role
+from .hit_density import HitDensity, role
 from .record import KV_PART, STATE_PART
 
 ORDERS = ("anchor", "lru")  # the order above; plain least recently used
@@ -43,14 +43,11 @@ class Entry:
     state_bytes: int  # 0 when the tier holds no state for this record
     last_used: int
     fanout: int = 0  # the most records of the tier that named it as parent at once
-    kind: str = ""  # its segment's, as the put named it (``kinds``)
-    idle: bool = False  # its session waits on a person (``kinds.IDLE``), until a use
 
     @property
     def role(self) -> str:
-        """Its class in its chains (``hit_density.role``): idle, else by the children it has had, not
-        those left."""
-        return IDLE_ROLE if self.idle else role(self.fanout)
+        """Its place in its chains (``hit_density.role``), by the children it has had, not those left."""
+        return role(self.fanout)
 
     @property
     def has_state(self) -> bool:

@@ -17,8 +17,7 @@ waits longest); when reuse is heavy-tailed, the oldest one has.
 Classes are the part (KV or state) and its record's place in its chain, read from the tier's
 parent links: ``tip`` (no child: a session resumes at its last answer), ``inner`` (one child: an
 old turn, its state needed only by a request that edits the history there) and ``shared`` (two or
-more children: a system prompt and tools every session and sub-agent extend), or ``idle`` (a
-session waiting on a person: ``kinds``). Until a class has
+more children: a system prompt and tools every session and sub-agent extend). Until a class has
 seen an event (every class, until the tier has seen a hit), its density is its ``PRIOR`` (relative
 to the tier's overall density); then its counts alone. Counts halve every ``HALF_LIFE`` events, so
 the estimate follows a change of workload.
@@ -40,10 +39,7 @@ PRIOR = {  # a class's density relative to the tier's, before its own events say
     (STATE_PART, "tip"): 1.0,
     (STATE_PART, "inner"): 0.125,
     (STATE_PART, "shared"): 2.0,
-    (KV_PART, "idle"): 0.0625,
-    (STATE_PART, "idle"): 0.0625,
 }
-IDLE_ROLE = "idle"  # a record of a session waiting on a person (``kinds.IDLE``)
 Class = tuple[str, str]
 
 

@@ -8,7 +8,6 @@ the part's class and age, so the order learns how soon each kind of part is read
 
 from __future__ import annotations
 
-from . import kinds
 from .eviction import ORDERS, Children, Entry, pick_victim
 from .hit_density import HitDensity
 from .record import KV_PART, STATE_PART, RecordMeta
@@ -35,14 +34,13 @@ class TierIndex:
     def __len__(self) -> int:
         return len(self.metas)
 
-    def add(self, meta: RecordMeta, kv_bytes: int, state_bytes: int, last_used: int, kind: str = "") -> None:
-        """Add a record, replacing any record of the same anchor; ``kind``: its segment's (``kinds``)."""
+    def add(self, meta: RecordMeta, kv_bytes: int, state_bytes: int, last_used: int) -> None:
+        """Add a record, replacing any record of the same anchor."""
         self.remove(meta.anchor)
         self.clock = max(self.clock, last_used)
         self.metas[meta.anchor] = meta
         fanout = self.children.counts.get(meta.anchor, 0)
-        self.entries[meta.anchor] = Entry(meta.parent, kv_bytes, state_bytes, last_used, fanout, kind,
-                                          idle=kind == kinds.IDLE)
+        self.entries[meta.anchor] = Entry(meta.parent, kv_bytes, state_bytes, last_used, fanout)
         self.children.add(meta.parent)
         parent = self.entries.get(meta.parent) if meta.parent is not None else None
         if parent is not None:
@@ -82,13 +80,6 @@ class TierIndex:
         if with_state and entry.has_state:
             self.density.hit((STATE_PART, entry.role), age)
         entry.last_used = max(entry.last_used, clock)
-        entry.idle = False  # its session is back
-
-    def idle(self, anchor: bytes) -> None:
-        """The session at ``anchor`` waits on a person (``kinds.IDLE``): the record is idle until a use."""
-        entry = self.entries.get(anchor)
-        if entry is not None:
-            entry.idle = True
 
     def victim(self, keep: tuple[bytes, ...] = ()) -> tuple[bytes, str] | None:
         """The part to evict next (see ``eviction``); the caller evicts it, and it counts as evicted."""
@@ -96,7 +87,4 @@ class TierIndex:
         if victim is not None:
             entry = self.entries[victim[0]]
             self.density.evicted((victim[1], entry.role), self.clock - entry.last_used)
-            parent = self.entries.get(entry.parent) if entry.parent is not None else None
-            if victim[1] == KV_PART and entry.idle and parent is not None and self.children.counts[entry.parent] == 1:
-                parent.idle = True  # left without children: its chain waits on the same person
         return victim

@@ -5,19 +5,16 @@ The gateway knows each record's segment; the store needs only what that says abo
 - ``PREFIX``: a system prompt or tool list, shared by every request of a session and its subagents;
 - ``TIP``: where a session resumes once its tool returns: the end of an answer that called one;
 - ``IDLE``: where a session resumes once its user writes again, if ever: the end of an answer that
-  called no tool, or of the next-turn history precomputed after it. A tip whose tool outlived its pin
-  becomes one (``CheckpointStore.idle``);
+  called no tool, or of the next-turn history precomputed after it;
 - ``TURN``: a message inside a prompt. Every later request of the session reads its KV (on the way
   to the tip), but its state only a request that edits the history right there.
 
-``UNKNOWN`` (""): a put that names none (a spilled live sequence, a test); the store then goes by the
-record's place in the chains alone.
+``UNKNOWN`` (""): a put that names none (a spilled live sequence, a test).
 
-Eviction (``eviction``, ``hit_density``): an idle record is a class of its own, learned like the
-others (before any reuse: below every other), and when an idle leaf's KV goes, its parent, left
-without children, is idle too: a session waiting on a person gives up its chain from the tip back,
-before sessions whose tools run. The other kinds travel with the record (the benchmark's access log
-shows them) and leave the order to the record's place in its chains.
+The eviction order does not read them: on the CPU pressure benchmark, neither keeping a turn's state
+out of RAM, nor a prefix as shared from its first put, nor an idle class (a tip whose tool outlived its
+pin going first) came closer to the offline optimum at every budget (bench/RESULTS.md). The access
+log carries them (``Access.segment``), so ``bench/pressure_replay.py`` shows each class's regrets.
 """
 
 from __future__ import annotations

@@ -45,8 +45,7 @@ class RamTier:
     def get(self, anchor: bytes) -> RamRecord | None:
         return self.records.get(anchor)
 
-    def put(self, meta: RecordMeta, kv: Packed, state: Packed | None, clock: int, break_pins: bool = True,
-            kind: str = "") -> bool:
+    def put(self, meta: RecordMeta, kv: Packed, state: Packed | None, clock: int, break_pins: bool = True) -> bool:
         """Hold ``kv`` (and ``state`` if it fits); evicts others to make room, pinned records last and
         only with ``break_pins``. True when the record (with ``state``, if given) is held."""
         old = self.records.get(meta.anchor)
@@ -64,7 +63,7 @@ class RamTier:
             self.rejected += 1
             return False
         self.records[meta.anchor] = RamRecord(meta, kv, state)
-        self.index.add(meta, kv.nbytes, state_bytes, clock, kind)
+        self.index.add(meta, kv.nbytes, state_bytes, clock)
         return state_bytes > 0 or state is None
 
     def touch(self, anchor: bytes, clock: int, with_state: bool = False) -> None:

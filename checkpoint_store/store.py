@@ -59,8 +59,7 @@ class Access:
     the disk writer's, or ``disk``) or ``promote`` (brought up into the RAM tier by a prefetch from
     ``source``). ``nbytes``: the packed part's, 0 where a restore read it from disk. A put names its
     record's place (``parent``, ``start``, ``end``) and ``segment`` kind (``kinds``), so that an offline
-    replay of the log rebuilds chains; ``pin``, ``unpin`` and ``idle`` (nbytes 0) tell the RAM tier's pins
-    and idle sessions."""
+    replay of the log rebuilds chains; ``pin`` and ``unpin`` (nbytes 0) tell the RAM tier's pins."""
 
     kind: str
     anchor: bytes
@@ -121,8 +120,8 @@ class CheckpointStore:
 
     def put(self, anchor: bytes, parent: bytes | None, snapshot: Snapshot, kind: str = "") -> None:
         """Store ``snapshot`` (KV delta of ``[start, end)``, optional state at ``end``) at ``anchor``.
-        ``kind``: what the record's segment is to its sessions (``kinds``; "" unknown), which the RAM
-        tier's eviction order reads.
+        ``kind``: what the record's segment is to its sessions (``kinds``; "" unknown), told to
+        ``on_access`` (the benchmark's access log classes its regrets by it).
 
         The tensors are copied; the caller may reuse them at once. Raises ``ValueError``
         for a malformed snapshot (KV rows that do not match ``end - start``).
@@ -147,7 +146,7 @@ class CheckpointStore:
             self._clock += 1
             self._counters.puts += 1
             if not in_ram:
-                self._ram.put(meta, kv, state, self._clock, kind=kind)
+                self._ram.put(meta, kv, state, self._clock)
             self._tell_put(meta, kv, state, kind)
             op = None if on_disk else self._queue_put(meta, kv, state)
         if op is not None and self._writer is not None:
@@ -182,14 +181,6 @@ class CheckpointStore:
             self._ram.pinned.discard(bytes(anchor))
             if self.on_access is not None:
                 self.on_access(Access("unpin", bytes(anchor), KV_PART, 0))
-
-    def idle(self, anchor: bytes) -> None:
-        """The session whose tip is ``anchor`` waits on a person (its tool outlived its pin): its chain
-        goes first in the RAM tier, from the tip back, until a restore uses it (``kinds.IDLE``)."""
-        with self._lock:
-            self._ram.index.idle(bytes(anchor))
-            if self.on_access is not None:
-                self.on_access(Access("idle", bytes(anchor), KV_PART, 0))
 
     @property
     def pins_broken(self) -> int:

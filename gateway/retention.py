@@ -5,8 +5,8 @@ the live tier (`LiveSequences` drops a pinned sequence last) and in the store's 
 (`CheckpointStore.pin`), and, while the tool runs, a thread of its own brings the session's restore
 chain up from disk into RAM (`CheckpointStore.promote`, never breaking a pin), so the next request
 restores without reading the disk. The same thread ends pins whose TTL ran out: the store unpins the
-record and marks it idle (`CheckpointStore.idle`: its chain is the first to go down to disk, its
-write-through copy, until the session comes back) and the live sequence is dropped on the worker (`LiveSequences.drop`: its state goes down to the
+record (an ordinary record again, evicted to disk, its write-through copy, in the eviction order)
+and the live sequence is dropped on the worker (`LiveSequences.drop`: its state goes down to the
 store). A prefetch stops as soon as its session's next request arrives (`resume` ends the pin) or the
 server closes; it never runs on the worker, and takes the store's lock only between disk reads, so
 no request's step waits for it.
@@ -69,7 +69,6 @@ class Retention:
             dropped = []
             for pin in self.pins.expire():
                 self.store.unpin(pin.tip)
-                self.store.idle(pin.tip)  # its tool outlived the pin: its chain goes first
                 if pin.live:
                     dropped.append(self.scheduler.submit(lambda tip=pin.tip: self.live.drop(tip)))
             return dropped

@@ -2,9 +2,7 @@
 reuse is seen, and what the tier learns from the reuse it sees (checkpoint_store/hit_density.py)."""
 
 import pytest
-import torch
 
-from checkpoint_store import CheckpointStore, Snapshot, StoreConfig, kinds
 from checkpoint_store.hit_density import HALF_LIFE, HitDensity, bucket, bucket_age
 from checkpoint_store.index import TierIndex
 from checkpoint_store.record import KV_PART, STATE_PART, RecordMeta
@@ -114,35 +112,3 @@ def test_counts_halve_so_the_estimate_follows_the_workload():
     density.evicted((KV_PART, "tip"), 5)
     assert sum(density.hits[(KV_PART, "tip")]) == (HALF_LIFE - 1) / 2
     assert sum(density.evictions[(KV_PART, "tip")]) == 0.5
-
-
-def test_an_idle_session_gives_up_its_chain_from_the_tip_back_before_a_session_whose_tool_runs():
-    """b's session waits on its user (its tip put as `kinds.IDLE`): though a's chain was used longer ago,
-    b's tip goes first, state then KV, and then b's turn before it, left without children; a restore
-    through b's chain makes it an ordinary chain again."""
-    index = TierIndex()
-    put(index, b"sys", None, 1)
-    put(index, b"a0", b"sys", 2)
-    put(index, b"a1", b"a0", 3)
-    put(index, b"b0", b"sys", 4)
-    index.add(RecordMeta(b"b1", b"b0", 8, 12), KV, STATE, 5, kind=kinds.IDLE)
-    index.set_state(b"a0", 0)
-    index.set_state(b"b0", 0)  # old turns' states gone: the tips' states and leaves' KV are the candidates
-    assert index.victim() == (b"b1", STATE_PART)
-    index.set_state(b"b1", 0)
-    assert index.victim() == (b"b1", KV_PART)
-    index.remove(b"b1")
-    assert index.entries[b"b0"].idle  # b's turn before it waits on the same person
-    assert index.victim() == (b"b0", KV_PART)
-    restore(index, [b"sys", b"b0"], 6)
-    assert not index.entries[b"b0"].idle
-
-
-def test_a_pin_that_runs_out_makes_its_tip_idle():
-    """`CheckpointStore.idle`, what the gateway calls when a tool outlives its pin, on the real store."""
-    store = CheckpointStore(StoreConfig(ram_bytes=1 << 20))
-    snap = Snapshot(0, 4, {"kv.0.k": torch.zeros(4, 2), "rec.0": torch.zeros(8)})
-    store.put(b"a0", None, snap, kinds.TIP)
-    store.put(b"b0", None, snap, kinds.TIP)
-    store.idle(b"b0")
-    assert store._ram.index.victim() == (b"b0", STATE_PART)

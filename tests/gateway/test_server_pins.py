@@ -140,9 +140,9 @@ def test_a_live_sequence_dropped_after_the_store_lost_its_records_stores_them_fi
 
 
 def test_a_tool_that_outlives_its_ttl_finds_its_state_on_disk_once_ram_needs_the_room(tmp_path):
-    """Device, then RAM, then disk: a's pin runs out (its live sequence goes down to RAM, its chain marked
-    idle), then other sessions' checkpoints fill the small RAM tier, and a's chain is the one that goes down
-    to the disk tier (the real LMDB), never lost: a's next request restores it from disk."""
+    """Device, then RAM, then disk: a's pin runs out (its live sequence goes down to RAM, its record is
+    unpinned), then other sessions' checkpoints fill the small RAM tier and a's state goes down to the disk
+    tier (the real LMDB), never lost: a's next request restores it from disk."""
     config = ServeConfig(preset="tiny", live_sequences=1, ram_cache_gib=0.5 / 1024, disk_cache=tmp_path,
                          disk_cache_gib=1.0, pins=PinConfig(ttl_default_s=60.0))
     server = serve_in_thread(config)
