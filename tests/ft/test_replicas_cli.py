@@ -28,7 +28,7 @@ from ft import servers
 from gateway import replicas, serve
 from gateway.embedded import serve_process
 from tests.adapters.test_server_start import console
-from tests.conftest import free_port
+from tests.conftest import group_port
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 WAIT = 180
@@ -78,7 +78,7 @@ def home(tmp_path, monkeypatch, ft_home) -> Path:
 
 @pytest.mark.skipif(shutil.which("smg") is None, reason="smg (pip install smg) is not installed")
 def test_replicas_serve_behind_the_router_and_stop_together(home) -> None:
-    port, disk = free_port(), home / "shared-ckpt"
+    port, disk = group_port(2), home / "shared-ckpt"
     group, router = started(home, port, "--disk-cache", str(disk))
     single = None
     try:
@@ -131,7 +131,7 @@ def test_replicas_serve_behind_the_router_and_stop_together(home) -> None:
 
 @pytest.mark.skipif(shutil.which("smg") is None, reason="smg (pip install smg) is not installed")
 def test_a_dead_worker_is_logged_and_ctrl_c_stops_the_group(home) -> None:
-    port = free_port()
+    port = group_port(2)
     group, router = started(home, port)
     try:
         assert (home / "replicas" / f"disk-cache-{port}").is_dir()  # the default shared disk cache

@@ -43,6 +43,15 @@ def answers(url: str) -> list[dict]:
     return out
 
 
+def stopped(proc: subprocess.Popen) -> str:
+    """SIGTERM `proc` (a running `ft serve`): its output, once it exited cleanly."""
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(60)
+    log = proc.stdout.read() if proc.stdout else ""
+    assert code == 0, log
+    return log
+
+
 def children(proc: subprocess.Popen) -> list[int]:
     return [int(pid) for pid in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
 
@@ -76,10 +85,7 @@ def test_two_ranks_answer_as_one_process_and_stop_on_sigterm(single):
             assert len(followers) == 1
             assert answers(url) == single
         finally:
-            proc.send_signal(signal.SIGTERM)
-            code = proc.wait(60)
-        log = proc.stdout.read() if proc.stdout else ""
-        assert code == 0, log
+            log = stopped(proc)
         layers = "split by heads" if split == "heads" else ""  # auto: whichever was faster
         assert f"attention and DeltaNet layers {layers}" in log and ("at warm-up" in log) == (split == "auto"), log
         assert not any(Path(f"/proc/{pid}").exists() for pid in followers)  # reaped by rank 0 before it left
@@ -92,10 +98,7 @@ def test_two_ranks_offloading_their_experts_answer_as_one_process(single):
     try:
         assert answers(url) == single
     finally:
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(60)
-    log = proc.stdout.read() if proc.stdout else ""
-    assert code == 0, log
+        log = stopped(proc)
     assert "plan: cpu (rank 0)" in log and "plan: cpu (rank 1)" in log
     assert log.index("plan: cpu (rank 1)") < log.index("ft serve: loading tiny"), log
     assert "experts offloaded: 2 of 4 per layer" in log and "expert offload: 2 of 4 experts per layer" in log, log

@@ -22,6 +22,13 @@ class Clock:
         return self.now
 
 
+def expire(runtime, clock: Clock, seconds: float) -> None:
+    """`seconds` pass: the retention sweep demotes the states of the pins that ran out, and its moves finish."""
+    clock.now += seconds
+    for job in runtime.retention.sweep():
+        job.result(timeout=60)
+
+
 def pin_metrics(client) -> tuple[int, dict[str, int]]:
     """`ft_pins_active` and `ft_pins_broken_total` by tier, as /metrics exposes them."""
     families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
@@ -97,9 +104,7 @@ def test_a_tool_that_outlives_its_ttl_finds_its_state_one_tier_down(tmp_path):
         assert len(rt.live) == 1 and tip in rt.live
         clock.now += 30  # within its TTL: nothing moves
         assert rt.retention.sweep() == []
-        clock.now += 31
-        for job in rt.retention.sweep():
-            job.result(timeout=60)
+        expire(rt, clock, 31)
         assert tip not in rt.live  # demoted from the device...
         assert rt.store.state_tier(tip) == "ram"  # ...to RAM
         with server.client() as c:
@@ -152,16 +157,12 @@ def test_a_tool_that_outlives_its_ttl_finds_its_state_on_disk_once_ram_needs_the
         a = Session(server, "a")
         a.step()
         (pin,) = rt.pins.held()
-        clock.now += 61
-        for job in rt.retention.sweep():
-            job.result(timeout=60)
+        expire(rt, clock, 61)
         assert pin.tip not in rt.live and rt.store.state_tier(pin.tip) == "ram"
         others = [Session(server, name) for name in "bcd"]
         for other in others:
             other.step()
-            clock.now += 61
-            for job in rt.retention.sweep():
-                job.result(timeout=60)
+            expire(rt, clock, 61)
         assert rt.store.stats().ram_evictions > 0
         assert rt.store.state_tier(pin.tip) == "disk"  # down a tier, not dropped
         disk_hits = rt.store.stats().disk_hits
