@@ -22,7 +22,9 @@ Processes of one model may share the folder (replicas on one host). Each keeps i
 what it found when it opened the folder, what it wrote since, and what another process wrote
 since, looked up by anchor when a chain asks for it (``adopt``). Each evicts from its own index,
 so a record may go while another process still indexes it: that read is a miss
-(``MissingRecord``), never a wrong restore.
+(``MissingRecord``), never a wrong restore. A map full of records this process does not index
+(another filled the folder) has them indexed at once (``adopt_all``), as older than any of its
+own, so its eviction makes room for its writes there too.
 """
 
 from __future__ import annotations
@@ -235,7 +237,7 @@ class DiskTier:
                     for w in writes:
                         txn.put(w.key, w.frame) if w.frame is not None else txn.delete(w.key)
             except lmdb.MapFullError:
-                if retry and self._evict_one(keep):
+                if retry and self._make_room(keep):
                     continue
                 if retry:
                     self.write_errors.record(
@@ -281,6 +283,16 @@ class DiskTier:
             if not self._evict_one(keep):
                 return
 
+    def _make_room(self, keep: tuple[bytes, ...]) -> bool:
+        """After a full map, one victim out. A map full while this process's index holds less than
+        ``capacity`` holds what other processes sharing the folder wrote: those records are indexed
+        first (``adopt_all``), to go before this process's own."""
+        with self.lock:
+            room = self.index.used_bytes <= self.capacity
+        if room:
+            self.adopt_all()
+        return self._evict_one(keep)
+
     def _evict_one(self, keep: tuple[bytes, ...]) -> bool:
         """Evict one victim: out of the index first (no new restore plans on it), then deleted."""
         with self.lock:
@@ -302,6 +314,38 @@ class DiskTier:
             with self.lock:
                 self.deleting.discard(anchor)
         return True
+
+    def adopt_all(self) -> bool:
+        """Index every record on disk that this process does not: those other processes sharing the
+        folder wrote and this one never read, the oldest first and all older than its own, so they
+        are evicted first. Whether any was found. Headers only are read (a bad one is skipped, left
+        to the read or the next open)."""
+        found: dict[bytes, dict[str, tuple[RecordHeader, int]]] = {}
+        with self.env.begin(buffers=True) as txn:
+            for raw_key, value in txn.cursor():
+                k = bytes(raw_key)
+                anchor, part = k[:-1], PART_OF.get(k[-1]) if k else None
+                if part is None:
+                    continue
+                with self.lock:
+                    if anchor in self.deleting or (anchor in self.index and (
+                            part == KV_PART or self.index.has_state(anchor))):
+                        continue
+                try:
+                    header = decode_header(value, anchor, part, self.fingerprint)
+                except CorruptRecord:
+                    continue
+                found.setdefault(anchor, {})[part] = (header, self.footprint(len(value)))
+        with self.lock:
+            found = {a: parts for a, parts in found.items() if KV_PART in parts or a in self.index}
+            oldest = min((e.last_used for e in self.index.entries.values()), default=self.index.clock)
+            order = sorted(found, key=lambda a: min(h.created for h, _ in found[a].values()))
+            for rank, anchor in enumerate(order):
+                clock = oldest - len(order) + rank
+                for part in (KV_PART, STATE_PART):
+                    if part in found[anchor] and anchor not in self.deleting:
+                        self._index_part(*found[anchor][part], clock)
+        return bool(found)
 
     def pin(self, anchors: list[bytes]) -> None:
         """Spare ``anchors`` from eviction while a restore reads them (caller holds ``lock``)."""
