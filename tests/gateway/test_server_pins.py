@@ -70,6 +70,17 @@ class Session:
         return int(r.headers["x-cached-tokens"]), r.headers["x-prefill-reasons"]
 
 
+def pinned_session(server):
+    """The server's runtime with a clock of the test's on its pins, and session a after one request, its tool
+    now running: its pin held."""
+    rt, clock = server.runtime, Clock()
+    rt.pins.clock = clock
+    a = Session(server, "a")
+    a.step()
+    (pin,) = rt.pins.held()
+    return rt, clock, a, pin
+
+
 def test_a_pin_yields_to_a_live_request_and_the_state_is_found_in_ram(tmp_path):
     server = serve_in_thread(ServeConfig(preset="tiny", live_sequences=1))
     try:
@@ -95,11 +106,7 @@ def test_a_pin_yields_to_a_live_request_and_the_state_is_found_in_ram(tmp_path):
 def test_a_tool_that_outlives_its_ttl_finds_its_state_one_tier_down(tmp_path):
     server = serve_in_thread(ServeConfig(preset="tiny", live_sequences=2, pins=PinConfig(ttl_default_s=60.0)))
     try:
-        rt, clock = server.runtime, Clock()
-        rt.pins.clock = clock
-        a = Session(server, "a")
-        a.step()
-        (pin,) = rt.pins.held()
+        rt, clock, a, pin = pinned_session(server)
         tip = pin.tip
         assert len(rt.live) == 1 and tip in rt.live
         clock.now += 30  # within its TTL: nothing moves
@@ -152,11 +159,7 @@ def test_a_tool_that_outlives_its_ttl_finds_its_state_on_disk_once_ram_needs_the
                          disk_cache_gib=1.0, pins=PinConfig(ttl_default_s=60.0))
     server = serve_in_thread(config)
     try:
-        rt, clock = server.runtime, Clock()
-        rt.pins.clock = clock
-        a = Session(server, "a")
-        a.step()
-        (pin,) = rt.pins.held()
+        rt, clock, a, pin = pinned_session(server)
         expire(rt, clock, 61)
         assert pin.tip not in rt.live and rt.store.state_tier(pin.tip) == "ram"
         others = [Session(server, name) for name in "bcd"]
