@@ -231,13 +231,15 @@ class DiskTier:
 
     def _commit(self, writes: list[Write], keep: tuple[bytes, ...], retry: bool) -> bool:
         """One transaction for ``writes``; with ``retry``, evict and retry while the map is full."""
+        scanned = False  # the folder scanned for other processes' records (`_make_room`), once a write
         while writes:
             try:
                 with self.env.begin(write=True) as txn:
                     for w in writes:
                         txn.put(w.key, w.frame) if w.frame is not None else txn.delete(w.key)
             except lmdb.MapFullError:
-                if retry and self._make_room(keep):
+                if retry and self._make_room(keep, scan=not scanned):
+                    scanned = True
                     continue
                 if retry:
                     self.write_errors.record(
@@ -283,13 +285,13 @@ class DiskTier:
             if not self._evict_one(keep):
                 return
 
-    def _make_room(self, keep: tuple[bytes, ...]) -> bool:
+    def _make_room(self, keep: tuple[bytes, ...], scan: bool) -> bool:
         """After a full map, one victim out. A map full while this process's index holds less than
-        ``capacity`` holds what other processes sharing the folder wrote: those records are indexed
-        first (``adopt_all``), to go before this process's own."""
+        ``capacity`` holds what other processes sharing the folder wrote: with ``scan``, those
+        records are indexed first (``adopt_all``), to go before this process's own."""
         with self.lock:
             room = self.index.used_bytes <= self.capacity
-        if room:
+        if scan and room:
             self.adopt_all()
         return self._evict_one(keep)
 
