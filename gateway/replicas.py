@@ -1,7 +1,8 @@
 """`ft serve --replicas N`: N `ft serve` workers of one model sharing one disk cache behind the smg
 router (README, Replicas), started and supervised by one process in the foreground.
 
-The workers listen on 127.0.0.1, on the ports after --port (a free port for one that is taken), with
+The workers listen on 127.0.0.1, on the ports after --port (a free port for one that is taken),
+each bound here and handed to its worker (`--fd`) so that nothing takes it while the worker loads, with
 the other serve flags as given and one `--disk-cache` (default: a folder under the ft home named by
 the port); each writes its log beside the server records (`servers.log_path`). Once every worker
 answers, `smg launch` starts on --host:--port with the routing flags README documents, and once smg
@@ -22,6 +23,7 @@ import ctypes
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -33,11 +35,11 @@ from pathlib import Path
 import httpx
 
 from ft import env, servers
-from gateway.ports import free_port, port_problem
+from gateway.ports import free_port, hold, port_problem
 
 # README's routing: a session's header onto the ring of workers, else the request's first characters
 ROUTING = ("--policy", "prefix_hash", "--routing-key-headers", "x-claude-code-session-id", "session-id", "x-session-id")
-NOT_FORWARDED = {"help", "replicas", "host", "port", "disk_cache", "plan"}
+NOT_FORWARDED = {"help", "replicas", "host", "port", "fd", "disk_cache", "plan"}
 WORKER_HOST = "127.0.0.1"
 START_TIMEOUT_S = 600.0
 ROUTER_STOP_S = 30.0
@@ -79,10 +81,15 @@ def forwarded(args: argparse.Namespace, add_arguments: Callable[[argparse.Argume
     return argv
 
 
-def worker_ports(port: int, n: int) -> list[int]:
-    """`port`+1 .. `port`+n where free on the workers' host, a free port in place of each that is not."""
-    wanted = range(port + 1, port + n + 1)
-    return [p if p < 65536 and port_problem(WORKER_HOST, p) is None else free_port(WORKER_HOST) for p in wanted]
+def worker_sockets(port: int, n: int) -> list[socket.socket]:
+    """Sockets bound on the workers' host to `port`+1 .. `port`+n, to a free port in place of each taken."""
+    held = []
+    for p in range(port + 1, port + n + 1):
+        try:
+            held.append(hold(WORKER_HOST, p if p < 65536 else 0))
+        except OSError:
+            held.append(hold(WORKER_HOST, 0))
+    return held
 
 
 def die_with_parent() -> None:
@@ -92,12 +99,12 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def spawn(command: list[str], log: Path) -> subprocess.Popen:
+def spawn(command: list[str], log: Path, pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w", encoding="utf-8") as out:
         return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                                 env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True,
-                                preexec_fn=die_with_parent)
+                                preexec_fn=die_with_parent, pass_fds=pass_fds)
 
 
 def wait_for(ready: Callable[[], bool], procs: list[tuple[str, subprocess.Popen, Path]], stop: threading.Event) -> None:
@@ -195,10 +202,13 @@ def run(args: argparse.Namespace, add_arguments: Callable[[argparse.ArgumentPars
             raise OSError(f"cannot listen on {args.host}:{args.port}: {problem}")
         disk = args.disk_cache or env.home() / "replicas" / f"disk-cache-{args.port}"
         flags = forwarded(args, add_arguments)
-        for port in worker_ports(args.port, args.replicas):
-            command = [sys.executable, "-m", "ft", "serve", "--host", WORKER_HOST, "--port", str(port),
-                       "--disk-cache", str(disk), *flags]
-            workers.append(Worker(port, spawn(command, servers.log_path(port)), servers.log_path(port)))
+        for sock in worker_sockets(args.port, args.replicas):
+            with sock:  # the worker's copy stays bound
+                port = sock.getsockname()[1]
+                command = [sys.executable, "-m", "ft", "serve", "--host", WORKER_HOST, "--port", str(port),
+                           "--fd", str(sock.fileno()), "--disk-cache", str(disk), *flags]
+                log = servers.log_path(port)
+                workers.append(Worker(port, spawn(command, log, (sock.fileno(),)), log))
         print(f"ft serve: starting {args.replicas} workers on ports {', '.join(str(w.port) for w in workers)} "
               f"sharing the disk cache {disk} (logs {servers.folder()})", flush=True)
         named = [(f"the worker on port {w.port}", w.proc, w.log) for w in workers]

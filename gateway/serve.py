@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from ft import env, servers
 from gateway.capture_policy import CAPTURE_POLICIES
 from gateway.http_server import ServerLimits
 from gateway.pins import PinConfig
-from gateway.ports import LOOPBACK, free_port, port_problem
+from gateway.ports import LOOPBACK, free_port, hold
 from gateway.serve_prepare import prepare, rank_devices
 from gateway.service import GiB, ServeConfig, Service, build_service
 from gateway.tenants import TenantKey, parse_keys
@@ -73,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--preset", help="preset model, written on first use (default: tiny)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
     parser.add_argument("--port", type=int, default=1919, help="port (default 1919)")
+    parser.add_argument("--fd", type=int, help=argparse.SUPPRESS)  # a socket bound to --port, from `--replicas`
     parser.add_argument("--device", default=None, help="torch device: cpu or cuda (default: cuda when there is one)")
     parser.add_argument("--gpu-memory", type=gib, metavar="GiB",
                         help="device memory budget: everything on the device where it fits, else the routed experts "
@@ -243,9 +245,17 @@ def run(args: argparse.Namespace) -> int:
     if args.model is not None and not (args.model.is_dir() or args.model.suffix == ".gguf" and args.model.is_file()):
         print(f"ft serve: {args.model}: no such folder or .gguf file", file=sys.stderr)
         return 2
-    if (problem := port_problem(config.host, config.port)) is not None:
-        print(f"ft serve: cannot listen on {config.host}:{config.port}: {problem}", file=sys.stderr)
+    try:  # the port is this process's from before the load until uvicorn listens on it
+        listener = socket.socket(fileno=args.fd) if args.fd is not None else hold(config.host, config.port)
+    except OSError as exc:
+        print(f"ft serve: cannot listen on {config.host}:{config.port}: {exc.strerror or exc}", file=sys.stderr)
         return 2
+    with listener:
+        return _load_and_serve(args, config, limits, spec, listener)
+
+
+def _load_and_serve(args: argparse.Namespace, config: ServeConfig, limits: ServerLimits, spec: str,
+                    listener: socket.socket) -> int:
     if not servers.claim_start(config.port):
         pid = servers.starting_pid(config.port)
         print(f"ft serve: an ft launch is starting a server on port {config.port}"
@@ -265,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
         if ranks is not None and runtime is None:  # no service: the other ranks stop too
             stop_ranks(ranks)
     try:
-        return _serve(args, config, limits, runtime, spec)
+        return _serve(args, config, limits, runtime, spec, listener)
     finally:
         if ranks is not None:
             stop_ranks(ranks)
@@ -294,7 +304,8 @@ def stop_ranks(ranks) -> None:
     parallel_worker.stop(*ranks)
 
 
-def _serve(args: argparse.Namespace, config: ServeConfig, limits: ServerLimits, runtime: Service, spec: str) -> int:
+def _serve(args: argparse.Namespace, config: ServeConfig, limits: ServerLimits, runtime: Service, spec: str,
+           listener: socket.socket) -> int:
     from gateway.app import create_app  # noqa: PLC0415
     from gateway.http_server import make_server, raise_open_file_limit  # noqa: PLC0415
 
@@ -317,5 +328,5 @@ def _serve(args: argparse.Namespace, config: ServeConfig, limits: ServerLimits, 
     raise_open_file_limit()
     record = servers.ServerRecord(os.getpid(), config.host, config.port, str(spec), runtime.model_id, time.time())
     with servers.registered(record):
-        make_server(create_app(runtime), config.host, config.port, limits, args.log_level).run()
+        make_server(create_app(runtime), config.host, config.port, limits, args.log_level).run(sockets=[listener])
     return 0

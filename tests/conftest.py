@@ -19,9 +19,8 @@ __all__ = ["free_port", "group_port", "serve_args", "start_server"]
 
 def group_port(n: int) -> int:
     """A loopback port p with p .. p + n free, below the kernel's ephemeral range: `ft serve --replicas`
-    puts its workers on the ports after its own, which a port from `free_port` (in that range) would
-    share with the clients' outgoing connections (a health poll's source port taken between the check
-    and a worker's bind)."""
+    holds its workers' ports (after its own) from the start, but smg binds the group's own port only
+    once the workers answer, and in that range a health poll's outgoing connection could take it first."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     for start in random.Random().sample(range(10_000, low - n, n + 1), 200):
         if all(port_problem(LOOPBACK, p) is None for p in range(start, start + n + 1)):

@@ -9,6 +9,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from gateway.embedded import serve_process
 
@@ -84,3 +85,25 @@ def test_the_token_memo_survives_kill_9(tmp_path):
     _, entry = entries[0]
     assert entry.content_hash == content_hash(Message(role="assistant", reasoning="Short.", content="Hello there."))
     assert entry.token_ids[-1] == 248046  # through <|im_end|>
+
+
+def test_the_port_is_held_while_the_model_loads():
+    """From its "loading" line on, `ft serve` keeps its port bound, so nothing else (an outgoing
+    connection's source port included) takes it before the server listens."""
+    import socket
+
+    from gateway.ports import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ft", "serve", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("ft serve: loading"):
+                break
+        with socket.socket() as other, pytest.raises(OSError, match="in use"):
+            other.bind(("127.0.0.1", port))
+    finally:
+        proc.terminate()
+        proc.wait(60)
