@@ -17,17 +17,20 @@ import uvicorn
 from engine import Engine
 from gateway.app import create_app
 from gateway.http_server import ServerLimits, make_server
-from gateway.ports import free_port
+from gateway.ports import LOOPBACK, hold
 from gateway.service import ServeConfig, Service, build_service
 
 
 def serve_process(args: list[str], preexec_fn=None, timeout: float = 180) -> tuple[subprocess.Popen, str]:
     """`ft serve ARGS` on a free port, once `/health` answers: the process (stdout and stderr
     together as text) and its URL."""
-    port = free_port()
-    command = [sys.executable, "-m", "ft", "serve", "--port", str(port), "--log-level", "warning", *args]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=preexec_fn)
-    url = f"http://127.0.0.1:{port}"
+    with hold(LOOPBACK, 0) as sock:  # bound here, handed to the server: no other process takes the port meanwhile
+        port = sock.getsockname()[1]
+        command = [sys.executable, "-m", "ft", "serve", "--port", str(port), "--fd", str(sock.fileno()),
+                   "--log-level", "warning", *args]
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=preexec_fn, pass_fds=(sock.fileno(),))
+    url = f"http://{LOOPBACK}:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         try:
@@ -72,14 +75,19 @@ def serve_in_thread(config: ServeConfig, engine: Engine | None = None, startup_t
                     limits: ServerLimits | None = None) -> EmbeddedServer:
     """Serve `config` (its host/port replaced by 127.0.0.1 and a free port) on a fresh store;
     `engine` reuses a loaded model. Returns once the server accepts connections."""
-    config = dataclasses.replace(config, host="127.0.0.1", port=free_port())
-    runtime = build_service(config, engine)
-    server = make_server(create_app(runtime), config.host, config.port, limits, log_level="warning")
-    thread = threading.Thread(target=server.run, name="ft-embedded-server", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + startup_timeout
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the in-process server did not start")
-        time.sleep(0.05)
+    sock = hold(LOOPBACK, 0)  # uvicorn listens on it and closes it at shutdown
+    config = dataclasses.replace(config, host=LOOPBACK, port=sock.getsockname()[1])
+    try:
+        runtime = build_service(config, engine)
+        server = make_server(create_app(runtime), config.host, config.port, limits, log_level="warning")
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="ft-embedded-server", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + startup_timeout
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("the in-process server did not start")
+            time.sleep(0.05)
+    except BaseException:
+        sock.close()
+        raise
     return EmbeddedServer(f"http://{config.host}:{config.port}", runtime, server, thread)
