@@ -84,15 +84,20 @@ class Run:
 # -- one run -------------------------------------------------------------------------------------
 
 
+def engine_config(args: argparse.Namespace) -> Any:
+    from engine.engine_config import EngineConfig  # noqa: PLC0415
+
+    return EngineConfig(device=args.device, max_running=args.max_running)
+
+
 def run_once(engine: Any, args: argparse.Namespace, sessions: list[Session], policy: str, ram_bytes: int) -> Run:
     """Every session at once against a fresh server (`policy` evicting its RAM tier of `ram_bytes`)."""
-    from engine.engine_config import EngineConfig  # noqa: PLC0415
     from gateway.embedded import serve_in_thread  # noqa: PLC0415
     from gateway.service import ServeConfig  # noqa: PLC0415
 
     run = Run(policy, ram_bytes)
     with tempfile.TemporaryDirectory(prefix="ft-pressure-") as disk:
-        config = ServeConfig(model_dir=args.model, preset=args.preset, engine=EngineConfig(device=args.device),
+        config = ServeConfig(model_dir=args.model, preset=args.preset, engine=engine_config(args),
                              eviction=policy, ram_cache_gib=(ram_bytes + 1) / GiB, disk_cache=Path(disk),
                              disk_cache_gib=args.disk_gib, live_sequences=args.live)
         with serve_in_thread(config, engine) as server:
@@ -234,6 +239,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--preset", default="tiny", help="model preset served in this process (default tiny)")
     p.add_argument("--model", type=Path, metavar="DIR", help="a model folder to serve instead of the preset")
     p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--max-running", type=int, default=4, metavar="N", help="sequences decoded together (default 4)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--disk-gib", type=float, default=4.0, help="disk tier's cap (default 4)")
     p.add_argument("--seed", type=int, default=0, help="seed of the drawn tool times (default 0)")
@@ -246,7 +252,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console  # noqa: PLC0415
 
-    from engine.engine_config import EngineConfig  # noqa: PLC0415
     from gateway.service import ServeConfig, load_engine  # noqa: PLC0415
 
     args = parse_args(argv)
@@ -255,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
 
         torch.set_num_threads(args.threads)
     traces = load_traces(args.traces)
-    engine = load_engine(ServeConfig(model_dir=args.model, preset=args.preset, engine=EngineConfig(device=args.device)))
+    engine = load_engine(ServeConfig(model_dir=args.model, preset=args.preset, engine=engine_config(args)))
     console = Console(width=200)
     results = []
     for n in args.sessions:
