@@ -27,7 +27,7 @@
 #                  the printed plan (--plan, then the server's own), `ft ps` (memory by part, peak reserved)
 #                  after `ft replay` of a committed session through it
 #       compare    the e64 decode per batch and K = 1 and 4 sessions (ours; $MAX_REQUESTS of each, default 16) on .base/ and on this tree,
-#                  alternating, then both side by side (bench/compare.py)
+#                  alternating, then both side by side (bench/compare.py); compare-sessions: the sessions alone
 #   bash bench/h200_session.sh poll SECONDS      # wait until done or SECONDS pass; the logs and JSON as $OUT/out.tgz
 #   bash bench/h200_session.sh prepare [COMMIT]  # here, before the lease (above)
 set -uo pipefail
@@ -55,7 +55,8 @@ sessions_ft() { # TREE JSON: K = 1 and 4 sessions, ours alone, with TREE's serve
   for t in $TRACES; do traces="$traces $W/repo/$t"; done
   # shellcheck disable=SC2086 # a list of paths
   (cd "$1" && PYTHONPATH=/tmp/site:$PWD python3 bench/llamacpp.py --preset $P-e64 --device cuda --dtype bf16 \
-    --only ft --ft-arg=--ram-cache=48 --sessions 1,4 --parallel 4 --max-requests ${MAX_REQUESTS:-16} --out "$2" $traces)
+    --only ft --ft-arg=--ram-cache=48 --sessions 1,4 --parallel 4 --max-requests ${MAX_REQUESTS:-16} --out "$2" $traces \
+    || { tail -40 .peer/ft-serve.log; exit 1; })
 }
 
 serve_replay() { # GGUF JSON [SERVE OPTION...]: the plan, then ft serve, ft replay of a committed session, ft ps
@@ -140,13 +141,15 @@ print(random_gguf('$P', PEER_HOME / 'models'))"
     tests) step tests python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m "not slow" \
       tests/engine/test_gpu.py tests/engine/test_gpu_quant.py tests/engine/test_offload_gpu.py \
       tests/engine/test_fused_kernels.py tests/engine/test_head_split_gpu.py ;;
-    compare)
-      step base-decode decode .base $O/base-decode.json
-      step current-decode decode . $O/current-decode.json
+    compare | compare-sessions)
+      if [ $s = compare ]; then
+        step base-decode decode .base $O/base-decode.json
+        step current-decode decode . $O/current-decode.json
+      fi
       step base-sessions sessions_ft .base $O/base-sessions.json
       step current-sessions sessions_ft . $O/current-sessions.json
-      step compare python3 bench/compare.py --decode $O/base-decode.json $O/current-decode.json \
-        --sessions $O/base-sessions.json $O/current-sessions.json --json $O/compare.json
+      [ $s = compare-sessions ] || step compare python3 bench/compare.py --decode $O/base-decode.json \
+        $O/current-decode.json --sessions $O/base-sessions.json $O/current-sessions.json --json $O/compare.json
       ;;
     *) log "unknown step $s" ;;
     esac
