@@ -100,7 +100,7 @@ poll)
 steps)
   cd $W/repo
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FT_MATERIALISE=1 PATH=/usr/local/cuda/bin:$PATH
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 FT_MATERIALISE=1 FT_HOME=$W/ft-home PATH=/usr/local/cuda/bin:$PATH
   O=$W/out
   builder=
   if [[ " $2 " =~ \ (sessions|offload)\  ]]; then # llama-server's CUDA build (~9 min, niced) beside the first steps

@@ -21,15 +21,16 @@ from gateway.ports import LOOPBACK, hold
 from gateway.service import ServeConfig, Service, build_service
 
 
-def serve_process(args: list[str], preexec_fn=None, timeout: float = 180) -> tuple[subprocess.Popen, str]:
-    """`ft serve ARGS` on a free port, once `/health` answers: the process (stdout and stderr
-    together as text) and its URL."""
+def serve_process(args: list[str], preexec_fn=None, timeout: float = 180,
+                  env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """`ft serve ARGS` on a free port (in `env`, default this process's), once `/health` answers:
+    the process (stdout and stderr together as text) and its URL."""
     with hold(LOOPBACK, 0) as sock:  # bound here, handed to the server: no other process takes the port meanwhile
         port = sock.getsockname()[1]
         command = [sys.executable, "-m", "ft", "serve", "--port", str(port), "--fd", str(sock.fileno()),
                    "--log-level", "warning", *args]
         proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                preexec_fn=preexec_fn, pass_fds=(sock.fileno(),))
+                                preexec_fn=preexec_fn, pass_fds=(sock.fileno(),), env=env)
     url = f"http://{LOOPBACK}:{port}"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:

@@ -4,6 +4,7 @@ Completions) with semantic checkpoints, on http://127.0.0.1:1919 by default."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import socket
@@ -256,7 +257,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _load_and_serve(args: argparse.Namespace, config: ServeConfig, limits: ServerLimits, spec: str,
                     listener: socket.socket) -> int:
-    if not servers.claim_start(config.port):
+    try:
+        claimed, listed = servers.claim_start(config.port), True
+    except OSError as exc:  # an FT home it cannot write: serve all the same, unlisted
+        print(f"ft serve: warning: {exc.strerror or exc}: {exc.filename or servers.folder()}: this server is not "
+              f"listed for ft ps, ft stop and ft launch (FT_HOME: a folder it can write)", file=sys.stderr, flush=True)
+        claimed, listed = True, False
+    if not claimed:
         pid = servers.starting_pid(config.port)
         print(f"ft serve: an ft launch is starting a server on port {config.port}"
               f"{f' (pid {pid})' if pid else ''}: use that one, or pass another --port", file=sys.stderr)
@@ -275,7 +282,7 @@ def _load_and_serve(args: argparse.Namespace, config: ServeConfig, limits: Serve
         if ranks is not None and runtime is None:  # no service: the other ranks stop too
             stop_ranks(ranks)
     try:
-        return _serve(args, config, limits, runtime, spec, listener)
+        return _serve(args, config, limits, runtime, spec, listener, listed)
     finally:
         if ranks is not None:
             stop_ranks(ranks)
@@ -305,7 +312,7 @@ def stop_ranks(ranks) -> None:
 
 
 def _serve(args: argparse.Namespace, config: ServeConfig, limits: ServerLimits, runtime: Service, spec: str,
-           listener: socket.socket) -> int:
+           listener: socket.socket, listed: bool) -> int:
     from gateway.app import create_app  # noqa: PLC0415
     from gateway.http_server import make_server, raise_open_file_limit  # noqa: PLC0415
 
@@ -327,6 +334,6 @@ def _serve(args: argparse.Namespace, config: ServeConfig, limits: ServerLimits, 
           f"  OpenCode:     ft launch opencode --server {url}", flush=True)
     raise_open_file_limit()
     record = servers.ServerRecord(os.getpid(), config.host, config.port, str(spec), runtime.model_id, time.time())
-    with servers.registered(record):
+    with servers.registered(record) if listed else contextlib.nullcontext():
         make_server(create_app(runtime), config.host, config.port, limits, args.log_level).run(sockets=[listener])
     return 0

@@ -107,3 +107,22 @@ def test_the_port_is_held_while_the_model_loads():
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def test_a_home_it_cannot_write_leaves_the_server_unlisted_not_down(tmp_path):
+    """The server records (ft ps, ft stop, ft launch) live under FT_HOME; where that cannot be
+    written, `ft serve` of a preset built in memory says so in one line and serves all the same."""
+    import os
+
+    home = tmp_path / "a-file"
+    home.write_text("")
+    env = dict(os.environ, FT_HOME=str(home), FT_MATERIALISE="1")
+    proc, url = serve_process(["--preset", "tiny"], env=env)
+    try:
+        assert httpx.get(url + "/health").json()["status"] == "ok"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0
+    warning = [line for line in out.splitlines() if line.startswith("ft serve: warning")]
+    assert len(warning) == 1 and str(home) in warning[0] and "not listed" in warning[0]
