@@ -91,8 +91,12 @@ start)
   setsid nohup bash $W/repo/bench/h200_session.sh steps "$*" >$W/out/session.log 2>&1 </dev/null &
   echo "started: $W/out"
   ;;
-poll)
-  for _ in $(seq "${2:-60}"); do grep -q "^=== done" $W/out/steps.log 2>/dev/null && break; sleep 1; done
+poll) # the tarball is refreshed every 30 s, so a call cut short by its limit still brings back what was done
+  for i in $(seq "${2:-60}"); do
+    grep -q "^=== done" $W/out/steps.log 2>/dev/null && break
+    [ $((i % 30)) = 0 ] && (cd $W/out && tar czf "$OUT/out.tgz.tmp" . && mv "$OUT/out.tgz.tmp" "$OUT/out.tgz")
+    sleep 1
+  done
   (cd $W/out && tar czf "$OUT/out.tgz" .)
   cat $W/out/steps.log
   for f in $(ls -t $W/out/*.log | head -3); do echo "--- $f" && tail -c 2000 "$f"; done
