@@ -41,7 +41,14 @@ import httpx
 from belady import belady_hits, part_sizes
 from pressure_workload import SPAWN_AFTER, Session, build_sessions
 
-from adapters.client import ReplayError, output_tokens_of, parse_prefill_reasons, stream, stream_body
+from adapters.client import (
+    ReplayError,
+    output_tokens_of,
+    parse_prefill_reasons,
+    parse_server_timing,
+    stream,
+    stream_body,
+)
 from adapters.replay import load_traces
 from adapters.replay_report import percentile
 from adapters.trace import TraceRequest
@@ -64,6 +71,7 @@ class Row:
     new: int  # prompt tokens beyond the session's previous prompt and answer
     output: int
     ttft_ms: float  # client side, to the first output event
+    phases: dict[str, float] = field(default_factory=dict)  # the server's, ms (`server-timing`: queue, prefill, ...)
 
     @property
     def prefilled(self) -> int:
@@ -142,7 +150,8 @@ def _send(client: httpx.Client, session: str, index: int, req: TraceRequest, con
     return Row(session=session, index=index, after_tool=req.after_tool_result, prompt=prompt,
                restored=int(s.headers["x-cached-tokens"]),
                reasons=parse_prefill_reasons(s.headers.get("x-prefill-reasons", "")),
-               new=prompt - context, output=outputs[-1] if outputs else 0, ttft_ms=s.ttft_ms)
+               new=prompt - context, output=outputs[-1] if outputs else 0, ttft_ms=s.ttft_ms,
+               phases=parse_server_timing(s.headers.get("server-timing", "")))
 
 
 def prompt_tokens_of(protocol: str, events: list[dict[str, Any]]) -> int:
@@ -194,6 +203,7 @@ def summarize(run: Run) -> dict[str, Any]:
             for tier in ("ram", "queue", "disk")}
     optimum, wanted = belady_hits(run.log, run.ram_bytes)
     tool = [r.ttft_ms for r in rows if r.after_tool]
+    slowest = max((r for r in rows if r.after_tool), key=lambda r: r.ttft_ms, default=None)
     user = [r.ttft_ms for r in rows if not r.after_tool]
     return {
         "policy": run.policy,
@@ -217,6 +227,7 @@ def summarize(run: Run) -> dict[str, Any]:
         "read_bytes": read,
         "store_metrics": run.store,
         "pins_broken": int(sum(run.pins_broken.values())),
+        "slowest_after_tool": vars(slowest) if slowest else None,
         "rows": [vars(r) for r in rows],
     }
 
@@ -280,6 +291,13 @@ def main(argv: list[str] | None = None) -> int:
         results.append({"sessions": n, "subagents": sum(s.parent is not None for s in sessions), "live": live,
                         "working_set_bytes": working_set, "first_pass": first, "runs": runs})
     console.print(table(results))
+    for result in results:
+        for run in result["runs"]:
+            if (r := run["slowest_after_tool"]) is not None:
+                phases = ", ".join(f"{k} {v:,.0f}" for k, v in r["phases"].items())
+                console.print(f"N={result['sessions']} RAM {run['ram_share']:.0%} {run['policy']}: slowest after a tool "
+                              f"{r['session']}#{r['index']}, {r['new']:,} new tokens, TTFT {r['ttft_ms']:,.0f} ms "
+                              f"(server ms: {phases or 'no server-timing'})")
     if args.json:
         meta = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
                 "model": str(args.model) if args.model else args.preset,
