@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--preset", help="preset model, written on first use (default: tiny)")
     parser.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: local only)")
     parser.add_argument("--port", type=int, default=1919, help="port (default 1919)")
-    parser.add_argument("--fd", type=int, help=argparse.SUPPRESS)  # a socket bound to --port, from `--replicas`
+    parser.add_argument("--fd", type=int, help=argparse.SUPPRESS)  # an inherited socket bound to --port (--replicas, serve_process)
     parser.add_argument("--device", default=None, help="torch device: cpu or cuda (default: cuda when there is one)")
     parser.add_argument("--gpu-memory", type=gib, metavar="GiB",
                         help="device memory budget: everything on the device where it fits, else the routed experts "
