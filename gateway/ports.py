@@ -19,8 +19,11 @@ def hold(host: str, port: int) -> socket.socket:
     """A socket bound to `host:port` (0: a free port), not listening yet. While it is bound, neither an
     outgoing connection's source port nor a bind without SO_REUSEADDR can take the port, so a server
     binds it before its model loads and listens on it once ready (uvicorn's `sockets=`); connections
-    meanwhile are refused. Raises OSError: in use, or a bad address."""
-    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    meanwhile are refused. Raises OSError: in use, or a bad address.
+
+    The protocol is named (IPPROTO_TCP, not 0): accepted connections inherit it, and asyncio sets
+    TCP_NODELAY only on sockets that name it; without it small writes wait on delayed ACKs (~40 ms)."""
+    s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host, port))
