@@ -203,7 +203,6 @@ def summarize(run: Run) -> dict[str, Any]:
             for tier in ("ram", "queue", "disk")}
     optimum, wanted = belady_hits(run.log, run.ram_bytes)
     tool = [r.ttft_ms for r in rows if r.after_tool]
-    slowest = max((r for r in rows if r.after_tool), key=lambda r: r.ttft_ms, default=None)
     user = [r.ttft_ms for r in rows if not r.after_tool]
     return {
         "policy": run.policy,
@@ -227,7 +226,6 @@ def summarize(run: Run) -> dict[str, Any]:
         "read_bytes": read,
         "store_metrics": run.store,
         "pins_broken": int(sum(run.pins_broken.values())),
-        "slowest_after_tool": vars(slowest) if slowest else None,
         "rows": [vars(r) for r in rows],
     }
 
@@ -293,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     console.print(table(results))
     for result in results:
         for run in result["runs"]:
-            if (r := run["slowest_after_tool"]) is not None:
+            tool = [row for row in run["rows"] if row["after_tool"]]
+            if (r := max(tool, key=lambda row: row["ttft_ms"], default=None)) is not None:
                 phases = ", ".join(f"{k} {v:,.0f}" for k, v in r["phases"].items())
                 console.print(f"N={result['sessions']} RAM {run['ram_share']:.0%} {run['policy']}: slowest after a tool "
                               f"{r['session']}#{r['index']}, {r['new']:,} new tokens, TTFT {r['ttft_ms']:,.0f} ms "

@@ -167,8 +167,10 @@ class DiskTier:
 
     def _peek(self, txn: lmdb.Transaction, anchor: bytes, part: str) -> tuple[RecordHeader, int] | None:
         value = txn.get(key(anchor, part))
-        if value is None:
-            return None
+        return None if value is None else self._header(value, anchor, part)
+
+    def _header(self, value, anchor: bytes, part: str) -> tuple[RecordHeader, int] | None:
+        """A stored part's header and footprint; None where the header fails its check."""
         try:
             return decode_header(value, anchor, part, self.fingerprint), self.footprint(len(value))
         except CorruptRecord:
@@ -333,15 +335,12 @@ class DiskTier:
                     if anchor in self.deleting or (anchor in self.index and (
                             part == KV_PART or self.index.has_state(anchor))):
                         continue
-                try:
-                    header = decode_header(value, anchor, part, self.fingerprint)
-                except CorruptRecord:
-                    continue
-                found.setdefault(anchor, {})[part] = (header, self.footprint(len(value)))
+                if (header := self._header(value, anchor, part)) is not None:
+                    found.setdefault(anchor, {})[part] = header
         with self.lock:
             found = {a: parts for a, parts in found.items() if KV_PART in parts or a in self.index}
             oldest = min((e.last_used for e in self.index.entries.values()), default=self.index.clock)
-            order = sorted(found, key=lambda a: min(h.created for h, _ in found[a].values()))
+            order = oldest_first(found)
             for rank, anchor in enumerate(order):
                 clock = oldest - len(order) + rank
                 for part in (KV_PART, STATE_PART):
@@ -377,7 +376,7 @@ class DiskTier:
         self._delete_keys(bad)
 
     def _build_index(self, headers: dict, bad: list[tuple[bytes, str]]) -> None:
-        order = sorted(headers, key=lambda a: min(h.created for h, _ in headers[a].values()))
+        order = oldest_first(headers)
         for rank, anchor in enumerate(order):
             parts = headers[anchor]
             if KV_PART not in parts:
@@ -404,3 +403,8 @@ class DiskTier:
         except lmdb.Error as exc:
             self.write_errors.record(exc, f"deleting {len(bad)} bad records")
         self.corrupt += len(bad)
+
+
+def oldest_first(headers: dict[bytes, dict[str, tuple[RecordHeader, int]]]) -> list[bytes]:
+    """The anchors of ``headers`` (anchor -> part -> (header, footprint)) by their first part's creation."""
+    return sorted(headers, key=lambda a: min(h.created for h, _ in headers[a].values()))

@@ -105,8 +105,8 @@ def test_an_eviction_by_one_process_is_a_miss_for_the_other(children) -> None:
     assert int(n) < 4 and verdict == "same"
     # a holds up to 2 MiB of the 4 MiB map in records b never read: b's seven (1.9 MiB, within b's own
     # capacity of 2 MiB) find the map full, index a's records as older than its own, and evict them to
-    # land. (How full a left the map varies with its writer's batches: an order that evicts only what
-    # it indexes lost b's chain in 5 of 8 runs of this.)
+    # land. (How full a left the map varies with its writer's batches; an order that evicted only what
+    # b indexes would leave b's writes without room whenever a left it full.)
     assert b.ask("put b 0 7") == "ok"
     assert b.ask("load b 7") == "loaded 7 same"
     _, _, verdict = a.ask("load c 180").split()  # a's own, some gone under it: misses, never wrong
