@@ -22,7 +22,7 @@
 #                  llama-server --n-cpu-moe on the same file and requests (bench/offload.py)
 #       tests      pytest: the engine's GPU tests
 #       pressure   16 sessions of the committed traces at once (16 decoded together, 4 live), the RAM tier at 25, 50, 100% of the
-#                  working set: the store's order, LRU and Belady (bench/pressure.py)
+#                  working set ($PRESSURE_RAM): the store's order, LRU and Belady (bench/pressure.py)
 #       serve      `ft serve` of the random Q4_K_M 35B-A3B file with no memory option, then with --gpu-memory 8:
 #                  the printed plan (--plan, then the server's own), `ft ps` (memory by part, peak reserved)
 #                  after `ft replay` of a committed session through it
@@ -141,7 +141,7 @@ print(random_gguf('$P', PEER_HOME / 'models'))"
       step serve-8 serve_replay "$gguf" $O/serve-8.json --gpu-memory 8
       ;;
     pressure) step pressure python3 bench/pressure.py traces/sessions --preset $P-e64 --device cuda --sessions 16 \
-      --turns 6 --ram 0.25 0.5 1 --max-running 16 --json $O/pressure.json ;;
+      --turns 6 --ram ${PRESSURE_RAM:-0.25 0.5 1} --max-running 16 --json $O/pressure.json ;;
     tests) step tests python3 -m pytest -q -p no:cacheprovider -rfE --tb=short -m "not slow" \
       tests/engine/test_gpu.py tests/engine/test_gpu_quant.py tests/engine/test_offload_gpu.py \
       tests/engine/test_fused_kernels.py tests/engine/test_head_split_gpu.py ;;
