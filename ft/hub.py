@@ -12,12 +12,13 @@ gateway) and `ft launch` may both use it.
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx2
+import huggingface_hub
 from huggingface_hub import HfApi, constants, snapshot_download
 from huggingface_hub.errors import (
     EntryNotFoundError,
@@ -29,6 +30,9 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 from huggingface_hub.hf_api import RepoFile as HubFile
+
+# the HTTP client whose errors huggingface_hub lets through: httpx2 from its 2.0, httpx before
+http = importlib.import_module("httpx2" if int(huggingface_hub.__version__.split(".")[0]) >= 2 else "httpx")
 
 REPO_ID = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+)(?::(?P<quant>[\w.-]+))?$")
 SPLIT = re.compile(r"-(\d{5})-of-(\d{5})$")
@@ -116,7 +120,7 @@ def listing(repo: str) -> list[RepoFile]:
         raise HubError(not_found(repo, exc)) from None
     except RevisionNotFoundError as exc:
         raise HubError(f"{repo}: {exc}") from None
-    except (OfflineModeIsEnabled, httpx2.ConnectError, httpx2.TimeoutException, HfHubHTTPError):
+    except (OfflineModeIsEnabled, http.ConnectError, http.TimeoutException, HfHubHTTPError):
         return cached_listing(repo)
 
 
@@ -148,7 +152,7 @@ def not_found(repo: str, exc: Exception) -> str:
     owner, name = repo.split("/", 1)
     try:
         found = [m.id for m in HfApi().list_models(author=owner, search=name.split("-")[0], limit=20)]
-    except (HfHubHTTPError, httpx2.HTTPError, OfflineModeIsEnabled):
+    except (HfHubHTTPError, http.HTTPError, OfflineModeIsEnabled):
         found = []
     hint = f"; {owner}'s models like it: {', '.join(found)}" if found else " (a private repo needs HF_TOKEN)"
     return message + hint
