@@ -69,7 +69,7 @@ class Engine:
             use_graph=graphs and (offload is None or offload.holds_all or offload.mapped),
             before_overwrite=self.runtime.wait_copies if self.runtime is not None else None,
             before_allocate=self._make_room if offload is not None else None,
-            capacity=GRAPH_CAPACITY if graphs and offload is None else None,
+            capacity=GRAPH_CAPACITY if graphs and offload is None else None, max_context=self.max_context,
             graph_rows=offload.graph_rows if offload is not None else None,
         )
         self.copies = StateCopies(self.config, self.device, self.dtype, self.runner, self.runtime, model.heads)
@@ -146,7 +146,8 @@ class Engine:
 
     @property
     def max_context(self) -> int:
-        return self.config.max_position_embeddings
+        """Tokens a sequence may reach: the model's context, or less where `EngineConfig.max_context` says."""
+        return min(self.config.max_position_embeddings, self.engine_config.max_context or self.config.max_position_embeddings)
 
     @property
     def step_tokens(self) -> int:

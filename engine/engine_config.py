@@ -29,6 +29,8 @@ class EngineConfig:
       and CUDA graphs warm-up prepares, the slots an offload plan counts, and the requests the
       gateway runs at once.
     - `prefill_chunk`: tokens of one prefill forward; None: `DEFAULT_CHUNK` of the device.
+    - `max_context`: tokens a sequence may reach, prompt and output (longer prompts are refused);
+      None: the model's. A memory plan sets what its decode slots and expert cache leave room for.
     - `decode_step_prefill`: prefill tokens a step carries beside decode rows (a long prompt
       then goes in chunks of this many while other sequences decode); None: the whole chunk.
     - `cuda_graphs`: decode steps and short prefills replay CUDA graphs (on a GPU).
@@ -50,6 +52,7 @@ class EngineConfig:
     dtype: torch.dtype | None = None
     max_running: int = 4
     prefill_chunk: int | None = None
+    max_context: int | None = None
     decode_step_prefill: int | None = None
     cuda_graphs: bool = True
     gpu_memory_gib: float | None = None
@@ -63,6 +66,8 @@ class EngineConfig:
             raise ValueError(f"max_running: expected at least 1 sequence, got {self.max_running}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk: expected at least 1 token, got {self.prefill_chunk}")
+        if self.max_context is not None and self.max_context < 2:
+            raise ValueError(f"max_context: expected at least 2 tokens, got {self.max_context}")
         if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
             raise ValueError(f"gpu_memory_gib: expected a size > 0, got {self.gpu_memory_gib}")
         if self.head_split and self.expert_parallel is None:

@@ -26,9 +26,17 @@ from engine.runner import starting_capacity
 
 GiB = 1 << 30
 RESERVE = (1 * GiB, 0.05)  # of free device memory kept back: the CUDA context, kernels' buffers, fragmentation
-MIN_CONTEXT = 32768  # tokens per running sequence a resident plan keeps room for (else: offload the experts)
+MIN_CONTEXT = 32768  # tokens per running sequence a plan keeps room for: else the experts are offloaded, then fewer run
 RAM_SHARE, RAM_CAP, RAM_MIN = 0.5, 32 * GiB, GiB // 4  # of the host memory left: the checkpoint RAM tier
 DEFAULT_RUNNING = 4
+# a long prompt prefills outside the decode slots, into the sequence's own KV buffer, which grows by
+# doubling: while it copies, the old buffer and the new one twice its size are both held
+PREFILL_COPIES = 3
+CONTEXT_STEP = 256  # tokens: a plan's context is a multiple of it
+
+
+def decoded(n: int) -> str:
+    return "1 sequence decoded at a time" if n == 1 else f"{n} sequences decoded together"
 
 
 class FitError(ValueError):
@@ -55,7 +63,7 @@ class MemoryPlan:
     workspace: int
     expert_slots: int  # routed experts per layer on the device
     stream: int  # buffers long prefill chunks stream experts through (offload only)
-    context: int  # tokens each running sequence can reach within the budget
+    context: int  # tokens each running sequence can reach within the budget (`EngineConfig.max_context`)
     ram_cache: int
     traded: tuple[str, ...] = ()
     device: str = "cuda"
@@ -96,7 +104,7 @@ class MemoryPlan:
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(device=self.device, max_running=self.max_running, gpu_memory_gib=self.gpu_memory_gib,
-                            expert_parallel=self.parallel)
+                            max_context=self.context, expert_parallel=self.parallel)
 
     def lines(self) -> list[str]:
         """The plan as `ft serve` prints it (under expert parallel, one GPU's: `ParallelPlan.lines`)."""
@@ -109,7 +117,7 @@ class MemoryPlan:
         out += [f"  {name:<15} {n / GiB:8.2f} GiB" for name, n in self.parts.items() if n]
         out.append(f"  {'free':<15} {(self.budget.bytes - sum(self.parts.values())) / GiB:8.2f} GiB")
         ram = f"; checkpoint RAM cache {self.ram_cache / GiB:.2f} GiB" if self.parallel is None else ""
-        out.append(f"  {self.max_running} sequences decoded together, each up to {self.context:,} tokens of "
+        out.append(f"  {decoded(self.max_running)}, each up to {self.context:,} tokens of "
                    f"context{ram}")
         out += [f"  traded: {t}" for t in self.traded]
         return out
@@ -132,7 +140,7 @@ class ParallelPlan:
                f"expert parallel: each "
                f"holds the dense weights ({fp.dense / GiB:.2f} GiB) and {first.experts_held} of the "
                f"{fp.config.num_experts} routed experts of each layer ({first.experts_bytes / GiB:.2f} GiB); "
-               f"{first.max_running} sequences decoded together; checkpoint RAM cache {first.ram_cache / GiB:.2f} GiB"]
+               f"{decoded(first.max_running)}; checkpoint RAM cache {first.ram_cache / GiB:.2f} GiB"]
         for rank in self.ranks:
             out += rank.lines()
         one = f"on one {'GPU' if gpus else 'device'} of {first.budget.bytes / GiB:.2f} GiB"
@@ -188,21 +196,24 @@ def fit(fp: Footprint, budget: Budget, device: str = "cuda", max_running: int | 
     if resident is not None:
         ram = ram_cache_bytes if ram_cache_bytes is not None else ram_cache(host_free, 0)
         return MemoryPlan(**resident, ram_cache=ram, **where)
-    failure = None
+    fitting, failure = [], None
     for n in running:
         try:
-            offloaded = _offloaded(fp, budget, device, n, chunk, world)
+            fitting.append((n, _offloaded(fp, budget, device, n, chunk, world)))
         except BudgetError as exc:
             failure = exc
-            continue
-        held = fp.experts // world
-        traded = (f"experts offloaded: {'all' if world == 1 else 'its'} {held / GiB:.2f} GiB do not fit beside the "
-                  f"dense weights with {MIN_CONTEXT:,} tokens of context for {running[0]} sequences",)
-        if n != running[0]:
-            traded += (f"{n} sequences decoded together instead of {running[0]}, for experts' room",)
-        ram = ram_cache_bytes if ram_cache_bytes is not None else ram_cache(host_free, held)
-        return MemoryPlan(**offloaded, ram_cache=ram, traded=traded, **where)
-    raise FitError(_cannot_fit(fp, budget, device, failure, world))
+    if not fitting:
+        raise FitError(_cannot_fit(fp, budget, device, failure, world))
+    # the most sequences that leave each MIN_CONTEXT tokens, else the fewest (the longest context)
+    n, offloaded = next(((n, o) for n, o in fitting if o["context"] >= MIN_CONTEXT), fitting[-1])
+    held = fp.experts // world
+    traded = (f"experts offloaded: {'all' if world == 1 else 'its'} {held / GiB:.2f} GiB do not fit beside the "
+              f"dense weights with {MIN_CONTEXT:,} tokens of context for {running[0]} sequences",)
+    if n != running[0]:
+        traded += (f"{decoded(n)} instead of {running[0]}: more leave the experts too little "
+                   f"room or each sequence less than {MIN_CONTEXT:,} tokens of context",)
+    ram = ram_cache_bytes if ram_cache_bytes is not None else ram_cache(host_free, held)
+    return MemoryPlan(**offloaded, ram_cache=ram, traded=traded, **where)
 
 
 def fit_ranks(fp: Footprint, budgets: list[Budget], devices: list[str], max_running: int | None = None,
@@ -226,7 +237,7 @@ def fit_ranks(fp: Footprint, budgets: list[Budget], devices: list[str], max_runn
     plans = each(max_running)
     running = min(p.max_running for p in plans)
     if any(p.max_running != running for p in plans):
-        fewer = f"{running} sequences decoded together: the most every GPU's plan allows"
+        fewer = f"{decoded(running)}: the most every GPU's plan allows"
         plans = [dataclasses.replace(p, traded=(*p.traded, fewer)) for p in each(running)]
     held = sum(p.experts_bytes for p in plans if not p.resident)
     ram = ram_cache_bytes if ram_cache_bytes is not None else ram_cache(host_free, held)
@@ -243,10 +254,9 @@ def _resident(fp: Footprint, budget: Budget, device: str, running: int, chunk: i
     states = state_bytes(c, fp.dtype, slots, capacity)
     workspace = workspace_bytes(c, fp.dtype, chunk, slots)
     left = budget.bytes - fp.dense - fp.experts // world - states - workspace
-    per_token = kv_bytes(c, fp.dtype, 1) * (slots + 1)
-    if left < per_token * MIN_CONTEXT:
+    if left < context_bytes(fp, slots) * MIN_CONTEXT:
         return None
-    context = min(c.max_position_embeddings, capacity + left // per_token)
+    context = _context(fp, capacity, slots, left)
     return dict(footprint=fp, budget=budget, resident=True, max_running=running, decode_slots=states,
                 workspace=workspace, expert_slots=c.num_experts // world, stream=0, context=context)
 
@@ -259,9 +269,23 @@ def _offloaded(fp: Footprint, budget: Budget, device: str, running: int, chunk: 
              expert_bytes=fp.expert, experts=experts)
     # the decode slots grow into the expert cache (engine.offload.runtime's make_room) down to top_k experts a layer
     spare = (p.slots - least_slots(c, experts)) * fp.expert * c.num_hidden_layers
-    context = min(c.max_position_embeddings, capacity + spare // (kv_bytes(c, fp.dtype, 1) * (slots + 1)))
+    context = _context(fp, capacity, slots, spare)
     return dict(footprint=fp, budget=budget, resident=False, max_running=running, decode_slots=p.states,
                 workspace=p.workspace, expert_slots=p.slots, stream=p.stream, context=context)
+
+
+def context_bytes(fp: Footprint, slots: int) -> int:
+    """Device bytes a token of context costs: its KV in each of `slots` decode slots and the scratch
+    slot, and in a prefilled sequence's own buffer while it grows (`PREFILL_COPIES`)."""
+    return kv_bytes(fp.config, fp.dtype, 1) * (slots + 1 + PREFILL_COPIES)
+
+
+def _context(fp: Footprint, capacity: int, slots: int, spare: int) -> int:
+    """Tokens each sequence reaches: `spare` bytes beside the slots' KV at their starting `capacity`
+    (counted in the plan's decode slots) hold the slots' growth and a prefill's own buffer."""
+    in_slots = kv_bytes(fp.config, fp.dtype, capacity) * (slots + 1)
+    tokens = min(fp.config.max_position_embeddings, (spare + in_slots) // context_bytes(fp, slots))
+    return tokens // CONTEXT_STEP * CONTEXT_STEP
 
 
 def smallest_budget(fp: Footprint, device: str, world: int = 1) -> int:

@@ -63,7 +63,7 @@ class Runner:
     def __init__(self, model: HybridForCausalLM, kernels: Kernels, use_graph: bool = False,
                  before_overwrite: Callable[[], None] | None = None,
                  before_allocate: Callable[[int, int], None] | None = None, capacity: int | None = None,
-                 graph_rows: int | None = None):
+                 graph_rows: int | None = None, max_context: int | None = None):
         """`before_overwrite` runs before a slot's contents are replaced (on a GPU: wait for the
         host copies that may still read the previous owner's KV); `before_allocate(slots,
         capacity)` before buffers of that size replace the old ones (an expert cache shrinks there
@@ -71,14 +71,16 @@ class Runner:
         `capacity`: tokens per slot at first (default `initial_capacity`); growing later
         recaptures every graph inside the request that grew them. `graph_rows`: the
         most decode rows a graph may hold (an offloaded model reads its experts in place, which a graph
-        can hold, only up to so many assignments); wider decode steps run eagerly."""
+        can hold, only up to so many assignments); wider decode steps run eagerly. `max_context`:
+        the most tokens a sequence reaches (default the model's): no slot grows past it."""
         self.model, self.kernels = model, kernels
         self.c = model.config
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
         self.use_graph = use_graph
         self.graph_rows = graph_rows
-        self.min_capacity = capacity or initial_capacity(self.device)
+        self.max_context = max_context or self.c.max_position_embeddings
+        self.min_capacity = min(capacity or initial_capacity(self.device), self.max_context)
         self.before_overwrite = before_overwrite or (lambda: None)
         self.before_allocate = before_allocate or (lambda slots, capacity: None)
         self.slots = 0  # sequence slots; slot `self.slots` is the scratch slot padding rows use
@@ -167,10 +169,10 @@ class Runner:
         dropped. False when there was nothing to do."""
         if self.buffers is None:
             return False
-        longest = min(max(lengths, default=0) + self.headroom, self.c.max_position_embeddings)
+        longest = min(max(lengths, default=0) + self.headroom, self.max_context)
         if longest > self.capacity:
             owners = [(slot, self._owner(slot), self.used[slot]) for slot in range(self.slots)]
-            self._allocate(self.slots, bucket(longest))
+            self._allocate(self.slots, min(bucket(longest), self.max_context))
             for slot, state, used in owners:
                 if state is not None:
                     self._bind(slot, state)
@@ -272,10 +274,10 @@ class Runner:
 
     def _reserve(self, sequences: int, length: int) -> None:
         """Room for `sequences` at once of up to `length` tokens each: the buffers grow (slots to
-        the next bucket, capacity to the next power of two) when they are too small."""
+        the next bucket, capacity to the next power of two, at most `max_context`) when they are too small."""
         if sequences > self.slots or length > self.capacity:
-            self._allocate(max(self.slots, bucket(sequences)),
-                           max(self.capacity, self.min_capacity, bucket(length)))
+            capacity = max(self.capacity, self.min_capacity, min(bucket(length), self.max_context), length)
+            self._allocate(max(self.slots, bucket(sequences)), capacity)
 
     def _allocate(self, slots: int, capacity: int) -> None:
         """Buffers for `slots` sequences (+ the scratch slot) of `capacity` tokens; every owner

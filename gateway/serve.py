@@ -131,6 +131,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests decoded together: every engine step runs one batched forward over their "
                              "decode tokens and a chunk of pending prefill (default 4, fewer where a GPU's memory "
                              "needs the room for experts)")
+    parser.add_argument("--max-context", type=at_least(2), default=None, metavar="TOKENS",
+                        help="tokens a sequence may reach, prompt and output; a longer prompt is answered with the "
+                             "protocol's context-length error (default: what the memory plan leaves room for, at "
+                             "most the model's context)")
     parser.add_argument("--decode-step-prefill", type=at_least(256), metavar="N",
                         help="prefill tokens a step carries beside sequences that are decoding: a long prompt goes "
                              "in chunks of N while others decode, so their tokens keep coming at a short step's pace "
@@ -210,6 +214,7 @@ def engine_config_from_args(args: argparse.Namespace, rank: int = 0) -> EngineCo
     budgets = args.rank_gpu_memory or [args.gpu_memory] * len(devices)
     return EngineConfig(
         device=devices[rank], max_running=args.max_running or EngineConfig.max_running, gpu_memory_gib=budgets[rank],
+        max_context=args.max_context,
         decode_step_prefill=args.decode_step_prefill, step_log_ms=args.step_log,
         expert_parallel=ExpertParallel(rank, len(devices)) if len(devices) > 1 else None,
         head_split=len(devices) > 1 and args.split == "heads",

@@ -57,8 +57,8 @@ def budgets(args: argparse.Namespace, devices: list[str]) -> list[fit.Budget] | 
 
 def memory_plan(args: argparse.Namespace) -> fit.MemoryPlan | fit.ParallelPlan | None:
     """The device plan, or under expert parallel each rank's (None on the CPU without --gpu-memory);
-    fills --max-running, --gpu-memory (`rank_gpu_memory`: each rank's) and --ram-cache where they
-    were left open."""
+    fills --max-running, --max-context, --gpu-memory (`rank_gpu_memory`: each rank's) and --ram-cache
+    where they were left open."""
     devices = rank_devices(args)
     given = budgets(args, devices)
     ram = None if args.ram_cache is None else int(args.ram_cache * GiB)
@@ -77,6 +77,7 @@ def memory_plan(args: argparse.Namespace) -> fit.MemoryPlan | fit.ParallelPlan |
         plan = fit.fit_ranks(model, given, devices, args.max_running, ram_cache_bytes=ram)
         plans = list(plan.ranks)
     args.max_running, args.ram_cache = plans[0].max_running, plans[0].ram_cache / GiB
+    args.max_context = args.max_context or min(p.context for p in plans)
     args.gpu_memory, args.rank_gpu_memory = plans[0].gpu_memory_gib, [p.gpu_memory_gib for p in plans]
     return plan
 

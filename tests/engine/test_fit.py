@@ -66,9 +66,14 @@ def test_plan_parts_sum_within_the_budget_and_small_gpus_offload(q4_k_m_index, c
     assert parts["dense weights"] == pytest.approx(1.50, abs=0.01)  # the Q4_K_M file's, packed
     offloaded = "experts offloaded" in out.splitlines()[0]
     assert offloaded == (gib < 80)  # 24 GiB holds every expert, not with 32K tokens for 4 sequences too
-    if gib == 8:
-        assert "4 sequences decoded together" in out and "traded: experts offloaded" in out
+    context = int(re.search(r"each up to ([\d,]+) tokens of context", out)[1].replace(",", ""))
+    if gib == 8:  # one sequence: with two, each would reach fewer than MIN_CONTEXT tokens
+        assert "1 sequence decoded at a time" in out and "traded: experts offloaded" in out
+        assert "traded: 1 sequence decoded at a time instead of 4" in out
         assert parts["routed experts"] < 19.45 / 4
+        assert fit.MIN_CONTEXT <= context < 2 * fit.MIN_CONTEXT
+    else:
+        assert "4 sequences decoded together" in out and context >= fit.MIN_CONTEXT
 
 
 def test_footprint_of_the_file_is_the_one_computed_from_the_config(q4_k_m_index):
@@ -153,3 +158,19 @@ def test_plan_over_two_gpus_gives_each_its_own_parts_within_its_budget(q4_k_m_in
         assert min(shares) > alone.expert_slots / fp.config.num_experts
     if gib == 8:
         assert all(plan.expert_slots < plan.experts_held for plan in computed.ranks)
+
+
+def test_the_plans_context_becomes_the_servers_limit(q4_k_m_index, capsys):
+    """`ft serve` hands the plan's context to the engine (`EngineConfig.max_context`), unless
+    --max-context sets one."""
+    from gateway.serve import engine_config_from_args
+    from gateway.serve_prepare import prepare
+    from tests.conftest import serve_args
+
+    args = serve_args("--model", str(q4_k_m_index), "--gpu-memory", "8", "--plan")
+    assert prepare(args)
+    context = int(re.search(r"each up to ([\d,]+) tokens of context", capsys.readouterr().out)[1].replace(",", ""))
+    assert engine_config_from_args(args).max_context == context
+    args = serve_args("--model", str(q4_k_m_index), "--gpu-memory", "8", "--plan", "--max-context", "8192")
+    assert prepare(args)
+    assert engine_config_from_args(args).max_context == 8192

@@ -115,3 +115,25 @@ def test_budget_below_the_dense_weights_stops_ft_serve(ft_home):
     )
     assert proc.returncode == 2
     assert "--gpu-memory 0.010 GiB" in proc.stderr and "below the dense weights" in proc.stderr
+
+
+def test_a_context_limit_refuses_longer_prompts_and_bounds_the_slots():
+    """`EngineConfig.max_context` (what a memory plan leaves room for, or --max-context): a prompt
+    past it is answered with the protocol's context-length error, not a failed step, and no decode
+    slot grows past it."""
+    server = start_server(preset="tiny", policy="anchor", default_max_tokens=8, engine=EngineConfig(max_context=600))
+    try:
+        engine = server.runtime.engine
+        assert engine.max_context == 600
+        with server.client() as c:
+            short = [{"role": "user", "content": "Say which file parses flags. " * 20}]
+            r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": short, "temperature": 0})
+            assert r.status_code == 200, r.text
+            long = [{"role": "user", "content": "Say which file parses flags. " * 200}]
+            r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": long, "temperature": 0})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["code"] == "context_length_exceeded"
+            assert "maximum context length is 600 tokens" in r.json()["error"]["message"]
+        assert 0 < engine.runner.capacity <= 600
+    finally:
+        server.stop()
