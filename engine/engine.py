@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +75,9 @@ class Engine:
         self.copies = StateCopies(self.config, self.device, self.dtype, self.runner, self.runtime, model.heads)
         self.states: weakref.WeakValueDictionary[int, SequenceState] = weakref.WeakValueDictionary()  # by id
         self.kv_growth = 0  # sequences' own KV buffers regrown (`growth_events`)
+        # under a memory budget, the owner lets go of one sequence it keeps between requests (True) or
+        # has none (False): their KV lies outside the decode slots, and a forward's need comes first
+        self.relieve: Callable[[], bool] = lambda: False
         self.scheduler = Scheduler(
             Limits(self.engine_config.chunk_tokens, self.engine_config.decode_step_prefill,
                    slot_tokens=PREFILL_BUCKETS[-1], slot_tokens_alone=SLOT_PREFILL_ALONE),
@@ -465,7 +468,8 @@ class Engine:
         """Under a memory budget on a GPU: room for a prefill forward (its chunk's share of the
         workspace measured at warm-up, `Plan.workspace_for`), the KV its sequences grow by, the
         states it captures and the logits of every position where a feed asks for them, taken
-        from the expert slots if need be."""
+        from the expert slots if need be; where they cannot give it, from the sequences kept
+        between requests (`relieve`), one at a time."""
         if self.offload is None or self.device.type != "cuda":
             return
         growth = sum(cache.growth(count) for feed, count in parts for cache in feed.state.kv.values())
@@ -480,7 +484,12 @@ class Engine:
             if feed.all_logits and count == feed.remaining
         )
         workspace = self.offload.plan.workspace_for(sum(count for _, count in parts))
-        self.offload.fit_forward(workspace + growth + captures + logits)
+        while True:
+            try:
+                return self.offload.fit_forward(workspace + growth + captures + logits)
+            except expert_offload.BudgetError:
+                if not self.relieve():
+                    raise
 
 
 def _decoded(feeds: Sequence[Feed], logits: torch.Tensor) -> None:

@@ -204,8 +204,9 @@ def fit(fp: Footprint, budget: Budget, device: str = "cuda", max_running: int | 
             failure = exc
     if not fitting:
         raise FitError(_cannot_fit(fp, budget, device, failure, world))
-    # the most sequences that leave each MIN_CONTEXT tokens, else the fewest (the longest context)
-    n, offloaded = next(((n, o) for n, o in fitting if o["context"] >= MIN_CONTEXT), fitting[-1])
+    # the most sequences that leave each MIN_CONTEXT tokens (or the model's context), else the fewest
+    goal = min(MIN_CONTEXT, fp.config.max_position_embeddings)
+    n, offloaded = next(((n, o) for n, o in fitting if o["context"] >= goal), fitting[-1])
     held = fp.experts // world
     traded = (f"experts offloaded: {'all' if world == 1 else 'its'} {held / GiB:.2f} GiB do not fit beside the "
               f"dense weights with {MIN_CONTEXT:,} tokens of context for {running[0]} sequences",)
@@ -282,10 +283,10 @@ def context_bytes(fp: Footprint, slots: int) -> int:
 
 def _context(fp: Footprint, capacity: int, slots: int, spare: int) -> int:
     """Tokens each sequence reaches: `spare` bytes beside the slots' KV at their starting `capacity`
-    (counted in the plan's decode slots) hold the slots' growth and a prefill's own buffer."""
+    (the plan's decode slots) hold the slots' growth and a prefill's own buffer; at least `capacity`."""
     in_slots = kv_bytes(fp.config, fp.dtype, capacity) * (slots + 1)
-    tokens = min(fp.config.max_position_embeddings, (spare + in_slots) // context_bytes(fp, slots))
-    return tokens // CONTEXT_STEP * CONTEXT_STEP
+    tokens = max(capacity, (spare + in_slots) // context_bytes(fp, slots))
+    return min(fp.config.max_position_embeddings, tokens) // CONTEXT_STEP * CONTEXT_STEP
 
 
 def smallest_budget(fp: Footprint, device: str, world: int = 1) -> int:

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from engine.offload import BudgetError
 from gateway.events import ErrorEvent, ErrorKind
 
 ErrorStyle = Literal["anthropic", "openai"]  # whose error JSON a path answers with
@@ -132,7 +133,12 @@ def typed(exc: BaseException) -> BaseException:
     """`exc` as one of the gateway's typed errors (answered by the handlers, never re-raised)."""
     if is_typed(exc):
         return exc
-    error = OutOfDeviceMemory() if isinstance(exc, torch.OutOfMemoryError) else InternalError(exc)
+    if isinstance(exc, torch.OutOfMemoryError):
+        error: GatewayError = OutOfDeviceMemory()
+    elif isinstance(exc, BudgetError):  # a forward the memory budget cannot hold, even with top_k experts a layer
+        error = OutOfDeviceMemory(f"{OUT_OF_DEVICE_MEMORY} ({exc})")
+    else:
+        error = InternalError(exc)
     error.__cause__ = exc
     return error
 

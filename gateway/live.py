@@ -57,6 +57,14 @@ class LiveSequences:
         if kept is not None:
             self.spill(kept)
 
+    def yield_memory(self) -> bool:
+        """Let one kept sequence go for a forward that needs its device memory (`Engine.relieve`):
+        the oldest unpinned, else the oldest pinned (a broken pin). False when none is kept."""
+        if not self._by_anchor:
+            return False
+        self.drop(self._victim(None, for_request=True))
+        return True
+
     def deepest(self, chain: Sequence[bytes], ends: Sequence[int], deeper_than: int = 0) -> int:
         """How many leading anchors of `chain` reach the deepest kept sequence at an anchor of
         `chain` past its first `deeper_than - 1`, at that anchor's end (0: none). Changes nothing."""
@@ -93,9 +101,9 @@ class LiveSequences:
     def __len__(self) -> int:
         return len(self._by_anchor)
 
-    def _victim(self, newest: bytes, for_request: bool) -> bytes:
+    def _victim(self, newest: bytes | None, for_request: bool) -> bytes:
         """The oldest unpinned sequence but `newest`; else, for a request, the oldest pinned one (a
-        broken pin); else `newest` itself."""
+        broken pin); else `newest` itself (None: there is always another)."""
         others = [a for a in self._by_anchor if a != newest]
         pinned = {a for a in others if self.pins is not None and self.pins.holds_live(a)}
         victim = next((a for a in others if a not in pinned), None)

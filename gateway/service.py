@@ -96,6 +96,7 @@ class Service:
         self.checkpoints = Checkpoints(self.engine, self.store, self.store_queue, self.live, self.metrics,
                                        self.config.policy, self.root, self.scheduler, self.retention)
         self.live.spill = self.checkpoints.spill  # a dropped sequence's state goes down to the store
+        self.engine.relieve = self.live.yield_memory  # under a budget, kept sequences yield to a forward
 
     @property
     def idle(self) -> bool:

@@ -9,6 +9,7 @@ from starlette.applications import Starlette
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from engine.offload import BudgetError
 from gateway.errors import (
     EXCEPTION_HANDLERS,
     BadRequest,
@@ -21,6 +22,7 @@ from gateway.errors import (
     error_body,
     error_event,
     status_of,
+    typed,
 )
 from tests.gateway.test_out_support import LoopbackServer, Script, make_app
 
@@ -81,6 +83,15 @@ def test_context_length_wording_per_client_family():
 
 def test_internal_errors_do_not_leak_their_message():
     assert "secret" not in error_body("openai", RuntimeError("secret"))["error"]["message"]
+
+
+def test_a_forward_the_memory_budget_cannot_hold_is_out_of_device_memory_with_its_numbers():
+    """A BudgetError in a step (the expert slots and the kept sequences could not make room) is a
+    retryable busy server naming the budget, not an internal error."""
+    exc = typed(BudgetError("--gpu-memory 8.000 GiB: a forward's 1.597 GiB leave room for 0 experts per layer"))
+    assert status_of("openai", exc) == 503
+    body = error_body("openai", exc)["error"]
+    assert body["code"] == "out_of_device_memory" and "--gpu-memory 8.000 GiB" in body["message"]
 
 
 def test_subclass_maps_like_its_base():

@@ -106,6 +106,21 @@ def test_beyond_the_limit_a_request_breaks_a_pin_a_precompute_does_not(engine):
     assert spilled[-1] == b
 
 
+def test_kept_sequences_yield_memory_to_a_forward_unpinned_first_then_a_broken_pin(engine):
+    """`LiveSequences.yield_memory` (the engine's `relieve` under a memory budget: a forward that the
+    expert slots cannot make room for takes the kept sequences' device memory, one at a time)."""
+    pins = Pins(PinConfig(), Clock())
+    spilled: list[bytes] = []
+    live = LiveSequences(4, pins, spill=lambda kept: spilled.append(kept.chain[-1]))
+    pinned, plain = chain("pinned"), chain("plain")
+    pins.pin(pinned, "pinned")
+    live.keep(pinned, [1, 2, 3], engine.new_state(), for_request=True)
+    live.keep(plain, [1, 2, 3], engine.new_state(), for_request=True)
+    assert live.yield_memory() and spilled == [plain[-1]] and pins.broken_live == 0  # the unpinned, though newer
+    assert live.yield_memory() and spilled == [plain[-1], pinned[-1]] and pins.broken_live == 1
+    assert not live.yield_memory() and len(live) == 0  # none kept: the forward's BudgetError stands
+
+
 def test_ft_serve_pin_ttl_max_sets_the_cap_and_0_turns_pins_off():
     assert config_from_args(serve_args()).pins == PinConfig()
     assert config_from_args(serve_args("--pin-ttl-max", "120")).pins.ttl_max_s == 120

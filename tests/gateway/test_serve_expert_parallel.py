@@ -94,7 +94,7 @@ def test_two_ranks_answer_as_one_process_and_stop_on_sigterm(single):
 def test_two_ranks_offloading_their_experts_answer_as_one_process(single):
     """Each rank keeps 2 of its 4 experts a layer on the device: rank 0 prints both plans before
     loading and offloads as its own says."""
-    proc, url = serve_process(["--preset", "tiny", "--ranks", "2", "--gpu-memory", repr(offload_gib(2))])
+    proc, url = serve_process(["--preset", "tiny", "--ranks", "2", "--gpu-memory", repr(offload_gib(2)), "--max-running", "4"])
     try:
         assert answers(url) == single
     finally:
