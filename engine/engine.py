@@ -150,7 +150,8 @@ class Engine:
     @property
     def max_context(self) -> int:
         """Tokens a sequence may reach: the model's context, or less where `EngineConfig.max_context` says."""
-        return min(self.config.max_position_embeddings, self.engine_config.max_context or self.config.max_position_embeddings)
+        model = self.config.max_position_embeddings
+        return min(model, self.engine_config.max_context or model)
 
     @property
     def step_tokens(self) -> int:
