@@ -118,14 +118,16 @@ def test_budget_below_the_dense_weights_stops_ft_serve(ft_home):
 
 
 def test_a_context_limit_refuses_longer_prompts_and_bounds_the_slots():
-    """`EngineConfig.max_context` (what a memory plan leaves room for, or --max-context): a prompt
-    past it is answered with the protocol's context-length error, not a failed step, and no decode
-    slot grows past it."""
+    """`EngineConfig.max_context` (what a memory plan leaves room for, or --max-context): /v1/models
+    reports it (`ft launch` hands it to the agent, which compacts before it), a prompt past it is
+    answered with the protocol's context-length error, not a failed step, and no decode slot grows
+    past it."""
     server = start_server(preset="tiny", policy="anchor", default_max_tokens=8, engine=EngineConfig(max_context=600))
     try:
         engine = server.runtime.engine
         assert engine.max_context == 600
         with server.client() as c:
+            assert c.get("/v1/models").json()["data"][0]["context_length"] == 600
             short = [{"role": "user", "content": "Say which file parses flags. " * 20}]
             r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": short, "temperature": 0})
             assert r.status_code == 200, r.text
