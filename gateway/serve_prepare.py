@@ -77,7 +77,11 @@ def memory_plan(args: argparse.Namespace) -> fit.MemoryPlan | fit.ParallelPlan |
         plan = fit.fit_ranks(model, given, devices, args.max_running, ram_cache_bytes=ram)
         plans = list(plan.ranks)
     args.max_running, args.ram_cache = plans[0].max_running, plans[0].ram_cache / GiB
-    args.max_context = args.max_context or min(p.context for p in plans)
+    room = min(p.context for p in plans)
+    if args.max_context is not None and args.max_context > room:
+        print(f"ft serve: --max-context {args.max_context:,} is past the {room:,} tokens the plan leaves room for: "
+              "a prompt that long may be answered out of device memory", flush=True)
+    args.max_context = args.max_context or room
     args.gpu_memory, args.rank_gpu_memory = plans[0].gpu_memory_gib, [p.gpu_memory_gib for p in plans]
     return plan
 

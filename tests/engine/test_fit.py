@@ -173,4 +173,8 @@ def test_the_plans_context_becomes_the_servers_limit(q4_k_m_index, capsys):
     assert engine_config_from_args(args).max_context == context
     args = serve_args("--model", str(q4_k_m_index), "--gpu-memory", "8", "--plan", "--max-context", "8192")
     assert prepare(args)
-    assert engine_config_from_args(args).max_context == 8192
+    assert engine_config_from_args(args).max_context == 8192 and "past the" not in capsys.readouterr().out
+    args = serve_args("--model", str(q4_k_m_index), "--gpu-memory", "8", "--plan", "--max-context", "65536")
+    assert prepare(args)
+    assert engine_config_from_args(args).max_context == 65536  # the user's choice, with a warning
+    assert f"--max-context 65,536 is past the {context:,} tokens the plan leaves room for" in capsys.readouterr().out
