@@ -23,7 +23,7 @@
 #       tests      pytest: the engine's GPU tests
 #       pressure   16 sessions of the committed traces at once (16 decoded together, 4 live), the RAM tier at 25, 50, 100% of the
 #                  working set ($PRESSURE_RAM): the store's order, LRU and Belady (bench/pressure.py)
-#       serve      `ft serve` of the random Q4_K_M 35B-A3B file with no memory option, then with --gpu-memory 8:
+#       serve      `ft serve` of the random Q4_K_M 35B-A3B file with no memory option, then with --gpu-memory 8 ($SERVE_MEMORY):
 #                  the printed plan (--plan, then the server's own), `ft ps` (memory by part, peak reserved)
 #                  after `ft replay` of a committed session through it
 #       compare    the e64 decode per batch and K = 1 and 4 sessions (ours; $MAX_REQUESTS of each, default 16) on .base/ and on this tree,
@@ -137,8 +137,10 @@ print(random_gguf('$P', PEER_HOME / 'models'))"
       step serve-gguf python3 -c "from peer.gguf_random import random_gguf; from peer.llama_server import PEER_HOME; \
 print(random_gguf('$P', PEER_HOME / 'models'))"
       gguf=$(tail -1 $O/serve-gguf.log)
-      step serve-default serve_replay "$gguf" $O/serve-default.json
-      step serve-8 serve_replay "$gguf" $O/serve-8.json --gpu-memory 8
+      for m in ${SERVE_MEMORY:-default 8}; do
+        if [ "$m" = default ]; then step serve-default serve_replay "$gguf" $O/serve-default.json
+        else step serve-$m serve_replay "$gguf" $O/serve-$m.json --gpu-memory $m; fi
+      done
       ;;
     pressure) step pressure python3 bench/pressure.py traces/sessions --preset $P-e64 --device cuda --sessions 16 \
       --turns 6 --ram ${PRESSURE_RAM:-0.25 0.5 1} --max-running 16 --json $O/pressure.json ;;
