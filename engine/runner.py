@@ -172,7 +172,7 @@ class Runner:
         longest = min(max(lengths, default=0) + self.headroom, self.max_context)
         if longest > self.capacity:
             owners = [(slot, self._owner(slot), self.used[slot]) for slot in range(self.slots)]
-            self._allocate(self.slots, min(bucket(longest), self.max_context))
+            self._allocate(self.slots, self._capacity_for(longest))
             for slot, state, used in owners:
                 if state is not None:
                     self._bind(slot, state)
@@ -276,8 +276,12 @@ class Runner:
         """Room for `sequences` at once of up to `length` tokens each: the buffers grow (slots to
         the next bucket, capacity to the next power of two, at most `max_context`) when they are too small."""
         if sequences > self.slots or length > self.capacity:
-            capacity = max(self.capacity, self.min_capacity, min(bucket(length), self.max_context), length)
+            capacity = max(self.capacity, self.min_capacity, self._capacity_for(length), length)
             self._allocate(max(self.slots, bucket(sequences)), capacity)
+
+    def _capacity_for(self, length: int) -> int:
+        """Slot capacity for `length` tokens: the next power of two, at most `max_context`."""
+        return min(bucket(length), self.max_context)
 
     def _allocate(self, slots: int, capacity: int) -> None:
         """Buffers for `slots` sequences (+ the scratch slot) of `capacity` tokens; every owner
