@@ -2,8 +2,8 @@
 or the routed experts offloaded with the largest expert cache that fits (`engine.offload`'s plan);
 decode slots and context from what remains; the checkpoint RAM tier from free host memory.
 
-The result gives `EngineConfig` its `max_running` and `gpu_memory_gib` and `ft serve` its RAM
-cache, and says what it chose and what it traded, part by part. A model that cannot fit is a
+The result fills `ft serve`'s open flags (`gateway/serve_prepare.py`): `EngineConfig`'s `max_running`,
+`max_context` and `gpu_memory_gib`, and the RAM cache; it says what it chose and what it traded, part by part. A model that cannot fit is a
 `FitError` naming the numbers and what would make it fit. Under expert parallel (`fit_ranks`) each
 GPU has a plan of its own: the dense weights and its share of the experts, resident or offloaded
 within its budget.
@@ -101,10 +101,6 @@ class MemoryPlan:
     def gpu_memory_gib(self) -> float | None:
         """`EngineConfig.gpu_memory_gib`: the budget when experts are offloaded or the user set one."""
         return None if self.resident and self.budget.source != "--gpu-memory" else self.budget.bytes / GiB
-
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(device=self.device, max_running=self.max_running, gpu_memory_gib=self.gpu_memory_gib,
-                            max_context=self.context, expert_parallel=self.parallel)
 
     def lines(self) -> list[str]:
         """The plan as `ft serve` prints it (under expert parallel, one GPU's: `ParallelPlan.lines`)."""
