@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 BACKGROUND_STEP_TOKENS = 1024  # tokens of a step of background work alone: bounds the wait of a new request
+OLDEST_SHARE = 4  # the oldest prefill is first given 1 / OLDEST_SHARE of each step's prefill budget
 # A prefill alone in its step runs on its slot in pieces of the largest bucket up to this many
 # tokens: a replay per piece beats one eager forward (its launches alone cost ~100 ms on a GPU)
 # up to a few thousand tokens. With several prefills in the step, one eager forward over all of
@@ -104,10 +105,12 @@ class Scheduler:
     def parts(self, feeds: Sequence[W], background: bool = False) -> list[tuple[W, int]]:
         """Every decode token, then prefill chunks within the token budget, the fewest remaining
         tokens first (the given order among equals): a tool result's few hundred tokens join the
-        next step beside another session's long prompt rather than wait for all of it, which
-        still gets the rest of every step's budget. A step with decode rows carries at most
-        `decode_step_prefill` prefill tokens, so decoding sequences get their tokens at a short
-        step's pace while long prompts prefill; `background` work runs in short steps, so a
+        next step beside another session's long prompt rather than wait for all of it. The first
+        prefill in the given order (the oldest: feeds come in admission order) is first given
+        `1 / OLDEST_SHARE` of the budget, so a stream of short prompts cannot starve a long one:
+        it prefills at least at that share of its own pace. A step with decode rows carries at
+        most `decode_step_prefill` prefill tokens, so decoding sequences get their tokens at a
+        short step's pace while long prompts prefill; `background` work runs in short steps, so a
         request that arrives waits little."""
         parts = [(feed, 1) for feed in feeds if not feed.is_prefill]
         budget = self.limits.step_tokens - len(parts)
@@ -115,12 +118,18 @@ class Scheduler:
             budget = min(budget, self.limits.decode_step_prefill)
         if background:
             budget = min(budget, self.limits.background_tokens)
-        for feed in sorted((f for f in feeds if f.is_prefill), key=lambda f: f.remaining):
-            if budget <= 0:
-                break
-            count = min(budget, feed.remaining)
-            parts.append((feed, count))
-            budget -= count
+        prefills = [f for f in feeds if f.is_prefill]
+        if not prefills or budget <= 0:
+            return parts
+        oldest = prefills[0]
+        kept = min(oldest.remaining, budget // OLDEST_SHARE)  # the oldest's share, taken first
+        budget -= kept
+        for feed in sorted(prefills, key=lambda f: f.remaining):
+            ahead = kept if feed is oldest else 0
+            count = ahead + min(budget, feed.remaining - ahead)
+            if count > 0:
+                parts.append((feed, count))
+                budget -= count - ahead
         return parts
 
     def plan(self, parts: Sequence[tuple[W, int]]) -> StepPlan:

@@ -171,7 +171,7 @@ class _Run:
             planned_at=planned, call_id=call_ids(protocol), session=session)
         drain.check()
         future = rt.scheduler.start(self.generation.steps(), self.cancel, lambda: self.generation.answered,
-                                    ready=self.generation.ready)
+                                    ready=self.generation.ready, prompt=plan.chain)
         future.add_done_callback(lambda f: emit(_Done(None if (e := f.exception()) is None else typed(e))))
         drain.add(self)
         self._watch = asyncio.create_task(self._watch_disconnect(request))

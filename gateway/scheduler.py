@@ -3,10 +3,12 @@
 A task is a generator that yields each `Feed` it needs run (a prompt's prefill, one decode token)
 and is resumed once that feed holds its result. Every step runs one batched forward: the decode
 token of every running task, then prefill chunks of the others, as the engine's scheduler plans
-them (`engine.scheduler`: the token budget, the fewest remaining tokens first), so a new request's
+them (`engine.scheduler`: the token budget, the fewest remaining tokens first after the oldest prefill's
+share), so a new request's
 prefill starts at the next step instead of after the other sessions' answers. Requests beyond `max_running` wait in a queue (`Overloaded` past `max_queue`);
 one whose client left before it started is dropped; one that is not `ready` (what it restores is still
-on its way into the store) lets those behind it go first, so no wait of its blocks the worker.
+on its way into the store), or whose prompt extends an answer whose end is still being checkpointed, lets
+those behind it go first, so no wait of its blocks the worker or another session.
 Background tasks (precompute) run only in steps with no live work. Plain jobs (`submit`) run alone
 between steps. With no live work, the worker first grows the engine's buffers ahead of need
 (`Engine.grow_ahead`, one bounded piece at a time, before background steps), so that a request
@@ -22,7 +24,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -41,8 +43,9 @@ Steps = Generator[Feed, None, Any]
 class Task:
     def __init__(self, steps: Steps, cancel: threading.Event | None = None,
                  finishing: Callable[[], bool] = lambda: False, queued_at: int = 0,
-                 ready: Callable[[], bool] = lambda: True):
+                 ready: Callable[[], bool] = lambda: True, prompt: Sequence[bytes] = ()):
         self.steps, self.cancel, self.finishing, self.ready = steps, cancel, finishing, ready
+        self.prompt = tuple(prompt)  # its prompt's anchors, chained: one names the prefix up to it
         self.future: Future = Future()
         self.feed: Feed | None = None
         self.queued_at = queued_at  # the scheduler's step count when it was queued
@@ -64,6 +67,12 @@ class Task:
             self.future.set_exception(exc)
         self.feed = None
         return False
+
+    def extends(self, other: Task) -> bool:
+        """Whether this task's prompt continues `other`'s: it holds every anchor of `other`'s prompt
+        but the last (the newest segment, which the next turn may render anew)."""
+        done = other.prompt[:-1]
+        return bool(done) and self.prompt[len(done) - 1:len(done)] == done[-1:]
 
     def drop(self) -> None:
         self.steps.close()
@@ -96,15 +105,17 @@ class Scheduler:
     # -- what the gateway asks of it (any thread)
 
     def start(self, steps: Steps, cancel: threading.Event | None = None,
-              finishing: Callable[[], bool] = lambda: False, ready: Callable[[], bool] = lambda: True) -> Future:
-        """Queue a live task; its future resolves with the generator's return value. While a
-        running task is `finishing` (its answer sent, its end being checkpointed: one step), no
-        task is admitted, so a request that extends that answer finds it checkpointed. A task is
-        admitted only once `ready` (asked on the worker thread) says its first step will not wait."""
+              finishing: Callable[[], bool] = lambda: False, ready: Callable[[], bool] = lambda: True,
+              prompt: Sequence[bytes] = ()) -> Future:
+        """Queue a live task; its future resolves with the generator's return value. `prompt`: the
+        anchors of its prompt, chained. While a running task is `finishing` (its answer sent, its
+        end being checkpointed: a step or a few), a task whose prompt extends that one's waits, so
+        that it finds the answer's end checkpointed; the others go on. A task is admitted only once
+        `ready` (asked on the worker thread) says its first step will not wait."""
         with self._wake:
             if len(self._waiting) >= self.max_queue:
                 raise Overloaded(f"{len(self._waiting)} requests already wait; retry shortly")
-            task = Task(steps, cancel, finishing, queued_at=self.steps_total, ready=ready)
+            task = Task(steps, cancel, finishing, queued_at=self.steps_total, ready=ready, prompt=prompt)
             self._waiting.append(task)
             self._wake.notify()
         return task.future
@@ -213,15 +224,14 @@ class Scheduler:
                     future.set_exception(exc)
 
     def _admit(self) -> None:
-        if any(t.finishing() for t in self._running):
-            return
+        finishing = [t for t in self._running if t.finishing()]
         with self._wake:
             waiting = list(self._waiting)
         for task in waiting:
             if len(self._running) >= self.max_running:
                 break
-            if not (task.cancelled or task.ready()):
-                continue  # what it restores is still being stored: the tasks behind it go first
+            if not task.cancelled and (any(task.extends(t) for t in finishing) or not task.ready()):
+                continue  # its previous answer's end, or what it restores, is still being stored: the tasks behind it go first
             with self._wake:
                 self._waiting.remove(task)
             self.queue_steps.observe(self.steps_total - task.queued_at)

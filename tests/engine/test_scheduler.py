@@ -28,10 +28,29 @@ def counts(parts) -> list[int]:
 
 
 def test_decode_tokens_first_then_the_fewest_remaining_tokens_within_the_budget():
-    long, short, mid, d = Need(100), Need(3), Need(10), decode()
-    parts = Scheduler(Limits(step_tokens=16)).parts([long, d, short, mid])
+    short, mid, long, d = Need(3), Need(10), Need(100), decode()
+    parts = Scheduler(Limits(step_tokens=16)).parts([short, d, long, mid])
     assert [feed for feed, _ in parts] == [d, short, mid, long]
     assert counts(parts) == [1, 3, 10, 2]  # 16 tokens: the decode row takes one of them
+
+
+def test_the_oldest_prefill_keeps_its_share_of_the_budget_beside_shorter_ones():
+    long, short, mid = Need(100), Need(3), Need(10)
+    parts = Scheduler(Limits(step_tokens=16)).parts([long, short, mid])  # `long` was admitted first
+    assert [feed for feed, _ in parts] == [short, mid, long]
+    assert counts(parts) == [3, 9, 4]  # a quarter of the budget is the oldest's; the shortest first in the rest
+    alone = Scheduler(Limits(step_tokens=16)).parts([Need(5), Need(100)])
+    assert counts(alone) == [5, 11]  # a share it does not need goes to the others
+
+
+def test_a_long_prompt_finishes_while_short_ones_keep_arriving():
+    scheduler, long, steps = Scheduler(Limits(step_tokens=16)), Need(100), 0
+    while long.remaining:
+        feeds = [long, Need(4), Need(6), Need(12)]  # a fresh wave of short prompts every step
+        for feed, count in scheduler.parts(feeds):
+            feed.remaining -= count
+        steps += 1
+    assert steps <= 100 // (16 // 4) + 1
 
 
 def test_a_step_with_decode_rows_carries_at_most_decode_step_prefill_tokens():
