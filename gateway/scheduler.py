@@ -3,9 +3,9 @@
 A task is a generator that yields each `Feed` it needs run (a prompt's prefill, one decode token)
 and is resumed once that feed holds its result. Every step runs one batched forward: the decode
 token of every running task, then prefill chunks of the others, as the engine's scheduler plans
-them (`engine.scheduler`: the token budget, the fewest remaining tokens first after the oldest prefill's
-share), so a new request's
-prefill starts at the next step instead of after the other sessions' answers. Requests beyond `max_running` wait in a queue (`Overloaded` past `max_queue`);
+them (`engine.scheduler`: the token budget, the oldest prefill's share, then the fewest remaining
+tokens first), so a new request's prefill starts at the next step instead of after the other
+sessions' answers. Requests beyond `max_running` wait in a queue (`Overloaded` past `max_queue`);
 one whose client left before it started is dropped; one that is not `ready` (what it restores is still
 on its way into the store), or whose prompt extends an answer whose end is still being checkpointed, lets
 those behind it go first, so no wait of its blocks the worker or another session.
