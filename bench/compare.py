@@ -1,5 +1,6 @@
-"""Two trees' figures side by side: the decode per batch (`bench/gpu.py --only decode,batched` JSON) and
-the K sessions at once (`bench/llamacpp.py --sessions` JSON), each as this tree against a base tree.
+"""Two trees' figures side by side: the prefill and the decode per batch (`bench/gpu.py --only
+prefill,decode,batched` JSON) and the K sessions at once (`bench/llamacpp.py --sessions` JSON), each as
+this tree against a base tree.
 
     python bench/compare.py --decode BASE.json CURRENT.json --sessions BASE.json CURRENT.json [--json OUT]
 
@@ -20,9 +21,11 @@ SESSION_FIELDS = ("p50_ttft_ms", "p95_ttft_ms", "worst_ttft_after_tool_ms", "wal
 
 
 def decode_rows(path: Path) -> dict[str, float]:
-    """Milliseconds a decode step per batch size, keyed `batch N`."""
+    """Milliseconds a prefill of a fresh sequence per context, keyed `prefill N`, and a decode step per
+    batch size, keyed `batch N` (what the JSON holds of each)."""
     data = json.loads(path.read_text())
-    return {f"batch {r['batch']}": r["ms_per_step"] for r in data.get("batched_decode", [])}
+    prefill = {f"prefill {r['context']}": r["seconds"] * 1e3 for r in data.get("prefill", [])}
+    return {**prefill, **{f"batch {r['batch']}": r["ms_per_step"] for r in data.get("batched_decode", [])}}
 
 
 def session_rows(path: Path) -> dict[str, float]:
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = {}
     if args.decode:
-        out["decode_ms_per_step"] = side_by_side("decode, ms a step", *map(decode_rows, args.decode))
+        out["decode_ms_per_step"] = side_by_side("prefill and decode, ms", *map(decode_rows, args.decode))
     if args.sessions:
         out["sessions"] = side_by_side("K sessions at once", *map(session_rows, args.sessions))
     if args.json:

@@ -26,7 +26,7 @@
 #       serve      `ft serve` of the random Q4_K_M 35B-A3B file with no memory option, then with --gpu-memory 8 ($SERVE_MEMORY):
 #                  the printed plan (--plan, then the server's own), `ft ps` (memory by part, peak reserved)
 #                  after `ft replay` of a committed session through it
-#       compare    the e64 decode per batch and K = 1 and 4 sessions (ours; $MAX_REQUESTS of each, default 16) on .base/ and on this tree,
+#       compare    the e64 prefill, decode per batch and K = 1 and 4 sessions (ours, slow steps logged; $MAX_REQUESTS of each, default 16) on .base/ and on this tree,
 #                  alternating, then both side by side (bench/compare.py); compare-sessions: the sessions alone
 #   bash bench/h200_session.sh poll SECONDS      # wait until done or SECONDS pass; the logs and JSON as $OUT/out.tgz
 #   bash bench/h200_session.sh prepare [COMMIT]  # here, before the lease (above)
@@ -46,17 +46,21 @@ step() { # NAME COMMAND...: the command's output in NAME.log, its status in step
   "$@" >$W/out/$name.log 2>&1
   log "$name rc=$?"
 }
-decode() { # TREE JSON: the e64 decode per batch size with TREE's engine and bench, run from TREE
-  (cd "$1" && PYTHONPATH=/tmp/site:$PWD python3 bench/gpu.py --preset $P-e64 --only decode,batched --decode 8192 --json "$2")
+decode() { # TREE JSON: the e64 prefill (up to the longest first prompt of $T) and decode per batch size
+  # with TREE's engine and bench, run from TREE
+  (cd "$1" && PYTHONPATH=/tmp/site:$PWD python3 bench/gpu.py --preset $P-e64 --only prefill,decode,batched \
+    --contexts 2048,8192,11433 --decode 8192 --json "$2")
 }
 sessions_ft() { # TREE JSON: K = 1 and 4 sessions, ours alone, with TREE's server and bench, run from TREE
   # (`python -m ft` puts the working directory first on sys.path: the server must start from TREE)
   local traces=
   for t in $TRACES; do traces="$traces $W/repo/$t"; done
   # shellcheck disable=SC2086 # a list of paths
+  # the server logs every step slower than $STEP_LOG_MS (default 50) ms, copied beside the JSON
   (cd "$1" && PYTHONPATH=/tmp/site:$PWD python3 bench/llamacpp.py --preset $P-e64 --device cuda --dtype bf16 \
-    --only ft --ft-arg=--ram-cache=48 --sessions 1,4 --parallel 4 --max-requests ${MAX_REQUESTS:-16} --out "$2" $traces \
-    || { tail -40 .peer/ft-serve.log; exit 1; })
+    --only ft --ft-arg=--ram-cache=48 --ft-arg=--step-log=${STEP_LOG_MS:-50} --ft-arg=--log-level=info --sessions 1,4 --parallel 4 \
+    --max-requests ${MAX_REQUESTS:-16} --out "$2" $traces || { tail -40 .peer/ft-serve.log; exit 1; }
+    cp .peer/ft-serve.log "${2%.json}.serve.log")
 }
 
 serve_replay() { # GGUF JSON [SERVE OPTION...]: the plan, then ft serve, ft replay of a committed session, ft ps
