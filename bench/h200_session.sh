@@ -27,7 +27,8 @@
 #                  the printed plan (--plan, then the server's own), `ft ps` (memory by part, peak reserved)
 #                  after `ft replay` of a committed session through it
 #       compare    the e64 prefill, decode per batch and K = 1 and 4 sessions (ours, slow steps logged; $MAX_REQUESTS of each, default 16) on .base/ and on this tree,
-#                  alternating, then both side by side (bench/compare.py); compare-sessions: the sessions alone
+#                  alternating (the sessions twice: base, this tree, this tree, base), then the first of each side by side
+#                  (bench/compare.py); compare-sessions: the sessions alone
 #   bash bench/h200_session.sh poll SECONDS      # wait until done or SECONDS pass; the logs and JSON as $OUT/out.tgz
 #   bash bench/h200_session.sh prepare [COMMIT]  # here, before the lease (above)
 set -uo pipefail
@@ -156,8 +157,11 @@ print(random_gguf('$P', PEER_HOME / 'models'))"
         step base-decode decode .base $O/base-decode.json
         step current-decode decode . $O/current-decode.json
       fi
+      # twice, in the order base, this tree, this tree, base: neither tree always runs first
       step base-sessions sessions_ft .base $O/base-sessions.json
       step current-sessions sessions_ft . $O/current-sessions.json
+      step current-sessions-2 sessions_ft . $O/current-sessions-2.json
+      step base-sessions-2 sessions_ft .base $O/base-sessions-2.json
       [ $s = compare-sessions ] || step compare python3 bench/compare.py --decode $O/base-decode.json \
         $O/current-decode.json --sessions $O/base-sessions.json $O/current-sessions.json --json $O/compare.json
       ;;
