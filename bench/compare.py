@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = {}
     if args.decode:
-        out["decode_ms_per_step"] = side_by_side("prefill and decode, ms", *map(decode_rows, args.decode))
+        out["prefill_decode_ms"] = side_by_side("prefill and decode, ms", *map(decode_rows, args.decode))
     if args.sessions:
         out["sessions"] = side_by_side("K sessions at once", *map(session_rows, args.sessions))
     if args.json:

@@ -59,7 +59,7 @@ sessions_ft() { # TREE JSON: K = 1 and 4 sessions, ours alone, with TREE's serve
   # shellcheck disable=SC2086 # a list of paths
   # the server logs every step slower than $STEP_LOG_MS (default 50) ms, copied beside the JSON
   (cd "$1" && PYTHONPATH=/tmp/site:$PWD python3 bench/llamacpp.py --preset $P-e64 --device cuda --dtype bf16 \
-    --only ft --ft-arg=--ram-cache=48 --ft-arg=--step-log=${STEP_LOG_MS:-50} --ft-arg=--log-level=info --sessions 1,4 --parallel 4 \
+    --only ft --ft-arg=--ram-cache=48 --ft-arg=--step-log=${STEP_LOG_MS:-50} --ft-arg=--log-level=info --sessions=1,4 --parallel 4 \
     --max-requests ${MAX_REQUESTS:-16} --out "$2" $traces || { tail -40 .peer/ft-serve.log; exit 1; }
     cp .peer/ft-serve.log "${2%.json}.serve.log")
 }

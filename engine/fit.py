@@ -3,10 +3,10 @@ or the routed experts offloaded with the largest expert cache that fits (`engine
 decode slots and context from what remains; the checkpoint RAM tier from free host memory.
 
 The result fills `ft serve`'s open flags (`gateway/serve_prepare.py`): `EngineConfig`'s `max_running`,
-`max_context` and `gpu_memory_gib`, and the RAM cache; it says what it chose and what it traded, part by part. A model that cannot fit is a
-`FitError` naming the numbers and what would make it fit. Under expert parallel (`fit_ranks`) each
-GPU has a plan of its own: the dense weights and its share of the experts, resident or offloaded
-within its budget.
+`max_context` and `gpu_memory_gib`, and the RAM cache; it says what it chose and what it traded, part
+by part. A model that cannot fit is a `FitError` naming the numbers and what would make it fit. Under
+expert parallel (`fit_ranks`) each GPU has a plan of its own: the dense weights and its share of the
+experts, resident or offloaded within its budget.
 """
 
 from __future__ import annotations

@@ -231,7 +231,7 @@ class Scheduler:
             if len(self._running) >= self.max_running:
                 break
             if not task.cancelled and (any(task.extends(t) for t in finishing) or not task.ready()):
-                continue  # its previous answer's end, or what it restores, is still being stored: the tasks behind it go first
+                continue  # the end of the answer it continues, or what it restores, is still being stored: those behind it go first
             with self._wake:
                 self._waiting.remove(task)
             self.queue_steps.observe(self.steps_total - task.queued_at)
